@@ -1,0 +1,1 @@
+"""Model: one transformer file, HF checkpoint I/O, tokenizer, tiny checkpoints."""

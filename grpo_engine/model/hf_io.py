@@ -1,0 +1,321 @@
+"""Hugging Face checkpoint directory <-> `Transformer`.
+
+Reads config.json as written by transformers 4.x (top-level `rope_theta` / `rope_scaling`) and 5.x
+(`rope_parameters`), loads single-file or sharded safetensors through ONE explicit name table
+(`hf_name_table`), refuses missing / unexpected / mis-shaped tensors by name, and saves a directory that
+transformers' AutoModelForCausalLM and vLLM load: config.json, generation_config.json, safetensors
+(sharded with an index when large) and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .transformer import ModelConfig, Transformer
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or tensor and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: is this a Hugging Face model directory?") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or re-save the checkpoint") from e
+
+
+def _rope_fields(raw: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the 4.x or the 5.x layout of config.json."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
+        params = params["full_attention"]
+    if params:
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        return float(theta), scaling
+    return float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling") or None
+
+
+def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
+    """Map an HF config dict onto ModelConfig, rejecting what this engine does not implement."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    unsupported = []
+    if raw.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={raw['hidden_act']!r} (only silu)")
+    if raw.get("use_sliding_window"):
+        unsupported.append("use_sliding_window=true")
+    if raw.get("mlp_bias"):
+        unsupported.append("mlp_bias=true")
+    if model_type == "llama" and raw.get("attention_bias"):
+        unsupported.append("attention_bias=true for llama (bias on o_proj)")
+    theta, scaling = _rope_fields(raw)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        unsupported.append(f"rope type {kind!r} (supported: default, linear, llama3)")
+    if unsupported:
+        raise CheckpointError(f"{source}: unsupported feature(s): {'; '.join(unsupported)}")
+    try:
+        return ModelConfig(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            head_dim=raw.get("head_dim") or 0,
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+            extra=raw,
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing") from None
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The config.json we write: the original fields, with ours on top, in the 4.x rope layout
+    (transformers 5.x and vLLM read it too)."""
+    raw = {k: v for k, v in cfg.extra.items() if k not in ("rope_parameters", "rope_scaling", "torch_dtype")}
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+    raw.update(
+        architectures=[arch[cfg.model_type]],
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        hidden_act="silu",
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    if cfg.model_type != "qwen2":
+        raw["attention_bias"] = cfg.attention_bias
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------------
+# The name table
+
+
+def hf_name_table(cfg: ModelConfig) -> dict[str, str]:
+    """Our parameter name -> the tensor name in HF checkpoints. Every load and save goes through this."""
+    table = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        table["lm_head.weight"] = "lm_head.weight"
+    per_layer = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        "attn.o_proj.weight": "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+        "mlp.up_proj.weight": "mlp.up_proj.weight",
+        "mlp.down_proj.weight": "mlp.down_proj.weight",
+    }
+    for p in ("q", "k", "v"):
+        per_layer[f"attn.{p}_proj.weight"] = f"self_attn.{p}_proj.weight"
+        if cfg.attention_bias:
+            per_layer[f"attn.{p}_proj.bias"] = f"self_attn.{p}_proj.bias"
+    if cfg.qk_norm:
+        per_layer["attn.q_norm.weight"] = "self_attn.q_norm.weight"
+        per_layer["attn.k_norm.weight"] = "self_attn.k_norm.weight"
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in per_layer.items():
+            table[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _tensor_files(path: Path) -> dict[str, list[str]]:
+    """Safetensors file name -> the tensor names it holds (from the index when sharded)."""
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'; re-save the checkpoint")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        for file in files:
+            if not (path / file).exists():
+                raise CheckpointError(f"{path / file} is listed in {INDEX_FILE} but missing; re-download it")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return {single.name: []}  # names read from the file itself
+    hint = " (pytorch_model.bin is not supported: convert to safetensors)" if any(path.glob("*.bin")) else ""
+    raise CheckpointError(f"{path}: no model.safetensors or {INDEX_FILE} found{hint}")
+
+
+def _read_tensors(path: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, by HF name, cast to dtype on the target device."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file, expected in _tensor_files(path).items():
+        try:
+            with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+                names = list(f.keys())
+                missing = sorted(set(expected) - set(names))
+                if missing:
+                    raise CheckpointError(f"{path / file}: index lists {missing[:5]} but the file lacks them")
+                for name in names:
+                    t = f.get_tensor(name)
+                    tensors[name] = t.to(dtype) if t.is_floating_point() else t
+        except SafetensorError as e:
+            raise CheckpointError(
+                f"{path / file} is not a readable safetensors file ({e}); it may be truncated: re-download it"
+            ) from e
+    return tensors
+
+
+def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Fill every parameter of `model` from HF-named tensors, strictly, through the name table."""
+    cfg = model.config
+    table = hf_name_table(cfg)
+    wanted = set(table.values())
+    present = set(tensors)
+    if cfg.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints carry a redundant copy
+    unexpected, missing = sorted(present - wanted), sorted(wanted - present)
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:8]}{' …' if len(missing) > 8 else ''}")
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: unexpected tensor(s) {unexpected[:8]}{' …' if len(unexpected) > 8 else ''} "
+            f"(does config.json match the weights?)"
+        )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    state = {}
+    for ours, theirs in table.items():
+        t, want = tensors[theirs], tuple(params[ours].shape)
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{source}: tensor {theirs} has shape {tuple(t.shape)}, config implies {want}")
+        state[ours] = t
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Load an HF checkpoint directory. Built on the meta device, so weights are allocated once."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
+    tensors = _read_tensors(path, dtype, device)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_state_dict_hf(model, tensors, source=str(path))
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Model weights under their HF names (contiguous, on CPU), ready for safetensors."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {theirs: params[ours].detach().cpu().contiguous() for ours, theirs in hf_name_table(model.config).items()}
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def save_model(
+    model: Transformer,
+    out_dir: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    generation_config: dict | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> Path:
+    """Write `model` as an HF checkpoint directory (config, weights, generation config, tokenizer files)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = hf_state_dict(model)
+    dtype = next(iter(state.values())).dtype
+    shards = _shards(state, max_shard_bytes)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata=meta)
+            weight_map.update(dict.fromkeys(shard, name))
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype), indent=2))
+    gen = generation_config
+    if gen is None and tokenizer_dir is not None and (Path(tokenizer_dir) / "generation_config.json").exists():
+        gen = read_json(Path(tokenizer_dir) / "generation_config.json")
+    if gen is not None:
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)

@@ -1,0 +1,151 @@
+"""Write tiny random checkpoints in real Hugging Face layout, with no transformers needed.
+
+Used by the tests (parity against transformers, loader errors), the CPU demo and the benchmarks. The
+tokenizer is byte-level with no merges — one token per byte, so every string round-trips — plus the
+special tokens of a Qwen-style (ChatML) or Llama-3-style chat format and a chat template written here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from .hf_io import save_model
+from .transformer import ModelConfig, Transformer
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+CHAT_STYLES = {
+    # style: (special tokens, bos, eos, pad, template)
+    "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
+    "llama3": (
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        LLAMA3_TEMPLATE,
+    ),
+}
+
+ARCHS = {
+    # model_type and the config fields that distinguish each family
+    "qwen2": dict(model_type="qwen2", attention_bias=True),
+    "qwen2-tied": dict(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "llama3": dict(
+        model_type="llama",
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def byte_unicode_map() -> dict[int, str]:
+    """GPT-2 byte -> printable unicode character map, as used by the ByteLevel pre-tokenizer."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def write_byte_tokenizer(out_dir: str | Path, style: str = "chatml", max_length: int = 2048) -> int:
+    """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocabulary size."""
+    specials, bos, eos, pad, template = CHAT_STYLES[style]
+    vocab = {ch: b for b, ch in byte_unicode_map().items()}  # byte value = token id
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def tiny_config(arch: str = "qwen2", **overrides) -> ModelConfig:
+    """A small ModelConfig of the given family; overrides replace any field."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(ARCHS)}")
+    fields = dict(
+        vocab_size=272,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    fields.update(ARCHS[arch])
+    if arch == "qwen3":
+        fields["head_dim"] = 32  # explicit and != hidden / heads, as in real Qwen3
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def init_weights(model: Transformer, seed: int, std: float = 0.02) -> None:
+    """Normal(0, std) matrices, small random biases and norm weights near 1 (so each is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path, arch: str = "qwen2", *, seed: int = 0, chat_style: str | None = None, **overrides
+) -> Path:
+    """Write a random-weight checkpoint of `arch` plus a byte-level tokenizer into out_dir."""
+    out = Path(out_dir)
+    style = chat_style or ("llama3" if arch.startswith("llama") else "chatml")
+    n_tok = write_byte_tokenizer(out, style)
+    cfg = tiny_config(arch, **overrides)
+    if cfg.vocab_size < n_tok:
+        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
+    model = Transformer(cfg)
+    init_weights(model, seed)
+    specials, bos, eos, pad, _ = CHAT_STYLES[style]
+    ids = {s: 256 + i for i, s in enumerate(specials)}
+    cfg.extra = {"bos_token_id": ids.get(bos), "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
+    gen = {"bos_token_id": ids.get(bos), "eos_token_id": [ids[eos], ids[pad]], "pad_token_id": ids[pad]}
+    save_model(model, out, generation_config=gen)
+    return out

@@ -1,0 +1,271 @@
+"""THE model file: a decoder-only transformer covering Qwen2 / Qwen2.5, Qwen3 and Llama 3.x.
+
+The architectures differ only by `ModelConfig` fields (q/k/v bias, q/k RMSNorm, explicit head_dim,
+rope scaling, tied embeddings), never by subclasses. Attention goes through
+`F.scaled_dot_product_attention`. The same `forward` serves three callers:
+
+* training / scoring: no cache, causal attention, optionally `return_hidden=True` so that rl/logprobs.py
+  can compute log-probs chunk by chunk without materialising [tokens, vocab] logits;
+* rollout prefill and decode: a `KVCacheLike` object (see rollout/kv_cache.py) holding preallocated
+  key/value tensors; new keys/values are written at `cache.start`, and a key-padding mask covers all slots;
+* parity tests: HF-style `attention_mask` [B, T] for left- or right-padded batches.
+
+This file imports nothing from training code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters; field names follow HF config.json where one exists."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads (Qwen3 gives it explicitly)
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    model_type: str = "qwen2"  # written back into config.json on save
+    extra: dict = field(default_factory=dict)  # other config.json fields, preserved on save
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+
+class KVCacheLike(Protocol):
+    """What the model needs from a cache: per-layer key/value buffers and the write offset."""
+
+    k: list[torch.Tensor]  # per layer [B, H_kv, S_max, D]
+    v: list[torch.Tensor]  # per layer [B, H_kv, S_max, D]
+    start: int  # slot where this forward's first token is written
+
+
+# ----------------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [D/2] in fp32, with the config's rope scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [B, T] -> cos, sin [B, 1, T, D] (computed in fp32, cast like HF does)."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; rotate-half convention of the HF checkpoints."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the HF reference does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            end = cache.start + T
+            cache.k[layer][:, :, cache.start : end] = k
+            cache.v[layer][:, :, cache.start : end] = v
+            k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]  # [B, Hkv, S, D]
+        gqa = self.n_kv != self.n_heads
+        if mask is None:  # plain causal self-attention over the T tokens
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    """Embedding -> N blocks -> final RMSNorm -> LM head (tied to the embedding when configured).
+
+    `checkpoint_every` > 0 recomputes the activations of every k-th block in backward (set by
+    train/memory.py); it only acts in training mode with gradients enabled.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.checkpoint_every = 0
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head (call again after loading with assign=True)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cache: KVCacheLike | None = None,
+        positions: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or final hidden states [B, T, hidden]).
+
+        attention_mask: key-padding mask, 1 for real tokens. Without a cache it is [B, T]; with a cache it
+        covers every slot written so far including this call's, [B, cache.start + T]. None means all
+        tokens are real: plain causal attention. Positions default to the count of real tokens before
+        each one, so left padding gives the same positions as no padding.
+        """
+        B, T = input_ids.shape
+        start = cache.start if cache is not None else 0
+        mask = None
+        if attention_mask is not None:
+            mask, derived = self._attention_mask(attention_mask.bool(), start, T)
+            positions = derived if positions is None else positions
+        elif cache is not None and start > 0:
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=input_ids.device).tril(start)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        x = self.embed(input_ids)  # [B, T, hidden]
+        cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
+        for i, block in enumerate(self.layers):
+            if self._checkpointed(i):
+                x = checkpoint(block, x, cos, sin, mask, cache, i, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.start = start + T
+        x = self.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    def _checkpointed(self, i: int) -> bool:
+        k = self.checkpoint_every
+        return k > 0 and self.training and torch.is_grad_enabled() and i % k == 0
+
+    @staticmethod
+    def _attention_mask(key_mask: torch.Tensor, start: int, T: int):
+        """key_mask [B, S] (S = start + T) -> SDPA bool mask [B, 1, T, S] and positions [B, T].
+
+        Query i sits in slot start + i and sees valid slots j <= start + i. It always sees its own slot,
+        so a padding query still has one finite score (its output is garbage and ignored).
+        """
+        S = key_mask.shape[1]
+        if S != start + T:
+            raise ValueError(f"attention_mask covers {S} slots, expected cache.start + T = {start + T}")
+        slots = torch.arange(S, device=key_mask.device)
+        q_slots = slots[start:, None]  # [T, 1]
+        causal = slots[None, :] <= q_slots  # [T, S]
+        mask = (key_mask[:, None, :] & causal) | (slots[None, :] == q_slots)  # [B, T, S]
+        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
+        return mask[:, None], positions
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
