@@ -1,0 +1,1 @@
+"""Evaluation: pass@k, maj@k, format rate, lengths."""

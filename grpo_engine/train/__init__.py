@@ -1,0 +1,1 @@
+"""Training: the loop and what it composes (batching, memory, optimizers, reference, checkpoints)."""

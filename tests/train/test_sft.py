@@ -1,0 +1,43 @@
+"""Supervised warm start: the loss counts only completion tokens, and training fits a tiny dataset."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from grpo_engine import load_model
+from grpo_engine.train.sft import SFTConfig, lr_at, make_sft_batch, sft_loss, train_sft
+
+
+def test_batch_masks_only_completion_targets():
+    batch = make_sft_batch([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])], pad_id=0, device="cpu")
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    # position t predicts token t+1: row 0 targets 4, 5 (t = 2, 3); row 1 targets 7, 8, 9 (t = 0, 1, 2)
+    assert batch.loss_mask.tolist() == [[False, False, True, True], [True, True, True, False]]
+
+
+def test_loss_equals_manual_cross_entropy(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    batch = make_sft_batch([([10, 11, 12], [13, 14]), ([20], [21, 22, 23])], pad_id=0, device="cpu")
+    with torch.no_grad():
+        logits = model(batch.input_ids)  # [2, 5, V]
+        terms = [F.log_softmax(logits[0, t], -1)[batch.input_ids[0, t + 1]] for t in (2, 3)]
+        terms += [F.log_softmax(logits[1, t], -1)[batch.input_ids[1, t + 1]] for t in (0, 1, 2)]
+        expected = -torch.stack(terms).mean()
+        assert abs(sft_loss(model, batch).item() - expected.item()) < 1e-5
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = SFTConfig(steps=110, lr=1.0, warmup_steps=10)
+    assert lr_at(0, cfg) == 0.1 and lr_at(9, cfg) == 1.0
+    assert abs(lr_at(60, cfg) - 0.5) < 1e-6  # halfway through the cosine
+    assert lr_at(109, cfg) < 1e-3
+
+
+def test_memorises_a_tiny_dataset(tiny_ckpt):
+    torch.manual_seed(0)
+    model = load_model(tiny_ckpt)
+    pairs = [([65 + i, 61], [48 + i, 258]) for i in range(4)]  # "A=" -> "0<|im_end|>", ...
+    losses = train_sft(model, pairs, SFTConfig(steps=60, batch_size=4, lr=1e-2, warmup_steps=5), pad_id=256)
+    assert losses[0] > math.log(272) * 0.8  # starts near uniform over the vocabulary
+    assert losses[-1] < 0.05
