@@ -43,7 +43,7 @@ def make_sft_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int, device
     T = max(len(r) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T - 1, dtype=torch.bool)
-    for i, ((p, c), r) in enumerate(zip(pairs, rows)):
+    for i, ((p, _), r) in enumerate(zip(pairs, rows)):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, len(p) - 1 : len(r) - 1] = True
     return SFTBatch(ids.to(device), mask.to(device))
