@@ -1,0 +1,40 @@
+"""Overlong handling (DAPO) and dynamic-sampling group selection."""
+
+import pytest
+import torch
+
+from grpo_engine.rl.group_filter import informative_groups, select_groups, take_groups
+from grpo_engine.rl.overlong import overlong_keep_mask, soft_overlong_penalty
+
+
+def test_soft_overlong_penalty_hand_computed():
+    # L_max = 20, L_cache = 4: no penalty up to 16, then -(L - 16) / 4, and -1 past 20
+    lengths = torch.tensor([0, 10, 16, 17, 18, 20, 21, 100])
+    expect = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0])
+    torch.testing.assert_close(soft_overlong_penalty(lengths, max_len=20, cache_len=4), expect)
+    with pytest.raises(ValueError, match="cache_len"):
+        soft_overlong_penalty(lengths, max_len=20, cache_len=0)
+
+
+def test_overlong_keep_mask():
+    assert overlong_keep_mask(["stop", "length", "stop"]).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="finish_reason"):
+        overlong_keep_mask(["eos"])
+
+
+def test_informative_groups():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [float("nan"), 1.0, 1.0], [float("nan"), 0.0, 1.0]])
+    assert informative_groups(r).tolist() == [False, True, False, True]
+    assert informative_groups(torch.tensor([[0.0, 0.05]]), tol=0.1).tolist() == [False]
+
+
+def test_select_until_target_and_take():
+    round0 = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # only group 1 informative
+    round1 = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 1.0]])  # groups 0 and 2 informative
+    sel = select_groups([round0], target_groups=2)
+    assert sel.keep == [(0, 1)] and not sel.done and sel.num_dropped == 2
+    sel = select_groups([round0, round1], target_groups=2)
+    assert sel.keep == [(0, 1), (1, 0)] and sel.done
+    assert sel.num_informative == 3 and sel.num_dropped == 3
+    rows = [["a0", "a1", "b0", "b1", "c0", "c1"], ["d0", "d1", "e0", "e1", "f0", "f1"]]
+    assert take_groups(rows, sel, group_size=2) == ["b0", "b1", "d0", "d1"]
