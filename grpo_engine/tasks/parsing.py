@@ -81,14 +81,14 @@ def extract_boxed(text: str) -> str | None:
 
 
 def extract_answer_is(text: str) -> str | None:
-    """Text after the last 'the (final) answer is', up to the end of its line, minus trailing punctuation."""
+    """Text after the last 'the (final) answer is', up to the end of its line or sentence ('. ')."""
     t = _tail(text)
     last = None
     for last in _ANSWER_IS_RE.finditer(t):  # noqa: B007 - we want the last match
         pass
     if last is None:
         return None
-    line = t[last.end() : last.end() + 256].split("\n", 1)[0]
+    line = t[last.end() : last.end() + 256].split("\n", 1)[0].split(". ", 1)[0]  # to end of line/sentence
     line = line.strip().strip("*").strip()
     line = line.removeprefix("\\(").removesuffix("\\)").strip("$ ")
     return _accept(line.rstrip(".").strip("$ *"))
