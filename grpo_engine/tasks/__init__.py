@@ -62,7 +62,8 @@ def task_options(name: str, **options) -> ChatTaskOptions:
 
 def make_task(name: str, **options) -> Task:
     """Build the task `name` with the given options, e.g. make_task("gsm8k", data_path="gsm8k/")."""
-    return TASKS[name].task(task_options(name, **options))
+    options_obj = task_options(name, **options)  # validates the name first
+    return TASKS[name].task(options_obj)
 
 
 __all__ = [

@@ -105,7 +105,11 @@ def test_generator_is_seeded_and_splits_are_disjoint():
     assert c.examples("train") != a.examples("train")
 
 
-ROWS = [{"nums": [4, 6, 8, 2], "target": 24}, {"nums": [1, 2, 3], "target": 6}, {"nums": [10, 5, 3], "target": 7}]
+ROWS = [
+    {"nums": [4, 6, 8, 2], "target": 24},
+    {"nums": [1, 2, 3], "target": 6},
+    {"nums": [10, 5, 3], "target": 7},
+]
 
 
 def write_jsonl(path, rows):

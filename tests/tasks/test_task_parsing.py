@@ -164,7 +164,13 @@ def test_parse_number(text, value):
 
 @pytest.mark.parametrize(
     "a, b, equal",
-    [("1,000", "1000", True), ("72.0", "72", True), ("0.5", "1/2", True), ("3", "4", False), ("x", "x", False)],
+    [
+        ("1,000", "1000", True),
+        ("72.0", "72", True),
+        ("0.5", "1/2", True),
+        ("3", "4", False),
+        ("x", "x", False),
+    ],
 )
 def test_numeric_equal(a, b, equal):
     assert numeric_equal(a, b) is equal
