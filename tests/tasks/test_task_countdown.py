@@ -167,3 +167,20 @@ def test_test_size_larger_than_file_is_a_clear_error(tmp_path):
     path = write_jsonl(tmp_path / "cd.jsonl", ROWS)
     with pytest.raises(DataError, match="3 rows but test_size=512"):
         make_task("countdown", data_path=str(path)).examples("train")
+
+
+REWARD_ALPHABET = "<>/answerthink\\boxed{}()0123456789+-*/=., ٣×÷$\n"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.text(max_size=3000), st.text(alphabet=REWARD_ALPHABET, max_size=3000)))
+def test_rewards_never_raise_and_are_fast_on_untrusted_text(text):
+    from grpo_engine.tasks.arithmetic import ArithmeticExample
+
+    arith = make_task("arithmetic", n_train=1, n_test=1)
+    cases = [(TASK, EX), (arith, ArithmeticExample("a", "1+2=", "3", 1, "+", 2))]
+    for task, example in cases:
+        start = time.perf_counter()
+        result = task.reward(example, text)
+        assert time.perf_counter() - start < 0.05
+        assert 0.0 <= result.total <= 1.1 + 1e-9
