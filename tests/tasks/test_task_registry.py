@@ -1,0 +1,196 @@
+"""Arithmetic and custom tasks, the registry, and the guarded scoring path (safe_reward / score_batch)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from grpo_engine.tasks import (
+    TASKS,
+    Example,
+    Prompt,
+    RewardResult,
+    Task,
+    make_task,
+    safe_reward,
+    score_batch,
+)
+from grpo_engine.tasks.arithmetic import ArithmeticExample
+
+
+# ------------------------------------------------------------------------------------------- arithmetic
+def test_arithmetic_prompt_is_short():
+    task = make_task("arithmetic", n_train=20, n_test=5)
+    ex = task.examples("train")[0]
+    assert task.prompt(ex) == Prompt([{"role": "user", "content": f"{ex.a}{ex.op}{ex.b}="}], "")
+
+
+@pytest.mark.parametrize(
+    "completion, total, answer",
+    [
+        ("<answer>47</answer>", 1.1, "47"),
+        ("<answer> 47 </answer>", 1.1, "47"),
+        ("<answer>46</answer>", 0.1, "46"),
+        ("47", 0.0, None),  # missing tags
+        ("<answer>47", 0.0, None),  # malformed
+        ("<answer>1</answer><answer>47</answer>", 1.0, "47"),  # several tags: last counts, format fails
+        ("<answer>٤٧</answer>", 0.1, None),  # unicode digits
+        ("<answer>" + "9" * 100 + "</answer>", 0.1, None),  # huge literal
+        ("x" * 1_000_000 + "<answer>47</answer>", 1.1, "47"),  # 1 MB completion
+    ],
+)
+def test_arithmetic_reward_table(completion, total, answer):
+    task = make_task("arithmetic", n_train=5, n_test=5)
+    ex = ArithmeticExample("a", "12+35=", "47", 12, "+", 35)  # 12 + 35 = 47
+    result = task.reward(ex, completion)
+    assert result.total == pytest.approx(total) and result.answer == answer
+
+
+def test_arithmetic_splits_are_seeded_disjoint_and_correct():
+    task = make_task("arithmetic", digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
+    train, test = task.examples("train"), task.examples("test")
+    assert len(train) == 500 and len(test) == 100
+    assert not {(e.a, e.op, e.b) for e in train} & {(e.a, e.op, e.b) for e in test}
+    for e in train + test:
+        assert 0 <= e.a <= 99 and 0 <= e.b <= 99 and e.op in "+*"
+        assert int(e.answer) == (e.a + e.b if e.op == "+" else e.a * e.b)
+        assert task.reward(e, f"<answer>{e.answer}</answer>").total == pytest.approx(1.1)
+    again = make_task("arithmetic", digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
+    assert again.examples("train") == train
+    assert make_task("arithmetic", n_train=500, n_test=100, seed=2).examples("train") != train
+
+
+def test_arithmetic_knob_errors():
+    with pytest.raises(ValueError, match="subset of"):
+        make_task("arithmetic", operations=("/",))
+    with pytest.raises(ValueError, match="distinct problems"):
+        make_task("arithmetic", digits=1, operations=("+",), n_test=100).examples("test")
+
+
+# ------------------------------------------------------------------------------------------------ custom
+def write_rows(tmp_path, rows):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "verifier, answer, completion, score",
+    [
+        ("exact", "Paris", " </think><answer>Paris</answer>", 1.0),
+        ("exact", "Paris", " </think><answer>paris</answer>", 0.0),
+        ("numeric", "1000", " </think><answer>1,000.0</answer>", 1.0),
+        ("numeric", "1000", " </think><answer>999</answer>", 0.0),
+    ],
+)
+def test_custom_verifiers(tmp_path, verifier, answer, completion, score):
+    path = write_rows(tmp_path, [{"prompt": "q", "answer": answer}])
+    task = make_task("custom", data_path=path, verifier=verifier)
+    ex = task.examples("train")[0]
+    assert task.prompt(ex).messages[-1] == {"role": "user", "content": "q"}
+    assert task.reward(ex, completion).components["answer"] == score
+
+
+def test_custom_missing_field(tmp_path):
+    path = write_rows(tmp_path, [{"prompt": "q", "answer": "1"}, {"prompt": "q2"}])
+    with pytest.raises(ValueError, match=r"mine.jsonl: row 1 has no field 'answer'"):
+        make_task("custom", data_path=path).examples("train")
+
+
+def test_custom_reward_fn_from_module(tmp_path, monkeypatch):
+    module = types.ModuleType("my_rewards")
+    module.length_bonus = lambda example, completion: 0.5 if example.answer in completion else -0.5
+    module.broken = lambda example, completion: float("nan")
+    monkeypatch.setitem(sys.modules, "my_rewards", module)
+    path = write_rows(tmp_path, [{"prompt": "q", "answer": "42"}])
+    task = make_task("custom", data_path=path, reward_fn="my_rewards:length_bonus")
+    ex = task.examples("train")[0]
+    assert task.reward(ex, "it is 42").total == 0.5 and task.reward(ex, "no").total == -0.5
+    broken = make_task("custom", data_path=path, reward_fn="my_rewards:broken")
+    result = safe_reward(broken, ex, "x")
+    assert result.total == 0.0 and result.info["error"] == "exception" and "finite" in result.info["message"]
+    bad_specs = [("nocolon", "must look like"), ("no_mod:f", "cannot import"), ("my_rewards:x", "no func")]
+    for spec, msg in bad_specs:
+        with pytest.raises(ValueError, match=msg):
+            make_task("custom", data_path=path, reward_fn=spec)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def test_registry_builds_every_task_and_rejects_unknown_names(tmp_path):
+    assert set(TASKS) == {"arithmetic", "countdown", "gsm8k", "math", "custom"}
+    for name in ("arithmetic", "countdown"):
+        assert isinstance(make_task(name), Task)
+    with pytest.raises(ValueError, match=r"unknown task 'nope'; available tasks: \['arithmetic'"):
+        make_task("nope")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['digitz'\].*valid options: \[.*'digits'"):
+        make_task("arithmetic", digitz=3)
+    with pytest.raises(ValueError, match=r"format='fancy' is not one of"):
+        make_task("countdown", format="fancy")
+    with pytest.raises(ValueError, match=r"unknown answer extractor"):
+        make_task("gsm8k", extractors=["answer_tag", "magic"])
+
+
+# -------------------------------------------------------------------------------------- guarded scoring
+class ScriptedTask:
+    """A task whose reward does whatever the completion says: the failure modes safe_reward must absorb."""
+
+    name = "scripted"
+
+    def examples(self, split):
+        return [Example("s", "q", "a")]
+
+    def prompt(self, example):
+        return Prompt([{"role": "user", "content": "q"}])
+
+    def reward(self, example, completion):
+        if completion == "raise":
+            raise RuntimeError("boom")
+        if completion == "spin":  # a busy loop that even swallows ordinary exceptions
+            end = time.perf_counter() + 10
+            while time.perf_counter() < end:
+                with contextlib.suppress(Exception):
+                    sum(range(1000))
+        if completion == "sleep":
+            time.sleep(0.3)
+        if completion == "wrong type":
+            return 1.0
+        return RewardResult(1.0, {"answer": 1.0}, "a")
+
+    def equivalent(self, a, b):
+        return a == b
+
+
+EX = Example("s", "q", "a")
+
+
+def test_safe_reward_turns_errors_and_timeouts_into_zero():
+    task = ScriptedTask()
+    assert safe_reward(task, EX, "fine").total == 1.0
+    raised = safe_reward(task, EX, "raise")
+    assert (raised.total, raised.info["error"]) == (0.0, "exception") and "boom" in raised.info["message"]
+    start = time.perf_counter()
+    spun = safe_reward(task, EX, "spin", timeout_s=0.2)
+    assert spun.info["error"] == "timeout" and time.perf_counter() - start < 2.0  # interrupted, not 10 s
+    assert safe_reward(task, EX, "wrong type").info["error"] == "exception"
+
+
+def test_safe_reward_off_main_thread_counts_overruns():
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=safe_reward(ScriptedTask(), EX, "sleep", 0.1)))
+    worker.start()
+    worker.join()
+    assert out["r"].total == 0.0 and out["r"].info["error"] == "timeout"
+
+
+def test_score_batch_counts_failures():
+    batch = score_batch(ScriptedTask(), [EX] * 4, ["fine", "raise", "fine", "spin"], timeout_s=0.2)
+    assert batch.totals == [1.0, 0.0, 1.0, 0.0]
+    assert (batch.n_errors, batch.n_timeouts) == (1, 1)
+    with pytest.raises(ValueError, match="2 examples but 1 completions"):
+        score_batch(ScriptedTask(), [EX] * 2, ["x"])
