@@ -1,0 +1,1 @@
+"""Training: the loop, micro-batching, optimizers, reference policy, memory options, checkpoints."""
