@@ -258,7 +258,7 @@ class Transformer(nn.Module):
         so a padding query still has one finite score (its output is garbage and ignored).
         """
         S = key_mask.shape[1]
-        if S != start + T:
+        if start + T != S:
             raise ValueError(f"attention_mask covers {S} slots, expected cache.start + T = {start + T}")
         slots = torch.arange(S, device=key_mask.device)
         q_slots = slots[start:, None]  # [T, 1]

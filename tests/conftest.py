@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny HF-layout checkpoints made on the fly (random weights, byte-level tokenizer)."""
+
+import pytest
+import torch
+
+from grpo_engine.model.tiny import make_tiny_checkpoint
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_factory(tmp_path_factory):
+    """Returns make(arch, **overrides) -> path; checkpoints are cached per (arch, overrides)."""
+    made = {}
+
+    def make(arch: str = "qwen2", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = make_tiny_checkpoint(out, arch, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def tiny_ckpt(tiny_ckpt_factory):
+    return tiny_ckpt_factory("qwen2")
