@@ -35,6 +35,10 @@ class RolloutBatch:
         """Completion tokens that carry gradient: the global normaliser of one optimizer step."""
         return int(self.completion_mask.sum().item())
 
+    def to(self, device) -> RolloutBatch:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return RolloutBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+
     def select(self, rows: torch.Tensor) -> RolloutBatch:
         """The rows `rows` (index tensor), trimmed to their longest row."""
         T = int(self.lengths[rows].max().item())
