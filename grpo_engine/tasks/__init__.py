@@ -1,0 +1,94 @@
+"""Verifiable tasks: prompts in, safe rewards out.
+
+    task = make_task("countdown", n_train=1000, format="partial")
+    ex = task.examples("train")[0]
+    prompt = task.prompt(ex)                      # Prompt(messages, prefill)
+    result = safe_reward(task, ex, completion)    # RewardResult(total, components, answer, info)
+
+`TASKS` maps a name to (options dataclass, task class); `make_task` builds one from keyword options and
+rejects unknown option names with the list of valid ones. The trainer's config embeds (name, options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from .arithmetic import ArithmeticOptions, ArithmeticTask
+from .base import (
+    R1_PREFILL,
+    R1_SYSTEM_PROMPT,
+    ChatTaskOptions,
+    Example,
+    Prompt,
+    RewardBatch,
+    RewardResult,
+    Task,
+    safe_reward,
+    score_batch,
+)
+from .countdown import CountdownOptions, CountdownTask
+from .custom import CustomOptions, CustomTask
+from .data import DataError
+from .gsm8k import GSM8KOptions, GSM8KTask
+from .math import MathOptions, MathTask
+
+
+class TaskSpec(NamedTuple):
+    options: type  # the task's options dataclass
+    task: type  # the task class, constructed as task(options)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "arithmetic": TaskSpec(ArithmeticOptions, ArithmeticTask),
+    "countdown": TaskSpec(CountdownOptions, CountdownTask),
+    "gsm8k": TaskSpec(GSM8KOptions, GSM8KTask),
+    "math": TaskSpec(MathOptions, MathTask),
+    "custom": TaskSpec(CustomOptions, CustomTask),
+}
+
+
+def task_options(name: str, **options) -> ChatTaskOptions:
+    """The options dataclass of task `name` filled from keyword options (unknown names are an error)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available tasks: {sorted(TASKS)}")
+    cls = TASKS[name].options
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for task {name!r}; valid options: {valid}")
+    return cls(**options)
+
+
+def make_task(name: str, **options) -> Task:
+    """Build the task `name` with the given options, e.g. make_task("gsm8k", data_path="gsm8k/")."""
+    return TASKS[name].task(task_options(name, **options))
+
+
+__all__ = [
+    "R1_PREFILL",
+    "R1_SYSTEM_PROMPT",
+    "TASKS",
+    "ArithmeticOptions",
+    "ArithmeticTask",
+    "ChatTaskOptions",
+    "CountdownOptions",
+    "CountdownTask",
+    "CustomOptions",
+    "CustomTask",
+    "DataError",
+    "Example",
+    "GSM8KOptions",
+    "GSM8KTask",
+    "MathOptions",
+    "MathTask",
+    "Prompt",
+    "RewardBatch",
+    "RewardResult",
+    "Task",
+    "TaskSpec",
+    "make_task",
+    "safe_reward",
+    "score_batch",
+    "task_options",
+]

@@ -1,0 +1,102 @@
+"""Arithmetic: generated small additions / multiplications, the task of the CPU demo.
+
+The demo trains a tiny byte-level model on a laptop, so the prompt is short by default: no system prompt,
+the user message is just "12+35=", and the expected completion is "<answer>47</answer>". Train and test
+are drawn from different seeded streams and kept disjoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import cache
+
+from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .parsing import extract_answer, numeric_equal, parse_number
+
+OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b: a - b}
+
+
+@dataclass
+class ArithmeticOptions(ChatTaskOptions):
+    system_prompt: str | None = None  # no system message: keeps prompts a few bytes long
+    prefill: str = ""  # nothing prefilled
+    template: str = "{a}{op}{b}="  # user message; fields a, op, b
+    format: str = "answer_tag"  # format reward: exactly one <answer>...</answer>
+    format_weight: float = 0.1  # small format component
+    answer_weight: float = 1.0  # answer correctness
+    extractors: tuple[str, ...] = ("answer_tag",)  # only a tagged answer counts
+    digits: int = 2  # operands have 1..digits digits
+    operations: tuple[str, ...] = ("+", "*")  # operators to draw from (subset of + * -)
+    seed: int = 0  # generator seed
+    n_train: int = 2000  # train examples (capped by how many distinct problems exist)
+    n_test: int = 200  # test examples, disjoint from train
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = [op for op in self.operations if op not in OPERATIONS]
+        if bad or not self.operations:
+            valid = list(OPERATIONS)
+            raise ValueError(f"operations {list(self.operations)} must be a non-empty subset of {valid}")
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"digits must be in 1..9, got {self.digits}")
+        if "{a}" not in self.template or "{b}" not in self.template:
+            raise ValueError(f"template {self.template!r} must contain {{a}} and {{b}}")
+
+
+@dataclass(frozen=True)
+class ArithmeticExample(Example):
+    a: int  # left operand
+    op: str  # operator
+    b: int  # right operand
+
+
+def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[ArithmeticExample]]:
+    """{"train": [...], "test": [...]}: distinct problems, test first so train can exclude it."""
+    o = options
+    hi = 10**o.digits - 1
+    n_distinct = (hi + 1) ** 2 * len(o.operations)
+    if o.n_test + 1 > n_distinct:
+        raise ValueError(f"only {n_distinct} distinct problems with digits={o.digits}; lower n_test")
+    seen: set[tuple[int, str, int]] = set()
+    out = {}
+    for split, count in (("test", o.n_test), ("train", min(o.n_train, n_distinct - o.n_test))):
+        rng = random.Random(f"arithmetic-{o.seed}-{split}")
+        rows: list[ArithmeticExample] = []
+        while len(rows) < count:
+            key = (rng.randint(0, hi), rng.choice(o.operations), rng.randint(0, hi))
+            if key in seen:
+                continue
+            seen.add(key)
+            a, op, b = key
+            question = o.template.format(a=a, op=op, b=b)
+            answer = str(OPERATIONS[op](a, b))
+            rows.append(ArithmeticExample(f"{split}-{len(rows)}", question, answer, a, op, b))
+        out[split] = rows
+    return out
+
+
+class ArithmeticTask:
+    name = "arithmetic"
+
+    def __init__(self, options: ArithmeticOptions | None = None):
+        self.options = options or ArithmeticOptions()
+        self._splits = cache(lambda: generate_arithmetic(self.options))
+
+    def examples(self, split: str) -> list[ArithmeticExample]:
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        return self._splits()[split]
+
+    def prompt(self, example: ArithmeticExample) -> Prompt:
+        return chat_prompt(self.options, example.question)
+
+    def reward(self, example: ArithmeticExample, completion: str) -> RewardResult:
+        found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
+        value = parse_number(found) if found is not None else None
+        answer = None if value is None else (str(value.numerator) if value.denominator == 1 else str(value))
+        correct = numeric_equal(answer, example.answer)
+        return weighted_reward(self.options, completion, float(correct), answer)
+
+    def equivalent(self, a: str, b: str) -> bool:
+        return numeric_equal(a, b) or a.strip() == b.strip()

@@ -1,0 +1,171 @@
+"""The Task protocol, its typed records, and the guarded path the trainer scores completions through.
+
+A task gives prompts and scores completions. The trainer only sees this module's types:
+`Example` in, `Prompt` out (rendered with the tokenizer's chat template, then the prefill appended), and
+`RewardResult` back for each completion. `safe_reward` / `score_batch` wrap a task's reward so that a
+reward that raises or runs too long scores 0 and is counted, and never stops training.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from .parsing import FORMAT_REWARDS, check_cascade
+
+R1_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and "
+    "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>."
+)
+R1_PREFILL = "Let me solve this step by step.\n<think>"
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str  # stable identifier (split + index, or the source row)
+    question: str  # the problem text shown to the model
+    answer: str  # the reference final answer (normalised form used for scoring)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict[str, str]]  # chat messages {"role", "content"} for the tokenizer's chat template
+    prefill: str = ""  # text appended after the rendered generation prompt (start of the assistant turn)
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    total: float  # the scalar reward used for advantages (weighted sum of components)
+    components: dict[str, float]  # unweighted component scores, e.g. {"format": 1.0, "answer": 0.0}
+    answer: str | None  # normalised final answer extracted from the completion, None if none found
+    info: dict[str, str] = field(default_factory=dict)  # diagnostics, e.g. {"error": ...} or {"reason": ...}
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+
+    def examples(self, split: str) -> Sequence[Example]: ...
+
+    def prompt(self, example: Example) -> Prompt: ...
+
+    def reward(self, example: Example, completion: str) -> RewardResult: ...
+
+    def equivalent(self, a: str, b: str) -> bool: ...
+
+
+@dataclass
+class ChatTaskOptions:
+    """Options every R1-style task shares; each task's options dataclass extends this."""
+
+    system_prompt: str | None = R1_SYSTEM_PROMPT  # system message; None sends no system message
+    prefill: str = R1_PREFILL  # assistant prefill appended after the chat template ("" for none)
+    format: str = "strict"  # format reward variant: strict | partial | answer_tag
+    format_weight: float = 0.1  # weight of the format component in the total reward
+    answer_weight: float = 1.0  # weight of the answer-correctness component in the total reward
+    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_is", "last_number")  # extraction cascade
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMAT_REWARDS:
+            raise ValueError(f"format={self.format!r} is not one of {list(FORMAT_REWARDS)}")
+        self.extractors = check_cascade(self.extractors)
+
+
+def chat_prompt(options: ChatTaskOptions, user_text: str) -> Prompt:
+    """System prompt (if any) + one user message + the configured prefill."""
+    messages = [] if options.system_prompt is None else [{"role": "system", "content": options.system_prompt}]
+    messages.append({"role": "user", "content": user_text})
+    return Prompt(messages, options.prefill)
+
+
+def weighted_reward(
+    options: ChatTaskOptions,
+    completion: str,
+    answer_score: float,
+    answer: str | None,
+    info: dict[str, str] | None = None,
+) -> RewardResult:
+    """Combine format (checked on prefill + completion, since the prefill opens <think>) and answer scores."""
+    fmt = FORMAT_REWARDS[options.format](options.prefill + completion)
+    total = options.format_weight * fmt + options.answer_weight * answer_score
+    return RewardResult(total, {"format": fmt, "answer": answer_score}, answer, info or {})
+
+
+# ---------------------------------------------------------------------------------------- guarded scoring
+class RewardTimeout(BaseException):
+    """Raised by the alarm in safe_reward. A BaseException so that a reward's own `except Exception`
+    (math-verify has several) cannot swallow it."""
+
+
+def _alarm_available() -> bool:
+    """Signals work only in the main thread, and we must not clobber a timer someone else armed."""
+    return (
+        threading.current_thread() is threading.main_thread()
+        and hasattr(signal, "setitimer")
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+    )
+
+
+def safe_reward(task: Task, example: Example, completion: str, timeout_s: float = 5.0) -> RewardResult:
+    """task.reward, but an exception or a run past timeout_s gives total 0 with info["error"] set.
+
+    In the main thread a SIGALRM timer interrupts the reward. Elsewhere it cannot be interrupted (Python
+    has no safe way to stop a thread), so the rewards are built to be fast by construction and a reward
+    that still overran is scored 0 as a timeout once it returns.
+    """
+    start = time.perf_counter()
+    use_alarm = _alarm_available()
+    if use_alarm:
+        previous = signal.signal(signal.SIGALRM, _raise_timeout)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        result = task.reward(example, completion)
+    except RewardTimeout:
+        return _failed("timeout", f"reward ran past {timeout_s}s")
+    except Exception as e:  # noqa: BLE001 - any failure of untrusted-input scoring scores 0
+        return _failed("exception", f"{type(e).__name__}: {e}"[:500])
+    finally:
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+            signal.signal(signal.SIGALRM, previous)
+    elapsed = time.perf_counter() - start
+    if elapsed > timeout_s:
+        return _failed("timeout", f"reward took {elapsed:.2f}s > {timeout_s}s (not interruptible here)")
+    if not isinstance(result, RewardResult):
+        return _failed("exception", f"reward returned {type(result).__name__}, expected RewardResult")
+    return result
+
+
+def _raise_timeout(signum, frame) -> None:
+    raise RewardTimeout
+
+
+def _failed(kind: str, message: str) -> RewardResult:
+    return RewardResult(0.0, {}, None, {"error": kind, "message": message})
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    results: list[RewardResult]  # one per completion, in order
+    totals: list[float]  # results[i].total, ready for a [P*G] rewards tensor
+    n_errors: int  # rewards that raised (scored 0)
+    n_timeouts: int  # rewards that ran past the timeout (scored 0)
+
+
+def score_batch(
+    task: Task, examples: Sequence[Example], completions: Sequence[str], timeout_s: float = 5.0
+) -> RewardBatch:
+    """Score completions[i] against examples[i] through safe_reward and count the failures."""
+    if len(examples) != len(completions):
+        raise ValueError(f"{len(examples)} examples but {len(completions)} completions; pass one each")
+    results = [safe_reward(task, ex, c, timeout_s) for ex, c in zip(examples, completions)]
+    errors = [r.info.get("error") for r in results]
+    totals = [r.total for r in results]
+    return RewardBatch(results, totals, errors.count("exception"), errors.count("timeout"))

@@ -1,0 +1,116 @@
+"""Custom task: your own JSONL of `prompt` + `answer` rows, scored by a named verifier or by any Python
+function named in the config as "module:function".
+
+A reward function is called as fn(example, completion) and returns a float (used as the total) or a
+RewardResult. It runs in the training process: the trainer calls it through safe_reward, so if it raises
+or runs past the timeout the completion scores 0 and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .data import read_records, require_fields
+from .parsing import extract_answer, numeric_equal
+
+
+def exact_match(a: str, b: str) -> bool:
+    """Equal after collapsing whitespace (case-sensitive)."""
+    return " ".join(a.split()) == " ".join(b.split())
+
+
+def _math_equal() -> Callable[[str, str], bool]:
+    from .math import MathTask
+
+    return MathTask().equivalent
+
+
+# name -> factory of an equivalence function (factories so that "math" imports math-verify only when chosen)
+VERIFIERS: dict[str, Callable[[], Callable[[str, str], bool]]] = {
+    "exact": lambda: exact_match,
+    "numeric": lambda: numeric_equal,
+    "math": _math_equal,
+}
+
+
+@dataclass
+class CustomOptions(ChatTaskOptions):
+    data_path: str = ""  # JSONL (or parquet) with `prompt` and `answer` fields: the train split
+    test_path: str | None = None  # file for the test split; None = data_path
+    verifier: str = "exact"  # answer check: exact | numeric | math (math needs grpo-engine[math])
+    reward_fn: str | None = None  # "module:function" called as fn(example, completion); replaces the verifier
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.data_path:
+            raise ValueError("custom task needs data_path: a .jsonl file with 'prompt' and 'answer' fields")
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"verifier={self.verifier!r} is not one of {list(VERIFIERS)}")
+
+
+def import_reward_fn(spec: str) -> Callable[[Example, str], float | RewardResult]:
+    """Resolve "package.module:function" to a callable, with errors that say what to fix."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward_fn={spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward_fn={spec!r}: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward_fn={spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def load_custom(path: str) -> list[Example]:
+    rows = read_records(path)
+    require_fields(rows, ("prompt", "answer"), path)
+    ids = [str(r.get("id", f"{path}#{i}")) for i, r in enumerate(rows)]
+    return [Example(i, str(r["prompt"]), str(r["answer"])) for i, r in zip(ids, rows)]
+
+
+class CustomTask:
+    name = "custom"
+
+    def __init__(self, options: CustomOptions):
+        self.options = options
+        self._equal = VERIFIERS[options.verifier]()
+        self._reward_fn = import_reward_fn(options.reward_fn) if options.reward_fn else None
+        self._examples = cache(self._load)
+
+    def examples(self, split: str) -> list[Example]:
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        return self._examples(split)
+
+    def _load(self, split: str) -> list[Example]:
+        o = self.options
+        return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
+
+    def prompt(self, example: Example) -> Prompt:
+        return chat_prompt(self.options, example.question)
+
+    def reward(self, example: Example, completion: str) -> RewardResult:
+        if self._reward_fn is not None:
+            return _checked(self._reward_fn(example, completion), self.options.reward_fn)
+        found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
+        correct = found is not None and self._equal(example.answer, found)
+        return weighted_reward(self.options, completion, float(correct), found)
+
+    def equivalent(self, a: str, b: str) -> bool:
+        return self._equal(a, b)
+
+
+def _checked(value: object, spec: str | None) -> RewardResult:
+    """A user reward's return value as a RewardResult; a non-finite or non-numeric value is an error."""
+    if isinstance(value, RewardResult) and math.isfinite(value.total):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return RewardResult(float(value), {"custom": float(value)}, None)
+    raise ValueError(f"reward_fn {spec} returned {value!r}; return a finite float or a RewardResult")

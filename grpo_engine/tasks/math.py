@@ -1,0 +1,125 @@
+r"""MATH / MATH-500: competition problems whose answers are LaTeX expressions, usually in \boxed{}.
+
+Equivalence of two LaTeX answers ('\frac{1}{2}' vs '0.5', '(1,2)' vs '(1, 2)') needs a computer algebra
+system; we use math-verify, the maintained library for this, as the optional extra `math`. It is imported
+lazily so the rest of the package never needs sympy.
+
+Bounding time: math-verify's own timeouts use SIGALRM, which works only in the main thread and only when no
+other alarm is armed. We pass its timeouts when that holds; otherwise (under safe_reward's own alarm, or in
+a worker thread) we pass None and rely on the outer alarm / on structural limits: answers longer than
+max_answer_chars or nested deeper than max_nesting are rejected before math-verify sees them.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .data import field_error, load_hub, read_records, require_fields, split_source
+from .parsing import extract_answer, extract_boxed
+
+MATH_INSTALL_HINT = "the MATH task needs math-verify: pip install 'grpo-engine[math]'"
+
+
+def import_math_verify():
+    """The math_verify module, or ImportError with the install command."""
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError(f"{MATH_INSTALL_HINT} ({e})") from None
+    return math_verify
+
+
+@dataclass
+class MathOptions(ChatTaskOptions):
+    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_is")  # cascade (no bare last number)
+    data_path: str | None = None  # file for every split, or dir with train.*/test.* files or a saved dataset
+    hub_name: str = "HuggingFaceH4/MATH-500"  # loaded from the hub only when data_path is None (network)
+    hub_config: str | None = None  # hub dataset configuration name
+    verify_timeout_s: int = 2  # math-verify parse / verify timeout (whole seconds; main thread only)
+    max_answer_chars: int = 300  # longer extracted answers are wrong without being parsed
+    max_nesting: int = 16  # answers with deeper ()[]{} nesting are wrong without being parsed
+
+
+def nesting_depth(text: str) -> int:
+    """Deepest bracket nesting of ()[]{} — linear, used to refuse pathological inputs cheaply."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def load_math(rows: list[dict], source: str) -> list[Example]:
+    """Rows with `problem` and `answer` (MATH-500) or `solution` containing \\boxed{} (MATH)."""
+    require_fields(rows, ("problem",), source)
+    out = []
+    for i, row in enumerate(rows):
+        gold = row.get("answer")
+        if gold is None:
+            if row.get("solution") is None:
+                raise field_error(source, i, "answer", "present (or a 'solution' with \\boxed{})", None)
+            gold = extract_boxed(str(row["solution"]))
+            if gold is None:
+                raise field_error(source, i, "solution", "text containing \\boxed{...}", row["solution"])
+        example_id = str(row.get("unique_id", f"{source}#{i}"))
+        out.append(Example(example_id, str(row["problem"]), str(gold).strip()))
+    return out
+
+
+class MathTask:
+    name = "math"
+
+    def __init__(self, options: MathOptions | None = None):
+        self.options = options or MathOptions()
+        self._mv = import_math_verify()
+        self._examples = cache(self._load)
+        self._parse_cached = lru_cache(maxsize=8192)(self._parse)
+
+    def examples(self, split: str) -> list[Example]:
+        return self._examples(split)
+
+    def _load(self, split: str) -> list[Example]:
+        o = self.options
+        if o.data_path is not None:
+            source = split_source(o.data_path, split)
+            return load_math(read_records(source), str(source))
+        return load_math(load_hub(o.hub_name, split, o.hub_config), f"{o.hub_name}:{split}")
+
+    def prompt(self, example: Example) -> Prompt:
+        return chat_prompt(self.options, example.question)
+
+    def reward(self, example: Example, completion: str) -> RewardResult:
+        found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
+        if found is None:
+            return weighted_reward(self.options, completion, 0.0, None, {"reason": "no answer found"})
+        answer = " ".join(found.split())
+        correct = self.equivalent(example.answer, answer)
+        return weighted_reward(self.options, completion, float(correct), answer)
+
+    def equivalent(self, a: str, b: str) -> bool:
+        """math-verify equivalence of two LaTeX answers (gold first), bounded in size and time."""
+        a, b = a.strip(), b.strip()
+        if a == b:
+            return bool(a)
+        pa, pb = self._parse_cached(a), self._parse_cached(b)
+        if not pa or not pb:
+            return False
+        return bool(self._mv.verify(pa, pb, timeout_seconds=self._timeout()))
+
+    def _parse(self, answer: str) -> list:
+        if len(answer) > self.options.max_answer_chars or nesting_depth(answer) > self.options.max_nesting:
+            return []
+        text = answer if "\\boxed" in answer or "$" in answer else f"${answer}$"
+        return self._mv.parse(text, parsing_timeout=self._timeout())
+
+    def _timeout(self) -> int | None:
+        main = threading.current_thread() is threading.main_thread()
+        alarm_free = main and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+        return self.options.verify_timeout_s if alarm_free else None

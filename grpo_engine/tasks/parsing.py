@@ -1,0 +1,335 @@
+"""Answer extraction, format checks and a safe arithmetic evaluator for untrusted model output.
+
+Model output is untrusted input: nothing here evaluates it as code, and every function is fast *by
+construction* rather than by a timer (timers based on signals only work in the main thread):
+- extraction looks only at the last MAX_SCAN_CHARS characters (answers sit at the end of a completion);
+- tags and braces are found with str.find / rfind and explicit loops, never with a lazy `.*?` regex that
+  could go quadratic on many unclosed tags;
+- the few regexes used have no nested quantifiers, so they run in linear time;
+- the arithmetic evaluator rejects long input and deep nesting *before* parsing, caps literal sizes and the
+  magnitude of every intermediate value, and has no exponentiation.
+
+Digits: only ASCII 0-9 count as digits. Unicode digits such as Arabic-Indic '٣' are treated as ordinary
+characters (an answer written with them is wrong, never a crash). We decided this because Python's int()
+and Fraction() silently accept them, which would make 'the same' answer depend on the script it is in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+MAX_SCAN_CHARS = 16_384  # extraction looks at most at this many trailing characters of a completion
+MAX_ANSWER_CHARS = 1_024  # an extracted answer longer than this is rejected (None)
+MAX_NUMBER_DIGITS = 64  # a numeric literal with more digits is not a number we compare (huge literals)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+
+# ASCII-only number: optional sign, digits with optional thousands separators, decimals, a /denominator.
+# No nested quantifiers: each part is deterministic given the next character, so matching is linear.
+_NUMBER_RE = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
+_ANSWER_IS_RE = re.compile(r"the\s{1,5}(?:final\s{1,5})?answer\s{1,5}is\s{0,5}:?", re.IGNORECASE)
+_FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{(-?[0-9]{1,64})\}\{(-?[0-9]{1,64})\}")
+
+
+def _tail(text: str, n: int = MAX_SCAN_CHARS) -> str:
+    return text[-n:] if len(text) > n else text
+
+
+def _accept(answer: str) -> str | None:
+    answer = answer.strip()
+    return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
+
+
+# ----------------------------------------------------------------------------------------------- extraction
+def extract_answer_tag(text: str) -> str | None:
+    """Content of the LAST complete <answer>...</answer> block (the model's final word), or None."""
+    t = _tail(text)
+    end = t.rfind(ANSWER_CLOSE)
+    if end < 0:
+        return None
+    start = t.rfind(ANSWER_OPEN, 0, end)
+    if start < 0:
+        return None
+    return _accept(t[start + len(ANSWER_OPEN) : end])
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""Content of the last \boxed{...} (nested braces balanced), or of the `\boxed 5` short form."""
+    t = _tail(text)
+    i = t.rfind("\\boxed")
+    if i < 0:
+        return None
+    j = i + len("\\boxed")
+    if j < len(t) and t[j] == " ":  # \boxed 5 : the argument is the next whitespace-free run
+        rest = t[j + 1 : j + 1 + MAX_ANSWER_CHARS].split(None, 1)
+        return _accept(rest[0].rstrip("$.")) if rest else None
+    if j >= len(t) or t[j] != "{":
+        return None
+    depth, stop = 0, min(len(t), j + 2 + MAX_ANSWER_CHARS)
+    for k in range(j, stop):
+        if t[k] == "{":
+            depth += 1
+        elif t[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return _accept(t[j + 1 : k])
+    return None  # unbalanced or too long
+
+
+def extract_answer_is(text: str) -> str | None:
+    """Text after the last 'the (final) answer is', up to the end of its line, minus trailing punctuation."""
+    t = _tail(text)
+    last = None
+    for last in _ANSWER_IS_RE.finditer(t):  # noqa: B007 - we want the last match
+        pass
+    if last is None:
+        return None
+    line = t[last.end() : last.end() + 256].split("\n", 1)[0]
+    line = line.strip().strip("*").strip()
+    line = line.removeprefix("\\(").removesuffix("\\)").strip("$ ")
+    return _accept(line.rstrip(".").strip("$ *"))
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last ASCII number in the text (thousands separators, decimals and a/b fractions allowed)."""
+    t = _tail(text)
+    found = _NUMBER_RE.findall(t)
+    return found[-1] if found else None
+
+
+EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "answer_tag": extract_answer_tag,
+    "boxed": extract_boxed,
+    "answer_is": extract_answer_is,
+    "last_number": extract_last_number,
+}
+DEFAULT_CASCADE = ("answer_tag", "boxed", "answer_is", "last_number")
+
+
+@dataclass(frozen=True)
+class Extraction:
+    answer: str | None  # the extracted final-answer text, None when no step found one
+    method: str | None  # name of the EXTRACTORS step that found it
+
+
+def extract_answer(text: str, cascade: tuple[str, ...] = DEFAULT_CASCADE) -> Extraction:
+    """Run the extraction steps in order and return the first hit."""
+    for name in cascade:
+        found = EXTRACTORS[name](text)
+        if found is not None:
+            return Extraction(found, name)
+    return Extraction(None, None)
+
+
+def check_cascade(cascade: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Validate a configured extraction cascade; returns it as a tuple."""
+    unknown = [c for c in cascade if c not in EXTRACTORS]
+    if unknown or not cascade:
+        valid = list(EXTRACTORS)
+        raise ValueError(f"unknown answer extractor(s) {unknown} in {list(cascade)}; valid: {valid}")
+    return tuple(cascade)
+
+
+# --------------------------------------------------------------------------------------------- format checks
+def strict_format(text: str) -> float:
+    """1.0 when the text is `[preamble]<think>...</think> <answer>...</answer>` with each tag exactly once,
+    only whitespace between </think> and <answer> and after </answer>, and a non-empty answer; else 0.0.
+
+    The preamble allows an assistant prefill such as 'Let me solve this step by step.\\n' before <think>.
+    """
+    tags = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+    if any(text.count(tag) != 1 for tag in tags):
+        return 0.0
+    a, b, c, d = (text.find(tag) for tag in tags)
+    if not a < b < c < d:
+        return 0.0
+    between = text[b + len(THINK_CLOSE) : c]
+    after = text[d + len(ANSWER_CLOSE) :]
+    answer = text[c + len(ANSWER_OPEN) : d]
+    return 1.0 if not between.strip() and not after.strip() and answer.strip() else 0.0
+
+
+def partial_format(text: str) -> float:
+    """0.25 for each of the four tags that appears exactly once: a dense signal early in training."""
+    tags = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+    return sum(0.25 for tag in tags if text.count(tag) == 1)
+
+
+def answer_tag_format(text: str) -> float:
+    """1.0 when the text has exactly one non-empty <answer>...</answer> block (no <think> required)."""
+    if text.count(ANSWER_OPEN) != 1 or text.count(ANSWER_CLOSE) != 1:
+        return 0.0
+    c, d = text.find(ANSWER_OPEN), text.find(ANSWER_CLOSE)
+    return 1.0 if c < d and text[c + len(ANSWER_OPEN) : d].strip() else 0.0
+
+
+FORMAT_REWARDS: dict[str, Callable[[str], float]] = {
+    "strict": strict_format,
+    "partial": partial_format,
+    "answer_tag": answer_tag_format,
+}
+
+
+# ------------------------------------------------------------------------------------------------- numbers
+def parse_number(text: str) -> Fraction | None:
+    r"""The number an answer string denotes, tolerant of '$', commas, units, '%', trailing '.0', 'a/b' and
+    \frac{a}{b}; the last number wins ('x = 5 apples' -> 5). None when there is none or it is too big."""
+    s = text[:MAX_ANSWER_CHARS].replace("\\!", "").replace("\\,", ",")
+    frac = number = None
+    for frac in _FRAC_RE.finditer(s):  # noqa: B007 - the last \frac wins
+        pass
+    for number in _NUMBER_RE.finditer(s):  # noqa: B007 - the last number wins
+        pass
+    if frac is not None and (number is None or number.start() < frac.end()):
+        sign, den = (-1 if frac.group(1) else 1), int(frac.group(3))
+        return sign * Fraction(int(frac.group(2)), den) if den else None
+    return _to_fraction(number.group()) if number is not None else None
+
+
+def _to_fraction(token: str) -> Fraction | None:
+    token = token.replace(",", "")
+    if sum(ch.isdigit() for ch in token) > MAX_NUMBER_DIGITS:
+        return None
+    if "/" in token:
+        num, den = token.split("/", 1)
+        return Fraction(Fraction(num), int(den)) if int(den) else None
+    return Fraction(token)
+
+
+def numbers_close(a: Fraction, b: Fraction, tol: float = 1e-6) -> bool:
+    """|a - b| <= tol * max(1, |b|): absolute near zero, relative for large values."""
+    return abs(a - b) <= Fraction(tol) * max(1, abs(b))
+
+
+def numeric_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
+    """Whether two answer strings denote the same number (False when either is not a number)."""
+    if a is None or b is None:
+        return False
+    x, y = parse_number(a), parse_number(b)
+    return x is not None and y is not None and numbers_close(x, y, tol)
+
+
+# ------------------------------------------------------------------------------------- arithmetic evaluator
+MAX_EXPR_CHARS = 256  # longer expressions are rejected before tokenising
+MAX_PAREN_DEPTH = 32  # deeper nesting is rejected before parsing (bounds the recursion)
+MAX_LITERAL_DIGITS = 9  # integer literals longer than this are rejected
+MAX_MAGNITUDE = 10**18  # any intermediate numerator or denominator beyond this aborts the evaluation
+_OPERATOR_ALIASES = {"×": "*", "÷": "/", "−": "-", "–": "-"}
+
+
+class ExpressionError(ValueError):
+    """Raised inside the evaluator; evaluate_arithmetic turns it into Evaluation.error."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    value: Fraction | None  # exact value, None when the expression is invalid
+    numbers: tuple[int, ...]  # integer literals in the order they appear
+    error: str | None  # why the expression was rejected, None when valid
+
+
+def evaluate_arithmetic(expr: str) -> Evaluation:
+    """Evaluate integers with + - * / and parentheses exactly (Fractions). Never raises, never evals.
+
+    No unary minus, no decimals, no exponentiation; × ÷ − are accepted as * / -.
+    """
+    try:
+        tokens = _tokenize(expr)
+        parser = _Parser(tokens)
+        value = parser.expression(0)
+        if parser.pos != len(tokens):
+            raise ExpressionError(f"unexpected {tokens[parser.pos]!r} at token {parser.pos}")
+        return Evaluation(value, tuple(parser.numbers), None)
+    except ExpressionError as e:
+        return Evaluation(None, (), str(e))
+
+
+def _tokenize(expr: str) -> list[str | int]:
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ExpressionError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    tokens: list[str | int] = []
+    depth, i, n = 0, 0, len(expr)
+    while i < n:
+        ch = _OPERATOR_ALIASES.get(expr[i], expr[i])
+        if ch in " \t\n":
+            i += 1
+        elif "0" <= ch <= "9":
+            j = i
+            while j < n and "0" <= expr[j] <= "9":
+                j += 1
+            if j - i > MAX_LITERAL_DIGITS:
+                raise ExpressionError(f"number literal longer than {MAX_LITERAL_DIGITS} digits")
+            tokens.append(int(expr[i:j]))
+            i = j
+        elif ch in "+-*/()":
+            if ch == "*" and tokens and tokens[-1] == "*":
+                raise ExpressionError("exponentiation is not allowed")
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth > MAX_PAREN_DEPTH:
+                raise ExpressionError(f"parentheses nested deeper than {MAX_PAREN_DEPTH}")
+            if depth < 0:
+                raise ExpressionError("unbalanced ')'")
+            tokens.append(ch)
+            i += 1
+        else:
+            raise ExpressionError(f"character {ch!r} is not allowed")
+    if depth != 0:
+        raise ExpressionError("unbalanced '('")
+    if not tokens:
+        raise ExpressionError("empty expression")
+    return tokens
+
+
+class _Parser:
+    """Recursive descent: expression := term (('+'|'-') term)*, term := factor (('*'|'/') factor)*,
+    factor := integer | '(' expression ')'. Recursion depth is bounded by MAX_PAREN_DEPTH (checked above)."""
+
+    def __init__(self, tokens: list[str | int]):
+        self.tokens, self.pos, self.numbers = tokens, 0, []
+
+    def _peek(self) -> str | int | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def expression(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self._peek() in ("+", "-"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.term(depth)
+            value = _bounded(value + rhs if op == "+" else value - rhs)
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.factor(depth)
+        while self._peek() in ("*", "/"):
+            op = self.tokens[self.pos]
+            self.pos += 1
+            rhs = self.factor(depth)
+            if op == "/" and rhs == 0:
+                raise ExpressionError("division by zero")
+            value = _bounded(value * rhs if op == "*" else value / rhs)
+        return value
+
+    def factor(self, depth: int) -> Fraction:
+        tok = self._peek()
+        self.pos += 1
+        if isinstance(tok, int):
+            self.numbers.append(tok)
+            return Fraction(tok)
+        if tok == "(" and depth < MAX_PAREN_DEPTH:
+            value = self.expression(depth + 1)
+            if self._peek() != ")":
+                raise ExpressionError("missing ')'")
+            self.pos += 1
+            return value
+        raise ExpressionError(f"expected a number or '(' but found {tok!r}")
+
+
+def _bounded(x: Fraction) -> Fraction:
+    if abs(x.numerator) > MAX_MAGNITUDE or x.denominator > MAX_MAGNITUDE:
+        raise ExpressionError("intermediate value too large")
+    return x
