@@ -41,8 +41,8 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
 
     from .config import Config
     from .model.hf_io import load_model
-    from .rollout import SamplingParams, generate
     from .rl.advantages import compute_advantages
+    from .rollout import SamplingParams, generate
     from .train.algorithm import make_loss_fn
     from .train.batching import build_rollout_batch
     from .train.update import accumulate_gradients, clip_and_check

@@ -23,10 +23,12 @@ def add_train_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    from .config import load_config
-    from .train.loop import train
+    from .config import check_paths, load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
+    from .train.loop import train
+
     result = train(cfg, resume=args.resume, stop_after=args.stop_after)
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0

@@ -14,9 +14,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -51,13 +52,13 @@ class ModelSection:
 
 @dataclass
 class TokenizerSection:
-    path: Optional[str] = _f(None, "tokenizer directory; None = model.path")
+    path: str | None = _f(None, "tokenizer directory; None = model.path")
 
 
 @dataclass
 class TaskSection:
     name: str = _f("arithmetic", "registered task name (see grpo_engine.tasks.make_task)")
-    data_path: Optional[str] = _f(None, "local data file/directory for tasks that read one (gsm8k, math, custom)")
+    data_path: str | None = _f(None, "local data file/directory for tasks that read one (gsm8k, math, custom)")
     train_split: str = _f("train", "split drawn for training prompts")
     eval_split: str = _f("test", "split used by periodic evaluation")
     options: dict[str, Any] = _f({}, "extra keyword arguments passed to make_task(name, **options)")
