@@ -1,0 +1,131 @@
+"""Group-relative advantages on an explicit [P, G] layout (P prompts, G completions each).
+
+Row p holds the G completions of prompt p, in the order the sampler returned them (row i of a flat rollout
+belongs to prompt i // G), so `rewards.view(P, G)` is the layout. Each estimator is a small function chosen
+by name (see ESTIMATORS); formulas and citations are in docs/algorithms.md.
+
+Guarantees the training loop relies on:
+* the input rewards are never modified (advantages are a new tensor, rewards are returned as a copy);
+* a group whose (finite) rewards are all equal gets advantage 0 and is reported -- never NaN from 0/0;
+* a non-finite reward (NaN/inf from a broken reward function) is excluded from its group's statistics,
+  gets advantage 0, is marked invalid (so the loop can mask that completion) and is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages."""
+
+    estimator: str = "grpo"  # grpo: (r-mean)/(std+eps) | dr_grpo: r-mean | batch_std: (r-mean)/batch std | none: r
+    eps: float = 1e-6  # added to the std in the denominator
+    std_unbiased: bool = True  # Bessel-corrected group std (as TRL / DeepSeekMath code); False: population std
+    zero_variance_tol: float = 0.0  # a group is "zero variance" when max - min of its finite rewards <= this
+    component_weights: dict[str, float] = field(default_factory=dict)  # reward component -> weight; {} = all 1
+
+
+@dataclass
+class AdvantageResult:
+    """Advantages of one rollout batch, with what was masked and why."""
+
+    advantages: torch.Tensor  # [P, G] float
+    rewards: torch.Tensor  # [P, G] the (combined) rewards, a copy; NaN where the reward was non-finite
+    valid: torch.Tensor  # [P, G] bool: reward was finite (mask invalid completions out of the loss)
+    zero_variance: torch.Tensor  # [P] bool: group carried no relative signal (all finite rewards equal)
+    num_zero_variance: int  # number of zero-variance groups
+    num_nonfinite: int  # number of non-finite rewards that were masked
+
+
+def combine_rewards(components: Mapping[str, torch.Tensor], weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    """Weighted sum of reward components, each [P, G]; a component missing from `weights` has weight 1.
+
+    A weight for a component that does not exist is an error (a typo in the config would silently do
+    nothing otherwise).
+    """
+    if not components:
+        raise ValueError("combine_rewards needs at least one reward component")
+    weights = dict(weights or {})
+    unknown = set(weights) - set(components)
+    if unknown:
+        raise ValueError(f"weights given for unknown reward components {sorted(unknown)}; have {sorted(components)}")
+    names = list(components)
+    shape = components[names[0]].shape
+    total = torch.zeros(shape, dtype=torch.float32)
+    for name in names:
+        r = components[name]
+        if r.shape != shape:
+            raise ValueError(
+                f"reward component {name!r} has shape {tuple(r.shape)} but {names[0]!r} has {tuple(shape)}"
+            )
+        total = total + weights.get(name, 1.0) * r.float()
+    return total  # [P, G]
+
+
+def _masked_group_stats(r: torch.Tensor, valid: torch.Tensor, unbiased: bool):
+    """Mean and std over the valid entries of each row. r [P, G] (zeros where invalid), valid [P, G]."""
+    cnt = valid.sum(1, keepdim=True).clamp_min(1)  # [P, 1]
+    mean = (r * valid).sum(1, keepdim=True) / cnt  # [P, 1]
+    sq = (((r - mean) * valid) ** 2).sum(1, keepdim=True)  # [P, 1]
+    denom = (cnt - 1).clamp_min(1) if unbiased else cnt
+    return mean, (sq / denom).sqrt()
+
+
+def _grpo(r, valid, mean, std, cfg):  # DeepSeekMath (Shao et al. 2024)
+    return (r - mean) / (std + cfg.eps)
+
+
+def _dr_grpo(r, valid, mean, std, cfg):  # Dr. GRPO (Liu et al. 2025): no std division
+    return r - mean
+
+
+def _batch_std(r, valid, mean, std, cfg):  # group mean, batch std (Liu et al. 2025, "Tricks or Traps?")
+    centred = (r - mean) * valid  # [P, G]
+    n = valid.sum().clamp_min(1)
+    bmean = (r * valid).sum() / n
+    bvar = (((r - bmean) * valid) ** 2).sum() / ((n - 1).clamp_min(1) if cfg.std_unbiased else n)
+    return centred / (bvar.sqrt() + cfg.eps)
+
+
+def _none(r, valid, mean, std, cfg):  # plain REINFORCE: the reward itself
+    return r.clone()
+
+
+Estimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AdvantageConfig], torch.Tensor]
+ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "dr_grpo": _dr_grpo, "batch_std": _batch_std, "none": _none}
+
+
+def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None) -> AdvantageResult:
+    """Advantages [P, G] from rewards [P, G] with the estimator named by cfg.estimator.
+
+    Zero-variance groups get advantage exactly 0 under every estimator (under "none" too: a group where every
+    completion scored the same says nothing about which completion was better). Non-finite rewards are
+    masked, counted and get advantage 0.
+    """
+    cfg = cfg or AdvantageConfig()
+    if cfg.estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {cfg.estimator!r}; choose one of {sorted(ESTIMATORS)}")
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [P, G] (prompts x group size), got shape {tuple(rewards.shape)}")
+    r_in = rewards.detach().float()
+    valid = torch.isfinite(r_in)  # [P, G]
+    r = torch.where(valid, r_in, torch.zeros_like(r_in))  # [P, G]
+    mean, std = _masked_group_stats(r, valid, cfg.std_unbiased)  # [P, 1] each
+    big, small = torch.finfo(r.dtype).max, torch.finfo(r.dtype).min
+    spread = torch.where(valid, r, small).amax(1) - torch.where(valid, r, big).amin(1)  # [P]
+    zero_var = (valid.sum(1) < 2) | (spread <= cfg.zero_variance_tol)  # [P]
+    adv = ESTIMATORS[cfg.estimator](r, valid, mean, std, cfg)  # [P, G]
+    adv = torch.where(valid & ~zero_var[:, None], adv, torch.zeros_like(adv))
+    return AdvantageResult(
+        advantages=adv,
+        rewards=torch.where(valid, r_in, torch.full_like(r_in, float("nan"))),
+        valid=valid,
+        zero_variance=zero_var,
+        num_zero_variance=int(zero_var.sum()),
+        num_nonfinite=int((~valid).sum()),
+    )

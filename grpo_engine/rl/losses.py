@@ -1,0 +1,343 @@
+"""Policy-gradient losses as pure functions: (logp, old_logp, ref_logp, advantages, mask) -> (loss, metrics).
+
+All tensors are padded [B, T] with a mask [B, T] of completion tokens (float or bool). A loss is composed of
+four small variants, each chosen by name from a dict:
+
+    ratio        RATIOS        token (GRPO/DAPO) | sequence (GSPO)
+    surrogate    SURROGATES    clip (PPO clip, eps_low/eps_high, optional dual clip) | cispo
+    aggregation  AGGREGATIONS  seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
+    KL           KL_ESTIMATORS k1 | k2 | k3
+
+`LossConfig.loss` picks a preset (PRESETS) that fills the variants; explicit fields override the preset.
+Formulas with citations: docs/algorithms.md.
+
+Micro-batching: the aggregations divide by the size of the WHOLE optimizer step (num_tokens_total /
+num_seqs_total), supplied by the loop, so summing the gradients of k micro-batches gives exactly the gradient
+of one big batch. Without them, the call's own counts are used (right for a single micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossConfig:
+    """Policy loss; `loss` picks a preset, the None-valued fields below override its choices."""
+
+    loss: str = "grpo"  # preset: grpo | dapo | dr_grpo | gspo | cispo (see PRESETS)
+    ratio_level: str | None = None  # override: token | sequence (None: preset)
+    eps_low: float | None = None  # lower clip: ratio >= 1 - eps_low (None: preset)
+    eps_high: float | None = None  # upper clip: ratio <= 1 + eps_high (None: preset; DAPO clip-higher 0.28)
+    dual_clip_c: float | None = None  # dual clip for A < 0: loss <= -c * A (c > 1, e.g. 3.0); None = off
+    cispo_max_weight: float = 5.0  # CISPO: IS weight clipped to <= this (ScaleRL's eps_max)
+    cispo_min_weight: float = 0.0  # CISPO: IS weight clipped to >= this (0 = no lower clip, as MiniMax-M1)
+    aggregation: str | None = None  # override: seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
+    max_completion_len: int | None = None  # Dr. GRPO constant normaliser (max new tokens); needed for *-sum-norm
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || pi_ref))
+    beta: float = 0.0  # KL coefficient; 0 = no KL term and no reference model at all
+    kl_clamp: float = 20.0  # |log(pi_ref / pi)| clamped to this before k2/k3 (exp overflow guard)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * mean entropy (needs entropy input)
+    entropy_top_quantile: float = 1.0  # policy gradient only on the top-q entropy tokens (0.2 = top 20%); 1 = all
+
+
+@dataclass(frozen=True)
+class _Preset:
+    ratio_level: str
+    surrogate: str
+    eps_low: float
+    eps_high: float
+    aggregation: str
+
+
+PRESETS: dict[str, _Preset] = {
+    "grpo": _Preset("token", "clip", 0.2, 0.2, "seq-mean-token-mean"),  # DeepSeekMath
+    "dapo": _Preset("token", "clip", 0.2, 0.28, "token-mean"),  # DAPO
+    "dr_grpo": _Preset("token", "clip", 0.2, 0.2, "seq-mean-token-sum-norm"),  # Dr. GRPO
+    "gspo": _Preset("sequence", "clip", 3e-4, 4e-4, "seq-mean-token-mean"),  # GSPO
+    "cispo": _Preset("token", "cispo", 0.2, 0.2, "token-mean"),  # MiniMax-M1 (eps unused: cispo_*_weight)
+}
+
+
+@dataclass(frozen=True)
+class ResolvedLoss:
+    """A LossConfig with the preset applied: every variant named, every number set."""
+
+    ratio_level: str
+    surrogate: str
+    eps_low: float
+    eps_high: float
+    aggregation: str
+    cfg: LossConfig
+
+
+def resolve(cfg: LossConfig) -> ResolvedLoss:
+    """Apply the preset and validate every name and number (errors name the field and the choices)."""
+    if cfg.loss not in PRESETS:
+        raise ValueError(f"unknown loss {cfg.loss!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[cfg.loss]
+    r = ResolvedLoss(
+        ratio_level=cfg.ratio_level or p.ratio_level,
+        surrogate=p.surrogate,
+        eps_low=p.eps_low if cfg.eps_low is None else cfg.eps_low,
+        eps_high=p.eps_high if cfg.eps_high is None else cfg.eps_high,
+        aggregation=cfg.aggregation or p.aggregation,
+        cfg=cfg,
+    )
+    for field_name, value, table in [
+        ("ratio_level", r.ratio_level, RATIOS),
+        ("aggregation", r.aggregation, AGGREGATIONS),
+        ("kl_estimator", cfg.kl_estimator, KL_ESTIMATORS),
+    ]:
+        if value not in table:
+            raise ValueError(f"unknown {field_name} {value!r}; choose one of {sorted(table)}")
+    if r.aggregation == "seq-mean-token-sum-norm" and not (cfg.max_completion_len or 0) > 0:
+        raise ValueError("aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs max_completion_len > 0")
+    if not (0 <= r.eps_low < 1 and r.eps_high >= 0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {r.eps_low}, {r.eps_high}")
+    if cfg.dual_clip_c is not None and not cfg.dual_clip_c > 1:
+        raise ValueError(f"dual_clip_c must be > 1 (e.g. 3.0) or None, got {cfg.dual_clip_c}")
+    if not 0 < cfg.entropy_top_quantile <= 1:
+        raise ValueError(f"entropy_top_quantile must be in (0, 1], got {cfg.entropy_top_quantile}")
+    if cfg.beta < 0 or cfg.entropy_coef < 0:
+        raise ValueError(f"beta and entropy_coef must be >= 0, got {cfg.beta}, {cfg.entropy_coef}")
+    return r
+
+
+# ---- importance ratio: [B, T] log-probs -> [B, T] ratio ------------------------------------------------
+
+
+def _token_ratio(logp, old_logp, mask):
+    return torch.exp(logp - old_logp)  # [B, T]
+
+
+def _sequence_ratio(logp, old_logp, mask):
+    """GSPO: s_i = exp(mean_t log(pi / pi_old)) over the sequence's tokens, broadcast to its tokens."""
+    n = mask.sum(1, keepdim=True).clamp_min(1)  # [B, 1]
+    mean_log_ratio = ((logp - old_logp) * mask).sum(1, keepdim=True) / n  # [B, 1]
+    return torch.exp(mean_log_ratio).expand_as(logp)  # [B, T]
+
+
+RATIOS: dict[str, Callable] = {"token": _token_ratio, "sequence": _sequence_ratio}
+
+
+# ---- surrogate: per-token loss (to minimise) and clip indicators ----------------------------------------
+
+
+@dataclass
+class _Surrogate:
+    loss: torch.Tensor  # [B, T]
+    clipped_low: torch.Tensor  # [B, T] bool: the lower clip removed this token's gradient
+    clipped_high: torch.Tensor  # [B, T] bool: the upper clip removed this token's gradient
+
+
+def _clip_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
+    """PPO clip: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A); dual clip caps it at -c * A."""
+    surr1 = ratio * adv  # [B, T]
+    surr2 = ratio.clamp(1 - r.eps_low, 1 + r.eps_high) * adv  # [B, T]
+    obj = torch.minimum(surr1, surr2)  # [B, T]
+    if r.cfg.dual_clip_c is not None:
+        capped = torch.maximum(obj, r.cfg.dual_clip_c * adv)  # only binds when A < 0
+        obj = torch.where(adv < 0, capped, obj)
+    return _Surrogate(
+        loss=-obj,
+        clipped_low=(ratio < 1 - r.eps_low) & (adv < 0),
+        clipped_high=(ratio > 1 + r.eps_high) & (adv > 0),
+    )
+
+
+def _cispo_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
+    """CISPO: -sg(clip(ratio, w_min, w_max)) * A * logp -- every token keeps its gradient, only its weight is capped."""
+    lo, hi = r.cfg.cispo_min_weight, r.cfg.cispo_max_weight
+    weight = ratio.clamp(lo, hi).detach()  # [B, T]
+    return _Surrogate(loss=-weight * adv * logp, clipped_low=ratio < lo, clipped_high=ratio > hi)
+
+
+SURROGATES: dict[str, Callable[..., _Surrogate]] = {"clip": _clip_surrogate, "cispo": _cispo_surrogate}
+
+
+# ---- KL(pi || pi_ref) per token, d = log(pi_ref / pi) ----------------------------------------------------
+
+
+def _k1(d):
+    return -d
+
+
+def _k2(d):
+    return 0.5 * d**2
+
+
+def _k3(d):
+    return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+# ---- aggregation: per-token loss [B, T] -> scalar ----------------------------------------------------------
+
+
+def _token_mean(x, mask, num_tokens_total, num_seqs_total, r):
+    """DAPO: sum over all active tokens / active tokens of the whole step."""
+    return (x * mask).sum() / num_tokens_total
+
+
+def _seq_mean_token_mean(x, mask, num_tokens_total, num_seqs_total, r):
+    """GRPO paper: mean over a sequence's tokens, then sum / sequences of the whole step."""
+    per_seq = (x * mask).sum(1) / mask.sum(1).clamp_min(1)  # [B]
+    return per_seq.sum() / num_seqs_total
+
+
+def _seq_mean_token_sum_norm(x, mask, num_tokens_total, num_seqs_total, r):
+    """Dr. GRPO: token sum / (max_completion_len * sequences of the whole step) -- no length bias."""
+    return (x * mask).sum() / (r.cfg.max_completion_len * num_seqs_total)
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+# ---- the loss --------------------------------------------------------------------------------------------
+
+
+def _check_shapes(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
+
+
+def _broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] per-sequence or [B, T] per-token advantages -> [B, T]."""
+    if advantages.shape == mask.shape[:1]:
+        return advantages[:, None].expand_as(mask)
+    if advantages.shape != mask.shape:
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)} but mask has shape {tuple(mask.shape)}; "
+            f"expected [B] or [B, T]"
+        )
+    return advantages
+
+
+def _top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """Bool [B, T]: active tokens whose entropy is in the top q fraction of this call's active tokens."""
+    active = entropy[mask]
+    if active.numel() == 0 or q >= 1:
+        return mask
+    threshold = torch.quantile(active.detach().float(), 1 - q)
+    return mask & (entropy.detach() >= threshold)
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig | None = None,
+    *,
+    entropy: torch.Tensor | None = None,
+    num_tokens_total: float | None = None,
+    num_seqs_total: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss of one (micro-)batch and its metrics.
+
+    logp [B, T]: current policy log-probs (with grad); old_logp [B, T] or None: behaviour policy log-probs
+    (None = on-policy single pass: logp.detach() is used, so the ratio is 1 and the gradient is exact);
+    ref_logp [B, T] or None: reference log-probs (needed when cfg.beta > 0); advantages [B] or [B, T];
+    mask [B, T] (bool or 0/1) of completion tokens; entropy [B, T] (needed for entropy_coef > 0 or
+    entropy_top_quantile < 1).
+
+    num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (all micro-batches
+    of all accumulation steps). Pass them when the step is split into micro-batches: each micro-batch's loss is
+    then its share of the big-batch loss, so the summed gradients equal the one-batch gradient exactly. Default:
+    this call's own counts.
+
+    Non-finite inputs at active positions are masked out (and counted in metrics["num_nonfinite"]).
+    """
+    r = resolve(cfg or LossConfig())
+    c = r.cfg
+    _check_shapes(mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy)
+    adv = _broadcast_advantages(advantages, mask).to(logp.dtype)  # [B, T]
+    if c.beta > 0 and ref_logp is None:
+        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
+    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and entropy is None:
+        raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
+
+    # Mask non-finite inputs: they would turn the whole loss into NaN.
+    mask_in = mask.bool()
+    old = logp.detach() if old_logp is None else old_logp
+    finite = torch.isfinite(logp) & torch.isfinite(old) & torch.isfinite(adv)  # [B, T]
+    if ref_logp is not None and c.beta > 0:
+        finite &= torch.isfinite(ref_logp)
+    if entropy is not None:
+        finite &= torch.isfinite(entropy)
+    m_bool = mask_in & finite  # [B, T]
+    num_nonfinite = int((mask_in & ~finite).sum())
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp = torch.where(m_bool, logp, zero)
+    old = torch.where(m_bool, old.to(logp.dtype), zero)
+    adv = torch.where(m_bool, adv, zero)
+    m = m_bool.to(logp.dtype)  # [B, T]
+
+    n_tok = float(num_tokens_total) if num_tokens_total is not None else float(m.sum().clamp_min(1))
+    n_seq = float(num_seqs_total) if num_seqs_total is not None else float((m.sum(1) > 0).sum().clamp_min(1))
+    if n_tok <= 0 or n_seq <= 0:
+        raise ValueError(f"num_tokens_total and num_seqs_total must be > 0, got {num_tokens_total}, {num_seqs_total}")
+    aggregate = AGGREGATIONS[r.aggregation]
+
+    ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
+    surr = SURROGATES[r.surrogate](ratio, logp, adv, r)
+    pg_mask = m
+    if c.entropy_top_quantile < 1:
+        pg_mask = _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
+    pg_loss = aggregate(surr.loss, pg_mask, n_tok, n_seq, r)
+    loss = pg_loss
+
+    kl_mean = 0.0
+    if c.beta > 0:
+        d = torch.where(m_bool, ref_logp.to(logp.dtype), zero) - logp  # [B, T] log(pi_ref / pi)
+        kl = KL_ESTIMATORS[c.kl_estimator](d.clamp(-c.kl_clamp, c.kl_clamp))  # [B, T]
+        loss = loss + c.beta * aggregate(kl, m, n_tok, n_seq, r)
+        kl_mean = _masked_mean(kl, m)
+    ent_mean = 0.0
+    if entropy is not None:
+        ent = torch.where(m_bool, entropy.to(logp.dtype), zero)
+        if c.entropy_coef > 0:
+            loss = loss - c.entropy_coef * aggregate(ent, m, n_tok, n_seq, r)
+        ent_mean = _masked_mean(ent, m)
+
+    metrics = {
+        "loss": float(loss.detach()),
+        "pg_loss": float(pg_loss.detach()),
+        "kl_mean": kl_mean,
+        "entropy_mean": ent_mean,
+        "active_tokens": float(m.sum()),
+        "num_nonfinite": float(num_nonfinite),
+        **_ratio_metrics(ratio.detach(), surr, m_bool),
+    }
+    return loss, metrics
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
+    return float((x.detach() * m).sum() / m.sum().clamp_min(1))
+
+
+def _ratio_metrics(ratio: torch.Tensor, surr: _Surrogate, m_bool: torch.Tensor) -> dict[str, float]:
+    n = m_bool.sum().clamp_min(1)
+    active = ratio[m_bool]
+    empty = active.numel() == 0
+    return {
+        "clip_frac_low": float((surr.clipped_low & m_bool).sum() / n),
+        "clip_frac_high": float((surr.clipped_high & m_bool).sum() / n),
+        "ratio_min": 1.0 if empty else float(active.min()),
+        "ratio_mean": 1.0 if empty else float(active.mean()),
+        "ratio_max": 1.0 if empty else float(active.max()),
+    }

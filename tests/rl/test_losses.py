@@ -1,0 +1,227 @@
+"""Policy losses against hand-computed numbers (ratios e and 1/e hit each clip side) and micro-batch invariance."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_engine.rl.losses import LossConfig, policy_loss, resolve
+
+E = math.e
+
+
+def _clip_case():
+    """4 tokens of one sequence: log-ratios [1, 1, -1, -1] -> ratios [e, e, 1/e, 1/e]; A = [+1, -1, +1, -1]."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    return logp, old, adv, mask
+
+
+def _run(cfg, logp, old, adv, mask, **kw):
+    loss, metrics = policy_loss(logp, old, None, adv, mask, cfg, **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad, metrics
+
+
+def test_grpo_clip_both_sides():
+    # per-token objective min(r A, clip(r, 0.8, 1.2) A):
+    #   r=e,A=+1 -> 1.2 (clipped high, no grad) | r=e,A=-1 -> -e | r=1/e,A=+1 -> 1/e | r=1/e,A=-1 -> -0.8 (clipped low)
+    # loss = mean of -objective = (-1.2 + e - 1/e + 0.8) / 4 = 0.4876006
+    loss, grad, m = _run(LossConfig(loss="grpo"), *_clip_case())
+    assert loss == pytest.approx(0.4876006, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, E / 4, -1 / (4 * E), 0.0]], dtype=torch.float64))
+    assert m["clip_frac_low"] == 0.25 and m["clip_frac_high"] == 0.25
+    assert m["ratio_min"] == pytest.approx(1 / E) and m["ratio_max"] == pytest.approx(E)
+    assert m["ratio_mean"] == pytest.approx((E + 1 / E) / 2)
+
+
+def test_dapo_clip_higher_token_mean():
+    # upper clip 1.28 instead of 1.2: loss = (-1.28 + e - 1/e + 0.8) / 4 = 0.4676006
+    loss, grad, _ = _run(LossConfig(loss="dapo"), *_clip_case())
+    assert loss == pytest.approx(0.4676006, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, E / 4, -1 / (4 * E), 0.0]], dtype=torch.float64))
+
+
+def test_dual_clip():
+    # c = 2: the r=e, A=-1 token's objective max(-e, -2) = -2 -> loss 2 and no gradient
+    # loss = (-1.2 + 2 - 1/e + 0.8) / 4 = 0.3080303
+    loss, grad, _ = _run(LossConfig(loss="grpo", dual_clip_c=2.0), *_clip_case())
+    assert loss == pytest.approx(0.3080303, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, -1 / (4 * E), 0.0]], dtype=torch.float64))
+
+
+def test_dr_grpo_constant_normaliser():
+    # token sum / (max_completion_len=8 * 1 sequence) = (e - 1/e - 0.4) / 8 = 0.2438003
+    loss, grad, _ = _run(LossConfig(loss="dr_grpo", max_completion_len=8), *_clip_case())
+    assert loss == pytest.approx(0.2438003, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, E / 8, -1 / (8 * E), 0.0]], dtype=torch.float64))
+
+
+def test_cispo_clipped_stop_gradient_weight():
+    # weights clip(r, 0, 2) = [2, 2, 1/e, 1/e] (detached); loss = mean(-w A logp), logp = [-1, -2, -0.5, -1]
+    # = (2 - 4 + 0.5/e - 1/e) / 4 = -0.5459849 ; grad = -w A / 4 -> every token keeps a gradient
+    loss, grad, m = _run(LossConfig(loss="cispo", cispo_max_weight=2.0), *_clip_case())
+    assert loss == pytest.approx(-0.5459849, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, 0.5, -1 / (4 * E), 1 / (4 * E)]], dtype=torch.float64))
+    assert m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0
+
+
+def test_gspo_sequence_ratio():
+    # row 0: log-ratios [0.5, 1.5] -> s = exp(mean) = e, A = -1 -> objective -e (not clipped: min picks r A)
+    # row 1: log-ratios [-0.5, -1.5] -> s = 1/e, A = +1 -> objective 1/e
+    # seq-mean: loss = (e - 1/e) / 2 = 1.1752012; ds/dlogp_t = s / 2 per token -> grads e/4 and -1/(4e)
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    old = logp.detach() - torch.tensor([[0.5, 1.5], [-0.5, -1.5]], dtype=torch.float64)
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)  # per-sequence [B]
+    loss, grad, m = _run(LossConfig(loss="gspo"), logp, old, adv, torch.ones(2, 2))
+    assert loss == pytest.approx(1.1752012, abs=1e-6)
+    expect = torch.tensor([[E / 4, E / 4], [-1 / (4 * E), -1 / (4 * E)]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expect)
+    assert m["clip_frac_low"] == 0.0 and m["clip_frac_high"] == 0.0
+    # flip the advantages: both sequences are now clipped (s = e > 1 + 4e-4 with A > 0; s = 1/e < 1 - 3e-4, A < 0)
+    loss, grad, m = _run(LossConfig(loss="gspo"), logp, old, -adv, torch.ones(2, 2))
+    assert loss == pytest.approx((-(1 + 4e-4) + (1 - 3e-4)) / 2, abs=1e-9)
+    assert torch.equal(grad, torch.zeros_like(grad))
+    assert m["clip_frac_low"] == 0.5 and m["clip_frac_high"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "cfg, loss_value, grad_row0, grad_row1",
+    [
+        # on-policy (ratio 1): per-token loss = -A. rows: 3 tokens with A=+1, 1 token with A=-2
+        (LossConfig(aggregation="seq-mean-token-mean"), (-1 + 2) / 2, -1 / 6, 1.0),
+        (LossConfig(aggregation="token-mean"), (-3 + 2) / 4, -1 / 4, 2 / 4),
+        (LossConfig(loss="dr_grpo", max_completion_len=4), (-3 + 2) / 8, -1 / 8, 2 / 8),
+    ],
+)
+def test_aggregations_hand_computed(cfg, loss_value, grad_row0, grad_row1):
+    logp = torch.full((2, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float64)
+    loss, m = policy_loss(logp, None, None, torch.tensor([1.0, -2.0]), mask, cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(loss_value)
+    expect = torch.tensor([[grad_row0] * 3 + [0.0], [grad_row1, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expect)
+    assert m["ratio_mean"] == 1.0 and m["active_tokens"] == 4.0
+
+
+@pytest.mark.parametrize(
+    "estimator, loss_value, grads",
+    [
+        # d = ref - logp = [-1, +1]; beta 0.1; token-mean over 2 tokens; advantages 0 so only KL remains
+        ("k1", 0.0, [0.05, 0.05]),  # k1 = -d = logp - ref, d/dlogp = 1
+        ("k2", 0.05, [0.05, -0.05]),  # k2 = d^2 / 2, d/dlogp = -d
+        ("k3", 0.1 * (1 / E + E - 2) / 2, [0.05 * (1 - 1 / E), 0.05 * (1 - E)]),  # exp(d) - d - 1
+    ],
+)
+def test_kl_estimators(estimator, loss_value, grads):
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0]], dtype=torch.float64)
+    cfg = LossConfig(loss="dapo", beta=0.1, kl_estimator=estimator)
+    loss, m = policy_loss(logp, None, ref, torch.zeros(1), torch.ones(1, 2), cfg)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(loss_value, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([grads], dtype=torch.float64))
+    assert m["kl_mean"] == pytest.approx(loss_value / 0.1, abs=1e-12)
+
+
+def test_k3_log_ratio_clamped():
+    logp = torch.tensor([[-60.0]], dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, None, torch.tensor([[-1.0]]), torch.zeros(1), torch.ones(1, 1),
+                          LossConfig(beta=1.0, kl_clamp=20.0))
+    assert loss.item() == pytest.approx(math.exp(20) - 21)
+
+
+def test_entropy_bonus_and_top_quantile():
+    ent = torch.tensor([[0.1, 0.5, 0.9, 2.0, 0.3]], dtype=torch.float64, requires_grad=True)
+    logp = torch.full((1, 5), -1.0, dtype=torch.float64, requires_grad=True)
+    # bonus: loss = -A (token-mean) - 0.01 * mean entropy = -1 - 0.01 * 0.76
+    cfg = LossConfig(loss="dapo", entropy_coef=0.01)
+    loss, m = policy_loss(logp, None, None, torch.ones(1), torch.ones(1, 5), cfg, entropy=ent)
+    assert loss.item() == pytest.approx(-1 - 0.0076)
+    assert m["entropy_mean"] == pytest.approx(0.76)
+    torch.testing.assert_close(torch.autograd.grad(loss, ent)[0], torch.full((1, 5), -0.002, dtype=torch.float64))
+    # top 20% entropy: only the 2.0 token keeps its policy gradient (normaliser stays all 5 active tokens)
+    cfg = LossConfig(loss="dapo", entropy_top_quantile=0.2)
+    loss, _ = policy_loss(logp, None, None, torch.ones(1), torch.ones(1, 5), cfg, entropy=ent.detach())
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 0.0, -0.2, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(loss="dapo", beta=0.05),
+        LossConfig(loss="dr_grpo", max_completion_len=7, beta=0.05),
+        LossConfig(loss="grpo", beta=0.05, dual_clip_c=3.0),
+        LossConfig(loss="gspo"),
+        LossConfig(loss="cispo", cispo_max_weight=1.1),
+    ],
+    ids=["token-mean", "dr-grpo", "seq-mean", "gspo", "cispo"],
+)
+def test_micro_batches_sum_to_one_batch_gradient(cfg):
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 7
+    logp = (-torch.rand(b, t, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    ref = logp.detach() + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([7, 1, 4, 6, 2, 5])
+    mask = torch.arange(t)[None, :] < lengths[:, None]  # [B, T] right padding, uneven lengths
+
+    loss, _ = policy_loss(logp, old, ref, adv, mask, cfg)
+    (grad_full,) = torch.autograd.grad(loss, logp)
+    grad_sum = torch.zeros_like(logp)
+    for rows in [slice(0, 1), slice(1, 4), slice(4, 6)]:  # uneven micro-batches
+        mb_loss, _ = policy_loss(logp[rows], old[rows], ref[rows], adv[rows], mask[rows], cfg,
+                                 num_tokens_total=int(mask.sum()), num_seqs_total=b)
+        grad_sum += torch.autograd.grad(mb_loss, logp)[0]
+    torch.testing.assert_close(grad_sum, grad_full, atol=1e-12, rtol=0)
+    assert grad_full.abs().sum() > 0
+
+
+def test_on_policy_none_old_logp_gives_ratio_one_and_reinforce_gradient():
+    logp = torch.tensor([[-0.3, -2.0]], dtype=torch.float64, requires_grad=True)
+    loss, m = policy_loss(logp, None, None, torch.tensor([2.0]), torch.ones(1, 2), LossConfig(loss="dapo"))
+    assert m["ratio_min"] == m["ratio_max"] == 1.0
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.tensor([[-1.0, -1.0]], dtype=torch.float64))
+
+
+def test_nonfinite_inputs_masked_and_counted():
+    logp = torch.tensor([[-1.0, float("nan"), -1.0], [-1.0, -1.0, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the second NaN is padding: not counted
+    adv = torch.tensor([[1.0, 1.0, 1.0], [float("inf"), 1.0, 1.0]])
+    loss, m = policy_loss(logp, None, None, adv, mask, LossConfig(loss="dapo"))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert m["num_nonfinite"] == 2.0 and m["active_tokens"] == 3.0
+    assert loss.item() == pytest.approx(-1.0)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, torch.tensor([[-1 / 3, 0.0, -1 / 3], [0.0, -1 / 3, 0.0]]))
+
+
+def test_shape_mismatch_names_both_shapes():
+    logp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"old_logp has shape \(2, 4\) but mask has shape \(2, 3\)"):
+        policy_loss(logp, torch.zeros(2, 4), None, torch.zeros(2), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\) but mask has shape \(2, 3\)"):
+        policy_loss(logp, None, None, torch.zeros(3), torch.ones(2, 3))
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="unknown loss"):
+        resolve(LossConfig(loss="ppo2"))
+    with pytest.raises(ValueError, match="max_completion_len"):
+        resolve(LossConfig(loss="dr_grpo"))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        resolve(LossConfig(kl_estimator="k4"))
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(torch.zeros(1, 1), None, None, torch.zeros(1), torch.ones(1, 1), LossConfig(beta=0.1))
+
+
+def test_presets():
+    r = resolve(LossConfig(loss="dapo"))
+    assert (r.eps_low, r.eps_high, r.aggregation, r.ratio_level) == (0.2, 0.28, "token-mean", "token")
+    r = resolve(LossConfig(loss="grpo", eps_high=0.28, aggregation="token-mean"))
+    assert (r.eps_high, r.aggregation) == (0.28, "token-mean")
