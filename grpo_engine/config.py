@@ -101,7 +101,8 @@ class OverlongSection:
 @dataclass
 class AlgorithmSection:
     loss: str = _f("grpo", "policy loss variant (see docs/algorithms.md)")
-    advantage: str = _f("group_std", "advantage estimator (see docs/algorithms.md)")
+    advantage: str = _f("grpo", "advantage estimator (see docs/algorithms.md)",
+                        ("grpo", "dr_grpo", "batch_std", "none"))
     epsilon_low: float = _f(0.2, "lower clip range of the importance ratio")
     epsilon_high: float = _f(0.2, "upper clip range of the importance ratio (DAPO clip-higher: 0.28)")
     beta: float = _f(0.0, "KL penalty coefficient towards the reference policy; 0 = no reference")
