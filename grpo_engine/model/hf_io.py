@@ -282,11 +282,16 @@ def save_model(
     tokenizer_dir: str | Path | None = None,
     generation_config: dict | None = None,
     max_shard_bytes: int = 4 * 1024**3,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `model` as an HF checkpoint directory (config, weights, generation config, tokenizer files)."""
+    """Write `model` as an HF checkpoint directory (config, weights, generation config, tokenizer files).
+
+    state_dict: HF-named tensors to write instead of hf_state_dict(model), e.g. LoRA weights merged into
+    the base by lora.merged_model_state(model).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = hf_state_dict(model)
+    state = hf_state_dict(model) if state_dict is None else state_dict
     dtype = next(iter(state.values())).dtype
     shards = _shards(state, max_shard_bytes)
     meta = {"format": "pt"}

@@ -1,0 +1,82 @@
+"""`grpo` command line: thin parsers that call library functions.
+
+Each subcommand registers itself through an `add_*_parser(subparsers)` function; to add one, write such a
+function (in its own module when it grows) and list it in PARSERS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train with a YAML config and key=value overrides")
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="resume from the latest checkpoint of run_dir, or from the given checkpoint dir")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps")
+    p.set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from .config import check_paths, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
+    from .train.loop import train
+
+    result = train(cfg, resume=args.resume, stop_after=args.stop_after)
+    print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
+    return 0
+
+
+def add_config_parser(sub) -> None:
+    p = sub.add_parser("config", help="inspect configs")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="print the resolved config tree")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    show.set_defaults(func=_config_show)
+
+
+def _config_show(args) -> int:
+    from .config import load_config, to_yaml
+
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    from .bench_step import add_bench_step_parser
+
+    p = sub.add_parser("bench", help="benchmarks (one JSON line with --json)")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    add_bench_step_parser(bsub)
+
+
+PARSERS = [add_train_parser, add_config_parser, add_bench_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in PARSERS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"grpo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The typed configuration tree of a training run.
+
+One dataclass per section; YAML maps 1:1 onto it and `key.sub=value` command-line overrides patch it.
+OmegaConf does the merging and type checking (structured configs); this module turns its errors into a
+`ConfigError` that names the dotted field, the file and the closest valid name, and checks ranges,
+choices and paths BEFORE any model is loaded, so a typo costs a second, not a model load.
+
+Every field carries `metadata={"help": ...}` (and `"choices"` where the value is one of a few names);
+`iter_config_docs()` yields them for docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field, the source and the fix."""
+
+
+def _f(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any):
+    """A dataclass field with its one-line doc (and allowed values) attached."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda v=default: copy.deepcopy(v), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def _section(cls, help: str):
+    """A nested section field: built fresh per instance."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class ModelSection:
+    path: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors) of the policy")
+    dtype: str = _f("float32", "parameter dtype of the policy", ("float32", "bfloat16", "float16"))
+    device: str = _f("auto", "where to train: auto picks cuda when available", ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class TokenizerSection:
+    path: str | None = _f(None, "tokenizer directory; None = model.path")
+
+
+@dataclass
+class TaskSection:
+    name: str = _f("arithmetic", "registered task name (see grpo_engine.tasks.make_task)")
+    data_path: str | None = _f(None, "local data file/directory for tasks that read one (gsm8k, math, custom)")
+    train_split: str = _f("train", "split drawn for training prompts")
+    eval_split: str = _f("test", "split used by periodic evaluation")
+    options: dict[str, Any] = _f({}, "extra keyword arguments passed to make_task(name, **options)")
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = _f(4, "P: distinct prompts drawn per optimizer step")
+    group_size: int = _f(8, "G: completions sampled per prompt (>= 2, advantages are group-relative)")
+    max_new_tokens: int = _f(256, "completion length cap; longer ones are truncated (finish_reason=length)")
+    max_prompt_tokens: int = _f(1024, "prompts longer than this are rejected with an error")
+    temperature: float = _f(1.0, "sampling temperature (also used for training log-probs)")
+    top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off")
+    top_k: int = _f(0, "top-k sampling; 0 = off")
+    min_p: float = _f(0.0, "min-p sampling threshold; 0.0 = off")
+    stop_strings: list[str] = _f([], "extra strings that end a completion (EOS ids always do)")
+    max_tokens_in_flight: int = _f(0, "cap on sequences x tokens decoded at once (0 = all rows together)")
+
+
+@dataclass
+class SemanticEntropySection:
+    enabled: bool = _f(False, "scale advantages by the semantic entropy of each group's answers")
+    alpha: float = _f(1.0, "strength of the semantic-entropy modulation")
+
+
+@dataclass
+class DynamicSamplingSection:
+    enabled: bool = _f(False, "drop zero-variance groups and draw fresh prompts to refill the batch (DAPO)")
+    max_refills: int = _f(3, "extra generation rounds per step at most before training on what is there")
+
+
+@dataclass
+class OverlongSection:
+    mode: str = _f("none", "truncated completions: none, mask (no gradient) or penalty (soft length penalty)",
+                   ("none", "mask", "penalty"))
+    buffer_tokens: int = _f(64, "penalty mode: the penalty ramps up over the last buffer_tokens tokens")
+    penalty: float = _f(1.0, "penalty mode: reward subtracted at max_new_tokens")
+
+
+@dataclass
+class AlgorithmSection:
+    loss: str = _f("grpo", "policy loss variant (see docs/algorithms.md)")
+    advantage: str = _f("grpo", "advantage estimator (see docs/algorithms.md)",
+                        ("grpo", "dr_grpo", "batch_std", "none"))
+    epsilon_low: float = _f(0.2, "lower clip range of the importance ratio")
+    epsilon_high: float = _f(0.2, "upper clip range of the importance ratio (DAPO clip-higher: 0.28)")
+    beta: float = _f(0.0, "KL penalty coefficient towards the reference policy; 0 = no reference")
+    mu: int = _f(1, "policy-gradient passes over each rollout batch (> 1 needs old log-probs)")
+    semantic_entropy: SemanticEntropySection = _section(SemanticEntropySection, "semantic-entropy modulation")
+    dynamic_sampling: DynamicSamplingSection = _section(DynamicSamplingSection, "zero-variance group filtering")
+    overlong: OverlongSection = _section(OverlongSection, "handling of truncated completions")
+
+
+@dataclass
+class ReferenceSection:
+    mode: str = _f("frozen", "reference policy when beta > 0: frozen copy, synced every N steps, or CPU-parked",
+                   ("frozen", "synced", "cpu"))
+    sync_every: int = _f(0, "synced mode: copy policy weights into the reference every N steps")
+
+
+@dataclass
+class OptimizerSection:
+    name: str = _f("adamw", "optimizer (see grpo_engine/train/optim.py)")
+    lr: float = _f(1e-6, "peak learning rate")
+    betas: list[float] = _f([0.9, 0.99], "Adam betas")
+    eps: float = _f(1e-8, "Adam epsilon")
+    weight_decay: float = _f(0.0, "decoupled weight decay")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
+    max_nonfinite_steps: int = _f(3, "stop the run after this many consecutive NaN/inf losses or gradients")
+
+
+@dataclass
+class ScheduleSection:
+    steps: int = _f(100, "optimizer steps of the whole run")
+    warmup_steps: int = _f(0, "linear warmup from 0 to lr over this many steps")
+    lr_schedule: str = _f("constant", "shape after warmup", ("constant", "cosine"))
+    min_lr_ratio: float = _f(0.0, "cosine: final lr as a fraction of the peak")
+
+
+@dataclass
+class MemorySection:
+    micro_batch_tokens: int = _f(8192, "token budget (padded rows x length) of one forward/backward micro-batch")
+    auto_halve_micro_batch: bool = _f(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
+    activation_checkpointing: int = _f(0, "recompute activations of every k-th block in backward; 0 = off")
+    logprob_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs from hidden states")
+
+
+@dataclass
+class LoggingSection:
+    progress: bool = _f(True, "live console progress bar (off automatically when stdout is not a terminal)")
+    samples_every: int = _f(10, "write prompt/completion/reward samples to samples.jsonl every N steps; 0 = off")
+    samples_per_log: int = _f(2, "completions written per sample log")
+    tensorboard: bool = _f(False, "also log to TensorBoard (needs the `tensorboard` extra)")
+    wandb: bool = _f(False, "also log to Weights & Biases (needs the `wandb` extra)")
+    wandb_project: str = _f("grpo-engine", "wandb project name")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = _f(50, "save every N steps (and always at the end); 0 = only at the end")
+    keep_last: int = _f(3, "keep the newest K checkpoints; older ones are deleted")
+
+
+@dataclass
+class EvalSection:
+    every: int = _f(0, "evaluate every N steps; 0 = off")
+    num_examples: int = _f(64, "examples of task.eval_split scored per evaluation")
+    max_new_tokens: int = _f(256, "completion cap during evaluation (greedy decoding)")
+
+
+@dataclass
+class Config:
+    seed: int = _f(0, "seeds data order, sampling and initialisation; same seed = same run")
+    run_dir: str = _f("runs/grpo", "output directory: metrics.jsonl, samples.jsonl, checkpoints/")
+    model: ModelSection = _section(ModelSection, "policy checkpoint")
+    tokenizer: TokenizerSection = _section(TokenizerSection, "tokenizer")
+    task: TaskSection = _section(TaskSection, "task and data")
+    rollout: RolloutSection = _section(RolloutSection, "generation of completions")
+    algorithm: AlgorithmSection = _section(AlgorithmSection, "GRPO loss and advantage variants")
+    reference: ReferenceSection = _section(ReferenceSection, "reference policy for the KL term")
+    optimizer: OptimizerSection = _section(OptimizerSection, "optimizer and gradient clipping")
+    schedule: ScheduleSection = _section(ScheduleSection, "steps and learning-rate schedule")
+    memory: MemorySection = _section(MemorySection, "micro-batching and memory options")
+    logging: LoggingSection = _section(LoggingSection, "console, metrics and sample logs")
+    checkpoint: CheckpointSection = _section(CheckpointSection, "checkpoint interval and retention")
+    eval: EvalSection = _section(EvalSection, "periodic evaluation")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _dotted_names(cls=Config, prefix: str = "") -> list[str]:
+    names = []
+    for f in dataclasses.fields(cls):
+        names.append(prefix + f.name)
+        sub = _section_class(cls, f.name)
+        if sub is not None:
+            names += _dotted_names(sub, prefix + f.name + ".")
+    return names
+
+
+def _section_class(cls, name: str):
+    """The dataclass type of field `name` of `cls`, or None for a leaf (annotations are strings here)."""
+    default = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if default.default_factory is not dataclasses.MISSING:
+        value = default.default_factory()
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
+def _closest(full_key: str) -> str:
+    """' (did you mean X?)' for an unknown dotted key, or a list of the valid keys at that level."""
+    names = _dotted_names()
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    siblings = [n for n in names if n.rsplit(".", 1)[0] == parent and n.count(".") == full_key.count(".")]
+    if not parent:
+        siblings = [n for n in names if "." not in n]
+    match = difflib.get_close_matches(full_key, siblings, n=1, cutoff=0.5)
+    if not match:
+        match = difflib.get_close_matches(full_key, names, n=1, cutoff=0.6)
+    if match:
+        return f" (did you mean {match[0]!r}?)"
+    leaves = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
+    return f" (valid keys under {parent or 'the top level'}: {leaves})"
+
+
+def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    if isinstance(e, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
+        raise ConfigError(f"{source}: unknown config key {key!r}{_closest(key)}") from None
+    if isinstance(e, ValidationError):
+        raise ConfigError(f"{source}: wrong type for {key!r}: {msg}") from None
+    raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by validate()."""
+    merged: DictConfig = OmegaConf.structured(Config)
+    if path is not None:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(_read_yaml(Path(path))))
+        except OmegaConfBaseException as e:
+            _raise_from_omegaconf(e, str(path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. rollout.group_size=16)")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            _raise_from_omegaconf(e, f"override {item!r}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        _raise_from_omegaconf(e, str(path or "config"))
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml_text(text: str) -> Config:
+    """Rebuild a Config from `to_yaml` output (checkpoints store the config this way)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(yaml.safe_load(text) or {}))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        _raise_from_omegaconf(e, "stored config")
+        raise  # unreachable
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation (no model loading here)
+
+
+def _check_choices(obj, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{f.name}.")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            hint = difflib.get_close_matches(str(value), choices, n=1)
+            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{prefix}{f.name}={value!r} is not one of {', '.join(choices)}{did}")
+
+
+def _ranges(cfg: Config) -> list[tuple[bool, str]]:
+    """(condition that must hold, message when it does not)."""
+    r, a, o, s = cfg.rollout, cfg.algorithm, cfg.optimizer, cfg.schedule
+    return [
+        (r.group_size >= 2, "rollout.group_size must be >= 2: advantages compare completions of one prompt"),
+        (r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
+        (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+        (r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens must be >= 1"),
+        (r.temperature > 0, "rollout.temperature must be > 0"),
+        (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (r.top_k >= 0, "rollout.top_k must be >= 0 (0 = off)"),
+        (0 <= r.min_p < 1, "rollout.min_p must be in [0, 1)"),
+        (r.max_tokens_in_flight >= 0, "rollout.max_tokens_in_flight must be >= 0"),
+        (a.epsilon_low >= 0 and a.epsilon_high >= 0, "algorithm.epsilon_low/high must be >= 0"),
+        (a.beta >= 0, "algorithm.beta must be >= 0"),
+        (a.mu >= 1, "algorithm.mu must be >= 1"),
+        (a.dynamic_sampling.max_refills >= 0, "algorithm.dynamic_sampling.max_refills must be >= 0"),
+        (a.overlong.buffer_tokens >= 0, "algorithm.overlong.buffer_tokens must be >= 0"),
+        (cfg.reference.sync_every >= 0, "reference.sync_every must be >= 0"),
+        (o.lr >= 0, "optimizer.lr must be >= 0"),
+        (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas must be two numbers in [0, 1)"),
+        (o.grad_clip >= 0, "optimizer.grad_clip must be >= 0 (0 = off)"),
+        (o.max_nonfinite_steps >= 1, "optimizer.max_nonfinite_steps must be >= 1"),
+        (s.steps >= 1, "schedule.steps must be >= 1"),
+        (0 <= s.warmup_steps <= s.steps, "schedule.warmup_steps must be in [0, schedule.steps]"),
+        (0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
+        (cfg.memory.micro_batch_tokens >= 1, "memory.micro_batch_tokens must be >= 1"),
+        (cfg.memory.activation_checkpointing >= 0, "memory.activation_checkpointing must be >= 0"),
+        (cfg.memory.logprob_chunk_size >= 1, "memory.logprob_chunk_size must be >= 1"),
+        (cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0"),
+        (cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
+        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+        (cfg.eval.every >= 0, "eval.every must be >= 0"),
+        (cfg.eval.num_examples >= 1, "eval.num_examples must be >= 1"),
+    ]
+
+
+def validate(cfg: Config) -> None:
+    """Choices and ranges; paths are checked separately by check_paths (they may be set by overrides)."""
+    _check_choices(cfg)
+    for ok, message in _ranges(cfg):
+        if not ok:
+            raise ConfigError(message)
+
+
+TOKENIZER_REQUIRED = ("tokenizer.json",)
+
+
+def check_paths(cfg: Config) -> None:
+    """Model, tokenizer and data paths exist and look right; run before any weights are read."""
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: set it in the YAML or with model.path=/path/to/hf_checkpoint")
+    model_dir = Path(cfg.model.path)
+    if not model_dir.is_dir():
+        raise ConfigError(f"model.path={cfg.model.path!r}: directory does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: is it a Hugging Face checkpoint dir?")
+    if not any(model_dir.glob("*.safetensors")):
+        raise ConfigError(f"model.path={cfg.model.path!r} has no *.safetensors weights")
+    tok_dir = Path(cfg.tokenizer.path or cfg.model.path)
+    missing = [n for n in TOKENIZER_REQUIRED if not (tok_dir / n).is_file()]
+    if missing:
+        raise ConfigError(f"tokenizer directory {str(tok_dir)!r} lacks {', '.join(missing)}; set tokenizer.path")
+    if cfg.task.data_path is not None and not Path(cfg.task.data_path).exists():
+        raise ConfigError(f"task.data_path={cfg.task.data_path!r} does not exist")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Docs
+
+
+def iter_config_docs(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
+    """(dotted_name, type, default, help) of every leaf field, in declaration order."""
+    instance = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from iter_config_docs(type(value), f"{prefix}{f.name}.")
+            continue
+        help_text = f.metadata.get("help", "")
+        if "choices" in f.metadata:
+            help_text += f" [{' | '.join(f.metadata['choices'])}]"
+        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        yield prefix + f.name, type_name, value, help_text

@@ -1,0 +1,425 @@
+"""LoRA / QLoRA adapters for `Transformer`: inject, merge for rollout, disable for the reference, export.
+
+Design:
+* `LoRALinear` replaces a targeted `nn.Linear` but keeps the base `weight` / `bias` under the SAME
+  attribute names, so `hf_name_table` / `hf_state_dict` / `save_model` still see
+  `layers.{i}.attn.q_proj.weight`; the adapter adds `lora_A` [r, in] and `lora_B` [out, r].
+  y = base(x) + (alpha / r) * B A dropout(x).
+* Merging (`merge_lora`) folds the adapter into the base weight so rollout decodes with one matmul per
+  projection. Training needs the unmerged form (gradients reach A and B only through the adapter path), so
+  a merged module refuses to run a grad-enabled training forward.
+* Exact unmerge: subtracting B A again is exact only up to rounding, and in bf16 that error (~1 ulp per
+  merge) would random-walk the frozen base weights over thousands of steps. Low-precision bases therefore
+  park a copy of the original weight on the CPU at merge time and copy it back at unmerge (bit-exact); fp32
+  bases subtract (error ~1e-7 relative, no extra memory).
+* QLoRA: the base weight is stored in NF4 (torchao or bitsandbytes, CUDA only, imported lazily). An NF4
+  base is never merged (re-quantising would change it); rollout runs the adapter path instead.
+* The reference policy for KL is the base model: `adapters_disabled(model)` switches every adapter off
+  for the duration of a `with` block. No second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .hf_io import hf_name_table
+from .transformer import Transformer
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the targeted projections; the rest of the model is frozen."""
+
+    enabled: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
+    rank: int = field(default=16, metadata={"help": "adapter rank r"})
+    alpha: float = field(default=32.0, metadata={"help": "scale numerator: the update is (alpha / r) B A x"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input during training"})
+    target_modules: list[str] = field(
+        default_factory=lambda: list(ALL_LINEAR),
+        metadata={"help": "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"},
+    )
+    init: str = field(default="kaiming", metadata={"help": "lora_A init: kaiming (uniform) | gaussian"})
+    adapter_dtype: str = field(
+        default="float32", metadata={"help": "dtype of lora_A / lora_B (fp32 keeps small updates exact)"}
+    )
+    quantize_base: str = field(default="none", metadata={"help": "none | nf4 (QLoRA: 4-bit base, CUDA only)"})
+    quant_backend: str = field(default="auto", metadata={"help": "auto | torchao | bitsandbytes (for nf4)"})
+    strict: bool = field(
+        default=False, metadata={"help": "fail instead of falling back to plain LoRA when nf4 is unavailable"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank must be > 0, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        bad = sorted(set(self.target_modules) - set(ALL_LINEAR))
+        if bad or not self.target_modules:
+            raise ValueError(f"lora.target_modules {bad or '[]'} invalid; choose from {ALL_LINEAR}")
+        if self.init not in LORA_A_INIT:
+            raise ValueError(f"lora.init={self.init!r}; choose from {sorted(LORA_A_INIT)}")
+        if self.quantize_base not in ("none", "nf4"):
+            raise ValueError(f"lora.quantize_base={self.quantize_base!r}; choose none or nf4")
+        if self.quant_backend not in ("auto", *NF4_BACKENDS):
+            choices = ", ".join(["auto", *NF4_BACKENDS])
+            raise ValueError(f"lora.quant_backend={self.quant_backend!r}; choose {choices}")
+        if not isinstance(getattr(torch, self.adapter_dtype, None), torch.dtype):
+            raise ValueError(f"lora.adapter_dtype={self.adapter_dtype!r} is not a torch dtype (e.g. float32)")
+
+
+def _init_kaiming(a: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # same init nn.Linear gives its weight
+
+
+def _init_gaussian(a: torch.Tensor) -> None:
+    nn.init.normal_(a, std=1.0 / a.shape[0])
+
+
+LORA_A_INIT: dict[str, Callable[[torch.Tensor], None]] = {
+    "kaiming": _init_kaiming,
+    "gaussian": _init_gaussian,
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# NF4 backends (lazy imports; CUDA only). Each returns (quantized weight, forward fn, dequantize fn).
+
+
+def _nf4_torchao(w: torch.Tensor):
+    from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+
+    q = to_nf4(w.detach().to(torch.bfloat16), block_size=64, scaler_block_size=256)
+    return q, lambda x, qw: linear_nf4(x, qw), lambda qw: qw.get_original_weight()
+
+
+def _nf4_bitsandbytes(w: torch.Tensor):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    q, state = bnbf.quantize_4bit(w.detach().to(torch.bfloat16), blocksize=64, quant_type="nf4",
+                                  compress_statistics=True)
+    return (
+        q,
+        lambda x, qw: bnb.matmul_4bit(x, qw.t(), quant_state=state),
+        lambda qw: bnbf.dequantize_4bit(qw, state),
+    )
+
+
+NF4_BACKENDS: dict[str, Callable] = {"torchao": _nf4_torchao, "bitsandbytes": _nf4_bitsandbytes}
+
+
+def nf4_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """None when `backend` can quantize on `device`; otherwise why not (names the missing piece)."""
+    if device.type != "cuda":
+        return f"NF4 needs a CUDA device, the model is on {device.type}"
+    module = {"torchao": "torchao", "bitsandbytes": "bitsandbytes"}[backend]
+    try:
+        __import__(module)
+    except ImportError:
+        return f"{module} is not installed (pip install {module})"
+    return None
+
+
+def choose_nf4_backend(cfg: LoRAConfig, device: torch.device) -> tuple[str | None, str]:
+    """(backend name or None, reasons it could not be used) for cfg.quant_backend on `device`."""
+    names = list(NF4_BACKENDS) if cfg.quant_backend == "auto" else [cfg.quant_backend]
+    reasons = []
+    for name in names:
+        why = nf4_unavailable_reason(name, device)
+        if why is None:
+            return name, ""
+        reasons.append(f"{name}: {why}")
+    return None, "; ".join(reasons)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The adapter module
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (see module docstring)."""
+
+    def __init__(self, base: nn.Linear, cfg: LoRAConfig):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # [out, in], frozen (same Parameter object: no copy)
+        self.bias = base.bias  # [out] or None, frozen
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        kw = dict(dtype=getattr(torch, cfg.adapter_dtype), device=base.weight.device)
+        self.lora_A = nn.Parameter(torch.empty(cfg.rank, self.in_features, **kw))  # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, **kw))  # [out, r]
+        LORA_A_INIT[cfg.init](self.lora_A.data)
+        self.scaling = cfg.alpha / cfg.rank
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.adapter_enabled = True
+        self.merged = False
+        self._parked: torch.Tensor | None = None  # original weight while merged (low-precision bases)
+        self._nf4_forward: Callable | None = None
+        self._nf4_dequantize: Callable | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self._nf4_forward is not None
+
+    def quantize_nf4(self, backend: str) -> None:
+        """Replace the base weight by its NF4 form (frees the bf16/fp32 copy)."""
+        q, fwd, deq = NF4_BACKENDS[backend](self.weight)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self._nf4_forward, self._nf4_dequantize = fwd, deq
+
+    def base_weight(self) -> torch.Tensor:
+        """The (dequantized) frozen base weight [out, in]."""
+        return self._nf4_dequantize(self.weight) if self.quantized else self.weight
+
+    def delta_weight(self) -> torch.Tensor:
+        """(alpha / r) B A in fp32, [out, in]."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if self.quantized:
+            y = self._nf4_forward(x, self.weight)
+            y = y + self.bias if self.bias is not None else y
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            if self.training and torch.is_grad_enabled():
+                raise RuntimeError("LoRA weights are merged: call unmerge_lora(model) before training")
+            return y
+        if not self.adapter_enabled:
+            return y
+        h = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)  # [..., r]
+        return y + (F.linear(h, self.lora_B) * self.scaling).to(y.dtype)  # [..., out]
+
+    @torch.no_grad()
+    def merge(self) -> bool:
+        """W <- W + s B A. Returns False (and does nothing) for an NF4 base, which is never merged."""
+        if self.merged or self.quantized:
+            return False
+        if self.weight.dtype != torch.float32:  # bf16/fp16: keep the exact original for unmerge
+            self._parked = self.weight.detach().to("cpu", copy=True)
+        self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
+        self.merged = True
+        return True
+
+    @torch.no_grad()
+    def unmerge(self) -> bool:
+        if not self.merged:
+            return False
+        if self._parked is not None:
+            self.weight.copy_(self._parked)
+            self._parked = None
+        else:
+            self.weight.sub_(self.delta_weight().to(self.weight.dtype))
+        self.merged = False
+        return True
+
+    def extra_repr(self) -> str:
+        quant = ", nf4" if self.quantized else ""
+        r = self.lora_A.shape[0]
+        return f"in={self.in_features}, out={self.out_features}, r={r}, scaling={self.scaling:g}{quant}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model-level operations
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
+def _require_lora(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    mods = list(lora_modules(model))
+    if not mods:
+        raise ValueError("model has no LoRA adapters: call apply_lora(model, cfg) first")
+    return mods
+
+
+def apply_lora(model: Transformer, cfg: LoRAConfig) -> Transformer:
+    """Freeze every parameter, wrap the targeted projections in LoRALinear (in place), optionally NF4."""
+    if any(True for _ in lora_modules(model)):
+        raise ValueError("model already has LoRA adapters; apply_lora must be called once")
+    backend = _resolve_quantization(model, cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = set(cfg.target_modules)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                lora = LoRALinear(child, cfg)
+                if backend is not None:
+                    lora.quantize_nf4(backend)
+                setattr(parent, child_name, lora)
+    model.lora_config = cfg
+    return model
+
+
+def _resolve_quantization(model: Transformer, cfg: LoRAConfig) -> str | None:
+    """The NF4 backend to use, or None; warns (or raises when strict) when NF4 was asked for but can't run."""
+    if cfg.quantize_base == "none":
+        return None
+    backend, reasons = choose_nf4_backend(cfg, model.device)
+    if backend is not None:
+        return backend
+    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    msg = f"QLoRA NF4 base unavailable ({reasons})"
+    if cfg.strict:
+        raise RuntimeError(f"{msg}; lora.strict=true forbids falling back. Run on CUDA with torchao or "
+                           f"bitsandbytes installed, or set lora.quantize_base=none")
+    warnings.warn(f"{msg}: fell back to plain LoRA on the unquantized {dtype} base weights", stacklevel=3)
+    return None
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable adapter parameters (what the optimizer should get)."""
+    return [p for _, m in _require_lora(model) for p in (m.lora_A, m.lora_B)]
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold adapters into the base weights (rollout speed). Returns how many modules were merged."""
+    return sum(m.merge() for _, m in _require_lora(model))
+
+
+def unmerge_lora(model: nn.Module) -> int:
+    """Undo merge_lora exactly (bf16: bit-exact restore; fp32: subtraction). Returns modules unmerged."""
+    return sum(m.unmerge() for _, m in _require_lora(model))
+
+
+@contextlib.contextmanager
+def lora_merged(model: nn.Module) -> Iterator[nn.Module]:
+    """`with lora_merged(model): generate(...)` — merged inside, unmerged after (also on error)."""
+    merge_lora(model)
+    try:
+        yield model
+    finally:
+        unmerge_lora(model)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The reference policy: the base model, adapters switched off inside the block."""
+    mods = _require_lora(model)
+    if any(m.merged for _, m in mods):
+        raise RuntimeError("adapters_disabled on a merged model: call unmerge_lora(model) first")
+    previous = [m.adapter_enabled for _, m in mods]
+    for _, m in mods:
+        m.adapter_enabled = False
+    try:
+        yield model
+    finally:
+        for (_, m), was in zip(mods, previous):
+            m.adapter_enabled = was
+
+
+# ----------------------------------------------------------------------------------------------------
+# Export: PEFT adapter layout and merged HF state
+
+
+def peft_name_table(model: Transformer) -> dict[str, str]:
+    """Our adapter parameter name -> PEFT tensor name, derived from the HF name table."""
+    hf = hf_name_table(model.config)
+    table = {}
+    for name, _ in _require_lora(model):
+        base = hf[f"{name}.weight"].removesuffix(".weight")  # model.layers.{i}.self_attn.q_proj
+        table[f"{name}.lora_A"] = f"{PEFT_PREFIX}{base}.lora_A.weight"
+        table[f"{name}.lora_B"] = f"{PEFT_PREFIX}{base}.lora_B.weight"
+    return table
+
+
+def lora_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """Adapter tensors under PEFT names: lora_A.weight [r, in], lora_B.weight [out, r] (CPU, contiguous)."""
+    params = dict(model.named_parameters())
+    return {peft: params[ours].detach().cpu().contiguous() for ours, peft in peft_name_table(model).items()}
+
+
+def peft_adapter_config(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(cfg.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "grpo_engine": asdict(cfg),
+    }
+
+
+def save_adapter(model: Transformer, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors in PEFT's layout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.lora_config
+    save_file(lora_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = peft_adapter_config(cfg, base_model_name_or_path)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def load_adapter(model: Transformer, adapter_dir: str | Path) -> None:
+    """Load adapter weights written by save_adapter (or PEFT) into a model that has apply_lora'd adapters."""
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {adapter_dir} a LoRA adapter directory?")
+    tensors = load_file(str(path))
+    table = peft_name_table(model)
+    missing = sorted(set(table.values()) - set(tensors))
+    unexpected = sorted(set(tensors) - set(table.values()))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing {missing[:4]} unexpected {unexpected[:4]} "
+                         f"(do target_modules / num layers match the model?)")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for ours, peft in table.items():
+            if tensors[peft].shape != params[ours].shape:
+                raise ValueError(f"{path}: {peft} has shape {tuple(tensors[peft].shape)}, "
+                                 f"model expects {tuple(params[ours].shape)} (rank mismatch?)")
+            params[ours].copy_(tensors[peft])
+
+
+@torch.no_grad()
+def merged_model_state(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named state of base + merged adapters, without modifying the model (pass to save_model).
+
+    NF4 bases are dequantized. dtype defaults to the embedding's dtype (the model's working dtype).
+    """
+    dtype = dtype or model.embed.weight.dtype
+    lora_by_weight = {f"{name}.weight": m for name, m in lora_modules(model)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    state = {}
+    for ours, theirs in hf_name_table(model.config).items():
+        m = lora_by_weight.get(ours)
+        if m is None:
+            t = params[ours]
+        elif m.merged:
+            t = m.weight
+        else:
+            t = m.base_weight().float() + m.delta_weight()
+        state[theirs] = t.detach().to("cpu", dtype).contiguous()
+    return state

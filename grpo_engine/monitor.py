@@ -1,0 +1,199 @@
+"""Run monitoring: console progress bar, metrics.jsonl, samples.jsonl, optional TensorBoard / wandb.
+
+metrics.jsonl is always written, one JSON object per optimizer step with the fixed keys of `StepMetrics`
+(plus per-component reward statistics), so plots and tests can rely on the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float = math.nan
+    reward_mean: float = math.nan
+    reward_std: float = math.nan
+    reward_components: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> {mean, std}
+    accuracy: float = math.nan
+    completion_len_mean: float = math.nan
+    completion_len_max: int = 0
+    truncation_rate: float = math.nan
+    zero_variance_frac: float = math.nan
+    semantic_entropy: float = math.nan
+    kl: float = math.nan
+    entropy: float = math.nan
+    clip_frac_low: float = math.nan
+    clip_frac_high: float = math.nan
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    skipped_update: bool = False
+    refills: int = 0
+    rows: int = 0
+    train_tokens: int = 0
+    gen_tokens: int = 0
+    gen_tokens_per_s: float = math.nan
+    train_tokens_per_s: float = math.nan
+    time_generate_s: float = 0.0
+    time_score_s: float = 0.0
+    time_logprobs_s: float = 0.0
+    time_update_s: float = 0.0
+    time_step_s: float = 0.0
+    peak_mem_mib: float = math.nan
+    micro_batch_tokens: int = 0
+    eval_accuracy: float | None = None
+
+    def to_json(self) -> str:
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return None  # strict JSON: NaN/inf become null
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return v
+
+        return json.dumps({k: clean(v) for k, v in dataclasses.asdict(self).items()})
+
+
+@dataclass
+class Sample:
+    step: int
+    prompt: str
+    completion: str
+    reward: float
+    components: dict[str, float]
+    answer: str | None
+    finish_reason: str
+
+
+class _Console:
+    """rich progress bar with the headline numbers; off when stdout is not a terminal."""
+
+    def __init__(self, total: int, start: int):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+        self.progress.start()
+
+    def update(self, m: StepMetrics) -> None:
+        info = (
+            f"reward {m.reward_mean:.3f}  acc {m.accuracy:.2f}  len {m.completion_len_mean:.0f}  "
+            f"gen {m.gen_tokens_per_s:.0f} tok/s  train {m.train_tokens_per_s:.0f} tok/s"
+        )
+        self.progress.update(self.task, completed=m.step, info=info)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class Monitor:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        tensorboard: bool,
+        wandb: bool,
+        wandb_project: str,
+        config: dict,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        self._truncate_metrics_after(start_step)
+        self.console = _Console(total_steps, start_step) if progress and sys.stdout.isatty() else None
+        self.tb = _open_tensorboard(self.run_dir) if tensorboard else None
+        self.wandb = _open_wandb(wandb_project, config, self.run_dir) if wandb else None
+
+    def _truncate_metrics_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint (they will be recomputed identically)."""
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines()
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= step]
+        self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log_step(self, m: StepMetrics) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(m.to_json() + "\n")
+        scalars = {k: v for k, v in dataclasses.asdict(m).items() if isinstance(v, (int, float)) and k != "step"}
+        for name, stats in m.reward_components.items():
+            for stat, v in stats.items():
+                scalars[f"reward/{name}/{stat}"] = v
+        if self.tb is not None:
+            for k, v in scalars.items():
+                if v is not None and math.isfinite(float(v)):
+                    self.tb.add_scalar(k, float(v), m.step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=m.step)
+        if self.console is not None:
+            self.console.update(m)
+
+    def log_samples(self, samples: list[Sample]) -> None:
+        with self.samples_path.open("a") as f:
+            for s in samples:
+                f.write(json.dumps(dataclasses.asdict(s)) + "\n")
+
+    def message(self, text: str) -> None:
+        """A line for the person watching (stderr, above the progress bar)."""
+        if self.console is not None:
+            self.console.progress.console.print(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _open_tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise RuntimeError(
+            "logging.tensorboard=true but the `tensorboard` package is not installed: "
+            "pip install 'grpo-engine[tensorboard]' or set logging.tensorboard=false"
+        ) from e
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def _open_wandb(project: str, config: dict, run_dir: Path):
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError(
+            "logging.wandb=true but the `wandb` package is not installed: "
+            "pip install 'grpo-engine[wandb]' or set logging.wandb=false"
+        ) from e
+    return wandb.init(project=project, config=config, dir=str(run_dir))
+
+
+def peak_memory_mib(device: str | object) -> float:
+    """Peak CUDA memory allocated, or peak resident set size of the process on CPU."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -1,0 +1,255 @@
+"""Batched generation on the policy's own weights: prefill each prompt once, decode its G samples.
+
+One call runs in waves (so rows x max length stays under `max_tokens_in_flight`). Within a wave:
+
+1. prefill: the wave's P prompts, left-padded to length L, go through the model once into a [P, ., L, .]
+   cache; the LM head is applied to the last position only ([P, V], not [P, L, V]);
+2. share: each prompt's keys/values are copied to its G rows of the decode cache [P*G, ., L+T, .] — the
+   prompt is never recomputed per sample;
+3. decode: all rows advance one token per step with a key-padding mask; rows that finish (stop token,
+   stop string, max_new_tokens) are dropped from the batch (cache, mask, state gathered by index) once they
+   are `compact_fraction` of the active rows, so long completions do not pay for finished ones.
+
+Reproducibility: one torch.Generator seeded with `seed` on the model's device drives every draw, so the
+same call (same prompts, params, seed, device) gives the same completions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..model.transformer import Transformer
+from .kv_cache import KVCache
+from .sampling import Sampler, SamplingParams
+
+STOP, LENGTH = "stop", "length"
+
+
+@dataclass
+class GenerationOutput:
+    """Completions of generate(); row i belongs to prompt prompt_index[i] == i // n (groups contiguous).
+
+    completion_ids[i]: sampled tokens, the stop token (or the token completing a stop string) included.
+    logprobs[i][t]: log-prob of completion_ids[i][t] under the sampling distribution (see sampling.py).
+    finish_reason[i]: "stop" (stop token / stop string) or "length" (max_new_tokens reached).
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reason: list[str]
+    prompt_index: list[int]
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+
+@dataclass
+class _Row:
+    """One finished completion (internal)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    reason: str
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation and wave planning
+
+
+def _validate(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams, tokenizer) -> None:
+    cfg = model.config
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode completions: pass generate(..., tokenizer=tok)")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS)")
+        if len(p) > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens, longer than the model's max_position_embeddings="
+                f"{cfg.max_position_embeddings}; truncate the prompt"
+            )
+        if len(p) + params.max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} ({len(p)} tokens) + max_new_tokens={params.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}; lower max_new_tokens or shorten it"
+            )
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={cfg.vocab_size})")
+
+
+def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
+    """Group prompt indices into waves with rows x (longest prompt + max_new_tokens) <= the budget.
+
+    Prompts are taken longest first so that each wave pads to similar lengths.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    budget, n, t = params.max_tokens_in_flight, params.n, params.max_new_tokens
+    waves: list[list[int]] = []
+    for i in order:
+        need_alone = n * (lengths[i] + t)
+        if budget is not None and need_alone > budget:
+            raise ValueError(
+                f"max_tokens_in_flight={budget} cannot hold the n={n} samples of prompt {i} "
+                f"({lengths[i]} tokens + max_new_tokens={t} = {need_alone} slots); raise it or lower n"
+            )
+        if waves:
+            longest = lengths[waves[-1][0]]
+            if budget is None or (len(waves[-1]) + 1) * n * (longest + t) <= budget:
+                waves[-1].append(i)
+                continue
+        waves.append([i])
+    return waves
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stop strings
+
+
+class StopStrings:
+    """Detects a stop string newly completed by a row's last token, decoding only a short tail.
+
+    Earlier steps already checked (and found nothing in) every earlier tail, so a match in the tail of the
+    last `window` tokens must end in the new token. The window is long enough for the longest stop string
+    even if every token decodes to a single byte, plus a margin for partial characters at its start.
+    """
+
+    def __init__(self, stop_strings: list[str], tokenizer):
+        self.strings = stop_strings
+        self.tokenizer = tokenizer
+        self.window = max((len(s.encode()) for s in stop_strings), default=0) + 4
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if not self.strings:
+            return False
+        tail = self.tokenizer.decode(tokens[-self.window :])
+        return any(s in tail for s in self.strings)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One wave
+
+
+def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [P, L] (pad id 0, never attended) and mask [P, L] bool (True = real token)."""
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        mask[r, L - len(p) :] = True
+    return ids.to(device), mask.to(device)
+
+
+def _prefill(model: Transformer, prompts: list[list[int]], n: int, max_new: int):
+    """Prefill the P prompts once, then share: -> decode cache [P*n rows], key mask [P*n, L+T], logits [P*n, V]."""
+    device, dtype = model.device, model.embed.weight.dtype
+    ids, mask = _left_pad(prompts, device)  # [P, L]
+    P, L = ids.shape
+    prefix = KVCache.allocate(model.config, P, L, dtype, device)
+    hidden = model(ids, mask, cache=prefix, return_hidden=True)  # [P, L, hidden]
+    logits = model.lm_head(hidden[:, -1])  # [P, V]: the LM head at the last position only
+    share = torch.arange(P, device=device).repeat_interleave(n)  # [P*n]: row -> its prompt
+    cache = KVCache.allocate(model.config, P * n, L + max_new, dtype, device)
+    cache.copy_prefix_from(prefix, share)
+    key_mask = torch.zeros(P * n, L + max_new, dtype=torch.bool, device=device)
+    key_mask[:, :L] = mask.index_select(0, share)
+    return cache, key_mask, logits.index_select(0, share)
+
+
+def _run_wave(
+    model: Transformer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    sample: Sampler,
+    generator: torch.Generator,
+    stop_strings: StopStrings,
+    decode_step: Callable,
+) -> list[_Row]:
+    """Generate n completions for each prompt of the wave; rows in (prompt, sample) order."""
+    n, T = params.n, params.max_new_tokens
+    cache, key_mask, logits = _prefill(model, prompts, n, T)
+    R = cache.batch
+    stop_ids = set(params.stop_token_ids)
+    tokens: list[list[int]] = [[] for _ in range(R)]
+    logps: list[list[float]] = [[] for _ in range(R)]
+    reasons: list[str | None] = [None] * R
+    active = list(range(R))  # original row of each row in the batch
+    for t in range(T):
+        tok, logp = sample(logits, generator)  # [A], [A]
+        tok_list, logp_list = tok.tolist(), logp.tolist()
+        for a, r in enumerate(active):
+            if reasons[r] is not None:
+                continue  # finished, waiting for compaction; its new token is discarded
+            tokens[r].append(tok_list[a])
+            logps[r].append(logp_list[a])
+            if tok_list[a] in stop_ids or stop_strings(tokens[r]):
+                reasons[r] = STOP
+            elif t == T - 1:
+                reasons[r] = LENGTH
+        keep = [a for a, r in enumerate(active) if reasons[r] is None]
+        if not keep:
+            break
+        n_done = len(active) - len(keep)
+        if n_done > 0 and n_done >= params.compact_fraction * len(active):
+            index = torch.tensor(keep, device=tok.device)
+            cache.select_rows(index)
+            key_mask, tok = key_mask.index_select(0, index), tok.index_select(0, index)
+            active = [active[a] for a in keep]
+        key_mask[:, cache.start] = True
+        logits = decode_step(tok[:, None], key_mask[:, : cache.start + 1], cache)  # [A, V]
+    return [_Row(tokens[r], logps[r], reasons[r]) for r in range(R)]
+
+
+def _eager_step(model: Transformer) -> Callable:
+    def step(tok: torch.Tensor, key_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return model(tok, key_mask, cache=cache)[:, -1]  # [A, 1] -> [A, V]
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    seed: int = 0,
+    *,
+    tokenizer=None,
+    compile: bool | str = False,
+) -> GenerationOutput:
+    """Sample params.n completions for each prompt with the model's own weights (no copy, no sync).
+
+    tokenizer: needed only for stop_strings. compile: torch.compile the decode step (True = inductor,
+    or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
+    """
+    _validate(model, prompt_ids, params, tokenizer)
+    n = params.n
+    rows: list[_Row | None] = [None] * (len(prompt_ids) * n)
+    if not prompt_ids:
+        return GenerationOutput([], [], [], [])
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    sample, stops = Sampler(params), StopStrings(params.stop_strings, tokenizer)
+    step = _eager_step(model)
+    if compile:
+        step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
+    with torch.inference_mode():
+        for wave in plan_waves([len(p) for p in prompt_ids], params):
+            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, generator, stops, step)
+            for j, i in enumerate(wave):
+                rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
+    return GenerationOutput(
+        completion_ids=[r.tokens for r in rows],
+        logprobs=[r.logprobs for r in rows],
+        finish_reason=[r.reason for r in rows],
+        prompt_index=[i // n for i in range(len(rows))],
+    )

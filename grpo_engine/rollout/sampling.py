@@ -1,0 +1,165 @@
+"""Sampling one token per row from logits, and the log-probability of that token.
+
+The distribution we sample from is: logits / temperature, then top-k, then top-p (on the top-k
+renormalised distribution), then min-p, each filter setting excluded tokens to -inf; what remains is
+renormalised. The returned log-prob is log P(token) under exactly that final distribution, which is what
+the trainer needs as the behaviour policy's log-prob.
+
+Greedy (temperature == 0) returns the argmax and, by convention, log_softmax(logits) at that token (the
+log-prob under the unscaled model distribution), since the "sampling distribution" is a point mass.
+
+Cost matters on a 151,936-token vocabulary: filters that are off are not built at all (no sort unless
+top_p < 1), and sampling uses one uniform number per row and an inverse-CDF lookup (a cumsum and a
+binary search) instead of torch.multinomial, whose exponential-race kernel draws V random numbers per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LogitFilter = Callable[[torch.Tensor], torch.Tensor]  # logits [R, V] -> logits [R, V] with -inf holes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one generate() call, and the engine's memory knobs.
+
+    n: completions per prompt (the GRPO group size G); they come back contiguous.
+    temperature: 0 means greedy; otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = off). top_p: keep the smallest set of most likely tokens whose
+    mass reaches top_p (1 = off). min_p: keep tokens with prob >= min_p * max prob (0 = off).
+    stop_token_ids: a completion ends after emitting one of these (it is kept in the completion).
+    stop_strings: a completion ends after the token that completes one of these strings in the decoded
+    completion (needs `tokenizer=` in generate). max_new_tokens: at most this many tokens per completion.
+    max_tokens_in_flight: cap on rows x (padded prompt length + max_new_tokens) decoded at once, i.e. on
+    KV-cache slots; prompts are processed in waves that fit. None = everything in one wave.
+    compact_fraction: finished rows are dropped from the batch once they are at least this fraction of the
+    active rows (0 = as soon as any row finishes); the copy is not free, so we do not compact every step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    max_tokens_in_flight: int | None = 65536
+    compact_fraction: float = 0.125
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, f"n={self.n} must be >= 1"),
+            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1] (1 = off)"),
+            (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)"),
+            (0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1) (0 = off)"),
+            (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1"),
+            (0 <= self.compact_fraction <= 1, f"compact_fraction={self.compact_fraction} must be in [0, 1]"),
+            (
+                self.max_tokens_in_flight is None or self.max_tokens_in_flight > 0,
+                f"max_tokens_in_flight={self.max_tokens_in_flight} must be positive or None",
+            ),
+            (all(s for s in self.stop_strings), "stop_strings must not contain an empty string"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {message}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_strings = list(self.stop_strings)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Filters: each keeps a support and sets the rest to -inf. Built only when switched on.
+
+
+def top_k_filter(k: int) -> LogitFilter:
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        if k >= logits.shape[-1]:
+            return logits
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # [R, 1]
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    return apply
+
+
+def top_p_filter(p: float) -> LogitFilter:
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [R, V]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= p  # the first token always has mass_before 0 < p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        return logits.masked_fill(drop, float("-inf"))
+
+    return apply
+
+
+def min_p_filter(min_p: float) -> LogitFilter:
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); no softmax needed.
+        cut = logits.max(dim=-1, keepdim=True).values + math.log(min_p)  # [R, 1]
+        return logits.masked_fill(logits < cut, float("-inf"))
+
+    return apply
+
+
+def build_filters(params: SamplingParams) -> list[LogitFilter]:
+    """The active filters in application order: top-k, top-p, min-p."""
+    filters = []
+    if params.top_k > 0:
+        filters.append(top_k_filter(params.top_k))
+    if params.top_p < 1.0:
+        filters.append(top_p_filter(params.top_p))
+    if params.min_p > 0.0:
+        filters.append(min_p_filter(params.min_p))
+    return filters
+
+
+# ----------------------------------------------------------------------------------------------------
+# Samplers: logits [R, V] (fp32) -> tokens [R] long, logprobs [R] fp32.
+
+
+def sample_greedy(logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.argmax(dim=-1)  # [R]
+    top = logits.gather(-1, tokens[:, None])[:, 0]
+    return tokens, top - torch.logsumexp(logits, dim=-1)
+
+
+def sample_from_logits(
+    logits: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling: one uniform per row, a cumsum and a binary search.
+
+    -inf logits get probability exactly 0, a zero-width CDF step, so they can never be drawn.
+    """
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    cdf = torch.cumsum(probs, dim=-1)  # [R, V]
+    u = torch.rand((logits.shape[0], 1), generator=generator, device=logits.device, dtype=cdf.dtype)
+    u = u * cdf[:, -1:]  # the fp32 total is 1 up to rounding; scale so u stays inside the CDF
+    tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)  # [R]
+    chosen = probs.gather(-1, tokens[:, None])[:, 0]  # > 0: a drawn token has a positive CDF step
+    return tokens, torch.log(chosen)
+
+
+class Sampler:
+    """params -> a callable logits [R, V] -> (tokens [R], logprobs [R]) with the filters fixed once."""
+
+    def __init__(self, params: SamplingParams):
+        self.temperature = params.temperature
+        self.filters = build_filters(params) if params.temperature > 0 else []
+
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None):
+        logits = logits.float()
+        if self.temperature == 0:
+            return sample_greedy(logits, generator)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        for f in self.filters:
+            logits = f(logits)
+        return sample_from_logits(logits, generator)

@@ -1,0 +1,125 @@
+"""Rollout phase of a step: draw prompts, generate G completions each, score them, group advantages.
+
+Dynamic sampling (DAPO): groups whose G rewards are all equal carry no learning signal; when enabled they
+are dropped and fresh prompts are generated, up to `max_refills` extra rounds, to refill the P groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..rollout import SamplingParams, generate
+from ..tasks.base import Example, RewardResult, safe_reward
+
+
+class PromptSampler:
+    """Endless shuffled stream of example indices; its whole state is one integer (exact resume).
+
+    Epoch e is a permutation seeded by (seed, e), so position p always maps to the same example.
+    """
+
+    def __init__(self, num_examples: int, seed: int, position: int = 0):
+        if num_examples == 0:
+            raise ValueError("the task's training split has no examples")
+        self.n, self.seed, self.position = num_examples, seed, position
+        self._epoch, self._perm = -1, None
+
+    def next(self) -> int:
+        epoch, offset = divmod(self.position, self.n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        self.position += 1
+        return self._perm[offset]
+
+
+@dataclass
+class Group:
+    """One prompt and its G scored completions."""
+
+    example: Example
+    prompt_text: str
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]  # G rows, stop token included when it stopped
+    logprobs: list[list[float]]  # G rows, sampler log-probs
+    finish_reasons: list[str]  # G
+    texts: list[str]  # G decoded completions
+    rewards: list[RewardResult]  # G
+
+    @property
+    def totals(self) -> list[float]:
+        return [r.total for r in self.rewards]
+
+    def zero_variance(self) -> bool:
+        return len(set(self.totals)) == 1
+
+
+def render_prompt(task, tokenizer, example: Example) -> str:
+    prompt = task.prompt(example)
+    return tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True) + prompt.prefill
+
+
+def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams, seed: int,
+                    max_prompt_tokens: int, reward_timeout_s: float = 5.0) -> tuple[list[Group], int]:
+    """Generate params.n completions per example and score them. Returns (groups, generated tokens)."""
+    texts = [render_prompt(task, tokenizer, ex) for ex in examples]
+    prompt_ids = [tokenizer.encode(t) for t in texts]
+    for ex, ids in zip(examples, prompt_ids):
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(f"prompt of example {ex.id} has {len(ids)} tokens > rollout.max_prompt_tokens="
+                             f"{max_prompt_tokens}; raise it or shorten the prompt")
+    was_training = model.training
+    model.eval()  # no dropout while sampling: the sampler's log-probs must match the policy
+    try:
+        out = generate(model, prompt_ids, params, seed=seed, tokenizer=tokenizer)
+    finally:
+        model.train(was_training)
+    groups, G = [], params.n
+    for p, ex in enumerate(examples):
+        rows = range(p * G, (p + 1) * G)
+        completions = [out.completion_ids[i] for i in rows]
+        decoded = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        rewards = [safe_reward(task, ex, text, reward_timeout_s) for text in decoded]
+        groups.append(Group(ex, texts[p], prompt_ids[p], completions, [out.logprobs[i] for i in rows],
+                            [out.finish_reason[i] for i in rows], decoded, rewards))
+    return groups, sum(len(c) for c in out.completion_ids)
+
+
+def step_seed(seed: int, step: int, round_: int) -> int:
+    """Sampling seed of one generation round: a pure function of (seed, step, round), so resume is exact."""
+    return (seed * 1_000_003 + step * 1_009 + round_) % (2**63)
+
+
+@dataclass
+class RolloutRound:
+    """What the rollout phase hands to the rest of the step."""
+
+    groups: list[Group]  # the groups to train on (<= P)
+    generated: list[Group]  # every group generated this step (for metrics)
+    refills: int  # extra generation rounds dynamic sampling needed
+    gen_tokens: int
+    time_generate_s: float
+
+
+def collect_groups(model, tokenizer, task, examples, sampler: PromptSampler, params: SamplingParams, *,
+                   prompts: int, seed: int, step: int, max_prompt_tokens: int, filter_zero_variance: bool,
+                   max_refills: int) -> RolloutRound:
+    """Generate P groups; with filtering, replace zero-variance groups by fresh prompts up to max_refills."""
+    import time
+
+    kept: list[Group] = []
+    generated: list[Group] = []
+    gen_tokens, rounds, t0 = 0, 0, time.perf_counter()
+    for round_ in range(1 + (max_refills if filter_zero_variance else 0)):
+        batch = [examples[sampler.next()] for _ in range(prompts - len(kept))]
+        groups, n = generate_groups(model, tokenizer, task, batch, params, step_seed(seed, step, round_),
+                                    max_prompt_tokens)
+        generated += groups
+        gen_tokens += n
+        rounds += 1
+        kept += [g for g in groups if not (filter_zero_variance and g.zero_variance())]
+        if len(kept) >= prompts:
+            break
+    return RolloutRound(kept, generated, rounds - 1, gen_tokens, time.perf_counter() - t0)
