@@ -1,0 +1,1 @@
+"""Training: the loop, batching, memory knobs, optimizers, the memory planner."""
