@@ -170,6 +170,36 @@ class EvalSection:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised warm-start settings."""
+
+    steps: int = field(default=300, metadata={"help": "optimizer steps of supervised training"})
+    batch_size: int = field(default=32, metadata={"help": "(prompt, completion) pairs per step"})
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate (linear warmup, cosine decay)"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    seed: int = field(default=0, metadata={"help": "seed for batch order"})
+
+
+@dataclass
+class TinyModelSection:
+    arch: str = _f("", "build a random tiny model of this family in run_dir/base ('' = start from model.path)",
+                   ("", "qwen2", "qwen2-tied", "qwen3", "llama3"))
+    hidden_size: int = _f(256, "tiny model width")
+    num_hidden_layers: int = _f(4, "tiny model depth")
+    num_attention_heads: int = _f(4, "tiny model attention heads")
+    num_key_value_heads: int = _f(2, "tiny model key/value heads (grouped-query attention)")
+    intermediate_size: int = _f(512, "tiny model SwiGLU width")
+    seed: int = _f(0, "seed of the tiny model's random weights")
+
+
+@dataclass
+class WarmStartSection:
+    tiny: TinyModelSection = _section(TinyModelSection, "optional tiny random base model (CPU demo, tests)")
+    sft: SFTConfig = _section(SFTConfig, "supervised warm start on the task's reference completions; steps=0: off")
+
+
+@dataclass
 class Config:
     seed: int = _f(0, "seeds data order, sampling and initialisation; same seed = same run")
     run_dir: str = _f("runs/grpo", "output directory: metrics.jsonl, samples.jsonl, checkpoints/")
@@ -185,6 +215,7 @@ class Config:
     logging: LoggingSection = _section(LoggingSection, "console, metrics and sample logs")
     checkpoint: CheckpointSection = _section(CheckpointSection, "checkpoint interval and retention")
     eval: EvalSection = _section(EvalSection, "periodic evaluation")
+    warm_start: WarmStartSection = _section(WarmStartSection, "tiny base model and supervised phase before GRPO")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,6 +388,10 @@ TOKENIZER_REQUIRED = ("tokenizer.json",)
 
 def check_paths(cfg: Config) -> None:
     """Model, tokenizer and data paths exist and look right; run before any weights are read."""
+    if cfg.task.data_path is not None and not Path(cfg.task.data_path).exists():
+        raise ConfigError(f"task.data_path={cfg.task.data_path!r} does not exist")
+    if cfg.warm_start.tiny.arch:
+        return  # the warm start builds the model and its tokenizer (train/warm_start.py)
     if not cfg.model.path:
         raise ConfigError("model.path is empty: set it in the YAML or with model.path=/path/to/hf_checkpoint")
     model_dir = Path(cfg.model.path)
@@ -370,8 +405,6 @@ def check_paths(cfg: Config) -> None:
     missing = [n for n in TOKENIZER_REQUIRED if not (tok_dir / n).is_file()]
     if missing:
         raise ConfigError(f"tokenizer directory {str(tok_dir)!r} lacks {', '.join(missing)}; set tokenizer.path")
-    if cfg.task.data_path is not None and not Path(cfg.task.data_path).exists():
-        raise ConfigError(f"task.data_path={cfg.task.data_path!r} does not exist")
 
 
 # ----------------------------------------------------------------------------------------------------

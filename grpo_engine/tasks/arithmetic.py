@@ -100,3 +100,7 @@ class ArithmeticTask:
 
     def equivalent(self, a: str, b: str) -> bool:
         return numeric_equal(a, b) or a.strip() == b.strip()
+
+    def reference_completion(self, example: ArithmeticExample) -> str:
+        """The ideal completion (without EOS), the target of the supervised warm start."""
+        return f"<answer>{example.answer}</answer>"

@@ -175,6 +175,13 @@ class CountdownTask:
         info = {"reason": check.reason}
         return weighted_reward(self.options, completion, float(check.correct), answer, info)
 
+    def reference_completion(self, example: CountdownExample) -> str | None:
+        """A completion in the prompted format built from the known solution (None for loaded examples)."""
+        if example.solution is None:
+            return None
+        think = "" if self.options.prefill.rstrip().endswith("<think>") else "<think>"
+        return f"{think} The numbers combine as {example.solution}.</think>\n<answer>{example.solution}</answer>"
+
     def equivalent(self, a: str, b: str) -> bool:
         """Same value (within tolerance) when both evaluate; otherwise identical text."""
         va, vb = evaluate_arithmetic(a.split("=", 1)[0]), evaluate_arithmetic(b.split("=", 1)[0])

@@ -9,24 +9,13 @@ Only completion tokens are scored: the prompt is context, not a target.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..config import SFTConfig
 from ..model.transformer import Transformer
-
-
-@dataclass
-class SFTConfig:
-    """Supervised warm-start settings."""
-
-    steps: int = field(default=300, metadata={"help": "optimizer steps of supervised training"})
-    batch_size: int = field(default=32, metadata={"help": "(prompt, completion) pairs per step"})
-    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate (linear warmup, cosine decay)"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    seed: int = field(default=0, metadata={"help": "seed for batch order"})
 
 
 @dataclass

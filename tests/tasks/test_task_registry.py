@@ -194,3 +194,12 @@ def test_score_batch_counts_failures():
     assert (batch.n_errors, batch.n_timeouts) == (1, 1)
     with pytest.raises(ValueError, match="2 examples but 1 completions"):
         score_batch(ScriptedTask(), [EX] * 2, ["x"])
+
+
+def test_reference_completions_score_full_reward():
+    """The SFT targets of the tasks that have them earn the maximum total reward."""
+    for name in ("arithmetic", "countdown"):
+        task = make_task(name)
+        for ex in task.examples("train")[:20]:
+            result = task.reward(ex, task.reference_completion(ex))
+            assert result.components == {"format": 1.0, "answer": 1.0}, (name, ex, result)

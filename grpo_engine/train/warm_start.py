@@ -1,0 +1,88 @@
+"""Warm start: optionally build a tiny random base model, then a supervised phase, before GRPO.
+
+Both stages write ordinary HF checkpoint directories under run_dir (base/ and sft/) and are skipped when
+their directory is already complete, so a resumed run does not redo them and `grpo train` on the demo
+config behaves the same as `grpo demo`. The policy that GRPO starts from is the last stage's directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import Config, ConfigError
+from ..model.hf_io import copy_tokenizer_files, load_model, save_model
+from ..model.tiny import make_tiny_checkpoint
+from ..model.tokenizer import load_tokenizer
+from .rollouts import render_prompt
+from .sft import train_sft
+
+DONE_MARKER = ".complete"
+
+
+def _complete(path: Path) -> bool:
+    return (path / DONE_MARKER).exists()
+
+
+def _mark_complete(tmp: Path, final: Path) -> None:
+    (tmp / DONE_MARKER).write_text("ok\n")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def build_tiny_base(cfg: Config) -> Path:
+    """run_dir/base: a random tiny checkpoint of the configured family (written once)."""
+    t = cfg.warm_start.tiny
+    out = Path(cfg.run_dir) / "base"
+    if not _complete(out):
+        tmp = out.with_name("base.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_checkpoint(
+            tmp, t.arch, seed=t.seed, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+            intermediate_size=t.intermediate_size,
+        )
+        _mark_complete(tmp, out)
+    return out
+
+
+def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference completion ids + EOS) for every example the task can complete."""
+    reference = getattr(task, "reference_completion", None)
+    if reference is None:
+        raise ConfigError(
+            f"task {task.name!r} gives no reference completions for the supervised warm start; "
+            f"set warm_start.sft.steps=0"
+        )
+    eos = tokenizer.eos_token_ids[0]
+    return [
+        (tokenizer.encode(render_prompt(task, tokenizer, ex)), tokenizer.encode(reference(ex)) + [eos])
+        for ex in examples
+    ]
+
+
+def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None] | None = None) -> Path:
+    """run_dir/sft: `base` after the supervised phase on the task's training split (written once)."""
+    out = Path(cfg.run_dir) / "sft"
+    if _complete(out):
+        return out
+    model = load_model(base)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or base)
+    pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split))
+    train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=on_step)
+    tmp = out.with_name("sft.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)
+    copy_tokenizer_files(cfg.tokenizer.path or base, tmp)
+    _mark_complete(tmp, out)
+    return out
+
+
+def warm_start(cfg: Config, task, on_sft_step: Callable[[int, float], None] | None = None) -> Path:
+    """Run the configured warm-start stages; returns the checkpoint directory GRPO starts from."""
+    base = build_tiny_base(cfg) if cfg.warm_start.tiny.arch else Path(cfg.model.path)
+    if cfg.warm_start.sft.steps > 0:
+        return run_sft(cfg, base, task, on_sft_step)
+    return base
