@@ -121,15 +121,15 @@ def run_generate(args) -> int:
         if args.task == "custom":
             options.setdefault("data_path", NO_DATA_PATH)
         task = build_task(args.task, options, data=None)
-        params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new)
         model, tok = load_model_and_tokenizer(resolve_model_dir(args.model), args.tokenizer, args.device, args.dtype)
+        params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new,
+                                stop_token_ids=tok.eos_token_ids)
     except INPUT_ERRORS as e:
         return fail("generate", e)
     example = Example("cli", args.question, args.answer or "")
     prompt = render_prompt(task, tok, example)
     if args.show_prompt:
         print(f"--- prompt ---\n{prompt}")
-    params.stop_token_ids = list(tok.eos_token_ids)
     model.eval()
     with torch.no_grad():
         out = generate(model, [tok.encode(prompt)], params, seed=args.seed, tokenizer=tok)
