@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .config import ConfigError
+from .eval.cli import add_eval_parser, add_generate_parser
 
 
 def add_train_parser(sub) -> None:
@@ -58,7 +59,26 @@ def add_bench_parser(sub) -> None:
     add_bench_step_parser(bsub)
 
 
-PARSERS = [add_train_parser, add_config_parser, add_bench_parser]
+def add_plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="draw a run's metrics.jsonl as PNG curves")
+    p.add_argument("run_dir", help="run directory written by `grpo train` (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    p.set_defaults(func=_plot)
+
+
+def _plot(args) -> int:
+    from .plot import plot_run
+
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except ValueError as e:  # a metrics file with nothing to plot; a missing one is a FileNotFoundError
+        print(f"grpo plot: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+PARSERS = [add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser, add_config_parser,
+           add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

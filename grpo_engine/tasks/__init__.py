@@ -24,6 +24,7 @@ from .base import (
     RewardBatch,
     RewardResult,
     Task,
+    render_prompt,
     safe_reward,
     score_batch,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "Task",
     "TaskSpec",
     "make_task",
+    "render_prompt",
     "safe_reward",
     "score_batch",
     "task_options",

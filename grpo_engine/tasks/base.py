@@ -85,6 +85,16 @@ def chat_prompt(options: ChatTaskOptions, user_text: str) -> Prompt:
     return Prompt(messages, options.prefill)
 
 
+def render_prompt(task: Task, tokenizer, example: Example) -> str:
+    """The exact text the model is conditioned on: chat template with the generation prompt, then the prefill.
+
+    Training (train/rollouts.py) and evaluation (eval/evaluate.py) both call this one function, so a model is
+    evaluated on the same prompt text it was trained on.
+    """
+    prompt = task.prompt(example)
+    return tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True) + prompt.prefill
+
+
 def weighted_reward(
     options: ChatTaskOptions,
     completion: str,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..rollout import SamplingParams, generate
-from ..tasks.base import Example, RewardResult, safe_reward
+from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 
 
 class PromptSampler:
@@ -54,11 +54,6 @@ class Group:
 
     def zero_variance(self) -> bool:
         return len(set(self.totals)) == 1
-
-
-def render_prompt(task, tokenizer, example: Example) -> str:
-    prompt = task.prompt(example)
-    return tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True) + prompt.prefill
 
 
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams, seed: int,

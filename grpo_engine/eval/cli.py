@@ -1,0 +1,232 @@
+"""`grpo eval` and `grpo generate`: load a model (HF dir or `grpo train` checkpoint), build a task, run.
+
+Bad input (missing model / tokenizer / data file, unknown task option) is reported as one line naming the
+file and the fix, exit code 2, before anything slow happens; errors during the run itself are bugs and keep
+their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from ..tasks import TASKS
+
+INPUT_ERRORS = (ValueError, FileNotFoundError)  # CheckpointError, DataError and ConfigError are ValueErrors
+NO_DATA_PATH = "(none: grpo generate reads no data file)"  # custom task placeholder; generate never loads rows
+
+
+# ------------------------------------------------------------------------------------------------- parsers
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="pass@1 / pass@k / maj@k, format rate, length, truncation on a task split")
+    _model_args(p)
+    p.add_argument("--task", required=True, choices=sorted(TASKS), help="task to evaluate on")
+    p.add_argument("--data", default=None, help="local data file / directory (gsm8k, math, countdown, custom)")
+    p.add_argument("--split", default="test", help="split to evaluate (default: test)")
+    p.add_argument("--n", type=int, default=8, help="samples per problem (default 8)")
+    p.add_argument("--k", default="1,4,8", help="comma-separated k for pass@k and maj@k, each <= n (default 1,4,8)")
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy: forces n=1 and k=1")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new", type=int, default=512, help="max new tokens per completion")
+    p.add_argument("--max-examples", type=int, default=None, help="evaluate only the first N problems")
+    p.add_argument("--batch-prompts", type=int, default=16, help="prompts per generate call (memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON report (with per-sample records) here")
+    p.add_argument("--json", action="store_true", help="print the JSON report on stdout (table goes to stderr)")
+    p.set_defaults(func=run_eval)
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample completions of one question with a task's prompt template")
+    _model_args(p)
+    p.add_argument("question", help="the question text (the task's user message)")
+    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="prompt template and reward")
+    p.add_argument("--answer", default=None, help="reference answer: also print correctness and reward")
+    p.add_argument("--n", type=int, default=1, help="completions to sample")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--max-new", type=int, default=256, help="max new tokens per completion")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt first")
+    p.set_defaults(func=run_generate)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="HF model directory, or a `grpo train` checkpoint (step-XXXXXX or its model/)")
+    p.add_argument("--tokenizer", default=None, help="take the tokenizer from this directory (default: model's)")
+    p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="task option, e.g. format=partial or digits=3 (repeatable)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def fail(command: str, error: Exception) -> int:
+    print(f"grpo {command}: error: {error}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+def run_eval(args) -> int:
+    from .evaluate import EvalConfig, evaluate, report_json, report_markdown
+
+    try:
+        cfg = EvalConfig(n=args.n, ks=parse_ks(args.k), temperature=args.temperature, top_p=args.top_p,
+                         max_new_tokens=args.max_new, max_examples=args.max_examples, seed=args.seed,
+                         prompts_per_batch=args.batch_prompts)
+        task = build_task(args.task, parse_task_options(args.task_option), data=args.data)
+        examples = task.examples(args.split)
+        model_dir = resolve_model_dir(args.model)
+        model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
+    except INPUT_ERRORS as e:
+        return fail("eval", e)
+    print(f"evaluating {model_dir} on {args.task}/{args.split}: "
+          f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
+    report = evaluate(model, tok, task, examples, cfg, progress=_progress)
+    document = {"model": str(model_dir), "split": args.split, **report_json(report)}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+        print(f"report written to {args.out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(document))
+        print(report_markdown(report), file=sys.stderr, end="")
+    else:
+        print(report_markdown(report), end="")
+    return 0
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"  {done}/{total} problems", file=sys.stderr, flush=True)
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(k) for k in text.split(",") if k.strip())
+    except ValueError:
+        raise ValueError(f"--k {text!r} must be comma-separated integers, e.g. --k 1,4,8") from None
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def run_generate(args) -> int:
+    import torch
+
+    from ..rollout import SamplingParams, generate
+    from ..tasks import Example, render_prompt, safe_reward
+
+    try:
+        options = parse_task_options(args.task_option)
+        if args.task == "custom":
+            options.setdefault("data_path", NO_DATA_PATH)
+        task = build_task(args.task, options, data=None)
+        model, tok = load_model_and_tokenizer(resolve_model_dir(args.model), args.tokenizer, args.device, args.dtype)
+        params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new,
+                                stop_token_ids=tok.eos_token_ids)
+    except INPUT_ERRORS as e:
+        return fail("generate", e)
+    example = Example("cli", args.question, args.answer or "")
+    prompt = render_prompt(task, tok, example)
+    if args.show_prompt:
+        print(f"--- prompt ---\n{prompt}")
+    model.eval()
+    with torch.no_grad():
+        out = generate(model, [tok.encode(prompt)], params, seed=args.seed, tokenizer=tok)
+    for i, (ids, reason) in enumerate(zip(out.completion_ids, out.finish_reason)):
+        text = tok.decode(ids, skip_special_tokens=True)
+        print(f"--- sample {i + 1}/{len(out)} ({len(ids)} tokens, {reason}) ---\n{printable(text)}")
+        print(reward_line(safe_reward(task, example, text), args.answer is not None))
+    return 0
+
+
+def printable(text: str) -> str:
+    """Model output shown on a terminal: control characters (e.g. ESC sequences) escaped, newlines and tabs kept."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def reward_line(result, has_reference: bool) -> str:
+    """One line on how the task read the completion; correctness only means something with --answer."""
+    if "error" in result.info:
+        return f"[reward unavailable for a bare question with this task: {result.info.get('message', '')}]"
+    parts = [f"answer: {result.answer if result.answer is not None else '(none found)'}"]
+    if "format" in result.components:
+        parts.append(f"format: {result.components['format']:g}")
+    if has_reference:
+        parts += [f"correct: {'yes' if result.components.get('answer', 0.0) >= 1.0 else 'no'}",
+                  f"reward: {result.total:.3f}"]
+    else:
+        parts.append("(pass --answer REF to score correctness)")
+    return "[" + " | ".join(parts) + "]"
+
+
+# ---------------------------------------------------------------------------------------- shared loading
+def parse_task_options(pairs: list[str]) -> dict:
+    """["digits=3", "operations=[+, *]"] -> {"digits": 3, "operations": ("+", "*")}; values parsed as YAML."""
+    import yaml
+
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task-option {pair!r} must look like KEY=VALUE, e.g. --task-option format=partial")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # not YAML: keep the text as a string
+        options[key.strip()] = tuple(value) if isinstance(value, list) else value
+    return options
+
+
+def build_task(name: str, options: dict, data: str | None):
+    """make_task with --data as the task's data_path; tasks that generate their problems take no --data."""
+    from ..tasks import make_task
+
+    if data is not None:
+        fields = [f.name for f in dataclasses.fields(TASKS[name].options)]
+        if "data_path" not in fields:
+            raise ValueError(f"task {name!r} generates its problems and reads no data file; drop --data {data}")
+        if not Path(data).exists():
+            raise FileNotFoundError(f"--data {data}: no such file or directory; pass a local .jsonl / .parquet "
+                                    f"file or a directory holding e.g. test.jsonl")
+        options = {**options, "data_path": data}
+    return make_task(name, **options)
+
+
+def resolve_model_dir(path: str) -> Path:
+    """An HF model dir as given; a `grpo train` checkpoint dir -> its model/; a run dir -> latest checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model {p} does not exist; pass an HF model directory or a checkpoint "
+                                f"written by `grpo train` (RUN_DIR/checkpoints/step-XXXXXX)")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    if (p / "checkpoints").is_dir():
+        from ..train.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(p / "checkpoints")
+        if latest is not None:
+            print(f"using the latest checkpoint of run {p}: {latest.name}", file=sys.stderr)
+            return latest / "model"
+    raise FileNotFoundError(f"{p / 'config.json'} not found (nor {p / 'model' / 'config.json'}): pass an HF model "
+                            f"directory or a `grpo train` checkpoint directory step-XXXXXX")
+
+
+def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device: str | None, dtype: str | None):
+    """Tokenizer first (cheap, and the commonest mistake), then the weights."""
+    import torch
+
+    from ..model.hf_io import CheckpointError, load_model
+    from ..model.tokenizer import load_tokenizer
+
+    source = Path(tokenizer_dir) if tokenizer_dir else model_dir
+    try:
+        tok = load_tokenizer(source)
+    except CheckpointError as e:
+        hint = "" if tokenizer_dir else "; or pass --tokenizer BASE_MODEL_DIR to use the base model's tokenizer"
+        raise CheckpointError(f"{e}{hint}") from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return load_model(model_dir, dtype=getattr(torch, dtype), device=device), tok
