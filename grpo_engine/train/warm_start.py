@@ -15,7 +15,7 @@ from ..config import Config, ConfigError
 from ..model.hf_io import copy_tokenizer_files, load_model, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..model.tokenizer import load_tokenizer
-from .rollouts import render_prompt
+from ..tasks import render_prompt
 from .sft import train_sft
 
 DONE_MARKER = ".complete"
