@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .config import ConfigError
+from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 
 
@@ -77,8 +78,14 @@ def _plot(args) -> int:
     return 0
 
 
-PARSERS = [add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser, add_config_parser,
-           add_bench_parser]
+def add_plan_parser(sub) -> None:
+    from .train.plan import add_plan_parser as add  # grpo plan --model SHAPE_OR_DIR --card GIB ...
+
+    add(sub)
+
+
+PARSERS = [add_demo_parser, add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser,
+           add_config_parser, add_plan_parser, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
