@@ -424,3 +424,26 @@ def iter_config_docs(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, A
             help_text += f" [{' | '.join(f.metadata['choices'])}]"
         type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         yield prefix + f.name, type_name, value, help_text
+
+
+def config_docs_markdown() -> str:
+    """docs/configuration.md: one table of every field (tests/test_config_docs.py keeps the file in sync)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the config tree's field docs (`python -m grpo_engine.config > docs/configuration.md`);",
+        "a test fails when this file and grpo_engine/config.py disagree. YAML keys map 1:1 onto these dotted",
+        "names, and any of them can be overridden on the command line: `grpo train CONFIG rollout.group_size=16`.",
+        "",
+        "| field | type | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, type_name, default, help_text in iter_config_docs():
+        shown = repr(default) if isinstance(default, str) else default
+        kind = type_name.replace(' | ', ' or ')
+        lines.append(f"| `{name}` | {kind} | `{shown}` | {help_text.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(config_docs_markdown(), end="")

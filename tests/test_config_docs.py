@@ -1,0 +1,18 @@
+"""docs/configuration.md is generated from the config tree and must not drift from it."""
+
+from pathlib import Path
+
+from grpo_engine.config import config_docs_markdown, iter_config_docs
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def test_configuration_doc_is_in_sync():
+    assert DOC.read_text() == config_docs_markdown(), (
+        "docs/configuration.md is stale: run `python -m grpo_engine.config > docs/configuration.md`"
+    )
+
+
+def test_every_field_is_documented():
+    undocumented = [name for name, _, _, help_text in iter_config_docs() if not help_text.strip()]
+    assert undocumented == []
