@@ -1,1 +1,1 @@
-"""Training: the loop and what it composes (batching, memory, optimizers, reference, checkpoints)."""
+"""Training: the loop and what it composes (batching, memory knobs, optimizers, reference, checkpoints, planner)."""

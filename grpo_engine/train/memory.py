@@ -1,0 +1,131 @@
+"""Memory knobs applied to a model, memory freed between phases, and peak-memory readers.
+
+Every option is explicit and named (docs/memory.md gives each one's measured or predicted effect):
+precision of the weights, activation checkpointing (none / every block / every k-th block), emptying the
+CUDA cache between rollout and training. Peak readers report CUDA's max_memory_allocated, or on CPU the
+process's peak resident set (VmHWM, resettable on Linux; ru_maxrss otherwise).
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MIB = 1024**2
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class MemoryConfig:
+    """How weights and activations are held during training."""
+
+    precision: str = field(default="bf16", metadata={"help": "weights dtype: fp32 | bf16"})
+    activation_checkpointing: str = field(
+        default="none", metadata={"help": "none | all (every block) | every_k (every k-th block)"}
+    )
+    checkpoint_every: int = field(default=2, metadata={"help": "k for activation_checkpointing=every_k"})
+    empty_cache_between_phases: bool = field(
+        default=True, metadata={"help": "gc + torch.cuda.empty_cache() between rollout and training"}
+    )
+    allow_tf32: bool = field(default=True, metadata={"help": "TF32 matmuls for fp32 weights on Ampere+ GPUs"})
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"memory.precision={self.precision!r}; choose from {sorted(PRECISIONS)}")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"memory.activation_checkpointing={self.activation_checkpointing!r}; "
+                             f"choose from {sorted(CHECKPOINTING)}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"memory.checkpoint_every={self.checkpoint_every} must be >= 1")
+
+
+# activation_checkpointing name -> Transformer.checkpoint_every (0 = off; block i is recomputed if i % k == 0)
+CHECKPOINTING: dict[str, Callable[[MemoryConfig], int]] = {
+    "none": lambda cfg: 0,
+    "all": lambda cfg: 1,
+    "every_k": lambda cfg: cfg.checkpoint_every,
+}
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}; choose from {sorted(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
+    """Cast floating weights to cfg.precision (LoRA adapters keep their own dtype) and set checkpointing."""
+    dtype = torch_dtype(cfg.precision)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and "lora_" not in name and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    model.checkpoint_every = CHECKPOINTING[cfg.activation_checkpointing](cfg)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+    return model
+
+
+def free_rollout_memory() -> None:
+    """Drop what the rollout left behind (KV cache, logits) before training allocates activations."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Peak-memory readers
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _maxrss_mib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / MIB if sys.platform == "darwin" else rss / 1024
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def reset_peak_memory(device: str | torch.device = "cpu") -> bool:
+    """Start a new peak window. On CPU writes 5 to /proc/self/clear_refs (Linux); False if not resettable."""
+    if _is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mib(device: str | torch.device = "cpu") -> float:
+    """Peak since the last reset: CUDA max_memory_allocated, or the process's peak RSS on CPU."""
+    if _is_cuda(device):
+        return torch.cuda.max_memory_allocated(device) / MIB
+    hwm = _proc_status_kib("VmHWM")
+    return hwm / 1024 if hwm is not None else _maxrss_mib()
+
+
+def current_memory_mib(device: str | torch.device = "cpu") -> float:
+    """Now: CUDA memory_allocated, or the process's resident set on CPU."""
+    if _is_cuda(device):
+        return torch.cuda.memory_allocated(device) / MIB
+    rss = _proc_status_kib("VmRSS")
+    return rss / 1024 if rss is not None else _maxrss_mib()

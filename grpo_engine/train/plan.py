@@ -1,0 +1,473 @@
+"""Memory planner: predict peak GPU memory of one GRPO step, phase by phase, before buying the OOM.
+
+A step has four phases whose footprints differ (see docs/memory.md):
+  rollout    weights + resident optimizer state + KV cache for all rows + prefill/decode transients
+  scoring    old/reference log-probs, no grad: weights + one micro-batch's forward transients
+  training   weights + gradients + optimizer state + saved activations of one micro-batch + backward
+             transients + log-prob chunk buffers
+  optimizer  weights + gradients + state + the update's temporaries
+The peak is the largest phase plus allocator fragmentation plus the CUDA context. Every term is a formula
+of the model shape and the knobs, written next to the code that the term counts, so a wrong prediction
+points at one line. The activation term counts the tensors autograd saves in OUR transformer.py (checked
+against measured CPU memory in tests/train/test_plan.py).
+
+Assumptions (stated, so they can be checked): attention uses a fused SDPA kernel (flash / memory-efficient:
+no [T, T] score matrix is stored); rollout prefills each prompt once and shares its KV across the G
+completions; decode keeps rows x (prompt + completion) KV slots preallocated; log-probs are computed in
+chunks of `logprob_chunk` tokens with only one chunk's [chunk, V] fp32 buffers alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..model.lora import ALL_LINEAR
+from ..model.transformer import ModelConfig
+
+GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# 4-bit codes + an int8 scale per 64-block + an fp32 factor per 256 blocks (double quantization)
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+ADAM8BIT_BYTES_PER_PARAM = 2 + 2 * 4 / 256  # two 8-bit moments + an fp32 scale per 256-block each
+
+
+@dataclass
+class PlanInput:
+    """The knobs that decide GPU memory for one GRPO step."""
+
+    prompts_per_step: int = field(default=8, metadata={"help": "P: prompts drawn per step"})
+    group_size: int = field(default=8, metadata={"help": "G: completions per prompt"})
+    prompt_len: int = field(default=256, metadata={"help": "longest prompt in tokens"})
+    completion_len: int = field(default=512, metadata={"help": "max new tokens per completion"})
+    mode: str = field(default="full", metadata={"help": "full | lora | qlora (NF4 base)"})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r"})
+    lora_targets: list[str] = field(
+        default_factory=lambda: list(ALL_LINEAR), metadata={"help": "LoRA target projections"}
+    )
+    precision: str = field(default="bf16", metadata={"help": "weights dtype: fp32 | bf16"})
+    optimizer: str = field(
+        default="adamw", metadata={"help": "adamw | adamw_fused | adamw_offload | adamw_8bit"}
+    )
+    master_weights: bool = field(default=True, metadata={"help": "fp32 master copy for bf16 params"})
+    activation_checkpointing: str = field(default="none", metadata={"help": "none | all | every_k"})
+    checkpoint_every: int = field(default=2, metadata={"help": "k for every_k"})
+    micro_batch_rows: int = field(default=4, metadata={"help": "completions per training micro-batch"})
+    logprob_chunk: int = field(default=1024, metadata={"help": "tokens per log-prob chunk"})
+    rollout_rows_in_flight: int = field(default=0, metadata={"help": "rows decoded at once (0 = all P*G)"})
+    reference: str = field(default="none", metadata={"help": "KL ref: none | gpu_copy | cpu | adapters"})
+    cuda_context_gib: float = field(default=0.5, metadata={"help": "CUDA context + kernels, outside torch"})
+    fragmentation: float = field(default=0.10, metadata={"help": "allocator slack as a fraction of the peak"})
+
+    def __post_init__(self) -> None:
+        choices = {
+            "mode": ("full", "lora", "qlora"),
+            "precision": tuple(DTYPE_BYTES),
+            "optimizer": ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit"),
+            "activation_checkpointing": ("none", "all", "every_k"),
+            "reference": ("none", "gpu_copy", "cpu", "adapters"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"plan {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
+        for name in ("prompts_per_step", "group_size", "prompt_len", "completion_len", "micro_batch_rows",
+                     "logprob_chunk", "lora_rank", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"plan {name}={getattr(self, name)} must be >= 1")
+        if self.reference == "adapters" and self.mode == "full":
+            raise ValueError("reference=adapters needs mode=lora or qlora (full fine-tuning has no adapters)")
+
+
+@dataclass
+class Phase:
+    """One phase's live GPU memory, by named component (bytes)."""
+
+    name: str
+    components: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass
+class MemoryPlan:
+    model: ModelConfig
+    knobs: PlanInput
+    n_params: int  # all weights (tied embedding once)
+    n_trainable: int
+    phases: list[Phase]
+    peak_phase: str
+    peak_bytes: float  # largest phase, before fragmentation and CUDA context
+    total_gib: float  # what the card must hold: peak * (1 + fragmentation) + CUDA context
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parameter counts
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Projection name -> (in, out) of one layer."""
+    q, kv, d, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters in the 7 projections of all layers)."""
+    shapes = linear_shapes(cfg)
+    linear = sum(i * o for i, o in shapes.values())
+    bias = (shapes["q_proj"][1] + 2 * shapes["k_proj"][1]) if cfg.attention_bias else 0
+    norms = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    embed = cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else embed
+    total = embed + head + cfg.hidden_size + cfg.num_hidden_layers * (linear + bias + norms)
+    return total, cfg.num_hidden_layers * linear
+
+
+def lora_param_count(cfg: ModelConfig, k: PlanInput) -> int:
+    shapes = linear_shapes(cfg)
+    return cfg.num_hidden_layers * sum(k.lora_rank * (shapes[t][0] + shapes[t][1]) for t in k.lora_targets)
+
+
+def targeted_linear_count(cfg: ModelConfig, k: PlanInput) -> int:
+    shapes = linear_shapes(cfg)
+    return cfg.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in k.lora_targets)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Terms
+
+
+def weight_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    s = DTYPE_BYTES[k.precision]
+    total, _ = param_counts(cfg)
+    if k.mode == "full":
+        return total * s
+    adapters = lora_param_count(cfg, k) * 4  # fp32 adapters
+    if k.mode == "lora":
+        return total * s + adapters
+    quantized = targeted_linear_count(cfg, k)
+    return (total - quantized) * s + quantized * NF4_BYTES_PER_PARAM + adapters
+
+
+def trainable(cfg: ModelConfig, k: PlanInput) -> tuple[int, int]:
+    """(trainable parameter count, bytes per trainable element)."""
+    if k.mode == "full":
+        return param_counts(cfg)[0], DTYPE_BYTES[k.precision]
+    return lora_param_count(cfg, k), 4
+
+
+def optimizer_state_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    """GPU-resident optimizer state (offload keeps all of it in CPU RAM)."""
+    n, s = trainable(cfg, k)
+    if k.optimizer == "adamw_offload":
+        return 0.0
+    if k.optimizer == "adamw_8bit":
+        return n * ADAM8BIT_BYTES_PER_PARAM
+    master = 4 if (s != 4 and k.master_weights) else 0
+    moments = 2 * (4 if k.master_weights else s)
+    return n * (moments + master)
+
+
+def optimizer_temp_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    """Temporaries of the update: foreach AdamW builds sqrt(v) for ALL params at once; fused and offloaded
+    ones work in place or per parameter (largest parameter: the embedding or a projection)."""
+    n, s = trainable(cfg, k)
+    largest = cfg.vocab_size * cfg.hidden_size if k.mode == "full" else max(
+        k.lora_rank * max(linear_shapes(cfg)[t]) for t in k.lora_targets)
+    if k.optimizer == "adamw_offload":
+        return largest * s  # one parameter's copy-back staging
+    if k.optimizer == "adamw_fused" or (k.optimizer == "adamw" and s != 4 and k.master_weights):
+        return largest * 4 * 3  # per-parameter fp32 grad, sqrt(v), denom
+    if k.optimizer == "adamw_8bit":
+        return largest * 4 * 2  # dequantized moments of one block group
+    return n * 4  # foreach: one full-size fp32 temporary
+
+
+def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
+    """Bytes autograd keeps per token per transformer block (no checkpointing), from transformer.py:
+    2 RMSNorms x (input, normed) = 4d; q, k, v after RoPE (saved by SDPA) + SDPA output + o_proj input
+    = 2 q + 2 kv; MLP: gate out, silu out, up out, product = 4 inter; bf16 norms also keep an fp32 copy of
+    their input (2 x d x 4 bytes, vs d x 2 counted); LoRA keeps its rank-r intermediate per target."""
+    s = DTYPE_BYTES[k.precision]
+    d, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    elements = 4 * d + 2 * q + 2 * kv + 4 * i
+    fp32_norm_copies = 2 * d * (4 - s)
+    lora = 4 * k.lora_rank * len(k.lora_targets) if k.mode != "full" else 0
+    return elements * s + fp32_norm_copies + lora
+
+
+def layer_transient_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> float:
+    """Largest short-lived buffers while one block runs forward (or its backward): the MLP's three
+    [tokens, inter] tensors and their gradients, and the NF4 weight dequantized for one matmul."""
+    s = DTYPE_BYTES[k.precision]
+    mlp = tokens * cfg.intermediate_size * s * 3
+    dequant = cfg.hidden_size * cfg.intermediate_size * 2 if k.mode == "qlora" else 0
+    return mlp + dequant
+
+
+def activation_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> tuple[float, float]:
+    """(saved activations of all blocks, recompute buffer of one checkpointed block) for a micro-batch."""
+    per_layer = saved_bytes_per_token_layer(cfg, k) * tokens
+    every = {"none": 0, "all": 1, "every_k": k.checkpoint_every}[k.activation_checkpointing]
+    layers = cfg.num_hidden_layers
+    if every == 0:
+        return layers * per_layer, 0.0
+    checkpointed = (layers + every - 1) // every  # blocks i with i % every == 0
+    block_inputs = tokens * cfg.hidden_size * DTYPE_BYTES[k.precision]
+    return checkpointed * block_inputs + (layers - checkpointed) * per_layer, per_layer
+
+
+def logprob_bytes(cfg: ModelConfig, k: PlanInput, tokens: int, buffers: int = 3) -> float:
+    """Final hidden states [tokens, d] + one chunk's fp32 [chunk, V] buffers: logits, log-softmax and (in
+    training) its gradient."""
+    chunk = min(k.logprob_chunk, tokens)
+    return tokens * cfg.hidden_size * DTYPE_BYTES[k.precision] + buffers * chunk * cfg.vocab_size * 4
+
+
+def backward_working_set(cfg: ModelConfig, k: PlanInput, tokens: int, recompute: float) -> dict[str, float]:
+    """Backward first runs through the log-prob head (chunk buffers), then through the blocks (recompute
+    + gradient transients); the two are not alive together, so only the larger one counts."""
+    head = logprob_bytes(cfg, k, tokens)
+    blocks = recompute + layer_transient_bytes(cfg, k, tokens)
+    if head >= blocks:
+        return {"backward working set (log-prob chunks)": head}
+    return {"backward working set (block recompute)": blocks}
+
+
+def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    rows = rollout_rows(k)
+    slots = k.prompt_len + k.completion_len
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[k.precision]
+    return rows * slots * per_slot
+
+
+def rollout_rows(k: PlanInput) -> int:
+    rows = k.prompts_per_step * k.group_size
+    return min(rows, k.rollout_rows_in_flight) if k.rollout_rows_in_flight else rows
+
+
+def reference_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    if k.reference != "gpu_copy":
+        return 0.0
+    return param_counts(cfg)[0] * DTYPE_BYTES[k.precision]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
+    """Predict the GPU memory of each phase of one GRPO step and the peak (see module docstring)."""
+    c, k = model_cfg, knobs
+    n_train, grad_s = trainable(c, k)
+    resident = {
+        "weights": weight_bytes(c, k),
+        "optimizer state": optimizer_state_bytes(c, k),
+        "reference copy": reference_bytes(c, k),
+    }
+    tokens = k.micro_batch_rows * (k.prompt_len + k.completion_len)
+    saved, recompute = activation_bytes(c, k, tokens)
+    rows = rollout_rows(k)
+    prefill_tokens = min(k.prompts_per_step, rows) * k.prompt_len
+    rollout = Phase("rollout", {
+        **resident,
+        "kv cache": kv_cache_bytes(c, k),
+        "prefill/decode transients": max(layer_transient_bytes(c, k, prefill_tokens)
+                                         + prefill_tokens * c.hidden_size * DTYPE_BYTES[k.precision] * 2,
+                                         3 * rows * c.vocab_size * 4),
+    })
+    scoring = Phase("scoring", {
+        **resident,
+        "forward transients": layer_transient_bytes(c, k, tokens) + 2 * tokens * c.hidden_size * 4,
+        "log-prob chunks": logprob_bytes(c, k, tokens, buffers=2),
+    })
+    training = Phase("training", {
+        **resident,
+        "gradients": n_train * grad_s,
+        "saved activations": saved,
+        **backward_working_set(c, k, tokens, recompute),
+    })
+    optimizer = Phase("optimizer", {
+        **resident,
+        "gradients": n_train * grad_s,
+        "update temporaries": optimizer_temp_bytes(c, k),
+    })
+    phases = [rollout, scoring, training, optimizer]
+    peak = max(phases, key=lambda p: p.total)
+    total = peak.total * (1 + k.fragmentation) + k.cuda_context_gib * GIB
+    return MemoryPlan(c, k, param_counts(c)[0], n_train, phases, peak.name, peak.total, total / GIB)
+
+
+def fits(plan: MemoryPlan, card_gib: float) -> bool:
+    """Whether the step's predicted peak (with fragmentation and CUDA context) fits a card of card_gib."""
+    return plan.total_gib <= card_gib
+
+
+# ----------------------------------------------------------------------------------------------------
+# Suggestions: each candidate is a named change of the knobs; the planner re-plans with it.
+
+
+def _halve_micro_batch(k: PlanInput) -> PlanInput | None:
+    return replace(k, micro_batch_rows=k.micro_batch_rows // 2) if k.micro_batch_rows > 1 else None
+
+
+def _halve_rows_in_flight(k: PlanInput) -> PlanInput | None:
+    rows = rollout_rows(k)
+    return replace(k, rollout_rows_in_flight=rows // 2) if rows > 1 else None
+
+
+CHANGES = {
+    "enable activation checkpointing on every block (memory.activation_checkpointing=all)":
+        lambda k: replace(k, activation_checkpointing="all") if k.activation_checkpointing != "all" else None,
+    "train LoRA adapters instead of all weights (lora.enabled=true)":
+        lambda k: replace(k, mode="lora", reference="adapters" if k.reference != "none" else "none")
+        if k.mode == "full" else None,
+    "QLoRA: NF4 base weights (lora.quantize_base=nf4)":
+        lambda k: replace(k, mode="qlora", reference="adapters" if k.reference != "none" else "none")
+        if k.mode != "qlora" else None,
+    "offload AdamW state to CPU (optimizer.name=adamw_offload)":
+        lambda k: replace(k, optimizer="adamw_offload") if k.optimizer != "adamw_offload" else None,
+    "8-bit AdamW state (optimizer.name=adamw_8bit)":
+        lambda k: replace(k, optimizer="adamw_8bit") if k.optimizer not in ("adamw_8bit", "adamw_offload")
+        else None,
+    "bf16 weights (memory.precision=bf16)":
+        lambda k: replace(k, precision="bf16") if k.precision == "fp32" else None,
+    "halve the training micro-batch (micro_batch_rows)": _halve_micro_batch,
+    "decode fewer rows at once (rollout max tokens in flight)": _halve_rows_in_flight,
+    "smaller log-prob chunks (logprob_chunk=256)":
+        lambda k: replace(k, logprob_chunk=256) if k.logprob_chunk > 256 else None,
+    "keep the reference model on the CPU (reference=cpu)":
+        lambda k: replace(k, reference="cpu") if k.reference == "gpu_copy" else None,
+}
+
+
+METHOD_CHANGES = {text for text in CHANGES if "LoRA" in text}  # these change what is trained
+
+
+def _greedy(
+    plan: MemoryPlan, card_gib: float, allowed: list[str], max_steps: int
+) -> tuple[list[str], MemoryPlan]:
+    """Repeatedly apply the allowed change that lowers the total most, until it fits or nothing helps."""
+    recipe, current = [], plan
+    for _ in range(max_steps):
+        options = [(plan_memory(plan.model, ch), text) for text in allowed
+                   if text not in recipe and (ch := CHANGES[text](current.knobs)) is not None]
+        if not options:
+            break
+        best, text = min(options, key=lambda o: o[0].total_gib)
+        if best.total_gib >= current.total_gib - 0.01:
+            break
+        recipe.append(text)
+        current = best
+        if fits(current, card_gib):
+            break
+    return recipe, current
+
+
+def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
+    """Concrete changes, each with its predicted effect; then, if the plan does not fit, a greedy recipe
+    that keeps the training method (full / LoRA) when it can, and changes it only when it must."""
+    lines = []
+    for text, change in CHANGES.items():
+        new_knobs = change(plan.knobs)
+        if new_knobs is None:
+            continue
+        new = plan_memory(plan.model, new_knobs)
+        if plan.total_gib - new.total_gib > 0.01:
+            tag = "fits" if fits(new, card_gib) else "still over"
+            lines.append(f"{text}: {plan.total_gib:.1f} -> {new.total_gib:.1f} GiB ({tag} {card_gib:g} GiB)")
+    if fits(plan, card_gib):
+        return lines
+    same_method = [t for t in CHANGES if t not in METHOD_CHANGES]
+    recipe, current = _greedy(plan, card_gib, same_method, max_steps)
+    if not fits(current, card_gib):
+        recipe, current = _greedy(plan, card_gib, list(CHANGES), max_steps)
+    verdict = "fits" if fits(current, card_gib) else "still does not fit"
+    if recipe:
+        lines.append(f"to fit {card_gib:g} GiB, combine: " + "; then ".join(recipe)
+                     + f" -> {current.total_gib:.1f} GiB ({verdict})")
+    return lines
+
+
+def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
+    k = plan.knobs
+    head = (f"model: {plan.n_params / 1e9:.2f}B params, {plan.n_trainable / 1e6:.1f}M trainable ({k.mode}, "
+            f"{k.precision}, {k.optimizer}, checkpointing={k.activation_checkpointing}); "
+            f"P={k.prompts_per_step} G={k.group_size} prompt={k.prompt_len} completion={k.completion_len} "
+            f"micro_batch_rows={k.micro_batch_rows}")
+    lines = [head]
+    for ph in plan.phases:
+        mark = "  <- peak" if ph.name == plan.peak_phase else ""
+        lines.append(f"  {ph.name:<10} {ph.total / GIB:7.2f} GiB{mark}")
+        lines += [f"      {name:<32} {b / GIB:7.2f} GiB" for name, b in ph.components.items() if b > 0]
+    lines.append(f"  predicted peak: {plan.peak_bytes / GIB:.2f} GiB + {k.fragmentation:.0%} fragmentation + "
+                 f"{k.cuda_context_gib:g} GiB CUDA context = {plan.total_gib:.2f} GiB")
+    if card_gib is not None:
+        lines.append(f"  {'FITS' if fits(plan, card_gib) else 'DOES NOT FIT'} a {card_gib:g} GiB card")
+        lines += [f"  - {s}" for s in suggest(plan, card_gib)]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model shapes and CLI
+
+
+def _qwen25(hidden, layers, heads, inter) -> ModelConfig:
+    return ModelConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                       tie_word_embeddings=True, attention_bias=True, model_type="qwen2")
+
+
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 4864),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 8960),
+    "qwen2.5-3b": _qwen25(2048, 36, 16, 11008),
+}
+
+
+def model_shape(name_or_dir: str) -> ModelConfig:
+    """A ModelConfig from a known shape name or an HF checkpoint directory (reads config.json only)."""
+    if name_or_dir in MODEL_SHAPES:
+        return MODEL_SHAPES[name_or_dir]
+    path = Path(name_or_dir)
+    if path.is_dir():
+        from ..model.hf_io import config_from_hf, read_json
+
+        return config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
+    raise ValueError(f"unknown model {name_or_dir!r}: give an HF model dir or one of {sorted(MODEL_SHAPES)}")
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """`grpo plan --model qwen2.5-1.5b --card 8 --mode qlora ...` (every PlanInput field is a flag)."""
+    p = subparsers.add_parser("plan", help="predict peak GPU memory of a GRPO step")
+    p.add_argument("--model", required=True, help=f"HF model dir or one of {', '.join(MODEL_SHAPES)}")
+    p.add_argument("--card", type=float, default=None, help="GPU memory in GiB to check against")
+    defaults = PlanInput()
+    for name, f in PlanInput.__dataclass_fields__.items():
+        value = getattr(defaults, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, list):
+            p.add_argument(flag, nargs="+", default=value, help=f.metadata["help"])
+        elif isinstance(value, bool):
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value,
+                           help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=type(value), default=value, help=f.metadata["help"])
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    knobs = PlanInput(**{name: getattr(args, name) for name in PlanInput.__dataclass_fields__})
+    plan = plan_memory(model_shape(args.model), knobs)
+    print(format_plan(plan, args.card))
+    return 0 if args.card is None or fits(plan, args.card) else 1

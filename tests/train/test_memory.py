@@ -1,0 +1,99 @@
+"""Memory knobs: checkpointing is exact, precision casts, peak readers measure real allocations."""
+
+import pytest
+import torch
+
+from grpo_engine.model.lora import LoRAConfig, apply_lora
+from grpo_engine.model.tiny import init_weights, tiny_config
+from grpo_engine.model.transformer import Transformer
+from grpo_engine.train.memory import (
+    MemoryConfig,
+    apply_memory_config,
+    current_memory_mib,
+    free_rollout_memory,
+    peak_memory_mib,
+    reset_peak_memory,
+)
+
+
+def tiny_model(layers=4):
+    model = Transformer(tiny_config("qwen2", num_hidden_layers=layers))
+    init_weights(model, seed=0)
+    return model.train()
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids)  # [B, T, V]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode,k,want_every", [("all", 2, 1), ("every_k", 2, 2), ("every_k", 3, 3)])
+def test_checkpointing_gives_identical_loss_and_grads(mode, k, want_every):
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = tiny_model()
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    cfg = MemoryConfig(precision="fp32", activation_checkpointing=mode, checkpoint_every=k)
+    apply_memory_config(model, cfg)
+    assert model.checkpoint_every == want_every
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-7)
+
+
+def test_checkpointing_with_lora_grads_match():
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    model = apply_lora(tiny_model(), LoRAConfig(rank=4))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    _, ref = loss_and_grads(model, ids)
+    apply_memory_config(model, MemoryConfig(precision="fp32", activation_checkpointing="all"))
+    _, got = loss_and_grads(model, ids)
+    assert sorted(got) == sorted(ref) and all("lora_" in n for n in got)
+    for n in got:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7)
+
+
+def test_precision_casts_base_but_not_adapters():
+    model = apply_lora(tiny_model(), LoRAConfig(rank=4))
+    apply_memory_config(model, MemoryConfig(precision="bf16"))
+    assert model.layers[0].attn.q_proj.weight.dtype == torch.bfloat16
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert model.layers[0].attn.q_proj.lora_A.dtype == torch.float32
+    assert model.checkpoint_every == 0
+
+
+def test_bad_memory_config():
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        MemoryConfig(activation_checkpointing="some")
+    with pytest.raises(ValueError, match="precision"):
+        MemoryConfig(precision="fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU RSS reader")
+def test_cpu_peak_reader_sees_a_64mib_allocation():
+    free_rollout_memory()
+    if not reset_peak_memory("cpu"):
+        pytest.skip("peak RSS is not resettable on this OS")
+    before = peak_memory_mib("cpu")
+    x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+    during = current_memory_mib("cpu")
+    del x
+    peak = peak_memory_mib("cpu")
+    assert 60 <= peak - before <= 80, (before, peak)
+    assert during - before >= 60
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_reader():
+    reset_peak_memory("cuda")
+    base = peak_memory_mib("cuda")
+    x = torch.ones(16 * 1024 * 1024, device="cuda")
+    del x
+    assert 63 <= peak_memory_mib("cuda") - base <= 65

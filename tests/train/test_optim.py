@@ -1,0 +1,140 @@
+"""AdamW variants: offloaded / master-weight AdamW equals torch.optim.AdamW step for step; fallbacks."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from grpo_engine.train.optim import OffloadedAdamW, OptimizerConfig, adamw_update, build_optimizer
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def set_grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("state_device", ["cpu", None])
+def test_offloaded_adamw_matches_torch_adamw(state_device):
+    ours, ref = make_params(), make_params()
+    opt = OffloadedAdamW(ours, **HP, state_device=state_device)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    for step in range(6):
+        set_grads(ours, step)
+        set_grads(ref, step)
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    torch.testing.assert_close(opt.state[ours[0]]["exp_avg_sq"], ref_opt.state[ref[0]]["exp_avg_sq"],
+                               rtol=1e-6, atol=1e-9)
+
+
+def test_adamw_update_hand_computed_first_step():
+    """Step 1: m = (1-b1) g, v = (1-b2) g^2, update = lr * m_hat / (sqrt(v_hat) + eps) = lr * sign(g)."""
+    state = {"master": torch.tensor([1.0, -2.0]), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2),
+             "step": 0}
+    group = dict(lr=0.1, betas=(0.9, 0.999), eps=0.0, weight_decay=0.5)
+    adamw_update(state, torch.tensor([0.5, -4.0]), group)
+    # decay first: 1 * (1 - 0.05) = 0.95 ; -2 * 0.95 = -1.9 ; then - 0.1 * sign(g)
+    torch.testing.assert_close(state["master"], torch.tensor([0.85, -1.8]))
+
+
+def test_bf16_params_get_fp32_master_and_match_fp32_adamw_rounded():
+    ref = make_params()
+    ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in ref]
+    # the fp32 reference starts from the bf16-rounded values
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = build_optimizer(ours, OptimizerConfig(name="adamw", lr=1e-2, betas=[0.9, 0.99], weight_decay=0.1))
+    assert isinstance(opt, OffloadedAdamW) and opt.state_device is None
+    ref_opt = torch.optim.AdamW(ref, **HP)
+    for step in range(4):
+        set_grads(ref, step)
+        for a, b in zip(ours, ref):
+            a.grad = b.grad.to(torch.bfloat16)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        assert opt.state[a]["master"].dtype == torch.float32
+        # the master tracks fp32 AdamW (grads differ only by bf16 rounding); the param is its rounding
+        torch.testing.assert_close(opt.state[a]["master"], b.detach(), rtol=0, atol=2e-3)
+        assert torch.equal(a.detach(), opt.state[a]["master"].to(torch.bfloat16))
+
+
+def test_offloaded_state_dict_resume_is_exact():
+    a, b = make_params(), make_params()
+    opt_a = OffloadedAdamW(a, **HP)
+    opt_b = OffloadedAdamW(b, **HP)
+    for step in range(2):
+        set_grads(a, step)
+        set_grads(b, step)
+        opt_a.step()
+        opt_b.step()
+    saved = copy.deepcopy(opt_b.state_dict())
+    resumed = OffloadedAdamW(b, **HP)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        set_grads(a, step)
+        set_grads(b, step)
+        opt_a.step()
+        resumed.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_plain_and_lr_scheduler_compatible():
+    params = make_params()
+    opt = build_optimizer(params, OptimizerConfig(name="adamw_offload", lr=1e-3))
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # requires a torch.optim.Optimizer
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert isinstance(build_optimizer(make_params(), OptimizerConfig(name="adamw")), torch.optim.AdamW)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+@pytest.mark.parametrize("name,fell_back_to", [("adamw_fused", "adamw (foreach)"),
+                                               ("adamw_8bit", "adamw with fp32 state")])
+def test_cpu_fallbacks_warn_and_strict_fails(name, fell_back_to):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = build_optimizer(make_params(), OptimizerConfig(name=name))
+    assert isinstance(opt, torch.optim.AdamW)
+    msgs = [str(w.message) for w in caught]
+    assert any(f"fell back to {fell_back_to}" in m for m in msgs), msgs
+    with pytest.raises(RuntimeError, match="strict"):
+        build_optimizer(make_params(), OptimizerConfig(name=name, strict=True))
+
+
+def test_bad_config_and_frozen_params():
+    with pytest.raises(ValueError, match="optimizer.name"):
+        OptimizerConfig(name="sgd")
+    with pytest.raises(ValueError, match="betas"):
+        OptimizerConfig(betas=[0.9])
+    frozen = [torch.nn.Parameter(torch.zeros(2), requires_grad=False)]
+    with pytest.raises(ValueError, match="no trainable"):
+        build_optimizer(frozen, OptimizerConfig())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_adamw_cuda_bf16_matches_cpu():
+    cpu = make_params(dtype=torch.bfloat16)
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    opt_c, opt_g = OffloadedAdamW(cpu, **HP, state_device=None), OffloadedAdamW(gpu, **HP)
+    for step in range(3):
+        set_grads(cpu, step)
+        for a, b in zip(gpu, cpu):
+            a.grad = b.grad.cuda()
+        opt_c.step()
+        opt_g.step()
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b.detach())
+        assert opt_g.state[a]["master"].device.type == "cpu"
