@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config, check_paths, loss_config, to_yaml
+from ..config import Config, ConfigError, check_paths, loss_config, to_yaml
 from ..model.hf_io import load_model
 from ..model.lora import apply_lora, load_adapter
 from ..model.tokenizer import load_tokenizer
@@ -93,7 +93,7 @@ def train(cfg: Config, *, resume: str | None = None, stop_after: int | None = No
     """
     # ---- set-up: config, paths, task, data and loggers are all checked before any weights are read
     check_paths(cfg)
-    task = make_task(cfg.task.name, **task_options(cfg))
+    task = build_task(cfg)
     train_examples = list(task.examples(cfg.task.train_split))
     eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
@@ -300,6 +300,14 @@ def run_eval(cfg: Config, model, tokenizer, task, examples) -> EvalResult:
     with rollout_weights(cfg, model):
         return evaluate_policy(model, tokenizer, task, examples, eval_params(cfg, tokenizer), seed=cfg.seed,
                                max_prompt_tokens=cfg.rollout.max_prompt_tokens)
+
+
+def build_task(cfg: Config):
+    """The task; a bad task name or option is a config error (reported before the model loads)."""
+    try:
+        return make_task(cfg.task.name, **task_options(cfg))
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
 
 
 def task_options(cfg: Config) -> dict:
