@@ -1,8 +1,9 @@
 """`grpo bench step`: seconds per GRPO step (generate P x G, fixed length, score, one update) and peak RSS.
 
 The step runs the trainer's own phases (generate with the policy weights, advantages, token-budget
-micro-batched update, AdamW step); prompts are fixed token ids and EOS is never a stop token, so every
-completion has exactly --max-new tokens, the same work TRL is given in benchmarks/step_vs_trl.py.
+micro-batched update through rl.policy_loss, AdamW step); prompts are fixed token ids and EOS is never a
+stop token, so every completion has exactly --max-new tokens, the same work TRL is given in
+benchmarks/step_vs_trl.py.
 """
 
 from __future__ import annotations
@@ -39,22 +40,20 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                micro_batch_tokens: int, threads: int = 0) -> dict:
     import torch
 
-    from .config import Config
     from .model.hf_io import load_model
     from .rl.advantages import compute_advantages
+    from .rl.losses import LossConfig
     from .rollout import SamplingParams, generate
-    from .train.algorithm import make_loss_fn
     from .train.batching import build_rollout_batch
+    from .train.optim import OptimizerConfig, build_optimizer
     from .train.update import accumulate_gradients, clip_and_check
 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = load_model(model_dir)
-    cfg = Config()
-    cfg.algorithm.beta, cfg.algorithm.mu = 0.0, 1
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=False)
-    loss_fn = make_loss_fn(cfg)
+    opt = build_optimizer(model.parameters(), OptimizerConfig(name="adamw", lr=1e-6))
+    loss_cfg = LossConfig(loss="grpo", beta=0.0)  # GRPO clip loss, one pass (mu = 1), no reference
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(0)
     prompt_ids = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
@@ -71,7 +70,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                                     adv, [True] * len(adv), pad_id=0)
         model.train()
         opt.zero_grad(set_to_none=True)
-        accumulate_gradients(model, batch, loss_fn, micro_batch_tokens, temperature=1.0, chunk_size=1024)
+        accumulate_gradients(model, batch, loss_cfg, micro_batch_tokens, temperature=1.0, chunk_size=1024)
         clip_and_check(model, 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)

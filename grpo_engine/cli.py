@@ -29,9 +29,16 @@ def _train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
-    from .train.loop import train
+    import torch
 
-    result = train(cfg, resume=args.resume, stop_after=args.stop_after)
+    from .train.loop import train
+    from .train.update import NonFiniteError
+
+    try:
+        result = train(cfg, resume=args.resume, stop_after=args.stop_after)
+    except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
+        print(f"grpo: training stopped: {e}", file=sys.stderr)
+        return 1
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
 

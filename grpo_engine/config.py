@@ -14,14 +14,28 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import inspect
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .model.lora import LoRAConfig
+from .rl.advantages import AdvantageConfig, compute_advantages
+from .rl.group_filter import GroupFilterConfig
+from .rl.losses import LossConfig
+from .rl.losses import resolve as resolve_loss
+from .rl.overlong import OverlongConfig
+from .rl.semantic_entropy import SemanticEntropyConfig, group_semantic_entropy, modulation_weights
+from .train.memory import MemoryConfig
+from .train.optim import OptimizerConfig
+from .train.reference import ReferenceConfig, make_reference
 
 
 class ConfigError(ValueError):
@@ -46,7 +60,6 @@ def _section(cls, help: str):
 @dataclass
 class ModelSection:
     path: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors) of the policy")
-    dtype: str = _f("float32", "parameter dtype of the policy", ("float32", "bfloat16", "float16"))
     device: str = _f("auto", "where to train: auto picks cuda when available", ("auto", "cpu", "cuda"))
 
 
@@ -79,53 +92,23 @@ class RolloutSection:
 
 
 @dataclass
-class SemanticEntropySection:
-    enabled: bool = _f(False, "scale advantages by the semantic entropy of each group's answers")
-    alpha: float = _f(1.0, "strength of the semantic-entropy modulation")
+class AlgorithmSection(LossConfig):
+    """The policy loss (LossConfig's fields, e.g. algorithm.loss=dapo, algorithm.beta=0.04) and the rest of the
+    algorithm: advantages, semantic entropy, overlong handling, dynamic sampling, passes per batch."""
+
+    mu: int = _f(1, "policy-gradient passes over each rollout batch (> 1 computes old log-probs first)")
+    advantage: AdvantageConfig = _section(AdvantageConfig, "group-relative advantage estimator")
+    semantic_entropy: SemanticEntropyConfig = _section(
+        SemanticEntropyConfig, "SEED-GRPO modulation (the step's mean semantic entropy is always logged)")
+    overlong: OverlongConfig = _section(
+        OverlongConfig, "truncated completions (max_len 0 = rollout.max_new_tokens)")
+    group_filter: GroupFilterConfig = _section(GroupFilterConfig, "DAPO dynamic sampling of informative groups")
 
 
 @dataclass
-class DynamicSamplingSection:
-    enabled: bool = _f(False, "drop zero-variance groups and draw fresh prompts to refill the batch (DAPO)")
-    max_refills: int = _f(3, "extra generation rounds per step at most before training on what is there")
+class OptimizerSection(OptimizerConfig):
+    """OptimizerConfig (grpo_engine/train/optim.py) plus what the loop does around optimizer.step()."""
 
-
-@dataclass
-class OverlongSection:
-    mode: str = _f("none", "truncated completions: none, mask (no gradient) or penalty (soft length penalty)",
-                   ("none", "mask", "penalty"))
-    buffer_tokens: int = _f(64, "penalty mode: the penalty ramps up over the last buffer_tokens tokens")
-    penalty: float = _f(1.0, "penalty mode: reward subtracted at max_new_tokens")
-
-
-@dataclass
-class AlgorithmSection:
-    loss: str = _f("grpo", "policy loss variant (see docs/algorithms.md)")
-    advantage: str = _f("grpo", "advantage estimator (see docs/algorithms.md)",
-                        ("grpo", "dr_grpo", "batch_std", "none"))
-    epsilon_low: float = _f(0.2, "lower clip range of the importance ratio")
-    epsilon_high: float = _f(0.2, "upper clip range of the importance ratio (DAPO clip-higher: 0.28)")
-    beta: float = _f(0.0, "KL penalty coefficient towards the reference policy; 0 = no reference")
-    mu: int = _f(1, "policy-gradient passes over each rollout batch (> 1 needs old log-probs)")
-    semantic_entropy: SemanticEntropySection = _section(SemanticEntropySection, "semantic-entropy modulation")
-    dynamic_sampling: DynamicSamplingSection = _section(DynamicSamplingSection, "zero-variance group filtering")
-    overlong: OverlongSection = _section(OverlongSection, "handling of truncated completions")
-
-
-@dataclass
-class ReferenceSection:
-    mode: str = _f("frozen", "reference policy when beta > 0: frozen copy, synced every N steps, or CPU-parked",
-                   ("frozen", "synced", "cpu"))
-    sync_every: int = _f(0, "synced mode: copy policy weights into the reference every N steps")
-
-
-@dataclass
-class OptimizerSection:
-    name: str = _f("adamw", "optimizer (see grpo_engine/train/optim.py)")
-    lr: float = _f(1e-6, "peak learning rate")
-    betas: list[float] = _f([0.9, 0.99], "Adam betas")
-    eps: float = _f(1e-8, "Adam epsilon")
-    weight_decay: float = _f(0.0, "decoupled weight decay")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
     max_nonfinite_steps: int = _f(3, "stop the run after this many consecutive NaN/inf losses or gradients")
 
@@ -139,10 +122,11 @@ class ScheduleSection:
 
 
 @dataclass
-class MemorySection:
+class MemorySection(MemoryConfig):
+    """MemoryConfig (grpo_engine/train/memory.py: precision, checkpointing) plus micro-batching."""
+
     micro_batch_tokens: int = _f(8192, "token budget (padded rows x length) of one forward/backward micro-batch")
     auto_halve_micro_batch: bool = _f(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
-    activation_checkpointing: int = _f(0, "recompute activations of every k-th block in backward; 0 = off")
     logprob_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs from hidden states")
 
 
@@ -164,9 +148,10 @@ class CheckpointSection:
 
 @dataclass
 class EvalSection:
-    every: int = _f(0, "evaluate every N steps; 0 = off")
-    num_examples: int = _f(64, "examples of task.eval_split scored per evaluation")
-    max_new_tokens: int = _f(256, "completion cap during evaluation (greedy decoding)")
+    every: int = _f(0, "evaluate on task.eval_split every N steps (and after the last step); 0 = off")
+    max_examples: int = _f(64, "the first N examples of task.eval_split (a fixed subset, same every time)")
+    max_new_tokens: int = _f(256, "completion cap during evaluation")
+    temperature: float = _f(0.0, "sampling temperature during evaluation; 0 = greedy")
 
 
 @dataclass
@@ -208,7 +193,8 @@ class Config:
     task: TaskSection = _section(TaskSection, "task and data")
     rollout: RolloutSection = _section(RolloutSection, "generation of completions")
     algorithm: AlgorithmSection = _section(AlgorithmSection, "GRPO loss and advantage variants")
-    reference: ReferenceSection = _section(ReferenceSection, "reference policy for the KL term")
+    reference: ReferenceConfig = _section(ReferenceConfig, "reference policy for the KL term (used when beta > 0)")
+    lora: LoRAConfig = _section(LoRAConfig, "LoRA adapters instead of full fine-tuning")
     optimizer: OptimizerSection = _section(OptimizerSection, "optimizer and gradient clipping")
     schedule: ScheduleSection = _section(ScheduleSection, "steps and learning-rate schedule")
     memory: MemorySection = _section(MemorySection, "micro-batching and memory options")
@@ -216,6 +202,14 @@ class Config:
     checkpoint: CheckpointSection = _section(CheckpointSection, "checkpoint interval and retention")
     eval: EvalSection = _section(EvalSection, "periodic evaluation")
     warm_start: WarmStartSection = _section(WarmStartSection, "tiny base model and supervised phase before GRPO")
+
+
+def loss_config(cfg: Config) -> LossConfig:
+    """The algorithm section's LossConfig fields as a plain LossConfig; Dr. GRPO's constant normaliser
+    defaults to rollout.max_new_tokens."""
+    values = {f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(LossConfig)}
+    values["max_completion_len"] = values["max_completion_len"] or cfg.rollout.max_new_tokens
+    return LossConfig(**values)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,6 +298,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         _raise_from_omegaconf(e, str(path or "config"))
+    except ValueError as e:  # a section's own __post_init__ check (optimizer, memory, lora)
+        raise ConfigError(f"{path or 'config'}: {e}") from None
     validate(cfg)
     return cfg
 
@@ -351,28 +347,47 @@ def _ranges(cfg: Config) -> list[tuple[bool, str]]:
         (r.top_k >= 0, "rollout.top_k must be >= 0 (0 = off)"),
         (0 <= r.min_p < 1, "rollout.min_p must be in [0, 1)"),
         (r.max_tokens_in_flight >= 0, "rollout.max_tokens_in_flight must be >= 0"),
-        (a.epsilon_low >= 0 and a.epsilon_high >= 0, "algorithm.epsilon_low/high must be >= 0"),
-        (a.beta >= 0, "algorithm.beta must be >= 0"),
         (a.mu >= 1, "algorithm.mu must be >= 1"),
-        (a.dynamic_sampling.max_refills >= 0, "algorithm.dynamic_sampling.max_refills must be >= 0"),
-        (a.overlong.buffer_tokens >= 0, "algorithm.overlong.buffer_tokens must be >= 0"),
-        (cfg.reference.sync_every >= 0, "reference.sync_every must be >= 0"),
-        (o.lr >= 0, "optimizer.lr must be >= 0"),
-        (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas must be two numbers in [0, 1)"),
+        (a.group_filter.max_rounds >= 1, "algorithm.group_filter.max_rounds must be >= 1"),
+        (not a.overlong.soft_punish or 0 < a.overlong.cache_len <= (a.overlong.max_len or r.max_new_tokens),
+         "algorithm.overlong.soft_punish needs 0 < cache_len <= max_len (max_len 0 = rollout.max_new_tokens)"),
+        (a.beta == 0 or cfg.reference.mode != "none",
+         "algorithm.beta > 0 needs a reference policy: set reference.mode=frozen (or beta=0 for no KL term)"),
+        (not (cfg.lora.enabled and a.beta > 0 and cfg.reference.mode != "frozen"),
+         "with lora.enabled the reference policy is the base model (adapters off): use reference.mode=frozen"),
         (o.grad_clip >= 0, "optimizer.grad_clip must be >= 0 (0 = off)"),
         (o.max_nonfinite_steps >= 1, "optimizer.max_nonfinite_steps must be >= 1"),
         (s.steps >= 1, "schedule.steps must be >= 1"),
         (0 <= s.warmup_steps <= s.steps, "schedule.warmup_steps must be in [0, schedule.steps]"),
         (0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
         (cfg.memory.micro_batch_tokens >= 1, "memory.micro_batch_tokens must be >= 1"),
-        (cfg.memory.activation_checkpointing >= 0, "memory.activation_checkpointing must be >= 0"),
         (cfg.memory.logprob_chunk_size >= 1, "memory.logprob_chunk_size must be >= 1"),
         (cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0"),
         (cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
         (cfg.eval.every >= 0, "eval.every must be >= 0"),
-        (cfg.eval.num_examples >= 1, "eval.num_examples must be >= 1"),
+        (cfg.eval.max_examples >= 1, "eval.max_examples must be >= 1"),
+        (cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+        (cfg.eval.temperature >= 0, "eval.temperature must be >= 0 (0 = greedy)"),
     ]
+
+
+def _algorithm_checks(cfg: Config) -> None:
+    """The rl library's own validation of names and numbers, run now rather than at step 1."""
+    a = cfg.algorithm
+    checks = {
+        "algorithm": lambda: resolve_loss(loss_config(cfg)),
+        "algorithm.advantage": lambda: compute_advantages(torch.zeros(1, 2), a.advantage),
+        "algorithm.semantic_entropy": lambda: (group_semantic_entropy([], str.__eq__, a.semantic_entropy),
+                                               modulation_weights(torch.zeros(1), 2, a.semantic_entropy)),
+        "reference": lambda: make_reference(torch.nn.Linear(1, 1), cfg.reference, beta=0.0 if
+                                            cfg.reference.mode == "none" else 1.0),
+    }
+    for section, check in checks.items():
+        try:
+            check()
+        except ValueError as e:
+            raise ConfigError(f"{section}: {e}") from None
 
 
 def validate(cfg: Config) -> None:
@@ -381,6 +396,7 @@ def validate(cfg: Config) -> None:
     for ok, message in _ranges(cfg):
         if not ok:
             raise ConfigError(message)
+    _algorithm_checks(cfg)
 
 
 TOKENIZER_REQUIRED = ("tokenizer.json",)
@@ -411,6 +427,23 @@ def check_paths(cfg: Config) -> None:
 # Docs
 
 
+def _comment_help(cls, name: str) -> str:
+    """The trailing `# comment` of field `name` in the source of the class that declares it.
+
+    The rl / optim dataclasses embedded in the tree document their fields with such comments; reading them
+    keeps one source of truth instead of copying every line into metadata.
+    """
+    pattern = re.compile(rf"^\s+{re.escape(name)}\s*:[^#]*#\s*(.+)$")
+    for klass in cls.__mro__:
+        if name not in getattr(klass, "__annotations__", {}):
+            continue
+        for line in inspect.getsource(klass).splitlines():
+            match = pattern.match(line)
+            if match:
+                return match.group(1).strip()
+    return ""
+
+
 def iter_config_docs(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
     """(dotted_name, type, default, help) of every leaf field, in declaration order."""
     instance = cls()
@@ -419,7 +452,7 @@ def iter_config_docs(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, A
         if dataclasses.is_dataclass(value):
             yield from iter_config_docs(type(value), f"{prefix}{f.name}.")
             continue
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help") or _comment_help(cls, f.name)
         if "choices" in f.metadata:
             help_text += f" [{' | '.join(f.metadata['choices'])}]"
         type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

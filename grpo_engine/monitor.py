@@ -31,6 +31,8 @@ class StepMetrics:
     entropy: float = math.nan
     clip_frac_low: float = math.nan
     clip_frac_high: float = math.nan
+    ratio_mean: float = math.nan
+    ratio_max: float = math.nan
     grad_norm: float = math.nan
     lr: float = math.nan
     skipped_update: bool = False
@@ -47,7 +49,12 @@ class StepMetrics:
     time_step_s: float = 0.0
     peak_mem_mib: float = math.nan
     micro_batch_tokens: int = 0
-    eval_accuracy: float | None = None
+    eval: dict[str, float] = field(default_factory=dict)  # "eval/accuracy", ... on evaluation steps only
+
+    def flat(self) -> dict:
+        """The record as metrics.jsonl stores it: the eval figures as top-level "eval/..." keys."""
+        record = dataclasses.asdict(self)
+        return {**{k: v for k, v in record.items() if k != "eval"}, **self.eval}
 
     def to_json(self) -> str:
         def clean(v):
@@ -57,7 +64,7 @@ class StepMetrics:
                 return {k: clean(x) for k, x in v.items()}
             return v
 
-        return json.dumps({k: clean(v) for k, v in dataclasses.asdict(self).items()})
+        return json.dumps({k: clean(v) for k, v in self.flat().items()})
 
 
 @dataclass
@@ -132,7 +139,7 @@ class Monitor:
     def log_step(self, m: StepMetrics) -> None:
         with self.metrics_path.open("a") as f:
             f.write(m.to_json() + "\n")
-        scalars = {k: v for k, v in dataclasses.asdict(m).items() if isinstance(v, (int, float)) and k != "step"}
+        scalars = {k: v for k, v in m.flat().items() if isinstance(v, (int, float)) and k != "step"}
         for name, stats in m.reward_components.items():
             for stat, v in stats.items():
                 scalars[f"reward/{name}/{stat}"] = v
@@ -186,14 +193,3 @@ def _open_wandb(project: str, config: dict, run_dir: Path):
             "pip install 'grpo-engine[wandb]' or set logging.wandb=false"
         ) from e
     return wandb.init(project=project, config=config, dir=str(run_dir))
-
-
-def peak_memory_mib(device: str | object) -> float:
-    """Peak CUDA memory allocated, or peak resident set size of the process on CPU."""
-    import torch
-
-    if str(device).startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

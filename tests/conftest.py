@@ -5,7 +5,9 @@ import torch
 
 from grpo_engine.model.tiny import make_tiny_checkpoint
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread: the tiny models gain nothing from more, and on a shared, loaded CPU OpenMP threads that
+# spin-wait for each other make every op 10-100x slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_engine.config import Config, ConfigError, check_paths, iter_config_docs, load_config, to_yaml
+from grpo_engine.config import Config, ConfigError, check_paths, iter_config_docs, load_config, loss_config, to_yaml
+from grpo_engine.rl.losses import LossConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,12 +17,46 @@ def write(tmp_path, text):
 
 
 def test_yaml_and_dotted_overrides(tmp_path):
-    p = write(tmp_path, "rollout:\n  group_size: 4\nalgorithm:\n  loss: grpo\n  overlong:\n    mode: mask\n")
-    cfg = load_config(p, ["algorithm.loss=dapo", "rollout.group_size=16", "optimizer.betas=[0.8,0.9]"])
+    p = write(tmp_path, "rollout:\n  group_size: 4\nalgorithm:\n  loss: grpo\n  overlong:\n"
+                        "    filter_truncated: true\n")
+    cfg = load_config(p, ["algorithm.loss=dapo", "rollout.group_size=16", "optimizer.betas=[0.8,0.9]",
+                          "algorithm.eps_high=0.28", "algorithm.advantage.estimator=dr_grpo"])
     assert isinstance(cfg, Config)
-    assert (cfg.rollout.group_size, cfg.algorithm.loss, cfg.algorithm.overlong.mode) == (16, "dapo", "mask")
+    assert (cfg.rollout.group_size, cfg.algorithm.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
     assert cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.max_new_tokens == 256  # default kept
+    # the rl library's dataclasses are embedded: the loss config handed to policy_loss is a real LossConfig
+    loss = loss_config(cfg)
+    assert type(loss) is LossConfig and (loss.loss, loss.eps_high, loss.max_completion_len) == ("dapo", 0.28, 256)
+    assert cfg.algorithm.advantage.estimator == "dr_grpo"
+
+
+def test_algorithm_sections_validated_by_the_rl_library(tmp_path):
+    with pytest.raises(ConfigError, match=r"algorithm: unknown loss 'ppo'; choose one of"):
+        load_config(None, ["algorithm.loss=ppo"])
+    with pytest.raises(ConfigError, match=r"algorithm.advantage: unknown advantage estimator 'rloo'"):
+        load_config(None, ["algorithm.advantage.estimator=rloo"])
+    with pytest.raises(ConfigError, match=r"algorithm.semantic_entropy: unknown modulation 'cubic'"):
+        load_config(None, ["algorithm.semantic_entropy.modulation=cubic"])
+    with pytest.raises(ConfigError, match=r"reference: unknown reference mode 'synced'"):
+        load_config(None, ["reference.mode=synced"])
+    with pytest.raises(ConfigError, match=r"reference mode 'mixin' needs update_every >= 1"):
+        load_config(None, ["reference.mode=mixin"])
+    with pytest.raises(ConfigError, match=r"beta > 0 needs a reference policy"):
+        load_config(None, ["algorithm.beta=0.1", "reference.mode=none"])
+    with pytest.raises(ConfigError, match=r"with lora.enabled the reference policy is the base model"):
+        load_config(None, ["algorithm.beta=0.1", "lora.enabled=true", "reference.mode=hard_reset",
+                           "reference.update_every=2"])
+    with pytest.raises(ConfigError, match=r"soft_punish needs 0 < cache_len <= max_len"):
+        load_config(None, ["algorithm.overlong.soft_punish=true", "algorithm.overlong.cache_len=0"])
+    with pytest.raises(ConfigError, match=r"optimizer.name='sgd'; choose from"):
+        load_config(None, ["optimizer.name=sgd"])
+    with pytest.raises(ConfigError, match=r"lora.rank must be > 0"):
+        load_config(None, ["lora.rank=0"])
+    with pytest.raises(ConfigError, match=r"memory.precision='fp8'"):
+        load_config(None, ["memory.precision=fp8"])
+    with pytest.raises(ConfigError, match=r"wrong type for 'algorithm\.eps_high'"):
+        load_config(None, ["algorithm.eps_high=wide"])
 
 
 def test_unknown_key_names_field_file_and_closest(tmp_path):
@@ -81,7 +116,10 @@ def test_yaml_round_trip():
 def test_every_field_documented():
     docs = list(iter_config_docs())
     names = [d[0] for d in docs]
-    assert "rollout.group_size" in names and "algorithm.overlong.mode" in names
+    assert "rollout.group_size" in names and "algorithm.overlong.soft_punish" in names
+    # embedded rl dataclasses document their fields with trailing comments; those become the help text
+    helps = {d[0]: d[3] for d in docs}
+    assert helps["algorithm.group_filter.tol"] == "rewards within tol of each other count as equal"
     assert len(names) == len(set(names))
     undocumented = [d[0] for d in docs if not d[3]]
     assert undocumented == []

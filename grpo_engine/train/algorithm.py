@@ -1,22 +1,31 @@
-"""Glue between the config tree and the algorithm library (grpo_engine.rl): sampling params, advantages,
-the loss closure, the reference policy, and the per-step metrics record.
+"""Glue between the config tree and the algorithm library (grpo_engine.rl): sampling params, rewards ->
+advantages -> a training batch, the reference policy, LoRA weights for rollout, and the step's metrics.
 
-Each function maps config fields onto the rl / rollout dataclasses in ONE place, so the loop never
-touches algorithm variants itself.
+Each function maps config fields onto the rl / rollout / lora APIs in ONE place, so the loop never touches
+an algorithm variant itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..config import Config
+from ..model.lora import adapters_disabled, lora_merged, lora_modules
 from ..monitor import StepMetrics
-from ..rl.advantages import AdvantageConfig, compute_advantages
+from ..rl.advantages import combine_rewards, compute_advantages
+from ..rl.overlong import overlong_keep_mask, soft_overlong_penalty
+from ..rl.semantic_entropy import group_semantic_entropy, modulate_advantages
 from ..rollout import SamplingParams
 from .batching import RolloutBatch, build_rollout_batch
+from .evaluation import accuracy
+from .reference import make_reference
+from .rollouts import Group
+from .update import batch_logprobs
 
 
 def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
@@ -28,27 +37,62 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
     )
 
 
-def _overlong_rewards(rewards: torch.Tensor, lengths: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """DAPO soft overlong penalty: linear from 0 at (max - buffer) to -penalty at max_new_tokens."""
-    o, L = cfg.algorithm.overlong, cfg.rollout.max_new_tokens
-    if o.mode != "penalty" or o.buffer_tokens == 0:
-        return rewards
-    over = (lengths.float() - (L - o.buffer_tokens)).clamp(min=0) / o.buffer_tokens  # [P, G] in [0, 1]
-    return rewards - o.penalty * over.clamp(max=1.0)
+def eval_params(cfg: Config, tokenizer) -> SamplingParams:
+    """Rollout sampling with the eval section's temperature (0 = greedy) and length cap, one per prompt."""
+    return replace(sampling_params(cfg, tokenizer), n=1, temperature=cfg.eval.temperature,
+                   max_new_tokens=cfg.eval.max_new_tokens)
 
 
-def rollout_batch(groups, cfg: Config, task, pad_id: int) -> tuple[RolloutBatch | None, dict]:
-    """Group advantages (+ overlong handling) -> a right-padded RolloutBatch (None when no groups)."""
+# ----------------------------------------------------------------------------------------------------
+# Rewards -> advantages -> batch
+
+
+@dataclass
+class AdvantageInfo:
+    """What the advantage phase reports for the step's metrics."""
+
+    num_zero_variance: int  # groups whose rewards were all equal (advantage 0)
+    num_nonfinite: int  # non-finite rewards masked out
+    semantic_entropy: float  # mean SE (nats) of the trained groups' answers, always computed
+
+
+def _rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
+    """[P, G] rewards: the task's totals, or (advantage.component_weights set) a re-weighted sum of the
+    components; then the soft overlong penalty when enabled."""
+    weights = cfg.algorithm.advantage.component_weights
+    if weights:
+        names = sorted({k for g in groups for r in g.rewards for k in r.components} | set(weights))
+        comps = {n: torch.tensor([[r.components.get(n, 0.0) for r in g.rewards] for g in groups]) for n in names}
+        rewards = combine_rewards(comps, weights).double()  # [P, G]
+    else:
+        rewards = torch.tensor([g.totals for g in groups], dtype=torch.float64)  # [P, G]
+    o = cfg.algorithm.overlong
+    if o.soft_punish:
+        lengths = torch.tensor([[len(c) for c in g.completion_ids] for g in groups])  # [P, G]
+        max_len = o.max_len or cfg.rollout.max_new_tokens
+        rewards = rewards + soft_overlong_penalty(lengths.flatten(), max_len, o.cache_len).view_as(rewards)
+    return rewards
+
+
+def _semantic_entropy(groups: list[Group], task, cfg: Config) -> torch.Tensor:
+    """[P] semantic entropy of each group's final answers under the task's equivalence."""
+    answers = [[r.answer for r in g.rewards] for g in groups]
+    seq_logp = torch.tensor([[statistics.fmean(lp) if lp else 0.0 for lp in g.logprobs] for g in groups])  # [P, G]
+    return group_semantic_entropy(answers, task.equivalent, cfg.algorithm.semantic_entropy, seq_logp)
+
+
+def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int) -> tuple[RolloutBatch | None, AdvantageInfo]:
+    """Group advantages (+ SEED-GRPO modulation, overlong filtering) -> a right-padded RolloutBatch."""
     if not groups:
-        return None, {"zero_variance": 0}
-    rewards = torch.tensor([g.totals for g in groups], dtype=torch.float64)  # [P, G]
-    lengths = torch.tensor([[len(c) for c in g.completion_ids] for g in groups])  # [P, G]
-    rewards = _overlong_rewards(rewards, lengths, cfg)
-    result = compute_advantages(rewards, AdvantageConfig(estimator=cfg.algorithm.advantage))
-    adv = result.advantages  # [P, G]
+        return None, AdvantageInfo(0, 0, math.nan)
+    a = cfg.algorithm
+    result = compute_advantages(_rewards(groups, cfg), a.advantage)
+    se = _semantic_entropy(groups, task, cfg)  # [P]
+    adv = modulate_advantages(result.advantages, se, a.semantic_entropy) if a.semantic_entropy.enabled \
+        else result.advantages  # [P, G]
     keep = result.valid.clone()  # [P, G]
-    if cfg.algorithm.overlong.mode == "mask":
-        keep &= torch.tensor([[f != "length" for f in g.finish_reasons] for g in groups])
+    if a.overlong.filter_truncated:
+        keep &= overlong_keep_mask([f for g in groups for f in g.finish_reasons]).view_as(keep)
     G = len(groups[0].completion_ids)
     batch = build_rollout_batch(
         prompt_ids=[g.prompt_ids for g in groups for _ in range(G)],
@@ -58,48 +102,81 @@ def rollout_batch(groups, cfg: Config, task, pad_id: int) -> tuple[RolloutBatch 
         completion_keep=keep.reshape(-1).tolist(),
         pad_id=pad_id,
     )
-    return batch, {"zero_variance": result.num_zero_variance}
+    return batch, AdvantageInfo(result.num_zero_variance, result.num_nonfinite, float(se.mean()))
 
 
-def make_loss_fn(cfg: Config):
-    """(logp [b,T], entropy [b,T], micro_batch, num_tokens) -> (loss, metrics), normalised by num_tokens.
-
-    Token-level clipped surrogate (ratio against old_logp, or against logp.detach() when mu == 1 so the
-    ratio is 1 with the right gradient) plus beta * k3 KL to the reference.
-    """
-    a = cfg.algorithm
-
-    def loss_fn(logp, entropy, mb: RolloutBatch, num_tokens: int):
-        mask = mb.completion_mask  # [b, T]
-        old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, T]
-        ratio = torch.exp(logp - old)  # [b, T]
-        adv = mb.advantages[:, None]  # [b, 1]
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - a.epsilon_low, 1 + a.epsilon_high) * adv)
-        per_token = -surrogate  # [b, T]
-        metrics = {}
-        if a.beta > 0 and mb.ref_logp is not None:
-            diff = mb.ref_logp - logp
-            kl = torch.exp(diff) - diff - 1  # k3 estimator, [b, T]
-            per_token = per_token + a.beta * kl
-            metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
-        loss = (per_token * mask).sum() / num_tokens
-        denom = mask.sum().clamp(min=1)
-        metrics["clip_frac_low"] = float((((ratio < 1 - a.epsilon_low) & (adv < 0)) * mask).sum() / denom)
-        metrics["clip_frac_high"] = float((((ratio > 1 + a.epsilon_high) & (adv > 0)) * mask).sum() / denom)
-        if entropy is not None:
-            metrics["entropy"] = float((entropy.detach() * mask).sum() / denom)
-        return loss, metrics
-
-    return loss_fn
+# ----------------------------------------------------------------------------------------------------
+# Reference policy (KL term) and LoRA weights for rollout
 
 
-def make_reference_policy(cfg: Config, model):
-    """None when beta == 0 (no reference needed); the rl branch's make_reference otherwise."""
+class CopyReference:
+    """A separate reference model (train/reference.py: frozen / hard_reset / mixin, optionally CPU-parked)."""
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def logprobs(self, policy, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+        device = policy.device
+        self.reference.before_pass(device)
+        try:
+            return batch_logprobs(self.reference.module, batch, budget, temperature=temperature,
+                                  chunk_size=chunk_size)
+        finally:
+            self.reference.after_pass()
+
+    def on_step(self, step: int, policy) -> None:
+        self.reference.on_step(step, policy)
+
+    def state_dict(self) -> dict:
+        return self.reference.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reference.module.load_state_dict(state)
+
+
+class LoRABaseReference:
+    """With LoRA the reference is the base model: the policy with its adapters switched off (no copy)."""
+
+    def logprobs(self, policy, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+        with adapters_disabled(policy):
+            return batch_logprobs(policy, batch, budget, temperature=temperature, chunk_size=chunk_size)
+
+    def on_step(self, step: int, policy) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def make_reference_policy(cfg: Config, policy, initial=None):
+    """None when beta == 0 (no reference, nothing copied); the base model under LoRA; else a copy of
+    `initial` (the weights at model.path; defaults to the policy itself at the start of a run)."""
     if cfg.algorithm.beta == 0:
         return None
-    from .reference import ReferenceConfig, make_reference
+    if cfg.lora.enabled:
+        return LoRABaseReference()
+    return CopyReference(make_reference(initial if initial is not None else policy, cfg.reference,
+                                        beta=cfg.algorithm.beta))
 
-    return make_reference(model, ReferenceConfig(mode=cfg.reference.mode, sync_every=cfg.reference.sync_every))
+
+def merges_for_rollout(cfg: Config, model) -> bool:
+    """Merge LoRA adapters into the weights for generation only when unmerging restores them bit for bit:
+    low-precision bases (the original weight is parked and copied back). An fp32 base would be restored by
+    subtraction, whose rounding would drift the frozen weights over a long run, so it decodes through the
+    adapter path instead (same function, one extra small matmul per projection)."""
+    return cfg.lora.enabled and cfg.memory.precision != "fp32" and any(True for _ in lora_modules(model))
+
+
+def rollout_weights(cfg: Config, model):
+    """Context in which the policy generates: LoRA merged when exact (see merges_for_rollout)."""
+    return lora_merged(model) if merges_for_rollout(cfg, model) else contextlib.nullcontext(model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metrics
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -108,7 +185,11 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.pstdev(xs) if len(xs) > 1 else 0.0)
 
 
-def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv_info: dict) -> StepMetrics:
+_UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": "clip_frac_low",
+                   "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max"}
+
+
+def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: AdvantageInfo) -> StepMetrics:
     gen = rollout.generated
     results = [r for g in gen for r in g.rewards]
     lengths = [len(c) for g in gen for c in g.completion_ids]
@@ -119,11 +200,12 @@ def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv_inf
     for name in names:
         mean, std = _mean_std([r.components.get(name, 0.0) for r in results])
         m.reward_components[name] = {"mean": mean, "std": std}
-    m.accuracy = statistics.fmean(r.components.get("answer", 0.0) >= 1.0 for r in results) if results else math.nan
+    m.accuracy = accuracy(results) if results else math.nan
     m.completion_len_mean = statistics.fmean(lengths) if lengths else math.nan
     m.completion_len_max = max(lengths, default=0)
     m.truncation_rate = statistics.fmean(f == "length" for g in gen for f in g.finish_reasons) if gen else math.nan
     m.zero_variance_frac = statistics.fmean(g.zero_variance() for g in gen) if gen else math.nan
+    m.semantic_entropy = adv.semantic_entropy
     m.refills = rollout.refills
     m.gen_tokens = rollout.gen_tokens
     m.time_generate_s = rollout.time_generate_s
@@ -132,7 +214,6 @@ def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv_inf
         m.rows, m.train_tokens = batch.num_rows, batch.active_tokens()
     if update is not None:
         m.loss = update.loss
-        for key in ("kl", "entropy", "clip_frac_low", "clip_frac_high"):
-            if key in update.metrics:
-                setattr(m, key, update.metrics[key])
+        for ours, theirs in _UPDATE_METRICS.items():
+            setattr(m, ours, update.metrics.get(theirs, math.nan))
     return m

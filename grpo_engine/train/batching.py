@@ -35,6 +35,10 @@ class RolloutBatch:
         """Completion tokens that carry gradient: the global normaliser of one optimizer step."""
         return int(self.completion_mask.sum().item())
 
+    def active_rows(self) -> int:
+        """Rows with at least one active token: the step's sequence count for per-sequence aggregations."""
+        return int((self.completion_mask.sum(1) > 0).sum().item())
+
     def to(self, device) -> RolloutBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return RolloutBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))

@@ -1,7 +1,9 @@
 """Atomic checkpoints and exact resume.
 
 Layout: run_dir/checkpoints/step-000010/
-    model/              HF layout (config.json, safetensors, tokenizer files): loads in transformers
+    model/              HF layout (config.json, safetensors, tokenizer files): loads in transformers;
+                        with LoRA the adapters merged into the base weights
+    adapter/            LoRA only: the adapters in PEFT layout (adapter_config.json + safetensors)
     trainer_state.pt    optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from ..model.hf_io import save_model
+from ..model.lora import lora_modules, merged_model_state, save_adapter
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -118,6 +121,7 @@ def save_checkpoint(
     metrics_path: str | Path | None,
     tokenizer_dir: str | Path | None,
     keep_last: int,
+    base_model_path: str | None = None,
 ) -> Path:
     """Write step-XXXXXX atomically, then prune to the newest `keep_last` complete checkpoints."""
     root = Path(ckpt_root)
@@ -127,7 +131,11 @@ def save_checkpoint(
     final = root / step_dir_name(state.step)
     tmp = root / (TMP_PREFIX + final.name)
     tmp.mkdir()
-    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir)
+    has_lora = any(True for _ in lora_modules(model))
+    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir,
+               state_dict=merged_model_state(model) if has_lora else None)
+    if has_lora:
+        save_adapter(model, tmp / "adapter", base_model_name_or_path=base_model_path)
     _test_pause(state.step, tmp)
     torch.save(state.__dict__, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)

@@ -1,15 +1,18 @@
 """Rollout phase of a step: draw prompts, generate G completions each, score them, group advantages.
 
 Dynamic sampling (DAPO): groups whose G rewards are all equal carry no learning signal; when enabled they
-are dropped and fresh prompts are generated, up to `max_refills` extra rounds, to refill the P groups.
+are dropped and fresh prompts are generated, up to `group_filter.max_rounds` rounds in all, to refill the
+P groups.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from ..rl.group_filter import GroupFilterConfig, select_groups, take_groups
 from ..rollout import SamplingParams, generate
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 
@@ -99,22 +102,27 @@ class RolloutRound:
 
 
 def collect_groups(model, tokenizer, task, examples, sampler: PromptSampler, params: SamplingParams, *,
-                   prompts: int, seed: int, step: int, max_prompt_tokens: int, filter_zero_variance: bool,
-                   max_refills: int) -> RolloutRound:
-    """Generate P groups; with filtering, replace zero-variance groups by fresh prompts up to max_refills."""
-    import time
-
-    kept: list[Group] = []
-    generated: list[Group] = []
-    gen_tokens, rounds, t0 = 0, 0, time.perf_counter()
-    for round_ in range(1 + (max_refills if filter_zero_variance else 0)):
-        batch = [examples[sampler.next()] for _ in range(prompts - len(kept))]
-        groups, n = generate_groups(model, tokenizer, task, batch, params, step_seed(seed, step, round_),
+                   prompts: int, seed: int, step: int, max_prompt_tokens: int,
+                   group_filter: GroupFilterConfig) -> RolloutRound:
+    """Generate P groups; with group_filter.enabled keep only informative groups (rewards differ), drawing
+    fresh prompts for the missing ones, for at most group_filter.max_rounds rounds (rl.group_filter)."""
+    rounds: list[list[Group]] = []
+    gen_tokens, t0 = 0, time.perf_counter()
+    rounds_allowed = group_filter.max_rounds if group_filter.enabled else 1
+    selection = None
+    while len(rounds) < rounds_allowed:
+        missing = prompts - (selection.num_informative if selection else 0)
+        batch = [examples[sampler.next()] for _ in range(missing)]
+        groups, n = generate_groups(model, tokenizer, task, batch, params, step_seed(seed, step, len(rounds)),
                                     max_prompt_tokens)
-        generated += groups
+        rounds.append(groups)
         gen_tokens += n
-        rounds += 1
-        kept += [g for g in groups if not (filter_zero_variance and g.zero_variance())]
-        if len(kept) >= prompts:
+        if not group_filter.enabled:
             break
-    return RolloutRound(kept, generated, rounds - 1, gen_tokens, time.perf_counter() - t0)
+        rewards = [torch.tensor([g.totals for g in r], dtype=torch.float64) for r in rounds]  # [P_r, G] each
+        selection = select_groups(rewards, prompts, group_filter.tol)
+        if selection.done:
+            break
+    kept = rounds[0] if selection is None else take_groups(rounds, selection, group_size=1)
+    generated = [g for r in rounds for g in r]
+    return RolloutRound(kept, generated, len(rounds) - 1, gen_tokens, time.perf_counter() - t0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..rl.logprobs import token_logprobs
+from ..rl.losses import LossConfig, policy_loss
 from .batching import RolloutBatch, micro_batches
 
 OOM_KNOBS = (
@@ -49,43 +50,68 @@ def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_s
 @torch.no_grad()
 def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature: float,
                    chunk_size: int) -> torch.Tensor:
-    """[B, T] log-probs of all rows, computed micro-batch by micro-batch (old / reference policy)."""
+    """[B, T] log-probs of all rows, micro-batch by micro-batch, in eval mode (old / reference policy)."""
     out = torch.zeros(batch.input_ids.shape)  # [B, T]
-    for rows in micro_batches(batch.lengths.tolist(), token_budget):
-        idx = torch.tensor(rows)
-        sub = batch.select(idx).to(model.device)
-        logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
-        out[idx, : logp.shape[1]] = logp.float().cpu()
+    was_training = model.training
+    model.eval()  # no (LoRA) dropout: these are the log-probs of the policy itself
+    try:
+        for rows in micro_batches(batch.lengths.tolist(), token_budget):
+            idx = torch.tensor(rows)
+            sub = batch.select(idx).to(model.device)
+            logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
+            out[idx, : logp.shape[1]] = logp.float().cpu()
+    finally:
+        model.train(was_training)
     return out
 
 
 @dataclass
 class UpdateStats:
-    loss: float
-    metrics: dict[str, float]  # token-weighted means of the loss function's metrics
-    tokens: int
+    loss: float  # the pass's loss (micro-batch losses add up to it: each is its share of the whole step)
+    metrics: dict[str, float]  # policy_loss metrics combined over micro-batches (see _combine)
+    tokens: int  # active completion tokens of the step
 
 
-def accumulate_gradients(model, batch: RolloutBatch, loss_fn, token_budget: int, *, temperature: float,
-                         chunk_size: int) -> UpdateStats:
-    """One pass: forward/backward every micro-batch, gradients summed in .grad.
+_SUMMED = ("loss", "pg_loss", "active_tokens", "num_nonfinite")
 
-    loss_fn(logp [b,T], entropy [b,T], micro_batch, num_tokens) -> (loss, metrics); it must normalise by
-    num_tokens (the step's total), which is why the per-micro-batch losses simply add up.
+
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Micro-batch metrics -> step metrics: sums for additive ones, min / max for ratio extremes, and an
+    active-token-weighted mean for the rest (kl_mean, entropy_mean, clip fractions, ratio_mean)."""
+    weight = sum(p["active_tokens"] for p in parts) or 1.0
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if key in _SUMMED:
+            out[key] = sum(values)
+        elif key == "ratio_min":
+            out[key] = min(values)
+        elif key == "ratio_max":
+            out[key] = max(values)
+        else:
+            out[key] = sum(v * p["active_tokens"] for v, p in zip(values, parts)) / weight
+    return out
+
+
+def accumulate_gradients(model, batch: RolloutBatch, loss_cfg: LossConfig, token_budget: int, *,
+                         temperature: float, chunk_size: int) -> UpdateStats:
+    """One pass: forward/backward every micro-batch through rl.policy_loss, gradients summed in .grad.
+
+    policy_loss gets the WHOLE step's active tokens and sequences as its normalisers, so the micro-batch
+    losses (and gradients) add up exactly to those of one big batch, whatever the split.
     """
-    num_tokens = max(1, batch.active_tokens())
-    total_loss, sums = 0.0, {}
+    num_tokens, num_seqs = max(1, batch.active_tokens()), max(1, batch.active_rows())
+    parts = []
     for rows in micro_batches(batch.lengths.tolist(), token_budget):
         sub = batch.select(torch.tensor(rows)).to(model.device)
         logp, ent = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
-                                      with_entropy=True)
-        loss, metrics = loss_fn(logp, ent, sub, num_tokens)
+                                      with_entropy=True)  # [b, T] each
+        loss, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask,
+                                    loss_cfg, entropy=ent, num_tokens_total=num_tokens, num_seqs_total=num_seqs)
         loss.backward()
-        total_loss += float(loss.detach())
-        weight = sub.active_tokens()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v) * weight
-    return UpdateStats(total_loss, {k: v / num_tokens for k, v in sums.items()}, num_tokens)
+        parts.append(metrics)
+    combined = _combine(parts)
+    return UpdateStats(combined["loss"], combined, num_tokens)
 
 
 def clip_and_check(model, max_norm: float) -> float:

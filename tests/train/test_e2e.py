@@ -1,19 +1,23 @@
-"""End-to-end: `grpo train` on a tiny model; artifacts; exact resume (bitwise metrics on CPU)."""
+"""End-to-end: `grpo train` on a tiny model (arithmetic, countdown, LoRA); artifacts; exact resume."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from grpo_engine.cli import main
 from grpo_engine.config import load_config
 from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.lora import LoRAConfig, apply_lora, load_adapter
 from grpo_engine.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = str(REPO / "configs/tiny_arithmetic.yaml")
+HERE = Path(__file__).resolve().parent
 VOLATILE = ("time_", "tokens_per_s", "peak_mem")
 
 
@@ -21,18 +25,41 @@ def _metrics(run_dir):
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def custom_task_config(tmp_path, monkeypatch) -> str:
+    """tiny_arithmetic.yaml with a custom task whose reward (reward_fns.even_bytes) varies between random
+    completions, so advantages are non-zero. Returns the YAML path."""
+    monkeypatch.syspath_prepend(str(HERE))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(8)))
+    cfg = yaml.safe_load(Path(CFG).read_text())
+    cfg["task"] = {"name": "custom", "options": {"data_path": str(data), "reward_fn": "reward_fns:even_bytes",
+                                                 "system_prompt": None, "prefill": ""}}
+    path = tmp_path / "custom.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
 @pytest.mark.slow
 def test_grpo_train_arithmetic_artifacts(tmp_path, tiny_ckpt):
     run = tmp_path / "run"
-    assert main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}"]) == 0
+    assert main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "eval.every=2",
+                 "eval.max_examples=3", "eval.max_new_tokens=4"]) == 0
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("reward_mean", "reward_std", "reward_components", "accuracy", "completion_len_mean",
-                "truncation_rate", "zero_variance_frac", "entropy", "grad_norm", "lr", "gen_tokens_per_s",
-                "time_generate_s", "peak_mem_mib"):
+                "truncation_rate", "zero_variance_frac", "semantic_entropy", "entropy", "grad_norm", "lr",
+                "gen_tokens_per_s", "time_generate_s", "peak_mem_mib", "clip_frac_low", "ratio_mean"):
         assert key in rows[0], key
     assert set(rows[0]["reward_components"]) == {"answer", "format"}
     assert rows[0]["completion_len_max"] <= 8 and rows[0]["lr"] == 1e-3
+    # semantic entropy of G=4 answers lies in [0, log 4]; accuracy is a fraction
+    assert all(0.0 <= r["semantic_entropy"] <= math.log(4) + 1e-6 for r in rows)
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    # eval every 2 steps and after the last one, on the fixed subset; greedy 4-token completions
+    assert ["eval/accuracy" in r for r in rows] == [False, True, True]
+    for r in rows[1:]:
+        assert 0.0 <= r["eval/accuracy"] <= 1.0 and 0.0 <= r["eval/format_rate"] <= 1.0
+        assert 1.0 <= r["eval/length_mean"] <= 4.0
     assert len((run / "samples.jsonl").read_text().splitlines()) >= 3
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step-000002", "step-000003"]  # keep_last=2
@@ -44,17 +71,64 @@ def test_grpo_train_arithmetic_artifacts(tmp_path, tiny_ckpt):
 
 
 @pytest.mark.slow
-def test_exact_resume_bitwise(tmp_path, tiny_ckpt):
-    over = [f"model.path={tiny_ckpt}", "schedule.steps=4", "rollout.max_new_tokens=6", "algorithm.mu=2"]
-    full = load_config(CFG, over + [f"run_dir={tmp_path / 'a'}"])
+def test_grpo_train_countdown_artifacts(tmp_path, tiny_ckpt):
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "configs/tiny_countdown.yaml"), f"model.path={tiny_ckpt}",
+                 f"run_dir={run}"]) == 0
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert set(rows[0]["reward_components"]) == {"answer", "format"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["refills"] in (0, 1) for r in rows)
+    assert all(0.0 <= r["semantic_entropy"] <= math.log(4) + 1e-6 for r in rows if r["semantic_entropy"] is not None)
+    assert (run / "checkpoints/step-000002/model/model.safetensors").is_file()
+    assert "countdown" in (run / "checkpoints/step-000002/config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_exact_resume_bitwise_with_varying_rewards(tmp_path, tiny_ckpt, monkeypatch):
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=3", "rollout.max_new_tokens=6", "algorithm.mu=2"]
+    custom = custom_task_config(tmp_path, monkeypatch)
+    full = load_config(custom, over + [f"run_dir={tmp_path / 'a'}"])
     train(full)
-    split = load_config(CFG, over + [f"run_dir={tmp_path / 'b'}"])
+    split = load_config(custom, over + [f"run_dir={tmp_path / 'b'}"])
     assert train(split, stop_after=2).stopped_by == "stop_after"
-    train(split, resume="latest")
-    strip = lambda rows: [{k: v for k, v in r.items() if not any(v in k for v in VOLATILE)} for r in rows]  # noqa: E731
+    assert train(split, resume="latest").stopped_by == "completed"
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows]  # noqa: E731
     a, b = strip(_metrics(tmp_path / "a")), strip(_metrics(tmp_path / "b"))
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in b] == [1, 2, 3]
     assert a == b
-    wa = load_model(tmp_path / "a/checkpoints/step-000004/model").state_dict()
-    wb = load_model(tmp_path / "b/checkpoints/step-000004/model").state_dict()
+    # the rewards varied, so every step trained on non-zero advantages ...
+    assert all(r["reward_std"] > 0 and r["zero_variance_frac"] < 1 and not r["skipped_update"] for r in a)
+    # ... and the weights moved: the loss reported is the one of the 2nd pass (mu=2), evaluated after the 1st
+    # optimizer step. On the 1st pass the ratio is 1 and the GRPO loss is -mean(A) = 0 (advantages are
+    # group-centred); after a step along its gradient the clipped surrogate must have improved: loss < 0.
+    assert all(r["loss"] < -1e-4 for r in a), [r["loss"] for r in a]
+    assert all(r["ratio_max"] > 1.0 for r in a)
+    wa = load_model(tmp_path / "a/checkpoints/step-000003/model").state_dict()
+    wb = load_model(tmp_path / "b/checkpoints/step-000003/model").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_kl_reference_and_lora_checkpoint(tmp_path, tiny_ckpt, monkeypatch, lora):
+    """beta > 0: the reference is the initial policy (full: frozen copy; LoRA: adapters disabled)."""
+    run = tmp_path / "run"
+    over = [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2", "algorithm.beta=0.1"]
+    if lora:
+        over += ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2"]
+    train(load_config(custom_task_config(tmp_path, monkeypatch), over))
+    rows = _metrics(run)
+    # step 1 trains the initial policy, identical to the reference (LoRA B starts at 0): KL exactly 0;
+    # step 2's policy has moved: KL > 0
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0
+    ckpt = run / "checkpoints/step-000002"
+    if lora:
+        assert (ckpt / "adapter/adapter_config.json").is_file()
+        model = load_model(tiny_ckpt)
+        apply_lora(model, LoRAConfig(enabled=True, rank=4, alpha=8))
+        load_adapter(model, ckpt / "adapter")
+        merged = AutoModelForCausalLM.from_pretrained(ckpt / "model")  # adapters merged into the base
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            torch.testing.assert_close(merged(ids).logits, model.eval()(ids), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,70 @@
+"""Evaluation during training: the policy on a fixed subset of the task's eval split, every `eval.every` steps.
+
+What counts as correct (the same rule for `accuracy` of the training completions and `eval/accuracy`):
+every built-in task scores a completion with a `RewardResult` whose `components["answer"]` is the 0/1
+answer check (countdown: the equation uses the numbers and hits the target; arithmetic / gsm8k / math /
+custom verifiers: the extracted answer equals the reference). A completion is correct when that component
+is 1.0 -- full marks -- independently of the format component or the weights of the total. A task whose
+rewards have no "answer" component (a custom `reward_fn` returning a float) has no notion of correctness:
+its accuracy is NaN (null in metrics.jsonl), never a guess from the total.
+
+`format_rate` likewise is the fraction whose "format" component is 1.0 (the format fully satisfied).
+The standalone `grpo eval` command (pass@k, maj@k, ...) lives in grpo_engine/eval/; this is the small
+in-loop probe.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+
+from ..rollout import SamplingParams
+from ..tasks.base import Example, RewardResult
+from .rollouts import generate_groups
+
+
+def accuracy(results: list[RewardResult]) -> float:
+    """Fraction with answer component 1.0 (a reward that crashed has no components: incorrect); NaN when
+    no result has an "answer" component (see module docstring)."""
+    if not any("answer" in r.components for r in results):
+        return math.nan
+    return statistics.fmean(r.components.get("answer", 0.0) >= 1.0 for r in results)
+
+
+def format_rate(results: list[RewardResult]) -> float:
+    """Fraction whose "format" component is 1.0; NaN when the task has no format component."""
+    if not any("format" in r.components for r in results):
+        return math.nan
+    return statistics.fmean(r.components.get("format", 0.0) >= 1.0 for r in results)
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # fraction correct (NaN if the task defines no answer component)
+    format_rate: float  # fraction with full format marks
+    length_mean: float  # mean completion length in tokens
+    truncation_rate: float  # fraction cut at max_new_tokens
+    num_examples: int
+
+    def as_metrics(self) -> dict[str, float]:
+        """Keys as they appear in metrics.jsonl (eval/accuracy, ...)."""
+        return {"eval/accuracy": self.accuracy, "eval/format_rate": self.format_rate,
+                "eval/length_mean": self.length_mean, "eval/truncation_rate": self.truncation_rate}
+
+
+def evaluate_policy(model, tokenizer, task, examples: list[Example], params: SamplingParams, *, seed: int,
+                    max_prompt_tokens: int) -> EvalResult:
+    """One completion per example (params.n is forced to 1), scored by the task's guarded reward."""
+    if not examples:
+        raise ValueError("evaluation got no examples: the task's eval split is empty")
+    groups, _ = generate_groups(model, tokenizer, task, examples, replace(params, n=1), seed, max_prompt_tokens)
+    results = [g.rewards[0] for g in groups]
+    lengths = [len(g.completion_ids[0]) for g in groups]
+    return EvalResult(
+        accuracy=accuracy(results),
+        format_rate=format_rate(results),
+        length_mean=statistics.fmean(lengths),
+        truncation_rate=statistics.fmean(g.finish_reasons[0] == "length" for g in groups),
+        num_examples=len(groups),
+    )
