@@ -158,7 +158,7 @@ class EvalSection:
 class SFTConfig:
     """Supervised warm-start settings."""
 
-    steps: int = field(default=300, metadata={"help": "optimizer steps of supervised training"})
+    steps: int = field(default=0, metadata={"help": "optimizer steps of supervised training; 0 = no SFT phase"})
     batch_size: int = field(default=32, metadata={"help": "(prompt, completion) pairs per step"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate (linear warmup, cosine decay)"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})

@@ -25,7 +25,7 @@ DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
 QUICK_OVERRIDES = (
     "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=30",
     "schedule.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.every=0",
-    "eval.num_examples=16",
+    "eval.max_examples=16",
 )
 
 
@@ -49,13 +49,13 @@ class DemoResult:
 
 
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
-    """Greedy accuracy / format rate / length on the first eval.num_examples of the eval split."""
+    """Greedy accuracy / format rate / length on the first eval.max_examples of the eval split."""
     from .eval.evaluate import EvalConfig, evaluate
     from .model.hf_io import load_model
     from .model.tokenizer import load_tokenizer
 
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    examples = task.examples(cfg.task.eval_split)[: cfg.eval.num_examples]
+    examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=64)
     s = evaluate(model, tok, task, examples, ecfg).summary
     return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems)
@@ -71,7 +71,8 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     cfg = load_config(Path(str(DEMO_RECIPE)), list(overrides))
     check_paths(cfg)
     task = make_task(cfg.task.name, **task_options(cfg))
-    console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · tiny {cfg.warm_start.tiny.arch} model · run dir {cfg.run_dir}")
+    console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · tiny {cfg.warm_start.tiny.arch} model · "
+                  f"run dir {cfg.run_dir}")
     with _progress(console) as bar:
         job = bar.add_task("1/3 supervised warm start", total=cfg.warm_start.sft.steps)
         policy = warm_start(cfg, task, on_sft_step=lambda step, loss: bar.update(job, completed=step + 1,
@@ -113,8 +114,8 @@ def _table(before: HeldOut, after: HeldOut) -> Table:
         table.add_column(col, justify="right")
     for name, r in (("SFT only", before), ("SFT + GRPO", after)):
         table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}")
-    table.add_row("change", f"{after.accuracy - before.accuracy:+.1%}", f"{after.format_rate - before.format_rate:+.1%}",
-                  f"{after.mean_length - before.mean_length:+.1f}")
+    table.add_row("change", f"{after.accuracy - before.accuracy:+.1%}",
+                  f"{after.format_rate - before.format_rate:+.1%}", f"{after.mean_length - before.mean_length:+.1f}")
     return table
 
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_configs_demo_is_the_embedded_recipe():
     assert (REPO / "configs" / "demo.yaml").read_text() == Path(str(DEMO_RECIPE)).read_text()
     cfg = load_config(REPO / "configs" / "demo.yaml")
-    assert cfg.warm_start.tiny.arch and cfg.warm_start.sft.steps > 0 and cfg.eval.num_examples >= 200
+    assert cfg.warm_start.tiny.arch and cfg.warm_start.sft.steps > 0 and cfg.eval.max_examples >= 200
 
 
 @pytest.mark.slow

@@ -167,7 +167,8 @@ def merges_for_rollout(cfg: Config, model) -> bool:
     low-precision bases (the original weight is parked and copied back). An fp32 base would be restored by
     subtraction, whose rounding would drift the frozen weights over a long run, so it decodes through the
     adapter path instead (same function, one extra small matmul per projection)."""
-    return cfg.lora.enabled and cfg.memory.precision != "fp32" and any(True for _ in lora_modules(model))
+    low_precision = next(model.parameters()).dtype != torch.float32
+    return cfg.lora.enabled and low_precision and any(True for _ in lora_modules(model))
 
 
 def rollout_weights(cfg: Config, model):

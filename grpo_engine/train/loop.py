@@ -42,6 +42,7 @@ from .update import (
     clip_and_check,
     is_finite,
 )
+from .warm_start import warm_start
 
 
 @dataclass
@@ -94,6 +95,8 @@ def train(cfg: Config, *, resume: str | None = None, stop_after: int | None = No
     # ---- set-up: config, paths, task, data and loggers are all checked before any weights are read
     check_paths(cfg)
     task = build_task(cfg)
+    if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
+        cfg.model.path = str(warm_start(cfg, task))  # tiny base / SFT phase, written once under run_dir
     train_examples = list(task.examples(cfg.task.train_split))
     eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
@@ -212,7 +215,7 @@ def load_policy(cfg: Config, device: torch.device, resume_dir: Path | None, stat
     the adapters from the checkpoint. A frozen reference is always the weights at model.path; a reference
     that moves (hard_reset / mixin) is restored from the checkpoint.
     """
-    dtype = torch_dtype(cfg.memory.precision)
+    dtype = torch_dtype(cfg.memory.precision, device)
     full_resume = resume_dir is not None and not cfg.lora.enabled
     model = load_model(resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
     if cfg.lora.enabled:
