@@ -106,7 +106,8 @@ def run(name: str, prompts_n: int, group: int, new: int, repeats: int, peak: flo
     path = checkpoint(name)
     tok = load_tokenizer(path)
     prompts = bench_prompts(tok, prompts_n)
-    hf = min((time_hf(path, prompts, group, new, tok.pad_token_id) for _ in range(repeats)), key=lambda r: r[0])
+    hf_runs = [time_hf(path, prompts, group, new, tok.pad_token_id) for _ in range(repeats)]
+    hf = min(hf_runs, key=lambda r: r[0])
     ours = min((time_ours(path, prompts, group, new) for _ in range(repeats)), key=lambda r: r[0])
     flops = generation_flops(ours[2], [len(p) for p in prompts], group, new)
     return {
@@ -138,10 +139,12 @@ def main() -> None:
     names = ["qwen2-100m"] + ([] if args.skip_tiny else ["tiny-demo"])
     rows = [run(n, args.prompts, args.group, args.max_new, args.repeats, peak) for n in names]
     print(f"threads={args.threads}  matmul-bound limit {peak / 1e9:.1f} GFLOP/s (fp32 2048^3)")
-    print(f"{'model':<12} {'params':>8} {'ours tok/s':>11} {'HF tok/s':>9} {'ratio':>6} {'ours GFLOP/s':>13} {'of limit':>9}")
+    header = ["model", "params", "ours tok/s", "HF tok/s", "ratio", "ours GFLOP/s", "of limit"]
+    print(f"{header[0]:<12} " + " ".join(f"{h:>12}" for h in header[1:]))
     for r in rows:
-        print(f"{r['model']:<12} {r['params_M']:>7.1f}M {r['ours_tokens_per_s']:>11.1f} {r['hf_tokens_per_s']:>9.1f} "
-              f"{r['ratio']:>5.2f}x {r['ours_gflops']:>13.1f} {r['fraction_of_matmul_limit']:>8.1%}")
+        cells = [f"{r['params_M']:.1f}M", f"{r['ours_tokens_per_s']:.1f}", f"{r['hf_tokens_per_s']:.1f}",
+                 f"{r['ratio']:.2f}x", f"{r['ours_gflops']:.1f}", f"{r['fraction_of_matmul_limit']:.1%}"]
+        print(f"{r['model']:<12} " + " ".join(f"{c:>12}" for c in cells))
     print(json.dumps({"threads": args.threads, "results": rows}))
 
 

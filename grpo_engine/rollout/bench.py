@@ -79,7 +79,8 @@ def _print(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"{result['tokens_per_s']:.1f} tokens/s ({result['new_tokens']} tokens in {result['seconds']:.2f} s)")
+        r = result
+        print(f"{r['tokens_per_s']:.1f} tokens/s ({r['new_tokens']} tokens in {r['seconds']:.2f} s)")
 
 
 def bench_generate(args: argparse.Namespace) -> dict:

@@ -125,7 +125,9 @@ def build_filters(params: SamplingParams) -> list[LogitFilter]:
 # Samplers: logits [R, V] (fp32) -> tokens [R] long, logprobs [R] fp32.
 
 
-def sample_greedy(logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_greedy(
+    logits: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     top, tokens = logits.max(dim=-1)  # [R], [R]
     total = torch.exp(logits - top[:, None]).sum(dim=-1)  # [R]; cheaper than torch.logsumexp on CPU
     return tokens, -torch.log(total)  # log_softmax at the argmax: top - (top + log total)

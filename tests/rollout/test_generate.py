@@ -46,9 +46,8 @@ def check_logprobs_against_full_forward(model, prompts, out: GenerationOutput, t
 
 def test_logprobs_equal_full_forward_with_mixed_lengths_and_compaction(tiny_model, mixed_prompts):
     # Stop on a few common token ids so rows finish at different steps and compaction (fraction 0) runs.
-    counts = torch.bincount(
-        torch.tensor(sum(generate(tiny_model, mixed_prompts, SamplingParams(n=4, max_new_tokens=20)).completion_ids, [])),
-    )
+    pilot = generate(tiny_model, mixed_prompts, SamplingParams(n=4, max_new_tokens=20)).completion_ids
+    counts = torch.bincount(torch.tensor(sum(pilot, [])))
     stops = counts.topk(3).indices.tolist()
     params = SamplingParams(n=4, max_new_tokens=20, stop_token_ids=stops, compact_fraction=0.0)
     out = generate(tiny_model, mixed_prompts, params, seed=3)
@@ -81,9 +80,8 @@ def test_stop_token_ends_completion_and_is_kept(tiny_model, mixed_prompts):
     free = greedy_reference(tiny_model, mixed_prompts[0], 10)
     stop = free[4]
     first = free.index(stop)
-    out = generate(
-        tiny_model, mixed_prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop])
-    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop])
+    out = generate(tiny_model, mixed_prompts[:1], params)
     assert out.completion_ids == [free[: first + 1]]
     assert out.finish_reason == ["stop"]
 
@@ -140,9 +138,12 @@ def test_waves_under_a_token_budget_give_the_same_greedy_output(tiny_model, mixe
     waved = generate(tiny_model, mixed_prompts, small)
     assert waved.completion_ids == one_wave.completion_ids and waved.prompt_index == one_wave.prompt_index
     # different padding per wave changes float rounding only
-    torch.testing.assert_close(torch.tensor(waved.logprobs), torch.tensor(one_wave.logprobs), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(waved.logprobs), torch.tensor(one_wave.logprobs), atol=1e-5, rtol=0
+    )
     with pytest.raises(ValueError, match="max_tokens_in_flight"):
-        generate(tiny_model, mixed_prompts, SamplingParams(n=2, max_new_tokens=6, max_tokens_in_flight=need - 1))
+        too_small = SamplingParams(n=2, max_new_tokens=6, max_tokens_in_flight=need - 1)
+        generate(tiny_model, mixed_prompts, too_small)
 
 
 def test_plan_waves_respects_budget():
@@ -179,4 +180,5 @@ def test_bad_prompts_are_clear_errors(tiny_model, bad):
 def test_compiled_decode_step_traces_and_matches_eager(tiny_model, mixed_prompts):
     """torch.compile with the 'eager' backend on CPU: dynamo tracing of the decode step (dynamic shapes)."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
-    assert generate(tiny_model, mixed_prompts, params, compile="eager") == generate(tiny_model, mixed_prompts, params)
+    compiled = generate(tiny_model, mixed_prompts, params, compile="eager")
+    assert compiled == generate(tiny_model, mixed_prompts, params)

@@ -101,8 +101,11 @@ def test_same_generator_seed_same_draws():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=1.0), dict(n=0), dict(max_new_tokens=0),
-            dict(stop_strings=[""]), dict(max_tokens_in_flight=0)],
+    "bad",
+    [
+        dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=1.0), dict(n=0),
+        dict(max_new_tokens=0), dict(stop_strings=[""]), dict(max_tokens_in_flight=0),
+    ],
 )
 def test_bad_params_are_clear_errors(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
