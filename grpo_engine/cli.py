@@ -61,9 +61,11 @@ def _config_show(args) -> int:
 
 def add_bench_parser(sub) -> None:
     from .bench_step import add_bench_step_parser
+    from .rollout.bench import add_bench_generate_parser
 
     p = sub.add_parser("bench", help="benchmarks (one JSON line with --json)")
     bsub = p.add_subparsers(dest="bench_command", required=True)
+    add_bench_generate_parser(bsub)
     add_bench_step_parser(bsub)
 
 

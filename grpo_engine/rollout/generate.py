@@ -66,7 +66,9 @@ class _Row:
 def _validate(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams, tokenizer) -> None:
     cfg = model.config
     if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode completions: pass generate(..., tokenizer=tok)")
+        raise ValueError(
+            "stop_strings need a tokenizer to decode completions: pass generate(..., tokenizer=tok)"
+        )
     for i, p in enumerate(prompt_ids):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS)")
@@ -148,7 +150,10 @@ def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
 
 
 def _prefill(model: Transformer, prompts: list[list[int]], n: int, max_new: int):
-    """Prefill the P prompts once, then share: -> decode cache [P*n rows], key mask [P*n, L+T], logits [P*n, V]."""
+    """Prefill the P prompts once, then share them with their n rows.
+
+    -> decode cache [P*n rows, L+T slots], key mask [P*n, L+T] (True = valid slot), logits [P*n, V].
+    """
     device, dtype = model.device, model.embed.weight.dtype
     ids, mask = _left_pad(prompts, device)  # [P, L]
     P, L = ids.shape

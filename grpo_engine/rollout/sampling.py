@@ -9,8 +9,8 @@ Greedy (temperature == 0) returns the argmax and, by convention, log_softmax(log
 log-prob under the unscaled model distribution), since the "sampling distribution" is a point mass.
 
 Cost matters on a 151,936-token vocabulary: filters that are off are not built at all (no sort unless
-top_p < 1), and sampling uses one uniform number per row and an inverse-CDF lookup (a cumsum and a
-binary search) instead of torch.multinomial, whose exponential-race kernel draws V random numbers per row.
+top_p < 1), and sampling uses one uniform number per row and a two-level inverse-CDF lookup instead of
+torch.multinomial, whose exponential-race kernel draws V random numbers per row (~8x slower on CPU).
 """
 
 from __future__ import annotations
@@ -125,26 +125,44 @@ def build_filters(params: SamplingParams) -> list[LogitFilter]:
 # Samplers: logits [R, V] (fp32) -> tokens [R] long, logprobs [R] fp32.
 
 
-def sample_greedy(logits: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = logits.argmax(dim=-1)  # [R]
-    top = logits.gather(-1, tokens[:, None])[:, 0]
-    return tokens, top - torch.logsumexp(logits, dim=-1)
+def sample_greedy(
+    logits: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    top, tokens = logits.max(dim=-1)  # [R], [R]
+    total = torch.exp(logits - top[:, None]).sum(dim=-1)  # [R]; cheaper than torch.logsumexp on CPU
+    return tokens, -torch.log(total)  # log_softmax at the argmax: top - (top + log total)
 
 
 def sample_from_logits(
-    logits: torch.Tensor, generator: torch.Generator | None
+    logits: torch.Tensor, generator: torch.Generator | None, block: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF sampling: one uniform per row, a cumsum and a binary search.
+    """Inverse-CDF sampling with one uniform per row, searched in two levels to stay cheap on a big vocab.
 
-    -inf logits get probability exactly 0, a zero-width CDF step, so they can never be drawn.
+    weights w = exp(logits - max) (unnormalised; -inf logits give exactly 0). The vocabulary is cut into
+    blocks of `block` tokens: a uniform u in [0, total) picks the block through the cumsum of block sums
+    ([R, V/block]), then the token inside that block through a cumsum of one block ([R, block]) — instead of
+    a softmax plus a cumsum over all V. A token is drawn only if its weight is positive (a zero weight is a
+    zero-width CDF step). log P(token) = logit - max - log(total).
     """
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-    cdf = torch.cumsum(probs, dim=-1)  # [R, V]
-    u = torch.rand((logits.shape[0], 1), generator=generator, device=logits.device, dtype=cdf.dtype)
-    u = u * cdf[:, -1:]  # the fp32 total is 1 up to rounding; scale so u stays inside the CDF
-    tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)  # [R]
-    chosen = probs.gather(-1, tokens[:, None])[:, 0]  # > 0: a drawn token has a positive CDF step
-    return tokens, torch.log(chosen)
+    R, V = logits.shape
+    n_blocks = -(-V // block)
+    top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
+    w = logits.new_zeros(R, n_blocks * block)  # padded tail stays 0
+    torch.sub(logits, top, out=w[:, :V]).exp_()  # [R, V] in [0, 1]
+    blocks = w.view(R, n_blocks, block)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [R, n_blocks]
+    total = block_cdf[:, -1:]  # [R, 1]
+    u = torch.rand((R, 1), generator=generator, device=logits.device, dtype=w.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total despite rounding
+    b = torch.searchsorted(block_cdf, u, right=True)  # [R, 1]: first block whose cdf exceeds u (weight > 0)
+    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)  # [R, 1]
+    inner_cdf = blocks[torch.arange(R, device=w.device), b[:, 0]].cumsum(dim=-1)  # [R, block]
+    # inside the block: u_in in (0, block total]; the first index with cdf >= u_in has a positive weight
+    u_in = (u - before).clamp(min=torch.finfo(w.dtype).tiny)
+    u_in = torch.minimum(u_in, inner_cdf[:, -1:])
+    tokens = (b * block + torch.searchsorted(inner_cdf, u_in, right=False))[:, 0]  # [R]
+    chosen = logits.gather(-1, tokens[:, None])[:, 0]  # [R]
+    return tokens, chosen - top[:, 0] - torch.log(total[:, 0])
 
 
 class Sampler:

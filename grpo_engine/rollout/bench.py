@@ -1,0 +1,121 @@
+"""`grpo bench generate`: time generate() on a checkpoint with fixed lengths; one JSON line of figures.
+
+The prompts are chat-templated questions of ~100-150 tokens (byte-level tiny tokenizers; fewer with real
+BPE tokenizers). The same prompt builder feeds benchmarks/generate_vs_hf.py so both engines see one batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..model.hf_io import load_model
+from ..model.tokenizer import load_tokenizer
+from .generate import generate
+from .sampling import SamplingParams
+
+QUESTIONS = [
+    "Using the numbers 3, 7, 25 and 50, write an equation that equals 124. Show your reasoning step by step.",
+    "A train leaves at 9:40 and arrives at 13:05. How many minutes does the trip take? Explain briefly.",
+    "What is the sum of all positive divisors of 360? Think it through before giving the final answer.",
+    "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?",
+    "Find the remainder when 7 to the power 2024 is divided by 13, and justify each step of the argument.",
+    "If a rectangle has perimeter 46 and area 120, what are its side lengths? Reason carefully and check.",
+    "Convert the repeating decimal 0.363636... into a fraction in lowest terms and explain the method used.",
+    "How many ways can 5 distinct books be arranged on a shelf if two particular books must be adjacent?",
+]
+
+
+def bench_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` chat-templated prompts, cycling through QUESTIONS (lengths differ a little)."""
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            add_generation_prompt=True,
+        )
+        for i in range(count)
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+@dataclass
+class GenerateBench:
+    """Figures of one timed generate() call."""
+
+    tokens_per_s: float
+    seconds: float
+    new_tokens: int
+    prompts: int
+    group: int
+    max_new_tokens: int
+    mean_prompt_tokens: float
+    device: str
+    dtype: str
+    peak_memory_mb: float | None
+
+
+def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("generate", help="time rollout generation (tokens/s)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts P")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt G")
+    p.add_argument("--max-new", type=int, default=64, help="max new tokens T")
+    p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: every completion has T tokens")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of a sentence")
+    p.set_defaults(func=lambda args: _print(bench_generate(args), args.json))
+    return p
+
+
+def _print(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        r = result
+        print(f"{r['tokens_per_s']:.1f} tokens/s ({r['new_tokens']} tokens in {r['seconds']:.2f} s)")
+
+
+def bench_generate(args: argparse.Namespace) -> dict:
+    """Warm up once with a short run, then time one full generate() call."""
+    dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    model = load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device)
+    tok = load_tokenizer(args.model)
+    prompts = bench_prompts(tok, args.prompts)
+    stops = [] if args.ignore_eos else tok.eos_token_ids
+    params = SamplingParams(
+        n=args.group, temperature=args.temperature, max_new_tokens=args.max_new, stop_token_ids=stops,
+        max_tokens_in_flight=None,
+    )
+    cuda = str(args.device).startswith("cuda")
+    warm = SamplingParams(**{**asdict(params), "max_new_tokens": min(4, args.max_new)})
+    generate(model, prompts, warm, seed=args.seed, compile=args.compile)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = generate(model, prompts, params, seed=args.seed, compile=args.compile)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return asdict(
+        GenerateBench(
+            tokens_per_s=out.num_tokens / seconds,
+            seconds=seconds,
+            new_tokens=out.num_tokens,
+            prompts=len(prompts),
+            group=args.group,
+            max_new_tokens=args.max_new,
+            mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
+            device=str(args.device),
+            dtype=dtype_name,
+            peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        )
+    )

@@ -1,0 +1,31 @@
+"""Tiny fp32 checkpoints shared by the rollout tests (written once per session, milliseconds to load)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.tiny import make_tiny_checkpoint
+from grpo_engine.model.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("rollout_tiny"), "qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_dir):
+    return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(tiny_tok):
+    """Three prompts of different lengths (9, 3 and 13 tokens): left padding is exercised."""
+    return [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x")]

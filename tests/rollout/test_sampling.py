@@ -1,0 +1,112 @@
+"""Sampler on a tiny hand-made vocabulary: exact support, renormalised log-probs, chi-square frequencies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_engine.rollout.sampling import Sampler, SamplingParams, sample_from_logits
+
+PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]  # token i has probability PROBS[i]
+# chi-square critical values at p = 0.001 for df = 1..5 (tables)
+CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def draw(params: SamplingParams, rows: int = 20000, seed: int = 0, probs=PROBS):
+    logits = torch.log(torch.tensor(probs)).expand(rows, -1).contiguous()  # [rows, V]
+    g = torch.Generator().manual_seed(seed)
+    return Sampler(params)(logits, g)
+
+
+def check(params: SamplingParams, expected_probs: dict[int, float], probs=PROBS) -> None:
+    tokens, logp = draw(params, probs=probs)
+    counts = torch.bincount(tokens, minlength=len(probs))
+    support = sorted(expected_probs)
+    assert sorted(torch.nonzero(counts)[:, 0].tolist()) == support  # exact support
+    for t in support:  # returned log-prob = log of the renormalised probability of the drawn token
+        assert torch.allclose(logp[tokens == t], torch.tensor(math.log(expected_probs[t])), atol=1e-5)
+    n = len(tokens)
+    chi2 = sum((counts[t].item() - n * p) ** 2 / (n * p) for t, p in expected_probs.items())
+    if len(support) > 1:
+        assert chi2 < CHI2_CRIT[len(support) - 1], (chi2, counts.tolist())
+
+
+def renorm(ids):
+    z = sum(PROBS[i] for i in ids)
+    return {i: PROBS[i] / z for i in ids}
+
+
+def test_plain_sampling_frequencies():
+    check(SamplingParams(), renorm(range(6)))
+
+
+def test_temperature_scales_logits():
+    # p_i ** (1/T) renormalised, T = 0.5 -> p_i^2
+    sq = [p * p for p in PROBS]
+    check(SamplingParams(temperature=0.5), {i: q / sum(sq) for i, q in enumerate(sq)})
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_top_k(k):
+    check(SamplingParams(top_k=k), renorm(range(k)))
+
+
+@pytest.mark.parametrize(
+    "p, kept",
+    [(0.3, 1), (0.6, 2), (0.65, 2), (0.66, 3), (0.8, 3), (0.81, 4), (0.95, 5), (1.0, 6)],
+)
+def test_top_p(p, kept):
+    # mass of strictly more likely tokens: 0, .40, .65, .80, .90, .96 -> keep tokens whose mass before < p
+    check(SamplingParams(top_p=p), renorm(range(kept)))
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.1, 6), (0.2, 4), (0.3, 3), (0.5, 2), (0.7, 1)])
+def test_min_p(min_p, kept):
+    # keep p_i >= min_p * 0.40: thresholds .04, .08, .12, .20, .28
+    check(SamplingParams(min_p=min_p), renorm(range(kept)))
+
+
+def test_top_k_then_top_p_on_the_renormalised_top_k():
+    # top_k=3 leaves .40/.80=.5, .25/.80=.3125, .15/.80=.1875; top_p=0.75: mass before .5 < .75 keeps token 1
+    check(SamplingParams(top_k=3, top_p=0.75), renorm(range(2)))
+
+
+def test_greedy_is_argmax_with_unscaled_logprob():
+    tokens, logp = draw(SamplingParams(temperature=0.0), rows=3)
+    assert tokens.tolist() == [0, 0, 0]
+    assert torch.allclose(logp, torch.tensor(math.log(0.40)), atol=1e-6)
+
+
+def test_masked_tokens_are_never_drawn_across_blocks():
+    # Large vocab, block size 8: only 3 scattered tokens have weight, one in the padded last block.
+    V = 53
+    logits = torch.full((30000, V), float("-inf"))
+    logits[:, [2, 17, 50]] = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    tokens, logp = sample_from_logits(logits, torch.Generator().manual_seed(1), block=8)
+    counts = torch.bincount(tokens, minlength=V)
+    assert torch.nonzero(counts)[:, 0].tolist() == [2, 17, 50]
+    exp = {2: 0.5, 17: 0.3, 50: 0.2}
+    chi2 = sum((counts[t].item() - 30000 * p) ** 2 / (30000 * p) for t, p in exp.items())
+    assert chi2 < CHI2_CRIT[2]
+    assert torch.allclose(logp, torch.log(torch.tensor([exp[t] for t in tokens.tolist()])), atol=1e-6)
+
+
+def test_same_generator_seed_same_draws():
+    a, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=5)
+    b, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=5)
+    c, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1), dict(top_p=0), dict(top_k=-1), dict(min_p=1.0), dict(n=0),
+        dict(max_new_tokens=0), dict(stop_strings=[""]), dict(max_tokens_in_flight=0),
+    ],
+)
+def test_bad_params_are_clear_errors(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
