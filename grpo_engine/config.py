@@ -163,6 +163,10 @@ class SFTConfig:
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate (linear warmup, cosine decay)"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    adam_beta2: float = field(
+        default=0.95, metadata={"help": "AdamW beta2; < 0.999 so the large format-learning gradients of the "
+                                        "first steps do not damp later updates for long"}
+    )
     seed: int = field(default=0, metadata={"help": "seed for batch order"})
 
 

@@ -67,7 +67,7 @@ def train_sft(
     if not pairs:
         raise ValueError("SFT needs at least one (prompt, completion) pair")
     rng = random.Random(cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     model.train()
     losses = []
     order: list[int] = []
