@@ -88,7 +88,7 @@ def _plot(args) -> int:
 
 
 def add_plan_parser(sub) -> None:
-    from .train.plan import add_plan_parser as add  # grpo plan --model SHAPE_OR_DIR --card GIB ...
+    from .train.plan_config import add_plan_parser as add  # grpo plan CONFIG [overrides] [--card GIB] ...
 
     add(sub)
 

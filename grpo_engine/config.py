@@ -128,6 +128,8 @@ class MemorySection(MemoryConfig):
     micro_batch_tokens: int = _f(8192, "token budget (padded rows x length) of one forward/backward micro-batch")
     auto_halve_micro_batch: bool = _f(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
     logprob_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs from hidden states")
+    gpu_memory_gib: float = _f(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
+                                    "the model, a config the memory planner predicts will not fit; 0 = no check")
 
 
 @dataclass
@@ -366,6 +368,7 @@ def _ranges(cfg: Config) -> list[tuple[bool, str]]:
         (0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]"),
         (cfg.memory.micro_batch_tokens >= 1, "memory.micro_batch_tokens must be >= 1"),
         (cfg.memory.logprob_chunk_size >= 1, "memory.logprob_chunk_size must be >= 1"),
+        (cfg.memory.gpu_memory_gib >= 0, "memory.gpu_memory_gib must be >= 0 (0 = no memory pre-flight check)"),
         (cfg.logging.samples_every >= 0, "logging.samples_every must be >= 0"),
         (cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),

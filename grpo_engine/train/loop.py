@@ -31,6 +31,7 @@ from .checkpoint import TrainerState, capture_rng, load_trainer_state, resolve_r
 from .evaluation import EvalResult, evaluate_policy
 from .memory import apply_memory_config, free_rollout_memory, peak_memory_mib, reset_peak_memory, torch_dtype
 from .optim import build_optimizer
+from .plan_config import check_memory_fits
 from .rollouts import PromptSampler, collect_groups
 from .schedule import make_scheduler
 from .update import (
@@ -94,6 +95,7 @@ def train(cfg: Config, *, resume: str | None = None, stop_after: int | None = No
     """
     # ---- set-up: config, paths, task, data and loggers are all checked before any weights are read
     check_paths(cfg)
+    check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     task = build_task(cfg)
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
         cfg.model.path = str(warm_start(cfg, task))  # tiny base / SFT phase, written once under run_dir

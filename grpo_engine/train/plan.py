@@ -19,7 +19,6 @@ chunks of `logprob_chunk` tokens with only one chunk's [chunk, V] fp32 buffers a
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -331,7 +330,7 @@ CHANGES = {
     "train LoRA adapters instead of all weights (lora.enabled=true)":
         lambda k: replace(k, mode="lora", reference="adapters" if k.reference != "none" else "none")
         if k.mode == "full" else None,
-    "QLoRA: NF4 base weights (lora.quantize_base=nf4)":
+    "QLoRA: NF4 base weights (lora.enabled=true, lora.quantize_base=nf4)":
         lambda k: replace(k, mode="qlora", reference="adapters" if k.reference != "none" else "none")
         if k.mode != "qlora" else None,
     "offload AdamW state to CPU (optimizer.name=adamw_offload)":
@@ -341,11 +340,11 @@ CHANGES = {
         else None,
     "bf16 weights (memory.precision=bf16)":
         lambda k: replace(k, precision="bf16") if k.precision == "fp32" else None,
-    "halve the training micro-batch (micro_batch_rows)": _halve_micro_batch,
-    "decode fewer rows at once (rollout max tokens in flight)": _halve_rows_in_flight,
-    "smaller log-prob chunks (logprob_chunk=256)":
+    "halve the training micro-batch (memory.micro_batch_tokens / 2)": _halve_micro_batch,
+    "decode fewer rows at once (rollout.max_tokens_in_flight)": _halve_rows_in_flight,
+    "smaller log-prob chunks (memory.logprob_chunk_size=256)":
         lambda k: replace(k, logprob_chunk=256) if k.logprob_chunk > 256 else None,
-    "keep the reference model on the CPU (reference=cpu)":
+    "keep the reference model on the CPU (reference.park_on_cpu=true)":
         lambda k: replace(k, reference="cpu") if k.reference == "gpu_copy" else None,
 }
 
@@ -418,7 +417,7 @@ def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model shapes and CLI
+# Model shapes (the command line and the pre-flight check are in plan_config.py)
 
 
 def _qwen25(hidden, layers, heads, inter) -> ModelConfig:
@@ -444,30 +443,3 @@ def model_shape(name_or_dir: str) -> ModelConfig:
 
         return config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
     raise ValueError(f"unknown model {name_or_dir!r}: give an HF model dir or one of {sorted(MODEL_SHAPES)}")
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """`grpo plan --model qwen2.5-1.5b --card 8 --mode qlora ...` (every PlanInput field is a flag)."""
-    p = subparsers.add_parser("plan", help="predict peak GPU memory of a GRPO step")
-    p.add_argument("--model", required=True, help=f"HF model dir or one of {', '.join(MODEL_SHAPES)}")
-    p.add_argument("--card", type=float, default=None, help="GPU memory in GiB to check against")
-    defaults = PlanInput()
-    for name, f in PlanInput.__dataclass_fields__.items():
-        value = getattr(defaults, name)
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, list):
-            p.add_argument(flag, nargs="+", default=value, help=f.metadata["help"])
-        elif isinstance(value, bool):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value,
-                           help=f.metadata["help"])
-        else:
-            p.add_argument(flag, type=type(value), default=value, help=f.metadata["help"])
-    p.set_defaults(func=run_plan)
-    return p
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    knobs = PlanInput(**{name: getattr(args, name) for name in PlanInput.__dataclass_fields__})
-    plan = plan_memory(model_shape(args.model), knobs)
-    print(format_plan(plan, args.card))
-    return 0 if args.card is None or fits(plan, args.card) else 1

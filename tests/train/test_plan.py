@@ -13,7 +13,6 @@ from grpo_engine.train.plan import (
     GIB,
     MODEL_SHAPES,
     PlanInput,
-    add_plan_parser,
     fits,
     format_plan,
     kv_cache_bytes,
@@ -21,6 +20,7 @@ from grpo_engine.train.plan import (
     plan_memory,
     suggest,
 )
+from grpo_engine.train.plan_config import add_plan_parser
 
 # A model big enough that its activations (~100 MiB) dwarf allocator noise, small enough to run in ~1 s.
 VALIDATION_MODEL = dict(arch="qwen2-tied", vocab_size=4096, hidden_size=256, intermediate_size=1024,
