@@ -1,0 +1,174 @@
+"""The planner driven by a training config: knobs derived from config fields, `grpo plan CONFIG`, the
+pre-flight check of `grpo train` (before any weights are read), and every GPU preset fitting its card."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import grpo_engine.train.loop as loop
+from grpo_engine.cli import main
+from grpo_engine.config import ConfigError, load_config
+from grpo_engine.train.plan import MODEL_SHAPES, fits, param_counts
+from grpo_engine.train.plan_config import config_model_shape, plan_config, plan_input_from_config
+
+REPO = Path(__file__).resolve().parents[2]
+PRESETS = sorted((REPO / "configs").glob("gpu*gb_*.yaml"))
+PRESET_NAME = re.compile(r"gpu(\d+)gb_(qwen2\.5-[\d.]+b)_(full|lora|qlora)\.yaml")
+
+# config.json of Qwen/Qwen2.5-1.5B-Instruct (the fields our loader reads), as published on the hub
+QWEN25_15B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+
+
+def fake_checkpoint(tmp_path) -> Path:
+    """A directory that passes check_paths (config.json, a .safetensors name, tokenizer.json) without
+    weights: the tests below must finish before anything but config.json is read."""
+    d = tmp_path / "Qwen2.5-1.5B-Instruct"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN25_15B_CONFIG))
+    (d / "model.safetensors").write_bytes(b"")
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def test_knobs_derived_from_config_fields():
+    cfg = load_config(None, [
+        "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_prompt_tokens=256",
+        "rollout.max_new_tokens=512", "memory.micro_batch_tokens=3000", "rollout.max_tokens_in_flight=12288",
+        "lora.enabled=true", "lora.quantize_base=nf4", "lora.rank=8", "lora.target_modules=[q_proj,v_proj]",
+        "memory.activation_checkpointing=every_k", "memory.checkpoint_every=3", "memory.logprob_chunk_size=512",
+        "optimizer.name=adamw_8bit", "algorithm.beta=0.04"])
+    k = plan_input_from_config(cfg)
+    assert (k.prompts_per_step, k.group_size, k.prompt_len, k.completion_len) == (8, 8, 256, 512)
+    assert k.micro_batch_rows == 3  # 3000 // (256 + 512)
+    assert k.rollout_rows_in_flight == 16  # 12288 // (8 x 768) = 2 whole groups of 8
+    assert (k.mode, k.lora_rank, k.lora_targets) == ("qlora", 8, ["q_proj", "v_proj"])
+    assert k.precision == "bf16"  # auto plans for a CUDA card
+    assert (k.activation_checkpointing, k.checkpoint_every, k.logprob_chunk) == ("every_k", 3, 512)
+    assert (k.optimizer, k.reference) == ("adamw_8bit", "adapters")  # LoRA: the reference is adapters-off
+
+
+@pytest.mark.parametrize("overrides, mode, reference, rows_in_flight", [
+    ([], "full", "none", 0),  # beta 0: no reference at all; max_tokens_in_flight 0: all rows at once
+    (["algorithm.beta=0.04"], "full", "gpu_copy", 0),
+    (["algorithm.beta=0.04", "reference.park_on_cpu=true"], "full", "cpu", 0),
+    (["lora.enabled=true", "memory.precision=fp32"], "lora", "none", 0),
+    (["rollout.max_tokens_in_flight=100"], "full", "none", 8),  # less than one group: one group per wave
+])
+def test_mode_reference_and_rows(overrides, mode, reference, rows_in_flight):
+    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=8", *overrides])
+    k = plan_input_from_config(cfg)
+    assert (k.mode, k.reference, k.rollout_rows_in_flight) == (mode, reference, rows_in_flight)
+
+
+def test_model_shape_from_config_json_or_override(tmp_path):
+    ckpt = fake_checkpoint(tmp_path)
+    shape = config_model_shape(load_config(None, [f"model.path={ckpt}"]))
+    assert param_counts(shape) == param_counts(MODEL_SHAPES["qwen2.5-1.5b"])
+    assert round(param_counts(shape)[0] / 1e9, 2) == 1.54
+    missing = load_config(None, [f"model.path={tmp_path / 'models/Qwen2.5-3B-Instruct'}"])
+    with pytest.raises(ConfigError, match=r"has no config.json .*plan with --model qwen2.5-3b"):
+        config_model_shape(missing)
+    assert config_model_shape(missing, "qwen2.5-3b") is MODEL_SHAPES["qwen2.5-3b"]
+    tiny = load_config(None, ["warm_start.tiny.arch=qwen2", "warm_start.tiny.hidden_size=128"])
+    assert config_model_shape(tiny).hidden_size == 128  # the warm-start model is built, never downloaded
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_fits_its_card(path):
+    card, shape, mode = PRESET_NAME.fullmatch(path.name).groups()
+    cfg = load_config(path)
+    assert cfg.memory.gpu_memory_gib == float(card), "the card in the file name and memory.gpu_memory_gib differ"
+    r = cfg.rollout
+    assert (r.prompts_per_step, r.group_size, r.max_new_tokens) == (8, 8, 512)
+    assert Path(cfg.model.path).name.lower().startswith(shape)
+    plan = plan_config(cfg, shape)  # the weights are not on this machine: the published shape
+    assert plan.knobs.mode == mode
+    assert fits(plan, float(card)), f"{path.name}: {plan.total_gib:.2f} GiB > {card} GiB"
+    # the header states the planned peak; keep it equal to what the planner says now
+    stated = re.search(r"Planned peak .*?: ([\d.]+) GiB \((\w+) phase\)", path.read_text())
+    assert stated, f"{path.name}: header lacks the 'Planned peak ...: X GiB (phase phase)' line"
+    assert (float(stated.group(1)), stated.group(2)) == (round(plan.total_gib, 2), plan.peak_phase)
+
+
+def test_every_card_has_a_preset():
+    cards = {PRESET_NAME.fullmatch(p.name).group(1) for p in PRESETS}
+    assert cards == {"8", "12", "24"} and len(PRESETS) == 4
+
+
+def test_plan_cli_with_a_config(capsys):
+    preset = str(REPO / "configs/gpu8gb_qwen2.5-1.5b_qlora.yaml")
+    assert main(["plan", preset, "--model", "qwen2.5-1.5b"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS a 8 GiB card" in out and "(qlora, bf16, adamw," in out and "P=8 G=8 prompt=512" in out
+    # full fine-tuning with AdamW state on the GPU: 1.54B x (2 weights + 2 grads + 12 AdamW) B alone > 8 GiB
+    assert main(["plan", preset, "lora.enabled=false", "--model", "qwen2.5-1.5b"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT a 8 GiB card" in out and "to fit 8 GiB, combine:" in out
+    assert main(["plan", preset, "lora.enabled=false", "--model", "qwen2.5-1.5b", "--card", "80"]) == 0
+    assert "FITS a 80 GiB card" in capsys.readouterr().out
+    # a PlanInput flag overrides the derived knob (fragmentation has no config field)
+    assert main(["plan", preset, "--model", "qwen2.5-1.5b", "--fragmentation", "1.0"]) == 0
+    assert "+ 100% fragmentation" in capsys.readouterr().out
+
+
+def test_plan_cli_errors(capsys, tmp_path):
+    preset = str(REPO / "configs/gpu24gb_qwen2.5-3b_full.yaml")
+    assert main(["plan", preset]) == 2  # model.path not downloaded here
+    assert "plan with --model qwen2.5-3b" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+    assert "give a training config" in capsys.readouterr().err
+    assert main(["plan", preset, "rollout.group_sise=8", "--model", "qwen2.5-3b"]) == 2
+    assert "did you mean 'rollout.group_size'" in capsys.readouterr().err
+    # the shape-only form still works
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--card", "8", "--optimizer", "adamw_offload",
+                 "--activation-checkpointing", "all"]) == 0
+
+
+def _no_load(*a, **k):
+    raise AssertionError("load_model called")
+
+
+def test_preflight_refuses_before_loading_the_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "load_model", _no_load)
+    ckpt = fake_checkpoint(tmp_path)
+    cfg = load_config(REPO / "configs/gpu8gb_qwen2.5-1.5b_qlora.yaml",
+                      [f"model.path={ckpt}", f"run_dir={tmp_path / 'run'}", "lora.enabled=false",
+                       f"task.data_path={tmp_path}"])
+    want = plan_config(cfg)
+    assert not fits(want, 8)
+    with pytest.raises(ConfigError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"memory.gpu_memory_gib=8: the planned peak of one step is {want.total_gib:.2f} GiB "
+                          f"({want.peak_phase} phase), more than the 8 GiB card")
+    assert "optimizer.name=adamw_offload" in msg and "to fit 8 GiB, combine:" in msg
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
+    class Reached(Exception):
+        pass
+
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(loop, "load_tokenizer", reached)  # the first thing read after the set-up checks
+    monkeypatch.setattr(loop, "load_model", _no_load)
+    ckpt = fake_checkpoint(tmp_path)
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    row = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    cfg = load_config(REPO / "configs/gpu8gb_qwen2.5-1.5b_qlora.yaml",
+                      [f"model.path={ckpt}", f"run_dir={tmp_path / 'run'}", f"task.data_path={data}",
+                       "logging.progress=false"])
+    with pytest.raises(Reached):  # the 4.26 GiB plan passed the 8 GiB check
+        loop.train(cfg)
