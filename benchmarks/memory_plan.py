@@ -1,13 +1,20 @@
-"""Print the memory planner's predictions for the Qwen2.5 presets (docs/memory.md).
+"""Print the memory planner's predictions for the shipped GPU presets (configs/gpu*gb_*.yaml) and for
+hand-picked variants around them (docs/memory.md).
 
     PYTHONPATH=. python benchmarks/memory_plan.py [--verbose]
 
 Predictions only: GPU measurement is a separate step (grpo bench step ... --json reports peak memory).
 """
 
+import re
 import sys
+from pathlib import Path
 
-from grpo_engine.train.plan import MODEL_SHAPES, PlanInput, fits, format_plan, plan_memory
+from grpo_engine.config import load_config
+from grpo_engine.train.plan import MODEL_SHAPES, MemoryPlan, PlanInput, fits, format_plan, plan_memory
+from grpo_engine.train.plan_config import plan_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 ROLLOUT = dict(prompts_per_step=8, group_size=8, prompt_len=256, completion_len=512)
 PRESETS = [
@@ -27,17 +34,31 @@ PRESETS = [
 ]
 
 
+def row(name: str, plan: MemoryPlan, card: float) -> str:
+    tr, ro = plan.phase("training").components, plan.phase("rollout").components
+    g = 1024**3
+    return (f"| {name} | {plan.peak_phase} | {tr['weights'] / g:.2f} | {tr['optimizer state'] / g:.2f} | "
+            f"{ro['kv cache'] / g:.2f} | {tr['saved activations'] / g:.2f} | {plan.total_gib:.2f} GiB | "
+            f"{'yes' if fits(plan, card) else 'NO'} |")
+
+
 def main() -> None:
     verbose = "--verbose" in sys.argv
-    print("| preset | peak phase | weights | optimizer (GPU) | KV cache | activations | predicted | fits |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = ("| {} | peak phase | weights | optimizer (GPU) | KV cache | activations | predicted | fits |\n"
+              "|---|---|---|---|---|---|---|---|")
+    print(header.format("preset file (card)"))
+    for path in sorted(CONFIGS.glob("gpu*gb_*.yaml")):
+        shape = re.search(r"qwen2\.5-[\d.]+b", path.name).group(0)  # weights need not be downloaded
+        cfg = load_config(path)
+        plan = plan_config(cfg, shape)
+        print(row(f"`{path.name}` ({cfg.memory.gpu_memory_gib:g} GiB)", plan, cfg.memory.gpu_memory_gib))
+        if verbose:
+            print(format_plan(plan, cfg.memory.gpu_memory_gib))
+    print()
+    print(header.format("variant"))
     for name, model, card, kw in PRESETS:
         plan = plan_memory(MODEL_SHAPES[model], PlanInput(**ROLLOUT, **kw))
-        tr, ro = plan.phase("training").components, plan.phase("rollout").components
-        g = 1024**3
-        print(f"| {name} | {plan.peak_phase} | {tr['weights'] / g:.2f} | {tr['optimizer state'] / g:.2f} | "
-              f"{ro['kv cache'] / g:.2f} | {tr['saved activations'] / g:.2f} | {plan.total_gib:.2f} GiB | "
-              f"{'yes' if fits(plan, card) else 'NO'} |")
+        print(row(name, plan, card))
         if verbose:
             print(format_plan(plan, card))
 
