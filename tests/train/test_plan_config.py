@@ -152,6 +152,17 @@ def test_preflight_refuses_before_loading_the_model(tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()  # nothing written either
 
 
+def test_preflight_through_grpo_train(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(loop, "load_model", _no_load)
+    ckpt = fake_checkpoint(tmp_path)
+    rc = main(["train", str(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml"), f"model.path={ckpt}",
+               f"run_dir={tmp_path / 'run'}", f"task.data_path={tmp_path}", "memory.gpu_memory_gib=6"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert re.match(r"grpo: error: memory.gpu_memory_gib=6: the planned peak of one step is 8.85 GiB "
+                    r"\(training phase\), more than the 6 GiB card", err), err
+
+
 def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
     class Reached(Exception):
         pass
