@@ -39,6 +39,8 @@ LR = 1e-6  # the learning rate grpo_engine/bench_step.py uses; TRL is given the 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="existing HF checkpoint dir (default: write a random one of the shape below)")
+    p.add_argument("--arch", default="qwen2", help="make_tiny_checkpoint arch: qwen2 (untied, ~178M params at "
+                   "the default shape), qwen2-tied (~100M), qwen3, llama3")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
@@ -62,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_checkpoint(args, out_dir: Path) -> Path:
     from grpo_engine.model.tiny import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(out_dir, "qwen2", hidden_size=args.hidden, num_hidden_layers=args.layers,
+    return make_tiny_checkpoint(out_dir, args.arch, hidden_size=args.hidden, num_hidden_layers=args.layers,
                                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                                 intermediate_size=args.intermediate, vocab_size=args.vocab,
                                 max_position_embeddings=max(2048, args.prompt_len + args.max_new))
@@ -198,17 +200,19 @@ def _eos_ids(model_dir: str, tok) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ report
 def report(args, results: dict[str, dict]) -> dict:
-    rows = [("engine", "s/step (median)", "step times (s)", "peak RSS (MiB)", "mean compl. len", "threads")]
+    rows = [("engine", "params", "s/step (median)", "step times (s)", "peak RSS (MiB)", "mean compl. len",
+             "threads")]
     for name, r in results.items():
-        rows.append((name, f"{r['sec_per_step']:.3f}", " ".join(f"{t:.2f}" for t in r["step_times"]),
-                     f"{r['peak_rss_mib']:.0f}", f"{r['mean_completion_len']:.1f}", str(r["threads"])))
+        rows.append((name, f"{r['params']:,}", f"{r['sec_per_step']:.3f}",
+                     " ".join(f"{t:.2f}" for t in r["step_times"]), f"{r['peak_rss_mib']:.0f}",
+                     f"{r['mean_completion_len']:.1f}", str(r["threads"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     summary = {"benchmark": "step_vs_trl", "prompts": args.prompts, "group": args.group, "max_new": args.max_new,
-               "prompt_len": args.prompt_len, "steps": args.steps, "dtype": "float32", "beta": 0.0, "mu": 1,
-               "lr": LR, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-               "results": results}
+               "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
+               "dtype": "float32", "beta": 0.0, "mu": 1, "lr": LR,
+               "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
     if "ours" in results and "trl" in results:
         ours, trl = results["ours"], results["trl"]
         summary["time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
