@@ -200,10 +200,10 @@ def _eos_ids(model_dir: str, tok) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ report
 def report(args, results: dict[str, dict]) -> dict:
-    rows = [("engine", "params", "s/step (median)", "step times (s)", "peak RSS (MiB)", "mean compl. len",
-             "threads")]
+    rows = [("engine", "params", "s/step (median)", "s/step (min)", "step times (s)", "peak RSS (MiB)",
+             "mean compl. len", "threads")]
     for name, r in results.items():
-        rows.append((name, f"{r['params']:,}", f"{r['sec_per_step']:.3f}",
+        rows.append((name, f"{r['params']:,}", f"{r['sec_per_step']:.3f}", f"{min(r['step_times']):.3f}",
                      " ".join(f"{t:.2f}" for t in r["step_times"]), f"{r['peak_rss_mib']:.0f}",
                      f"{r['mean_completion_len']:.1f}", str(r["threads"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -217,9 +217,12 @@ def report(args, results: dict[str, dict]) -> dict:
         ours, trl = results["ours"], results["trl"]
         summary["time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
         summary["rss_ratio"] = ours["peak_rss_mib"] / trl["peak_rss_mib"]
+        # the fastest step of each: a load-robust second opinion when the machine is shared
+        summary["min_time_ratio"] = min(ours["step_times"]) / min(trl["step_times"])
         summary["targets_met"] = {"time_ratio<=0.3": summary["time_ratio"] <= 0.3,
                                   "rss_ratio<=0.5": summary["rss_ratio"] <= 0.5}
-        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (target <= 0.3), "
+        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (target <= 0.3; fastest steps "
+              f"{summary['min_time_ratio']:.3f}), "
               f"peak RSS {summary['rss_ratio']:.3f} (target <= 0.5)")
     return summary
 
