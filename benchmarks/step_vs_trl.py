@@ -1,0 +1,250 @@
+"""Seconds per GRPO step and peak RSS: grpo-engine vs TRL's GRPOTrainer, same work, on CPU, in one run.
+
+    python benchmarks/step_vs_trl.py                       # ~100M-param Qwen2 shape, 151,936 vocab (minutes)
+    python benchmarks/step_vs_trl.py --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 \
+        --vocab 272 --steps 3                              # dry run in seconds
+
+Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of
+the same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours
+never stops on it, TRL has the EOS/pad ids suppressed), fp32, beta = 0 (no reference model), one update
+per step (mu = 1), AdamW with the same learning rate, and the same reward (fraction of even token ids: cheap,
+and it varies within each group so advantages are non-zero and no engine can skip the update).
+
+Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
+  * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench_step.py: the trainer's phases);
+  * TRL: this file with --child trl (GRPOTrainer; a TrainerCallback times on_step_begin -> on_step_end,
+    which covers generation, reward, loss, backward and the optimizer step).
+The figure per engine is the median over steps after the first (the first pays one-off warm-up).
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_TAG = "RESULT_JSON "  # the child's result line; TRL prints other things on stdout too
+LR = 1e-6  # the learning rate grpo_engine/bench_step.py uses; TRL is given the same
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="existing HF checkpoint dir (default: write a random one of the shape below)")
+    p.add_argument("--arch", default="qwen2", help="make_tiny_checkpoint arch: qwen2 (untied, ~178M params at "
+                   "the default shape), qwen2-tied (~100M), qwen3, llama3")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--prompts", type=int, default=4, help="P prompts per step")
+    p.add_argument("--group", type=int, default=8, help="G completions per prompt")
+    p.add_argument("--max-new", type=int, default=64, help="completion length (fixed)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
+    p.add_argument("--steps", type=int, default=4, help="steps per engine; the median excludes the first")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
+    p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl")
+    p.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def make_checkpoint(args, out_dir: Path) -> Path:
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(out_dir, args.arch, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                intermediate_size=args.intermediate, vocab_size=args.vocab,
+                                max_position_embeddings=max(2048, args.prompt_len + args.max_new))
+
+
+# ------------------------------------------------------------------------------------------ children
+def child_env() -> dict:
+    """The children import grpo_engine from this checkout even without `pip install -e .`."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_child(cmd: list[str], name: str) -> dict:
+    """Run one engine; its result is the last stdout line starting with RESULT_TAG (or a JSON object)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise RuntimeError(f"{name} child failed (exit {proc.returncode}): {' '.join(cmd)}")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            line = line[len(RESULT_TAG):]
+        if line.startswith("{"):
+            result = json.loads(line)
+            result["child_wall_s"] = time.perf_counter() - t0
+            return result
+    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+    raise RuntimeError(f"{name} child printed no JSON result")
+
+
+def run_ours(args, model_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
+           "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
+           "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
+           "--json"]
+    result = run_child(cmd, "grpo-engine")
+    result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
+    return result
+
+
+def run_trl(args, model_dir: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "trl", "--model", str(model_dir),
+           "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
+           "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads)]
+    if args.trl_gradient_checkpointing:
+        cmd.append("--trl-gradient-checkpointing")
+    return run_child(cmd, "TRL")
+
+
+# ------------------------------------------------------------------------------------------ TRL child
+def templated_prompts(tok, n: int, length: int, seed: int = 0) -> list[str]:
+    """n chat-templated prompt strings of exactly `length` tokens (byte-level tokenizer: filler bytes)."""
+    import random
+
+    rng = random.Random(seed)
+    empty = tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    fill = length - len(tok(empty, add_special_tokens=False)["input_ids"])
+    if fill < 1:
+        raise ValueError(f"--prompt-len {length} is shorter than the chat template itself; raise it")
+    out = []
+    for _ in range(n):
+        text = "".join(rng.choice("0123456789+*=abcdefghij") for _ in range(fill))
+        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        got = len(tok(s, add_special_tokens=False)["input_ids"])
+        if got != length:
+            raise ValueError(f"prompt has {got} tokens, expected {length}: this tokenizer is not byte-level; "
+                             f"use a checkpoint written by make_tiny_checkpoint")
+        out.append(s)
+    return out
+
+
+def trl_child(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = templated_prompts(tok, args.prompts * args.steps, args.prompt_len)
+    lengths: list[int] = []
+
+    def even_token_fraction(completion_ids, **_) -> list[float]:
+        """Same reward as bench_step: share of even token ids (varies within a group)."""
+        lengths.extend(len(c) for c in completion_ids)
+        return [sum(t % 2 == 0 for t in c) / max(1, len(c)) for c in completion_ids]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self._t0)
+
+    never = sorted({*_eos_ids(args.model, tok), tok.pad_token_id} - {None})
+    with tempfile.TemporaryDirectory() as out_dir:
+        config = GRPOConfig(
+            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=0,
+            per_device_train_batch_size=args.prompts * args.group,  # TRL counts completions
+            num_generations=args.group, max_completion_length=args.max_new, gradient_accumulation_steps=1,
+            num_iterations=1, beta=0.0, learning_rate=LR, temperature=1.0, max_steps=args.steps,
+            gradient_checkpointing=args.trl_gradient_checkpointing, model_init_kwargs={"dtype": "float32"},
+            generation_kwargs={"suppress_tokens": never},  # EOS/pad never sampled: every completion is max_new
+            save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        )
+        timer = StepTimer()
+        trainer = GRPOTrainer(model=args.model, reward_funcs=even_token_fraction, args=config,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                              callbacks=[timer])
+        trainer.train()
+    tail = timer.times[1:] or timer.times
+    return {
+        "engine": "trl", "sec_per_step": statistics.median(tail), "step_times": timer.times,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "mean_completion_len": statistics.mean(lengths), "min_completion_len": min(lengths),
+        "params": sum(p.numel() for p in trainer.model.parameters()), "threads": torch.get_num_threads(),
+        "suppressed_token_ids": never, "gradient_checkpointing": args.trl_gradient_checkpointing,
+    }
+
+
+def _eos_ids(model_dir: str, tok) -> list[int]:
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return [*eos, tok.eos_token_id]
+
+
+# ------------------------------------------------------------------------------------------ report
+def report(args, results: dict[str, dict]) -> dict:
+    rows = [("engine", "params", "s/step (median)", "s/step (min)", "step times (s)", "peak RSS (MiB)",
+             "mean compl. len", "threads")]
+    for name, r in results.items():
+        rows.append((name, f"{r['params']:,}", f"{r['sec_per_step']:.3f}", f"{min(r['step_times']):.3f}",
+                     " ".join(f"{t:.2f}" for t in r["step_times"]), f"{r['peak_rss_mib']:.0f}",
+                     f"{r['mean_completion_len']:.1f}", str(r["threads"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    summary = {"benchmark": "step_vs_trl", "prompts": args.prompts, "group": args.group, "max_new": args.max_new,
+               "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
+               "dtype": "float32", "beta": 0.0, "mu": 1, "lr": LR,
+               "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
+    if "ours" in results and "trl" in results:
+        ours, trl = results["ours"], results["trl"]
+        summary["time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
+        summary["rss_ratio"] = ours["peak_rss_mib"] / trl["peak_rss_mib"]
+        # the fastest step of each: a load-robust second opinion when the machine is shared
+        summary["min_time_ratio"] = min(ours["step_times"]) / min(trl["step_times"])
+        summary["targets_met"] = {"time_ratio<=0.3": summary["time_ratio"] <= 0.3,
+                                  "rss_ratio<=0.5": summary["rss_ratio"] <= 0.5}
+        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (target <= 0.3; fastest steps "
+              f"{summary['min_time_ratio']:.3f}), "
+              f"peak RSS {summary['rss_ratio']:.3f} (target <= 0.5)")
+    return summary
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child == "trl":
+        print(RESULT_TAG + json.dumps(trl_child(args)), flush=True)
+        return 0
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or set(engines) - {"ours", "trl"}:
+        raise SystemExit(f"--engines {args.engines!r}: give a comma list of ours, trl")
+    runners = {"ours": run_ours, "trl": run_trl}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else make_checkpoint(args, Path(tmp) / "model")
+        results = {}
+        for name in engines:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            results[name] = runners[name](args, model_dir)
+    print(json.dumps(report(args, results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
