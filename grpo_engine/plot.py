@@ -1,7 +1,8 @@
 """PNG curves of a run: `grpo plot RUN_DIR` reads RUN_DIR/metrics.jsonl and writes RUN_DIR/curves.png.
 
-Each panel names the metrics it draws; a panel whose metrics the run never logged (e.g. KL when beta = 0)
-is left out rather than drawn empty. Held-out evaluation points (logged every eval interval) are drawn as
+Each panel names the metrics it draws; a panel whose metrics the run never logged, or logged as 0 throughout
+(e.g. KL when beta = 0), is left out rather than drawn empty. Per-step curves are drawn faintly under their
+moving average, since a step's reward over a few dozen samples is noisy. Held-out evaluation points (logged every eval interval) are drawn as
 markers over the per-step training curve.
 """
 
@@ -21,13 +22,13 @@ class Panel:
 
 
 PANELS = (
-    Panel("Reward", ("reward/mean", "eval/accuracy"), "mean reward / accuracy"),
-    Panel("Accuracy", ("accuracy", "eval/pass@1"), "fraction correct"),
-    Panel("Completion length", ("length/mean", "length/max"), "tokens"),
-    Panel("KL to reference", ("kl/mean",), "nats / token"),
-    Panel("Policy entropy", ("entropy/mean",), "nats / token"),
-    Panel("Semantic entropy", ("semantic_entropy/mean",), "nats"),
-    Panel("Throughput", ("tokens_per_s/generate", "tokens_per_s/train"), "tokens / s"),
+    Panel("Reward (training samples)", ("reward_mean",), "mean total reward"),
+    Panel("Accuracy", ("accuracy", "eval/accuracy"), "fraction correct (train samples / held-out greedy)"),
+    Panel("Completion length", ("completion_len_mean", "completion_len_max", "eval/length_mean"), "tokens"),
+    Panel("KL to reference", ("kl",), "nats / token"),
+    Panel("Policy entropy", ("entropy",), "nats / token"),
+    Panel("Semantic entropy", ("semantic_entropy",), "nats (mean over groups)"),
+    Panel("Throughput", ("gen_tokens_per_s", "train_tokens_per_s"), "tokens / s"),
 )
 
 
@@ -53,6 +54,16 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def moving_average(ys: list[float], frac: float = 0.05) -> list[float]:
+    """Trailing mean over a window of ~5% of the run (at least 1 point), same length as ys."""
+    w = max(1, round(len(ys) * frac))
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y - (ys[i - w] if i >= w else 0.0)
+        out.append(total / min(i + 1, w))
+    return out
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the panels that have data into one PNG; returns its path."""
     import matplotlib
@@ -65,7 +76,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not metrics.exists():
         raise FileNotFoundError(f"{metrics} not found: pass the run directory that `grpo train` wrote")
     rows = read_metrics(metrics)
-    panels = [p for p in PANELS if any(series(rows, k)[0] for k in p.keys)]
+    panels = [p for p in PANELS if any(any(series(rows, k)[1]) for k in p.keys)]  # skip never-logged / all-zero
     if not panels:
         raise ValueError(f"{metrics} has no plottable metrics (keys seen: {sorted({k for r in rows for k in r})[:12]})")
     cols = 2 if len(panels) > 1 else 1
@@ -74,9 +85,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax, panel in zip(axes.flat, panels):
         for key in panel.keys:
             xs, ys = series(rows, key)
-            if xs:
-                style = "o-" if key.startswith("eval/") else "-"
-                ax.plot(xs, ys, style, label=key, markersize=4)
+            if not xs:
+                continue
+            if key.startswith("eval/"):  # held-out points: few, exact, drawn as markers
+                ax.plot(xs, ys, "o-", label=key, markersize=4)
+            else:  # per-step values are noisy: faint raw curve under its moving average
+                line = ax.plot(xs, ys, "-", alpha=0.25, linewidth=0.8)[0]
+                ax.plot(xs, moving_average(ys), "-", color=line.get_color(), label=key)
         ax.set_title(panel.title)
         ax.set_xlabel("step")
         ax.set_ylabel(panel.ylabel)

@@ -4,35 +4,35 @@ import json
 
 import pytest
 
-from grpo_engine.plot import PANELS, plot_run, read_metrics, series
+from grpo_engine.plot import PANELS, moving_average, plot_run, read_metrics, series
 
 
 def write_run(tmp_path, rows, torn=False):
     text = "\n".join(json.dumps(r) for r in rows) + "\n"
     if torn:
-        text += '{"step": 99, "reward/me'
+        text += '{"step": 99, "reward_me'
     (tmp_path / "metrics.jsonl").write_text(text)
     return tmp_path
 
 
 def test_series_skips_missing_and_non_finite(tmp_path):
-    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2}, {"step": 3, "reward/mean": float("nan")},
-            {"step": 4, "reward/mean": 0.4}]
-    assert series(rows, "reward/mean") == ([1, 4], [0.1, 0.4])
+    rows = [{"step": 1, "reward_mean": 0.1}, {"step": 2}, {"step": 3, "reward_mean": float("nan")},
+            {"step": 4, "reward_mean": 0.4}]
+    assert series(rows, "reward_mean") == ([1, 4], [0.1, 0.4])
 
 
 def test_torn_last_line_is_skipped(tmp_path):
-    run = write_run(tmp_path, [{"step": 1, "reward/mean": 0.5}], torn=True)
-    assert read_metrics(run / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+    run = write_run(tmp_path, [{"step": 1, "reward_mean": 0.5}], torn=True)
+    assert read_metrics(run / "metrics.jsonl") == [{"step": 1, "reward_mean": 0.5}]
 
 
 def test_plot_writes_png_with_panels_for_logged_metrics(tmp_path):
-    rows = [{"step": s, "reward/mean": s / 10, "length/mean": 5 + s, "eval/accuracy": s / 20} for s in range(1, 6)]
+    rows = [{"step": s, "reward_mean": s / 10, "completion_len_mean": 5 + s, "eval/accuracy": s / 20} for s in range(1, 6)]
     out = plot_run(write_run(tmp_path, rows))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     keys = {k for p in PANELS for k in p.keys}
-    assert {"reward/mean", "length/mean", "eval/accuracy"} <= keys
+    assert {"reward_mean", "completion_len_mean", "eval/accuracy"} <= keys
 
 
 def test_missing_metrics_names_the_file(tmp_path):
@@ -43,3 +43,9 @@ def test_missing_metrics_names_the_file(tmp_path):
 def test_no_plottable_metrics(tmp_path):
     with pytest.raises(ValueError, match="no plottable metrics"):
         plot_run(write_run(tmp_path, [{"step": 1, "something": 2}]))
+
+
+def test_moving_average_hand_computed():
+    ys = [float(v) for v in range(1, 41)]  # window = round(40 * 0.05) = 2
+    avg = moving_average(ys)
+    assert avg[:3] == [1.0, 1.5, 2.5] and avg[-1] == 39.5 and len(avg) == 40
