@@ -2,8 +2,8 @@
 
 Each panel names the metrics it draws; a panel whose metrics the run never logged, or logged as 0 throughout
 (e.g. KL when beta = 0), is left out rather than drawn empty. Per-step curves are drawn faintly under their
-moving average, since a step's reward over a few dozen samples is noisy. Held-out evaluation points (logged every eval interval) are drawn as
-markers over the per-step training curve.
+moving average, since a step's reward over a few dozen samples is noisy. Held-out evaluation points
+(logged every eval interval) are drawn as markers.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def test_torn_last_line_is_skipped(tmp_path):
 
 
 def test_plot_writes_png_with_panels_for_logged_metrics(tmp_path):
-    rows = [{"step": s, "reward_mean": s / 10, "completion_len_mean": 5 + s, "eval/accuracy": s / 20} for s in range(1, 6)]
+    rows = [{"step": s, "reward_mean": s / 10, "completion_len_mean": 5 + s, "eval/accuracy": s / 20}
+            for s in range(1, 6)]
     out = plot_run(write_run(tmp_path, rows))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
