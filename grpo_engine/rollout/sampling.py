@@ -147,7 +147,8 @@ def sample_from_logits(
     R, V = logits.shape
     n_blocks = -(-V // block)
     top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
-    w = logits.new_zeros(R, n_blocks * block)  # padded tail stays 0
+    w = logits.new_empty(R, n_blocks * block)  # [R, V + pad]; only the pad is zeroed (no full-vocab fill)
+    w[:, V:].zero_()
     torch.sub(logits, top, out=w[:, :V]).exp_()  # [R, V] in [0, 1]
     blocks = w.view(R, n_blocks, block)
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [R, n_blocks]

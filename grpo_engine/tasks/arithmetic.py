@@ -22,7 +22,7 @@ class ArithmeticOptions(ChatTaskOptions):
     system_prompt: str | None = None  # no system message: keeps prompts a few bytes long
     prefill: str = ""  # nothing prefilled
     template: str = "{a}{op}{b}="  # user message; fields a, op, b
-    format: str = "answer_tag"  # format reward: exactly one <answer>...</answer>
+    format: str = "answer_tag"  # format reward: exactly one <answer>...</answer> (bare_number: just the number)
     format_weight: float = 0.1  # small format component
     answer_weight: float = 1.0  # answer correctness
     extractors: tuple[str, ...] = ("answer_tag",)  # only a tagged answer counts
@@ -102,5 +102,7 @@ class ArithmeticTask:
         return numeric_equal(a, b) or a.strip() == b.strip()
 
     def reference_completion(self, example: ArithmeticExample) -> str:
-        """The ideal completion (without EOS), the target of the supervised warm start."""
+        """The ideal completion (without EOS) in the configured format: the supervised warm start's target."""
+        if self.options.format == "bare_number":
+            return example.answer
         return f"<answer>{example.answer}</answer>"

@@ -67,7 +67,7 @@ class ChatTaskOptions:
 
     system_prompt: str | None = R1_SYSTEM_PROMPT  # system message; None sends no system message
     prefill: str = R1_PREFILL  # assistant prefill appended after the chat template ("" for none)
-    format: str = "strict"  # format reward variant: strict | partial | answer_tag
+    format: str = "strict"  # format reward variant: strict | partial | answer_tag | bare_number
     format_weight: float = 0.1  # weight of the format component in the total reward
     answer_weight: float = 1.0  # weight of the answer-correctness component in the total reward
     extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_is", "last_number")  # extraction cascade

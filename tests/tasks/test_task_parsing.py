@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grpo_engine.tasks import make_task
 from grpo_engine.tasks.parsing import (
     MAX_EXPR_CHARS,
     MAX_PAREN_DEPTH,
+    bare_number_format,
     evaluate_arithmetic,
     extract_answer,
     extract_answer_is,
@@ -290,3 +292,20 @@ def _reference(node):
     ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
     ops[ast.Div] = lambda a, b: a / b
     return ops[type(node.op)](_reference(node.left), _reference(node.right))
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("47", 1.0), (" 47\n", 1.0), ("-3.5", 1.0), ("1,234", 1.0), ("47 apples", 0.0), ("<answer>47</answer>", 0.0),
+     ("", 0.0), ("4 7", 0.0), ("9" * 65, 0.0), ("٣", 0.0)],
+)
+def test_bare_number_format(text, expected):
+    assert bare_number_format(text) == expected
+
+
+def test_arithmetic_bare_number_reference_scores_full_reward():
+    task = make_task("arithmetic", format="bare_number", extractors=("last_number",))
+    ex = task.examples("train")[0]
+    assert task.reference_completion(ex) == ex.answer
+    assert task.reward(ex, ex.answer).components == {"format": 1.0, "answer": 1.0}
+    assert task.reward(ex, "<answer>" + ex.answer + "</answer>").components == {"format": 0.0, "answer": 1.0}
