@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=64, help="completion length (fixed)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--steps", type=int, default=4, help="steps per engine; the median excludes the first")
+    p.add_argument("--chunk-size", type=int, default=256, help="our log-prob chunk (memory.logprob_chunk_size)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
@@ -100,7 +101,7 @@ def run_ours(args, model_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--json"]
+           "--chunk-size", str(args.chunk_size), "--json"]
     result = run_child(cmd, "grpo-engine")
     result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
     return result

@@ -23,6 +23,8 @@ def add_bench_step_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--steps", type=int, default=3, help="steps timed; the median excludes the first")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--chunk-size", type=int, default=1024,
+                   help="tokens per log-prob chunk (memory.logprob_chunk_size): peak memory ~ chunk x vocab")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_run)
@@ -31,13 +33,13 @@ def add_bench_step_parser(sub) -> None:
 def _run(args) -> int:
     result = bench_step(args.model, prompts=args.prompts, group=args.group, max_new=args.max_new,
                         prompt_len=args.prompt_len, steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
-                        threads=args.threads)
+                        threads=args.threads, chunk_size=args.chunk_size)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 
 
 def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
-               micro_batch_tokens: int, threads: int = 0) -> dict:
+               micro_batch_tokens: int, threads: int = 0, chunk_size: int = 1024) -> dict:
     import torch
 
     from .model.hf_io import load_model
@@ -70,7 +72,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                                     adv, [True] * len(adv), pad_id=0)
         model.train()
         opt.zero_grad(set_to_none=True)
-        accumulate_gradients(model, batch, loss_cfg, micro_batch_tokens, temperature=1.0, chunk_size=1024)
+        accumulate_gradients(model, batch, loss_cfg, micro_batch_tokens, temperature=1.0, chunk_size=chunk_size)
         clip_and_check(model, 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)
