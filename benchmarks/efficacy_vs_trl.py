@@ -51,7 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--operations", default="+", help="operators, e.g. '+' or '+*'")
     t.add_argument("--n-train", type=int, default=2000, help="train problems")
     t.add_argument("--eval-n", type=int, default=200, help="held-out test problems for greedy accuracy")
+    t.add_argument("--format", default="bare_number", choices=["bare_number", "answer_tag"],
+                   help="answer format: just the number (the demo's) or <answer>N</answer>")
     s = p.add_argument_group("SFT warm start")
+    s.add_argument("--sft-checkpoint", help="start from this SFT'd checkpoint (e.g. runs/demo/sft) instead of "
+                                            "building one")
     s.add_argument("--sft-steps", type=int, default=300)
     s.add_argument("--sft-batch", type=int, default=32)
     s.add_argument("--sft-lr", type=float, default=3e-3)
@@ -72,8 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def task_options(args) -> dict:
+    extractors = ["last_number"] if args.format == "bare_number" else ["answer_tag"]
     return {"digits": args.digits, "operations": list(args.operations), "n_train": args.n_train,
-            "n_test": args.eval_n, "seed": args.seed}
+            "n_test": args.eval_n, "seed": args.seed, "format": args.format, "extractors": extractors}
 
 
 def make_arithmetic(args):
@@ -85,7 +90,7 @@ def make_arithmetic(args):
 # ------------------------------------------------------------------------------------------ (a), (b)
 def reference_completion(task, example) -> str:
     """The completion the task scores fully correct; checked, so a changed answer format fails loudly."""
-    text = f"<answer>{example.answer}</answer>"
+    text = task.reference_completion(example)
     result = task.reward(example, text)
     if result.components.get("answer") != 1.0:
         raise ValueError(f"reference completion {text!r} is not scored correct by the task ({result}); the "
@@ -149,7 +154,7 @@ def ours_child(args) -> dict:
 
     overrides = [
         f"seed={args.seed}", f"run_dir={args.out}", f"model.path={args.sft_dir}", "model.device=cpu",
-        "model.dtype=float32", "task.name=arithmetic", f"task.options={json.dumps(task_options(args))}",
+        "memory.precision=fp32", "task.name=arithmetic", f"task.options={json.dumps(task_options(args))}",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.max_new_tokens={args.max_new}", "rollout.temperature=1.0", "algorithm.beta=0.0",
         "algorithm.mu=1", f"optimizer.lr={args.lr}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]",
@@ -241,9 +246,12 @@ def reward_trend(rewards: list[float]) -> tuple[float, float]:
 
 
 def report(args, sft_info: dict, sft_acc: float, results: dict[str, dict]) -> dict:
-    print(f"SFT: {sft_info['params']:,} params, {args.sft_steps} steps in {sft_info['sft_wall_s']:.1f}s, "
-          f"loss {sft_info['sft_first_loss']:.3f} -> {sft_info['sft_last_loss']:.3f}, "
-          f"held-out greedy accuracy {sft_acc:.1%} (n={args.eval_n})")
+    if "reused" in sft_info:
+        print(f"SFT checkpoint {sft_info['reused']}: held-out greedy accuracy {sft_acc:.1%} (n={args.eval_n})")
+    else:
+        print(f"SFT: {sft_info['params']:,} params, {args.sft_steps} steps in {sft_info['sft_wall_s']:.1f}s, "
+              f"loss {sft_info['sft_first_loss']:.3f} -> {sft_info['sft_last_loss']:.3f}, "
+              f"held-out greedy accuracy {sft_acc:.1%} (n={args.eval_n})")
     rows = [("engine", "accuracy after GRPO", "GRPO wall (s)", "reward first->last 10%")]
     for name, r in results.items():
         first, last = reward_trend(r["reward_per_step"])
@@ -283,8 +291,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        print("SFT warm start ...", file=sys.stderr, flush=True)
-        sft_dir, sft_info = build_sft_checkpoint(args, work)
+        if args.sft_checkpoint:
+            sft_dir, sft_info = Path(args.sft_checkpoint), {"reused": args.sft_checkpoint}
+        else:
+            print("SFT warm start ...", file=sys.stderr, flush=True)
+            sft_dir, sft_info = build_sft_checkpoint(args, work)
         sft_acc = greedy_accuracy(sft_dir, sft_dir, args)
         results = {}
         for name in engines:

@@ -61,6 +61,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             del z  # free this chunk's [n, V] before the next one is allocated
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        # An output the loss never used (entropy logged as a metric only) then arrives in backward as None
+        # rather than zeros, so backward skips the entropy-gradient passes over every [chunk, V] buffer.
+        ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
@@ -71,6 +74,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cdt = _compute_dtype(hidden.dtype)
         use_ent = grad_ent is not None and ctx.with_entropy
+        if grad_logp is None:  # only the entropy was used
+            grad_logp = torch.zeros(hidden.shape[0], dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
         for s in range(0, hidden.shape[0], chunk):
