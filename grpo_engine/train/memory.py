@@ -8,7 +8,6 @@ process's peak resident set (VmHWM, resettable on Linux; ru_maxrss otherwise).
 
 from __future__ import annotations
 
-import gc
 import resource
 import sys
 from collections.abc import Callable
@@ -80,8 +79,12 @@ def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
 
 
 def free_rollout_memory() -> None:
-    """Drop what the rollout left behind (KV cache, logits) before training allocates activations."""
-    gc.collect()
+    """Hand the rollout's cached CUDA blocks (KV cache, logits) back before training allocates activations.
+
+    The tensors themselves are already freed by reference counting when the rollout returns; what stays is
+    the caching allocator's reserve, which empty_cache releases. No gc.collect(): it cost ~0.2 s per step on
+    the CPU demo and finds no tensors that refcounting missed. On CPU there is nothing to do.
+    """
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
