@@ -23,7 +23,7 @@ class Panel:
 
 PANELS = (
     Panel("Reward (training samples)", ("reward_mean",), "mean total reward"),
-    Panel("Accuracy", ("accuracy", "eval/accuracy"), "fraction correct (train samples / held-out greedy)"),
+    Panel("Accuracy", ("accuracy", "eval/accuracy"), "fraction correct"),
     Panel("Completion length", ("completion_len_mean", "completion_len_max", "eval/length_mean"), "tokens"),
     Panel("KL to reference", ("kl",), "nats / token"),
     Panel("Policy entropy", ("entropy",), "nats / token"),
