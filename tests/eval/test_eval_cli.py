@@ -145,7 +145,7 @@ def test_task_options_and_printable():
 
 
 def test_plot_writes_png(tmp_path, capsys):
-    rows = [{"step": s, "reward/mean": s / 10, "length/mean": 10 + s} for s in range(1, 5)]
+    rows = [{"step": s, "reward_mean": s / 10, "completion_len_mean": 10 + s} for s in range(1, 5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["plot", str(tmp_path)]) == 0
     png = Path(capsys.readouterr().out.strip())
