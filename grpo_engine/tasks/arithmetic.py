@@ -31,6 +31,7 @@ class ArithmeticOptions(ChatTaskOptions):
     seed: int = 0  # generator seed
     n_train: int = 2000  # train examples (capped by how many distinct problems exist)
     n_test: int = 200  # test examples, disjoint from train
+    teacher_carry_drop: float = 0.0  # fraction of SFT targets (+ only) written by a teacher that forgets carries
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,6 +41,8 @@ class ArithmeticOptions(ChatTaskOptions):
             raise ValueError(f"operations {list(self.operations)} must be a non-empty subset of {valid}")
         if not 1 <= self.digits <= 9:
             raise ValueError(f"digits must be in 1..9, got {self.digits}")
+        if not 0.0 <= self.teacher_carry_drop <= 1.0:
+            raise ValueError(f"teacher_carry_drop must be in [0, 1], got {self.teacher_carry_drop}")
         if "{a}" not in self.template or "{b}" not in self.template:
             raise ValueError(f"template {self.template!r} must contain {{a}} and {{b}}")
 
@@ -76,6 +79,17 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
     return out
 
 
+def add_without_carries(a: int, b: int) -> int:
+    """Digit-wise sum that drops every carry: 38 + 45 -> 73, 95 + 17 -> 2 + 10 * (9 + 1) = 102."""
+    total, place = 0, 1
+    while a or b:
+        a, da = divmod(a, 10)
+        b, db = divmod(b, 10)
+        total += ((da + db) % 10 if (a or b) else da + db) * place
+        place *= 10
+    return total
+
+
 class ArithmeticTask:
     name = "arithmetic"
 
@@ -102,7 +116,16 @@ class ArithmeticTask:
         return numeric_equal(a, b) or a.strip() == b.strip()
 
     def reference_completion(self, example: ArithmeticExample) -> str:
-        """The ideal completion (without EOS) in the configured format: the supervised warm start's target."""
-        if self.options.format == "bare_number":
-            return example.answer
-        return f"<answer>{example.answer}</answer>"
+        """The supervised warm start's target (without EOS) in the configured format.
+
+        With teacher_carry_drop > 0 a fixed, seeded share of the addition targets come from a sloppy teacher
+        that adds digit by digit and forgets the carries (38+45 -> 73): the warm-started model then puts part
+        of its probability on the right answer without choosing it greedily, and the verifiable reward of GRPO
+        can correct the teacher's systematic mistake, which supervised learning on its data cannot.
+        """
+        answer = example.answer
+        if example.op == "+" and self.options.teacher_carry_drop > 0:
+            draw = random.Random(f"teacher-{self.options.seed}-{example.id}").random()
+            if draw < self.options.teacher_carry_drop:
+                answer = str(add_without_carries(example.a, example.b))
+        return answer if self.options.format == "bare_number" else f"<answer>{answer}</answer>"

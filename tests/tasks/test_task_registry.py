@@ -203,3 +203,23 @@ def test_reference_completions_score_full_reward():
         for ex in task.examples("train")[:20]:
             result = task.reward(ex, task.reference_completion(ex))
             assert result.components == {"format": 1.0, "answer": 1.0}, (name, ex, result)
+
+
+def test_add_without_carries_hand_computed():
+    from grpo_engine.tasks.arithmetic import add_without_carries
+
+    assert [add_without_carries(a, b) for a, b in [(38, 45), (95, 17), (12, 35), (99, 99), (5, 7), (0, 0)]] == [
+        73, 102, 47, 188, 12, 0]
+
+
+def test_sloppy_teacher_share_and_determinism():
+    task = make_task("arithmetic", format="bare_number", extractors=("last_number",), operations=("+",),
+                     teacher_carry_drop=0.7)
+    carry = [ex for ex in task.examples("train") if ex.a % 10 + ex.b % 10 >= 10 and ex.a >= 10 and ex.b >= 10]
+    wrong = [ex for ex in carry if task.reference_completion(ex) != ex.answer]
+    assert 0.65 < len(wrong) / len(carry) < 0.75  # ~70% of the carrying problems get the sloppy answer
+    assert [task.reference_completion(ex) for ex in carry[:50]] == [task.reference_completion(ex) for ex in carry[:50]]
+    clean = make_task("arithmetic", format="bare_number", extractors=("last_number",), operations=("+",))
+    assert all(clean.reference_completion(ex) == ex.answer for ex in carry[:200])
+    with pytest.raises(ValueError, match="teacher_carry_drop must be in"):
+        make_task("arithmetic", teacher_carry_drop=1.5)
