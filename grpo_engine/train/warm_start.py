@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..model.hf_io import copy_tokenizer_files, load_model, save_model
+from ..model.hf_io import load_model, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..model.tokenizer import load_tokenizer
 from ..tasks import render_prompt
@@ -74,8 +74,7 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=on_step)
     tmp = out.with_name("sft.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)
-    copy_tokenizer_files(cfg.tokenizer.path or base, tmp)
+    save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)  # copies the tokenizer files too
     _mark_complete(tmp, out)
     return out
 
