@@ -27,16 +27,25 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive updates with NaN/inf loss or gradient."""
 
 
+def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states at the positions that predict completion tokens, and those tokens.
+
+    Returns (hidden [N, D], targets [N], mask [b, T-1]); mask[i, t] marks that position t of row i predicts
+    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets.
+    """
+    hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
+    mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
+    return hidden[mask], batch.input_ids[:, 1:][mask], mask
+
+
 def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_size: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each completion token under `model`: [b, T] (0 off the completion), entropy likewise.
 
     Only completion positions go through the LM head (chunked), never the [b, T, V] logits of the prompt.
     """
-    hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
-    mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
-    targets = batch.input_ids[:, 1:][mask]  # [N]
-    logp, ent = token_logprobs(hidden[mask], model.lm_head.weight, targets, temperature=temperature,
+    hidden, targets, mask = completion_hidden(model, batch)  # [N, D], [N], [b, T-1]
+    logp, ent = token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
                                chunk_size=chunk_size, with_entropy=with_entropy)  # [N], [N] | None
     out = torch.zeros(batch.input_ids.shape, dtype=logp.dtype, device=logp.device)  # [b, T]
     out[:, 1:][mask] = logp
