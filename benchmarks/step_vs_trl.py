@@ -7,8 +7,9 @@
 Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of
 the same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours
 never stops on it, TRL has the EOS/pad ids suppressed), fp32, beta = 0 (no reference model), one update
-per step (mu = 1), AdamW with the same learning rate, and the same reward (fraction of even token ids: cheap,
-and it varies within each group so advantages are non-zero and no engine can skip the update).
+per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same learning rate, and the
+same reward (fraction of even token ids: cheap, and it varies within each group so advantages are non-zero
+and no engine can skip the update).
 
 Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
   * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench_step.py: the trainer's phases);
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--steps", type=int, default=4, help="steps per engine; the median excludes the first")
     p.add_argument("--chunk-size", type=int, default=256, help="our log-prob chunk (memory.logprob_chunk_size)")
+    p.add_argument("--micro-batch-tokens", type=int, default=1024,
+                   help="our memory.micro_batch_tokens: padded tokens per forward/backward (bounds activations)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
@@ -101,7 +104,7 @@ def run_ours(args, model_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--chunk-size", str(args.chunk_size), "--json"]
+           "--chunk-size", str(args.chunk_size), "--micro-batch-tokens", str(args.micro_batch_tokens), "--json"]
     result = run_child(cmd, "grpo-engine")
     result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
     return result
@@ -188,6 +191,7 @@ def trl_child(args) -> dict:
         "mean_completion_len": statistics.mean(lengths), "min_completion_len": min(lengths),
         "params": sum(p.numel() for p in trainer.model.parameters()), "threads": torch.get_num_threads(),
         "suppressed_token_ids": never, "gradient_checkpointing": args.trl_gradient_checkpointing,
+        "optimizer": str(config.optim),
     }
 
 

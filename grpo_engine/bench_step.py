@@ -25,6 +25,8 @@ def add_bench_step_parser(sub) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--chunk-size", type=int, default=1024,
                    help="tokens per log-prob chunk (memory.logprob_chunk_size): peak memory ~ chunk x vocab")
+    p.add_argument("--optimizer", default="adamw_fused",
+                   help="optimizer.name (default adamw_fused: torch's fused AdamW, transformers' default too)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_run)
@@ -33,13 +35,14 @@ def add_bench_step_parser(sub) -> None:
 def _run(args) -> int:
     result = bench_step(args.model, prompts=args.prompts, group=args.group, max_new=args.max_new,
                         prompt_len=args.prompt_len, steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
-                        threads=args.threads, chunk_size=args.chunk_size)
+                        threads=args.threads, chunk_size=args.chunk_size, optimizer=args.optimizer)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 
 
 def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
-               micro_batch_tokens: int, threads: int = 0, chunk_size: int = 1024) -> dict:
+               micro_batch_tokens: int, threads: int = 0, chunk_size: int = 1024,
+               optimizer: str = "adamw_fused") -> dict:
     import torch
 
     from .model.hf_io import load_model
@@ -54,7 +57,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = load_model(model_dir)
-    opt = build_optimizer(model.parameters(), OptimizerConfig(name="adamw", lr=1e-6))
+    opt = build_optimizer(model.parameters(), OptimizerConfig(name=optimizer, lr=1e-6))
     loss_cfg = LossConfig(loss="grpo", beta=0.0)  # GRPO clip loss, one pass (mu = 1), no reference
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(0)
@@ -83,5 +86,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
         "step_times": times,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "prompts": prompts, "group": group, "max_new_tokens": max_new, "prompt_len": prompt_len,
-        "params": model.num_parameters(), "threads": torch.get_num_threads(),
+        "params": model.num_parameters(), "threads": torch.get_num_threads(), "optimizer": type(opt).__name__
+        + (" (fused)" if opt.defaults.get("fused") else ""), "micro_batch_tokens": micro_batch_tokens,
+        "chunk_size": chunk_size,
     }

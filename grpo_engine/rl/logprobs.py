@@ -3,62 +3,143 @@
 Why chunked: a Qwen vocabulary has 151,936 entries, so the logits of 8k completion tokens alone are
 8192 x 151936 x 4 bytes = 5 GB in fp32 -- more than the whole model on a consumer GPU. The training loop only
 needs one number per token (the log-prob of the sampled token, optionally the entropy), so we compute the
-logits a chunk of tokens at a time, reduce them to those numbers, and throw the chunk away. The backward
-pass recomputes each chunk's logits from the saved hidden states and LM-head weight (a custom autograd
-Function), so the peak extra memory is O(chunk_size x vocab) in both passes instead of O(tokens x vocab).
+logits a chunk of tokens at a time, reduce them to those numbers, and reuse the chunk's buffers for the next
+chunk. Peak extra memory is two [chunk_size, V] buffers instead of O(tokens x vocab).
+
+Two entry points:
+* `token_logprobs`: a custom autograd Function. Its backward recomputes each chunk's logits from the saved
+  hidden states and LM-head weight, so one update costs four vocab-sized matmuls (forward, recompute,
+  grad-hidden, grad-weight). Works for any loss.
+* `token_logprobs_with_grads`: for losses that are a SUM OF PER-TOKEN TERMS (token-level ratios: GRPO, DAPO,
+  Dr. GRPO, CISPO, KL, entropy bonus), the loss gradient of token i depends only on token i's own log-prob and
+  entropy. The caller passes that per-token gradient as a function, and the gradients w.r.t. hidden and weight
+  are computed in the same pass as the log-probs: three vocab-sized matmuls, no recompute. On the CPU
+  benchmark shape the LM head is most of an update, so this is the trainer's fast path.
+
+The chunk buffers are allocated once per call and written with `out=`: a fresh 150 MB tensor per chunk costs
+page faults on every first touch, which made the forward matmul about 2x slower than the same matmul into a
+reused buffer on the 2-core CPU machine (see docs/benchmarks.md).
 
 Temperature: the sampler draws from softmax(logits / T); the importance ratio needs log-probs of the SAME
 distribution, so we divide the logits by T here exactly as the sampler does (temperature=1 is a no-op).
 
 Precision: with bf16 hidden states / weights the matmul runs in the input dtype (tensor cores) and the
-log-softmax is done in fp32 per chunk; float64 inputs stay float64 (used by the exactness tests).
+softmax is done in fp32 per chunk; float64 inputs stay float64 (used by the exactness tests).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK_SIZE = 1024
 
+# token_grad(start, end, logp [n], entropy [n] | None) -> (dL/dlogp [n], dL/dentropy [n] | None)
+TokenGradFn = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Log-softmax dtype: at least fp32 (bf16/fp16 -> fp32; fp64 stays fp64)."""
+    """Softmax dtype: at least fp32 (bf16/fp16 -> fp32; fp64 stays fp64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, temperature: float):
-    """Scaled logits z [n, V] (compute dtype, a fresh buffer), log-normaliser lse [n], target log-prob [n]."""
-    z = h @ weight.t()  # [n, V]
-    z = z.to(_compute_dtype(h.dtype))  # no-op for fp32/fp64
+class _ChunkBuffers:
+    """Two [chunk, V] work buffers in the compute dtype, allocated once and reused by every chunk."""
+
+    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int):
+        rows = max(1, min(chunk, n_tok))
+        self.z = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] scaled logits
+        self.p = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] exp(z - max)
+
+
+@dataclass
+class _Chunk:
+    """One chunk's softmax pieces; `shifted` and `p` are views of the shared buffers."""
+
+    shifted: torch.Tensor  # [n, V] z - max_j z (z = logits / T)
+    p: torch.Tensor  # [n, V] exp(shifted): unnormalised probabilities
+    log_sum: torch.Tensor  # [n, 1] log sum_j p  (so log softmax = shifted - log_sum)
+    logp: torch.Tensor  # [n] log-prob of the target token
+    ent: torch.Tensor | None  # [n] entropy H = log_sum - sum_j softmax_j * shifted_j
+
+
+def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_entropy: bool) -> _Chunk:
+    """Logits of h [n, D] into the buffers, reduced to log-probs of t [n] (and entropies)."""
+    n = h.shape[0]
+    z = bufs.z[:n]  # [n, V]
+    if h.dtype == z.dtype:
+        torch.mm(h, weight.t(), out=z)
+    else:
+        z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
     if temperature != 1.0:
         z.div_(temperature)
-    lse = torch.logsumexp(z, dim=-1)  # [n]
-    logp = z.gather(1, t[:, None]).squeeze(1) - lse  # [n]
-    return z, lse, logp
+    z.sub_(z.amax(dim=-1, keepdim=True))  # shifted: max 0 per row, exp cannot overflow
+    p = torch.exp(z, out=bufs.p[:n])  # [n, V]
+    log_sum = p.sum(dim=-1, keepdim=True).log_()  # [n, 1]
+    logp = z.gather(1, t[:, None]).squeeze(1) - log_sum.squeeze(1)  # [n]
+    ent = None
+    if with_entropy:
+        ent = log_sum.squeeze(1) - torch.linalg.vecdot(p, z) / log_sum.exp().squeeze(1)  # [n]
+    return _Chunk(z, p, log_sum, logp, ent)
+
+
+def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """dL/dlogits [n, V] (in place in c.p) from dL/dlogp g_lp [n] and dL/dH g_ent [n] or None.
+
+    d logp_i / d z_ij = onehot_ij - q_ij and d H_i / d z_ij = -q_ij (log q_ij + H_i), q = softmax(z), so
+    dL/dz_ij = g_lp_i onehot_ij - q_ij (g_lp_i + g_ent_i (log q_ij + H_i)); logits = T z adds a 1/T.
+    """
+    inv_sum = torch.exp(-c.log_sum)  # [n, 1]: q = p * inv_sum
+    g_lp = g_lp.to(c.p.dtype)[:, None]  # [n, 1]
+    if g_ent is None:
+        gz = c.p.mul_(inv_sum * -g_lp)  # [n, V]
+    else:
+        coef = c.shifted.sub_(c.log_sum - c.ent[:, None])  # log q + H, in place  [n, V]
+        coef.mul_(g_ent.to(c.p.dtype)[:, None]).add_(g_lp)
+        gz = c.p.mul_(coef).mul_(-inv_sum)  # [n, V]
+    gz.scatter_add_(1, t[:, None], g_lp)
+    if temperature != 1.0:
+        gz.div_(temperature)
+    return gz
+
+
+def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w) -> None:
+    """grad_h_rows [n, D] = gz @ W and grad_w [V, D] += gz^T h (skipping either when it is None)."""
+    gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
+    if grad_h_rows is not None:
+        torch.mm(gz, weight, out=grad_h_rows)
+    if grad_w is not None:
+        if grad_w.dtype == gz.dtype:
+            grad_w.addmm_(gz.t(), h)  # [V, D] += [V, n] @ [n, D], no temporary
+        else:
+            grad_w += gz.t() @ h  # bf16 product, fp32 accumulation across chunks
+
+
+def _chunks(n_tok: int, chunk: int):
+    for s in range(0, n_tok, chunk):
+        yield s, min(s + chunk, n_tok)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """logp[i] = log softmax(hidden[i] @ W^T / T)[targets[i]] and entropy[i], chunked over i.
 
-    Saves only (hidden, weight, targets); backward recomputes every chunk's logits. Work buffers are
-    updated in place so a chunk costs one or two [chunk, V] tensors at a time.
+    Saves only (hidden, weight, targets); backward recomputes every chunk's logits.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
-        n_tok = hidden.shape[0]
-        out_dtype = _compute_dtype(hidden.dtype)
-        logp = torch.empty(n_tok, dtype=out_dtype, device=hidden.device)  # [N]
-        ent = torch.empty(n_tok, dtype=out_dtype, device=hidden.device) if with_entropy else None  # [N]
-        for s in range(0, n_tok, chunk_size):
-            e = min(s + chunk_size, n_tok)
-            z, lse, lp = _chunk_stats(hidden[s:e], weight, targets[s:e], temperature)
-            logp[s:e] = lp
+        n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
+        logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
+        ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
+        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok)
+        for s, e in _chunks(n_tok, chunk_size):
+            c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
+            logp[s:e] = c.logp
             if with_entropy:
-                logp_all = z.sub_(lse[:, None])  # [n, V] log p, in place
-                ent[s:e] = -torch.linalg.vecdot(logp_all.exp(), logp_all)  # H = -sum p log p
-            del z  # free this chunk's [n, V] before the next one is allocated
+                ent[s:e] = c.ent
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         # An output the loss never used (entropy logged as a metric only) then arrives in backward as None
@@ -72,42 +153,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         temp, chunk = ctx.temperature, ctx.chunk_size
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cdt = _compute_dtype(hidden.dtype)
+        n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
         use_ent = grad_ent is not None and ctx.with_entropy
         if grad_logp is None:  # only the entropy was used
-            grad_logp = torch.zeros(hidden.shape[0], dtype=cdt, device=hidden.device)
+            grad_logp = torch.zeros(n_tok, dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
-        for s in range(0, hidden.shape[0], chunk):
-            e = min(s + chunk, hidden.shape[0])
+        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok)
+        for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
-            g_lp = grad_logp[s:e, None].to(cdt)  # [n, 1]
-            z, lse, _ = _chunk_stats(h, weight, t, temp)
-            logp_all = z.sub_(lse[:, None])  # [n, V] log p, in place
-            p = logp_all.exp()  # [n, V]
-            # d logp_i / d z_ij = onehot_ij - p_ij
-            # d H_i / d z_ij = -p_ij (log p_ij + H_i)
-            # => dL/dz_ij = g_lp_i onehot_ij - p_ij (g_lp_i + g_ent_i (log p_ij + H_i))
-            if use_ent:
-                g_ent = grad_ent[s:e, None].to(cdt)  # [n, 1]
-                ent = -torch.linalg.vecdot(p, logp_all)  # [n]
-                coef = logp_all.add_(ent[:, None]).mul_(g_ent).add_(g_lp)  # [n, V], reuses the z buffer
-                gz = p.mul_(coef).neg_()  # [n, V]
-                del coef
-            else:
-                gz = p.mul_(-g_lp)  # [n, V]
-            gz.scatter_add_(1, t[:, None], g_lp)
-            if temp != 1.0:
-                gz.div_(temp)  # chain rule through z = logits / T
-            gz = gz.to(hidden.dtype)  # [n, V]; no-op for fp32/fp64
-            if need_h:
-                grad_h[s:e] = gz @ weight  # [n, D]
-            if need_w:
-                if grad_w.dtype == gz.dtype:
-                    grad_w.addmm_(gz.t(), h)  # [V, D] += [V, n] @ [n, D], no temporary
-                else:
-                    grad_w += gz.t() @ h  # bf16 product, fp32 accumulation across chunks
-            del z, logp_all, p, gz  # free this chunk's [n, V] buffers before the next chunk
+            c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
+            gz = _logit_grad(c, t, grad_logp[s:e], grad_ent[s:e] if use_ent else None, temp)
+            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
@@ -153,13 +210,74 @@ def token_logprobs(
     hidden [N, D] (final-normed hidden states at the positions that PREDICT the targets), weight [V, D]
     (model.lm_head.weight), targets [N] token ids. Returns (logp [N], entropy [N] or None) in
     max(fp32, input dtype). Both outputs are differentiable w.r.t. hidden and weight; the full [N, V] logits
-    tensor never exists -- peak extra memory is a few [chunk_size, V] buffers.
+    tensor never exists -- peak extra memory is two [chunk_size, V] buffers.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     logp, ent = _ChunkedTokenLogprobs.apply(
         hidden, weight, targets.long(), float(temperature), int(chunk_size), bool(with_entropy)
     )
     return logp, ent
+
+
+@dataclass
+class HeadGrads:
+    """What `token_logprobs_with_grads` returns: values and the loss's gradients w.r.t. the head inputs."""
+
+    logp: torch.Tensor  # [N] log-prob of each target (no autograd graph)
+    entropy: torch.Tensor | None  # [N] entropy of each position's distribution, when asked for
+    grad_hidden: torch.Tensor  # [N, D] dL/dhidden, in hidden's dtype
+    grad_weight: torch.Tensor | None  # [V, D] dL/dweight: weight's dtype, or grad_weight_out; None if not asked
+
+
+@torch.no_grad()
+def token_logprobs_with_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_grad: TokenGradFn,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    weight_grad: bool = True,
+    grad_weight_out: torch.Tensor | None = None,
+) -> HeadGrads:
+    """Log-probs (and entropies) of the targets AND the gradients of a per-token loss, in one chunked pass.
+
+    `token_grad(start, end, logp [n], entropy [n] | None)` returns dL/dlogp [n] and dL/dentropy [n] (or None)
+    for tokens start..end-1, where L is the caller's loss. This is exact only when L is a sum of per-token
+    terms, each a function of that token's log-prob and entropy alone (token-level importance ratios, KL,
+    entropy bonus; not GSPO's sequence ratio, not a quantile over the batch). The caller then sends
+    grad_hidden back through the body (`torch.autograd.backward`) and adds grad_weight to the LM head.
+
+    grad_weight_out: a [V, D] tensor in the compute dtype (e.g. the fp32 weight's .grad) that dL/dweight is
+    ADDED to in place and returned as grad_weight -- no second [V, D] buffer (311 MB for Qwen's vocabulary).
+    """
+    _check_inputs(hidden, weight, targets, temperature, chunk_size)
+    n_tok, cdt, t_all = hidden.shape[0], _compute_dtype(hidden.dtype), targets.long()
+    logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
+    ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
+    grad_h = torch.empty_like(hidden)  # [N, D]
+    grad_w = None
+    if weight_grad:
+        grad_w = grad_weight_out if grad_weight_out is not None else torch.zeros(weight.shape, dtype=cdt,
+                                                                                 device=weight.device)  # [V, D]
+        if grad_w.shape != weight.shape or grad_w.dtype != cdt:
+            raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} {cdt}, got {tuple(grad_w.shape)} "
+                             f"{grad_w.dtype}")
+    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok)
+    for s, e in _chunks(n_tok, chunk_size):
+        h, t = hidden[s:e], t_all[s:e]
+        c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)
+        logp[s:e] = c.logp
+        if with_entropy:
+            ent[s:e] = c.ent
+        g_lp, g_ent = token_grad(s, e, c.logp, c.ent)
+        gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
+        _apply_logit_grad(gz, h, weight, grad_h[s:e], grad_w)
+    if grad_w is not None and grad_weight_out is None:
+        grad_w = grad_w.to(weight.dtype)
+    return HeadGrads(logp, ent, grad_h, grad_w)
 
 
 def naive_token_logprobs(

@@ -107,6 +107,15 @@ def resolve(cfg: LossConfig) -> ResolvedLoss:
     return r
 
 
+def is_tokenwise(cfg: LossConfig) -> bool:
+    """True when the loss is a sum of per-token terms, each depending on that token's log-prob and entropy only.
+
+    Then the LM head can compute its gradients in its forward pass (rl.logprobs.token_logprobs_with_grads).
+    Not per-token: GSPO's sequence ratio (a mean over the sequence) and top-entropy masking (a batch quantile).
+    """
+    return resolve(cfg).ratio_level == "token" and cfg.entropy_top_quantile >= 1
+
+
 # ---- importance ratio: [B, T] log-probs -> [B, T] ratio ------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+SAMPLE_BLOCK = 1024  # vocabulary block of the two-level inverse-CDF search (sample_from_logits)
 LogitFilter = Callable[[torch.Tensor], torch.Tensor]  # logits [R, V] -> logits [R, V] with -inf holes
 
 
@@ -134,7 +135,7 @@ def sample_greedy(
 
 
 def sample_from_logits(
-    logits: torch.Tensor, generator: torch.Generator | None, block: int = 1024
+    logits: torch.Tensor, generator: torch.Generator | None, block: int = SAMPLE_BLOCK, work: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling with one uniform per row, searched in two levels to stay cheap on a big vocab.
 
@@ -142,12 +143,14 @@ def sample_from_logits(
     blocks of `block` tokens: a uniform u in [0, total) picks the block through the cumsum of block sums
     ([R, V/block]), then the token inside that block through a cumsum of one block ([R, block]) — instead of
     a softmax plus a cumsum over all V. A token is drawn only if its weight is positive (a zero weight is a
-    zero-width CDF step). log P(token) = logit - max - log(total).
+    zero-width CDF step). log P(token) = logit - max - log(total). `work`: an optional reusable buffer of at
+    least [R, V + pad] (see Sampler) so a decode loop does not allocate a fresh [R, V] per step.
     """
     R, V = logits.shape
     n_blocks = -(-V // block)
     top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
-    w = logits.new_empty(R, n_blocks * block)  # [R, V + pad]; only the pad is zeroed (no full-vocab fill)
+    fits = work is not None and work.shape[0] >= R and work.shape[1] == n_blocks * block and work.dtype == logits.dtype
+    w = work[:R] if fits else logits.new_empty(R, n_blocks * block)  # [R, V + pad]; only the pad is zeroed
     w[:, V:].zero_()
     torch.sub(logits, top, out=w[:, :V]).exp_()  # [R, V] in [0, 1]
     blocks = w.view(R, n_blocks, block)
@@ -172,6 +175,7 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.temperature = params.temperature
         self.filters = build_filters(params) if params.temperature > 0 else []
+        self._work: torch.Tensor | None = None  # sample_from_logits' buffer, reused across decode steps
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None):
         logits = logits.float()
@@ -181,4 +185,13 @@ class Sampler:
             logits = logits / self.temperature
         for f in self.filters:
             logits = f(logits)
-        return sample_from_logits(logits, generator)
+        return sample_from_logits(logits, generator, work=self._work_for(logits))
+
+    def _work_for(self, logits: torch.Tensor) -> torch.Tensor:
+        """A [R, V + pad] buffer kept across calls: reused while rows only shrink (compaction)."""
+        R, V = logits.shape
+        width = -(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK
+        w = self._work
+        if w is None or w.shape[0] < R or w.shape[1] != width or w.dtype != logits.dtype or w.device != logits.device:
+            self._work = logits.new_empty(R, width)
+        return self._work

@@ -178,8 +178,10 @@ def build_adamw(params, cfg, device):
 
 
 def build_adamw_fused(params, cfg, device):
-    if device.type != "cuda":
-        _fallback(cfg, f"adamw_fused uses torch's fused CUDA kernel and the device is {device.type}",
+    """torch's fused AdamW (CUDA and CPU kernels): no full-size temporaries, about 6x faster than foreach on the
+    2-core CPU machine at 100M params. It is also what transformers' Trainer (and so TRL) uses by default."""
+    if device.type not in ("cuda", "cpu"):
+        _fallback(cfg, f"adamw_fused has torch kernels for cuda and cpu, and the device is {device.type}",
                   "adamw (foreach)")
         return _torch_adamw(params, cfg, device, fused=False)
     return _torch_adamw(params, cfg, device, fused=True)

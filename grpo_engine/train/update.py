@@ -7,13 +7,14 @@ exactly the gradient of one big batch, whatever the split.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-from ..rl.logprobs import token_logprobs
-from ..rl.losses import LossConfig, policy_loss
+from ..rl.logprobs import token_logprobs, token_logprobs_with_grads
+from ..rl.losses import LossConfig, is_tokenwise, policy_loss
 from .batching import RolloutBatch, micro_batches
 
 OOM_KNOBS = (
@@ -38,6 +39,13 @@ def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.T
     return hidden[mask], batch.input_ids[:, 1:][mask], mask
 
 
+def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values [N] at the True positions of mask [b, T-1] -> [b, T] (0 elsewhere; position t+1 <- mask[:, t])."""
+    out = torch.zeros((mask.shape[0], mask.shape[1] + 1), dtype=values.dtype, device=values.device)  # [b, T]
+    out[:, 1:][mask] = values
+    return out
+
+
 def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_size: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each completion token under `model`: [b, T] (0 off the completion), entropy likewise.
@@ -47,13 +55,7 @@ def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_s
     hidden, targets, mask = completion_hidden(model, batch)  # [N, D], [N], [b, T-1]
     logp, ent = token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
                                chunk_size=chunk_size, with_entropy=with_entropy)  # [N], [N] | None
-    out = torch.zeros(batch.input_ids.shape, dtype=logp.dtype, device=logp.device)  # [b, T]
-    out[:, 1:][mask] = logp
-    ent_out = None
-    if ent is not None:
-        ent_out = torch.zeros(batch.input_ids.shape, dtype=ent.dtype, device=ent.device)
-        ent_out[:, 1:][mask] = ent
-    return out, ent_out
+    return _scatter(logp, mask), None if ent is None else _scatter(ent, mask)
 
 
 @torch.no_grad()
@@ -103,24 +105,118 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def accumulate_gradients(model, batch: RolloutBatch, loss_cfg: LossConfig, token_budget: int, *,
-                         temperature: float, chunk_size: int) -> UpdateStats:
+                         temperature: float, chunk_size: int, fused_head: bool = True) -> UpdateStats:
     """One pass: forward/backward every micro-batch through rl.policy_loss, gradients summed in .grad.
 
     policy_loss gets the WHOLE step's active tokens and sequences as its normalisers, so the micro-batch
-    losses (and gradients) add up exactly to those of one big batch, whatever the split.
+    losses (and gradients) add up exactly to those of one big batch, whatever the split. With `fused_head`
+    and a per-token loss (rl.losses.is_tokenwise) the LM head's gradients are computed in its forward pass
+    (`_fused_micro_batch`); otherwise autograd runs through the chunked head (`_autograd_micro_batch`).
     """
-    num_tokens, num_seqs = max(1, batch.active_tokens()), max(1, batch.active_rows())
+    totals = (max(1, batch.active_tokens()), max(1, batch.active_rows()))
+    step = _fused_micro_batch if fused_head and is_tokenwise(loss_cfg) else _autograd_micro_batch
     parts = []
     for rows in micro_batches(batch.lengths.tolist(), token_budget):
         sub = batch.select(torch.tensor(rows)).to(model.device)
-        logp, ent = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
-                                      with_entropy=True)  # [b, T] each
-        loss, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask,
-                                    loss_cfg, entropy=ent, num_tokens_total=num_tokens, num_seqs_total=num_seqs)
-        loss.backward()
-        parts.append(metrics)
+        parts.append(step(model, sub, loss_cfg, totals, temperature=temperature, chunk_size=chunk_size))
     combined = _combine(parts)
-    return UpdateStats(combined["loss"], combined, num_tokens)
+    return UpdateStats(combined["loss"], combined, totals[0])
+
+
+def _autograd_micro_batch(model, sub: RolloutBatch, cfg: LossConfig, totals: tuple[int, int], *,
+                          temperature: float, chunk_size: int) -> dict[str, float]:
+    """Any loss: log-probs with a graph, policy_loss, backward (the head recomputes its logits)."""
+    logp, ent = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
+                                  with_entropy=True)  # [b, T] each
+    loss, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
+                                entropy=ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+    loss.backward()
+    return metrics
+
+
+def _fused_micro_batch(model, sub: RolloutBatch, cfg: LossConfig, totals: tuple[int, int], *,
+                       temperature: float, chunk_size: int) -> dict[str, float]:
+    """Per-token losses: the head yields log-probs and its input gradients in one pass (3 vocab matmuls, not 4).
+
+    The LM-head gradient is added straight into weight.grad, and the embedding's gradient arrives sparse and
+    is added into a dense .grad in place: with a tied 151,936 x 512 embedding that keeps two [V, D] temporaries
+    (2 x 311 MB) out of every micro-batch. The loss value and metrics come from policy_loss on the
+    (graph-free) log-probs, as in the autograd path.
+    """
+    with _sparse_embedding_grad(model):
+        hidden, targets, mask = completion_hidden(model, sub)  # [N, D] (with graph), [N], [b, T-1]
+    weight = model.lm_head.weight
+    into = _dense_grad(weight) if weight.requires_grad else None
+    if into is not None and into.dtype != torch.promote_types(weight.dtype, torch.float32):
+        into = None  # bf16 weights: the head accumulates in fp32 and we add once below
+    head = token_logprobs_with_grads(
+        hidden.detach(), weight.detach(), targets, _token_grad_fn(sub, mask, cfg, totals),
+        temperature=temperature, chunk_size=chunk_size, with_entropy=True, weight_grad=weight.requires_grad,
+        grad_weight_out=into,
+    )
+    if weight.requires_grad and into is None:
+        weight.grad += head.grad_weight
+    logp, ent = _scatter(head.logp, mask), _scatter(head.entropy, mask)  # [b, T] each
+    with torch.no_grad():
+        _, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
+                                 entropy=ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+    if hidden.requires_grad:
+        if model.embed.weight.requires_grad:
+            _dense_grad(model.embed.weight)  # so the sparse embedding gradient is added in place
+        hidden.backward(head.grad_hidden)
+    return metrics
+
+
+def _dense_grad(param: torch.Tensor) -> torch.Tensor:
+    """param.grad, created as zeros when missing (a dense tensor that gradients are accumulated into)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+@contextlib.contextmanager
+def _sparse_embedding_grad(model):
+    """Inside: the token embedding's backward yields a sparse gradient (only the rows of the batch's tokens).
+
+    Callers must give embed.weight a dense .grad before backward (`_dense_grad`), so autograd adds the sparse
+    rows into it in place instead of building a [V, D] dense temporary.
+    """
+    embed, before = model.embed, model.embed.sparse
+    embed.sparse = embed.weight.requires_grad
+    try:
+        yield
+    finally:
+        embed.sparse = before
+
+
+def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, cfg: LossConfig, totals: tuple[int, int]):
+    """dL/dlogp and dL/dentropy of the tokens of one head chunk, from policy_loss itself.
+
+    The chunk's values go into a [b, T] log-prob tensor whose other entries are placeholders (the old
+    log-probs, or 0); for a per-token loss the gradient at the chunk's positions does not depend on them.
+    """
+    rows, cols = mask.nonzero(as_tuple=True)  # [N] each, row-major like the head's tokens
+    cols = cols + 1  # mask[:, t] marks the token at position t + 1
+    placeholder = sub.old_logp if sub.old_logp is not None else torch.zeros(sub.input_ids.shape)  # [b, T]
+    wants_entropy_grad = cfg.entropy_coef > 0
+
+    def token_grad(start: int, end: int, logp: torch.Tensor, ent: torch.Tensor | None):
+        idx = (rows[start:end], cols[start:end])
+        with torch.enable_grad():
+            lp_leaf = logp.detach().requires_grad_()  # [n]
+            full_lp = placeholder.to(device=logp.device, dtype=logp.dtype).index_put(idx, lp_leaf)  # [b, T]
+            leaves, full_ent = [lp_leaf], None
+            if ent is not None:
+                ent_leaf = ent.detach().requires_grad_(wants_entropy_grad)  # [n]
+                full_ent = torch.zeros_like(full_lp).index_put(idx, ent_leaf)  # [b, T]
+                leaves += [ent_leaf] if wants_entropy_grad else []
+            loss, _ = policy_loss(full_lp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
+                                  entropy=full_ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0]
+        return g_lp, grads[1] if len(grads) > 1 else None
+
+    return token_grad
 
 
 def clip_and_check(model, max_norm: float) -> float:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_engine.model.hf_io import load_model
-from grpo_engine.rl.losses import LossConfig
+from grpo_engine.rl.losses import LossConfig, is_tokenwise
 from grpo_engine.train.batching import build_rollout_batch, micro_batches
 from grpo_engine.train.update import accumulate_gradients, batch_logprobs
 
@@ -42,3 +42,48 @@ def test_micro_batching_is_exact(tiny_ckpt, preset):
     assert split.metrics["active_tokens"] == whole.metrics["active_tokens"] == 27  # 7+2+5+9+4, row 6 masked
     for name in g_whole:
         torch.testing.assert_close(g_split[name], g_whole[name], rtol=1e-4, atol=1e-6)
+
+
+def _old_and_ref(model, batch):
+    """Old log-probs a little away from the current policy (ratios != 1, some clipped) and a reference."""
+    with torch.no_grad():
+        old = batch_logprobs(model, batch, 10_000, temperature=1.0, chunk_size=4)
+    noise = 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))  # [B, T]
+    return (old + noise) * batch.completion_mask, old - 0.05
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied"])
+@pytest.mark.parametrize("cfg", [
+    LossConfig(loss="grpo", beta=0.04, entropy_coef=0.01),
+    LossConfig(loss="dapo", dual_clip_c=3.0),
+    LossConfig(loss="dr_grpo", beta=0.1, kl_estimator="k2", max_completion_len=9),
+    LossConfig(loss="cispo", entropy_coef=0.05, beta=0.02, kl_estimator="k1"),
+], ids=["grpo-kl-ent", "dapo-dualclip", "drgrpo-k2", "cispo-k1-ent"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cfg, temperature):
+    """The head's in-forward gradients == autograd through policy_loss, for every per-token loss variant."""
+    model = load_model(tiny_ckpt_factory(arch), dtype=torch.float64)
+    batch = _batch(model.config.vocab_size)
+    batch.old_logp, batch.ref_logp = _old_and_ref(model, batch)
+    grads, stats = {}, {}
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        stats[fused] = accumulate_gradients(model, batch, cfg, 12, temperature=temperature, chunk_size=4,
+                                            fused_head=fused)
+        grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys()
+    if cfg.loss != "cispo":  # (CISPO's weight cap of 5 is not reached by this noise)
+        assert stats[True].metrics["clip_frac_low"] + stats[True].metrics["clip_frac_high"] > 0  # clips are live
+    assert stats[True].metrics == pytest.approx(stats[False].metrics, rel=1e-12, abs=1e-12)
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cfg,tokenwise", [
+    (LossConfig(loss="grpo"), True),
+    (LossConfig(loss="gspo"), False),  # sequence-level ratio
+    (LossConfig(loss="dapo", ratio_level="sequence"), False),
+    (LossConfig(loss="grpo", entropy_top_quantile=0.2), False),  # a batch quantile
+])
+def test_is_tokenwise(cfg, tokenwise):
+    assert is_tokenwise(cfg) is tokenwise
