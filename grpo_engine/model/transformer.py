@@ -124,8 +124,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the HF reference does.
-        xf = x.float()
+        # Normalise in (at least) fp32 and cast back before the weight, as the HF reference does; float64
+        # stays float64 so that exactness tests in float64 are not limited by an fp32 round trip.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 

@@ -14,7 +14,8 @@ import torch
 
 from ..rl.logprobs import token_logprobs
 from ..rl.losses import LossConfig, policy_loss
-from .batching import RolloutBatch, micro_batches
+from .batching import RolloutBatch, plan_micro_batches
+from .shared_prompt import shared_prompt_hidden
 
 OOM_KNOBS = (
     "memory.micro_batch_tokens (tokens per forward/backward), rollout.max_tokens_in_flight (generation), "
@@ -31,8 +32,16 @@ def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.T
     """Final hidden states at the positions that predict completion tokens, and those tokens.
 
     Returns (hidden [N, D], targets [N], mask [b, T-1]); mask[i, t] marks that position t of row i predicts
-    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets.
+    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets. Rows that share a
+    prompt (batch.prompt_index) run it once (train/shared_prompt.py); otherwise every row runs whole.
     """
+    if batch.prompt_index is not None:
+        return shared_prompt_hidden(model, batch)
+    return plain_completion_hidden(model, batch)
+
+
+def plain_completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """completion_hidden with every row's prompt + completion through the model (no sharing)."""
     hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
     mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
     return hidden[mask], batch.input_ids[:, 1:][mask], mask
@@ -64,7 +73,7 @@ def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature
     was_training = model.training
     model.eval()  # no (LoRA) dropout: these are the log-probs of the policy itself
     try:
-        for rows in micro_batches(batch.lengths.tolist(), token_budget):
+        for rows in plan_micro_batches(batch, token_budget):
             idx = torch.tensor(rows)
             sub = batch.select(idx).to(model.device)
             logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
@@ -111,7 +120,7 @@ def accumulate_gradients(model, batch: RolloutBatch, loss_cfg: LossConfig, token
     """
     num_tokens, num_seqs = max(1, batch.active_tokens()), max(1, batch.active_rows())
     parts = []
-    for rows in micro_batches(batch.lengths.tolist(), token_budget):
+    for rows in plan_micro_batches(batch, token_budget):
         sub = batch.select(torch.tensor(rows)).to(model.device)
         logp, ent = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
                                       with_entropy=True)  # [b, T] each
