@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads everywhere (0 = torch default)")
     p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl")
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for our engine, e.g. memory.share_prompt_forward=false (A/B runs)")
     p.add_argument("--work-dir", help="keep checkpoints and runs here (default: a temporary directory)")
     p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--sft-dir", help=argparse.SUPPRESS)
@@ -161,6 +163,7 @@ def ours_child(args) -> dict:
         "optimizer.weight_decay=0.0", "optimizer.grad_clip=1.0", f"schedule.steps={args.grpo_steps}",
         "schedule.lr_schedule=constant", "schedule.warmup_steps=0", "logging.progress=false",
         "logging.samples_every=0", "checkpoint.every=0", "checkpoint.keep_last=1", "eval.every=0",
+        *args.ours_set,
     ]
     cfg = load_config(None, overrides)
     t0 = time.perf_counter()

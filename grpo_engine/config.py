@@ -125,9 +125,13 @@ class ScheduleSection:
 class MemorySection(MemoryConfig):
     """MemoryConfig (grpo_engine/train/memory.py: precision, checkpointing) plus micro-batching."""
 
-    micro_batch_tokens: int = _f(8192, "token budget (padded rows x length) of one forward/backward micro-batch")
+    micro_batch_tokens: int = _f(8192, "token budget of one forward/backward micro-batch: padded rows x length, "
+                                       "or with share_prompt_forward prompts x prompt length + rows x completion "
+                                       "length")
     auto_halve_micro_batch: bool = _f(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
     logprob_chunk_size: int = _f(1024, "tokens per chunk when computing log-probs from hidden states")
+    share_prompt_forward: bool = _f(True, "run each prompt once per group in the update forward, its completions "
+                                          "attending to its keys/values (same numbers as false, less compute)")
     gpu_memory_gib: float = _f(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                     "the model, a config the memory planner predicts will not fit; 0 = no check")
 

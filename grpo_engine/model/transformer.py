@@ -8,6 +8,8 @@ rope scaling, tied embeddings), never by subclasses. Attention goes through
   can compute log-probs chunk by chunk without materialising [tokens, vocab] logits;
 * rollout prefill and decode: a `KVCacheLike` object (see rollout/kv_cache.py) holding preallocated
   key/value tensors; new keys/values are written at `cache.start`, and a key-padding mask covers all slots;
+* training with shared prompts (train/shared_prompt.py): a cache-like object that records a prompt pass's
+  keys/values, then lets each completion attend to its prompt's (autograd sums the gradients back);
 * parity tests: HF-style `attention_mask` [B, T] for left- or right-padded batches.
 
 This file imports nothing from training code.
@@ -57,11 +59,18 @@ class ModelConfig:
 
 
 class KVCacheLike(Protocol):
-    """What the model needs from a cache: per-layer key/value buffers and the write offset."""
+    """What the model needs from a cache: the slot count before this forward, and a per-layer update.
 
-    k: list[torch.Tensor]  # per layer [B, H_kv, S_max, D]
-    v: list[torch.Tensor]  # per layer [B, H_kv, S_max, D]
-    start: int  # slot where this forward's first token is written
+    `update(layer, k, v)` receives this forward's keys/values [B, H_kv, T, D] (after RoPE) and returns the
+    keys/values the queries attend to, [B, H_kv, start + T, D]: the earlier slots followed by the new ones.
+    The rollout cache (rollout/kv_cache.py) writes into preallocated buffers; the training-time prompt
+    sharing (train/shared_prompt.py) concatenates a prompt pass's keys/values so gradients flow into it.
+    The model sets `start = start + T` after the forward.
+    """
+
+    start: int  # slots before this forward's first token
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,8 +124,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the HF reference does.
-        xf = x.float()
+        # Normalise in (at least) fp32 and cast back before the weight, as the HF reference does; float64
+        # stays float64 so that exactness tests in float64 are not limited by an fp32 round trip.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -142,10 +152,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            end = cache.start + T
-            cache.k[layer][:, :, cache.start : end] = k
-            cache.v[layer][:, :, cache.start : end] = v
-            k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]  # [B, Hkv, S, D]
+            k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
         if mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)

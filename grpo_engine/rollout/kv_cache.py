@@ -1,9 +1,9 @@
 """Preallocated key/value cache for rollout.
 
-The model writes each forward's keys/values into these buffers at `start` (see KVCacheLike in
-model/transformer.py), so decoding never reallocates or concatenates per step. Rows are the sequences in
-flight; `select_rows` gathers a subset of rows, which is how a prefilled prompt is shared by its G samples
-(index = repeat_interleave) and how finished rows leave the batch (compaction).
+The model hands each forward's keys/values to `update`, which writes them into these buffers at `start`
+(see KVCacheLike in model/transformer.py), so decoding never reallocates or concatenates per step. Rows
+are the sequences in flight; `select_rows` gathers a subset of rows, which is how a prefilled prompt is
+shared by its G samples (index = repeat_interleave) and how finished rows leave the batch (compaction).
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, H_kv, T, D] at slots [start, start + T) of `layer`; return slots [0, start + T)."""
+        end = self.start + k.shape[2]
+        self.k[layer][:, :, self.start : end] = k
+        self.v[layer][:, :, self.start : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # [B, H_kv, start + T, D]
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

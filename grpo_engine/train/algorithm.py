@@ -101,6 +101,7 @@ def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int) -> tuple[
         advantages=adv.reshape(-1).float(),
         completion_keep=keep.reshape(-1).tolist(),
         pad_id=pad_id,
+        share_prompts=cfg.memory.share_prompt_forward,
     )
     return batch, AdvantageInfo(result.num_zero_variance, result.num_nonfinite, float(se.mean()))
 

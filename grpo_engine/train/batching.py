@@ -3,6 +3,10 @@
 The update phase runs forward/backward over many rows of very different lengths. Packing rows sorted by
 length into micro-batches whose padded size (rows x longest row) stays under a token budget keeps padding
 waste low and peak activation memory bounded, whatever the mix of lengths.
+
+With prompt sharing (train/shared_prompt.py) the G rows of a prompt run the prompt once: a micro-batch then
+holds whole groups, and its size counts each prompt once (prompts x longest prompt + rows x longest
+completion).
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ class RolloutBatch:
     """One step's training rows: prompt + completion, right-padded.
 
     Position t of `*_logp` and `completion_mask` refers to the token input_ids[:, t] (predicted from t-1).
+    `prompt_index` says which rows share their prompt: the update forward then runs each prompt once
+    (train/shared_prompt.py); None runs every row whole (the plain forward, same numbers).
     """
 
     input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
-    completion_mask: torch.Tensor  # [B, T] float, 1 on completion tokens that get a gradient
+    completion_mask: torch.Tensor  # [B, T] float, 1 on completion tokens that get a gradient (never on prompts)
     advantages: torch.Tensor  # [B] float
     lengths: torch.Tensor  # [B] long, real tokens per row (prompt + completion)
+    prompt_lengths: torch.Tensor  # [B] long, prompt tokens per row
     sampler_logp: torch.Tensor  # [B, T] float, log-probs the sampler reported (0 off the completion)
+    prompt_index: torch.Tensor | None = None  # [B] long, equal <=> identical prompt tokens; None: no sharing
     old_logp: torch.Tensor | None = None  # [B, T] policy log-probs before the update (mu > 1)
     ref_logp: torch.Tensor | None = None  # [B, T] reference log-probs (beta > 0)
 
@@ -52,7 +60,9 @@ class RolloutBatch:
             completion_mask=self.completion_mask[rows, :T],
             advantages=self.advantages[rows],
             lengths=self.lengths[rows],
+            prompt_lengths=self.prompt_lengths[rows],
             sampler_logp=self.sampler_logp[rows, :T],
+            prompt_index=None if self.prompt_index is None else self.prompt_index[rows],
             old_logp=pick(self.old_logp),
             ref_logp=pick(self.ref_logp),
         )
@@ -65,8 +75,13 @@ def build_rollout_batch(
     advantages: torch.Tensor,
     completion_keep: list[bool],
     pad_id: int,
+    share_prompts: bool = True,
 ) -> RolloutBatch:
-    """Concatenate prompt_ids[i] + completion_ids[i] per row; completion_keep[i]=False masks a row out."""
+    """Concatenate prompt_ids[i] + completion_ids[i] per row; completion_keep[i]=False masks a row out.
+
+    share_prompts: rows with identical prompt tokens get one prompt_index (any rows, not only a group's),
+    so the update runs that prompt once; left None when no prompt has two rows (nothing to share).
+    """
     B = len(completion_ids)
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     T = max(lengths)
@@ -83,8 +98,25 @@ def build_rollout_batch(
         completion_mask=mask,
         advantages=advantages.float(),
         lengths=torch.tensor(lengths, dtype=torch.long),
+        prompt_lengths=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
         sampler_logp=sampler,
+        prompt_index=shared_prompt_index(prompt_ids) if share_prompts else None,
     )
+
+
+def shared_prompt_index(prompt_ids: list[list[int]]) -> torch.Tensor | None:
+    """[B] long: rows with identical prompt tokens share an index (first-seen order); None if none repeat."""
+    seen: dict[tuple[int, ...], int] = {}
+    index = [seen.setdefault(tuple(p), len(seen)) for p in prompt_ids]
+    return torch.tensor(index, dtype=torch.long) if len(seen) < len(index) else None
+
+
+def plan_micro_batches(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
+    """Row indices of each micro-batch: whole prompt groups when the batch shares prompts, else by length."""
+    if batch.prompt_index is None:
+        return micro_batches(batch.lengths.tolist(), token_budget)
+    return group_micro_batches(batch.prompt_index.tolist(), batch.prompt_lengths.tolist(), batch.lengths.tolist(),
+                               token_budget)
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -107,3 +139,46 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def group_micro_batches(prompt_index: list[int], prompt_lengths: list[int], lengths: list[int],
+                        token_budget: int) -> list[list[int]]:
+    """Micro-batches of whole prompt groups with prompts x longest prompt + rows x longest completion <= budget.
+
+    Groups go longest row first; a group that alone exceeds the budget is cut into row chunks that fit
+    (each chunk runs the prompt again: still exact, just less shared), a single row being the smallest.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(prompt_index):
+        groups.setdefault(g, []).append(i)
+    units: list[list[int]] = []  # groups, or chunks of a group too big for one micro-batch
+    for rows in groups.values():
+        rows.sort(key=lambda i: (-lengths[i], i))
+        units.extend(_split_group(rows, prompt_lengths, lengths, token_budget))
+    units.sort(key=lambda u: (-lengths[u[0]], u[0]))
+    out: list[list[int]] = []
+    current: list[int] = []
+    for unit in units:
+        if current and _shared_cost(current + unit, prompt_index, prompt_lengths, lengths) > token_budget:
+            out.append(current)
+            current = []
+        current = current + unit
+    if current:
+        out.append(current)
+    return out
+
+
+def _shared_cost(rows: list[int], prompt_index: list[int], prompt_lengths: list[int], lengths: list[int]) -> int:
+    """Padded tokens of a shared-prompt micro-batch: distinct prompts x longest prompt + rows x longest completion."""
+    prompts = {prompt_index[i] for i in rows}
+    longest_prompt = max(prompt_lengths[i] for i in rows)
+    longest_completion = max(lengths[i] - prompt_lengths[i] for i in rows)
+    return len(prompts) * longest_prompt + len(rows) * longest_completion
+
+
+def _split_group(rows: list[int], prompt_lengths: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """One group's rows (longest first) in chunks of k rows with prompt + k x longest completion <= budget."""
+    prompt = prompt_lengths[rows[0]]
+    completion = max(1, lengths[rows[0]] - prompt)
+    k = max(1, (token_budget - prompt) // completion)
+    return [rows[i : i + k] for i in range(0, len(rows), k)]

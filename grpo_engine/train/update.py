@@ -15,7 +15,8 @@ import torch
 
 from ..rl.logprobs import token_logprobs, token_logprobs_with_grads
 from ..rl.losses import LossConfig, is_tokenwise, policy_loss
-from .batching import RolloutBatch, micro_batches
+from .batching import RolloutBatch, plan_micro_batches
+from .shared_prompt import shared_prompt_hidden
 
 OOM_KNOBS = (
     "memory.micro_batch_tokens (tokens per forward/backward), rollout.max_tokens_in_flight (generation), "
@@ -32,8 +33,16 @@ def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.T
     """Final hidden states at the positions that predict completion tokens, and those tokens.
 
     Returns (hidden [N, D], targets [N], mask [b, T-1]); mask[i, t] marks that position t of row i predicts
-    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets.
+    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets. Rows that share a
+    prompt (batch.prompt_index) run it once (train/shared_prompt.py); otherwise every row runs whole.
     """
+    if batch.prompt_index is not None:
+        return shared_prompt_hidden(model, batch)
+    return plain_completion_hidden(model, batch)
+
+
+def plain_completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """completion_hidden with every row's prompt + completion through the model (no sharing)."""
     hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
     mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
     return hidden[mask], batch.input_ids[:, 1:][mask], mask
@@ -66,7 +75,7 @@ def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature
     was_training = model.training
     model.eval()  # no (LoRA) dropout: these are the log-probs of the policy itself
     try:
-        for rows in micro_batches(batch.lengths.tolist(), token_budget):
+        for rows in plan_micro_batches(batch, token_budget):
             idx = torch.tensor(rows)
             sub = batch.select(idx).to(model.device)
             logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
@@ -116,7 +125,7 @@ def accumulate_gradients(model, batch: RolloutBatch, loss_cfg: LossConfig, token
     totals = (max(1, batch.active_tokens()), max(1, batch.active_rows()))
     step = _fused_micro_batch if fused_head and is_tokenwise(loss_cfg) else _autograd_micro_batch
     parts = []
-    for rows in micro_batches(batch.lengths.tolist(), token_budget):
+    for rows in plan_micro_batches(batch, token_budget):
         sub = batch.select(torch.tensor(rows)).to(model.device)
         parts.append(step(model, sub, loss_cfg, totals, temperature=temperature, chunk_size=chunk_size))
     combined = _combine(parts)

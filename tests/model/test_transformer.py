@@ -1,19 +1,15 @@
 """The model's own contracts: hidden-state output, the KV-cache path, configuration checks."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from grpo_engine import load_model
 from grpo_engine.model.transformer import ModelConfig
+from grpo_engine.rollout.kv_cache import KVCache
 
 
 def empty_cache(model, batch: int, slots: int):
-    cfg = model.config
-    shape = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
-    n = cfg.num_hidden_layers
-    return SimpleNamespace(k=[torch.zeros(shape) for _ in range(n)], v=[torch.zeros(shape) for _ in range(n)], start=0)
+    return KVCache.allocate(model.config, batch, slots, torch.float32, "cpu")
 
 
 def test_hidden_states_times_head_are_logits(tiny_ckpt):

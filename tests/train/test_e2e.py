@@ -146,3 +146,28 @@ def test_grpo_raises_a_learnable_reward(tmp_path, tiny_ckpt, monkeypatch):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.6, first  # the random model: no more than about half its bytes are even
     assert last > first + 0.2, (first, last)
+
+
+@pytest.mark.slow
+def test_shared_prompt_forward_matches_plain_in_the_loop(tmp_path, tiny_ckpt, monkeypatch):
+    """memory.share_prompt_forward on / off: the same first step (mu=2 so old log-probs and a ratio are involved,
+    beta > 0 so reference log-probs too), up to fp32 rounding; and the shared path really ran."""
+    from grpo_engine.train import update
+
+    calls = []
+    real = update.shared_prompt_hidden
+    monkeypatch.setattr(update, "shared_prompt_hidden", lambda *a: calls.append(1) or real(*a))
+    custom = custom_task_config(tmp_path, monkeypatch)
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=1", "rollout.max_new_tokens=6", "algorithm.mu=2",
+            "algorithm.beta=0.1", "checkpoint.every=0"]
+    rows = {}
+    for share in ("true", "false"):
+        before = len(calls)
+        train(load_config(custom, over + [f"run_dir={tmp_path / share}", f"memory.share_prompt_forward={share}"]))
+        assert (len(calls) > before) == (share == "true")
+        rows[share] = _metrics(tmp_path / share)[0]
+    on, off = rows["true"], rows["false"]
+    assert on["reward_mean"] == off["reward_mean"] and on["train_tokens"] == off["train_tokens"]
+    for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_max"):
+        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+    assert off["loss"] < -1e-4 and off["kl"] > 0  # the second pass moved away from the old / reference policy
