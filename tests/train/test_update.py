@@ -87,3 +87,31 @@ def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cf
 ])
 def test_is_tokenwise(cfg, tokenwise):
     assert is_tokenwise(cfg) is tokenwise
+
+
+def _grouped_batch(vocab: int, share: bool):
+    """3 prompts x 3 samples, mixed prompt and completion lengths, one masked row."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4, 2, 6)]
+    comp_lens = [5, 1, 3, 7, 2, 2, 4, 6, 1]
+    comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in comp_lens]
+    adv = torch.linspace(-1.0, 1.0, 9)
+    keep = [True] * 8 + [False]
+    return build_rollout_batch([prompts[i // 3] for i in range(9)], comps, [[0.0] * n for n in comp_lens], adv,
+                               keep, pad_id=0, share_prompts=share)
+
+
+def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_factory):
+    """Both fast paths together (shared-prompt forward + in-forward head gradients) == the plain autograd path."""
+    model = load_model(tiny_ckpt_factory("qwen2-tied"), dtype=torch.float64)
+    cfg = LossConfig(loss="dapo", beta=0.05, entropy_coef=0.02)
+    grads = {}
+    for fast in (True, False):
+        batch = _grouped_batch(model.config.vocab_size, share=fast)
+        assert (batch.prompt_index is not None) == fast
+        batch.old_logp, batch.ref_logp = _old_and_ref(model, batch)
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, batch, cfg, 16, temperature=0.8, chunk_size=3, fused_head=fast)
+        grads[fast] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=0, atol=1e-10)
