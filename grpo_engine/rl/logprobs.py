@@ -4,7 +4,7 @@ Why chunked: a Qwen vocabulary has 151,936 entries, so the logits of 8k completi
 8192 x 151936 x 4 bytes = 5 GB in fp32 -- more than the whole model on a consumer GPU. The training loop only
 needs one number per token (the log-prob of the sampled token, optionally the entropy), so we compute the
 logits a chunk of tokens at a time, reduce them to those numbers, and reuse the chunk's buffers for the next
-chunk. Peak extra memory is two [chunk_size, V] buffers instead of O(tokens x vocab).
+chunk. Peak extra memory is one or two [chunk_size, V] buffers instead of O(tokens x vocab).
 
 Two entry points:
 * `token_logprobs`: a custom autograd Function. Its backward recomputes each chunk's logits from the saved
@@ -47,27 +47,39 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _ChunkBuffers:
-    """Two [chunk, V] work buffers in the compute dtype, allocated once and reused by every chunk."""
+    """One [chunk, V] work buffer (two on CUDA) plus a few rows of probabilities, reused by every chunk.
+
+    On the CPU the log-softmax is written over the logits in place (checked exact in tests), so a chunk
+    costs one [chunk, V] buffer; on CUDA the log-softmax gets its own buffer, since in-place use of that
+    kernel is not something torch documents. Probabilities are formed a few rows at a time in `q`.
+    """
 
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int):
         rows = max(1, min(chunk, n_tok))
-        self.z = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] scaled logits
-        self.p = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] exp(z - max)
+        self.z = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] logits
+        in_place = torch.device(device).type == "cpu"
+        self.logq = self.z if in_place else torch.empty_like(self.z)  # [chunk, V] log-probabilities
+        budget = (2 << 20) if in_place else (64 << 20)  # bytes: about a core's L2 on the CPU
+        self.block = max(1, min(rows, budget // (vocab * self.z.element_size())))
+        self.q = torch.empty(self.block, vocab, dtype=dtype, device=device)  # [block, V] probabilities
 
 
 @dataclass
 class _Chunk:
-    """One chunk's softmax pieces; `shifted` and `p` are views of the shared buffers."""
+    """One chunk's softmax; `logq` is a view of the shared buffer."""
 
-    shifted: torch.Tensor  # [n, V] z - max_j z (z = logits / T)
-    p: torch.Tensor  # [n, V] exp(shifted): unnormalised probabilities
-    log_sum: torch.Tensor  # [n, 1] log sum_j p  (so log softmax = shifted - log_sum)
+    logq: torch.Tensor  # [n, V] log softmax(z), z = logits / T
     logp: torch.Tensor  # [n] log-prob of the target token
-    ent: torch.Tensor | None  # [n] entropy H = log_sum - sum_j softmax_j * shifted_j
+    ent: torch.Tensor | None  # [n] entropy H = -sum_j q_j log q_j
+    bufs: _ChunkBuffers
 
 
 def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_entropy: bool) -> _Chunk:
-    """Logits of h [n, D] into the buffers, reduced to log-probs of t [n] (and entropies)."""
+    """Logits of h [n, D] into the buffers, reduced to log-probs of t [n] (and entropies).
+
+    torch's fused log_softmax works row by row in cache, and the entropy is summed a few rows at a time,
+    so the [n, V] chunk crosses memory a handful of times instead of once per elementwise op.
+    """
     n = h.shape[0]
     z = bufs.z[:n]  # [n, V]
     if h.dtype == z.dtype:
@@ -76,30 +88,42 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
         z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
     if temperature != 1.0:
         z.div_(temperature)
-    z.sub_(z.amax(dim=-1, keepdim=True))  # shifted: max 0 per row, exp cannot overflow
-    p = torch.exp(z, out=bufs.p[:n])  # [n, V]
-    log_sum = p.sum(dim=-1, keepdim=True).log_()  # [n, 1]
-    logp = z.gather(1, t[:, None]).squeeze(1) - log_sum.squeeze(1)  # [n]
+    logq = torch.log_softmax(z, dim=-1, out=bufs.logq[:n])  # [n, V]
+    logp = logq.gather(1, t[:, None]).squeeze(1)  # [n]
     ent = None
     if with_entropy:
-        ent = log_sum.squeeze(1) - torch.linalg.vecdot(p, z) / log_sum.exp().squeeze(1)  # [n]
-    return _Chunk(z, p, log_sum, logp, ent)
+        ent = torch.empty(n, dtype=z.dtype, device=z.device)  # [n]
+        for r0, r1 in _chunks(n, bufs.block):
+            q = torch.exp(logq[r0:r1], out=bufs.q[: r1 - r0])  # [r, V]
+            ent[r0:r1] = -_row_dot(q, logq[r0:r1])
+    return _Chunk(logq, logp, ent, bufs)
+
+
+def _row_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum_j x_ij y_ij per row, [n, V] x [n, V] -> [n], as a batched matmul.
+
+    torch.linalg.vecdot (and (x * y).sum(-1)) materialise the [n, V] product first: on the CPU that one
+    temporary cost more than the whole log-softmax of the chunk.
+    """
+    return torch.bmm(x[:, None, :], y[:, :, None]).view(-1)
 
 
 def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
-    """dL/dlogits [n, V] (in place in c.p) from dL/dlogp g_lp [n] and dL/dH g_ent [n] or None.
+    """dL/dlogits [n, V] (in place in c.logq) from dL/dlogp g_lp [n] and dL/dH g_ent [n] or None.
 
-    d logp_i / d z_ij = onehot_ij - q_ij and d H_i / d z_ij = -q_ij (log q_ij + H_i), q = softmax(z), so
+    d logp_i / d z_ij = onehot_ij - q_ij and d H_i / d z_ij = -q_ij (log q_ij + H_i), so
     dL/dz_ij = g_lp_i onehot_ij - q_ij (g_lp_i + g_ent_i (log q_ij + H_i)); logits = T z adds a 1/T.
     """
-    inv_sum = torch.exp(-c.log_sum)  # [n, 1]: q = p * inv_sum
-    g_lp = g_lp.to(c.p.dtype)[:, None]  # [n, 1]
+    x = c.logq  # [n, V]
+    g_lp = g_lp.to(x.dtype)[:, None]  # [n, 1]
     if g_ent is None:
-        gz = c.p.mul_(inv_sum * -g_lp)  # [n, V]
+        gz = x.exp_().mul_(-g_lp)  # [n, V]
     else:
-        coef = c.shifted.sub_(c.log_sum - c.ent[:, None])  # log q + H, in place  [n, V]
-        coef.mul_(g_ent.to(c.p.dtype)[:, None]).add_(g_lp)
-        gz = c.p.mul_(coef).mul_(-inv_sum)  # [n, V]
+        g_ent = g_ent.to(x.dtype)[:, None]  # [n, 1]
+        for r0, r1 in _chunks(x.shape[0], c.bufs.block):
+            q = torch.exp(x[r0:r1], out=c.bufs.q[: r1 - r0])  # [r, V]
+            x[r0:r1].add_(c.ent[r0:r1, None]).mul_(g_ent[r0:r1]).add_(g_lp[r0:r1]).mul_(q).neg_()
+        gz = x
     gz.scatter_add_(1, t[:, None], g_lp)
     if temperature != 1.0:
         gz.div_(temperature)
@@ -210,7 +234,7 @@ def token_logprobs(
     hidden [N, D] (final-normed hidden states at the positions that PREDICT the targets), weight [V, D]
     (model.lm_head.weight), targets [N] token ids. Returns (logp [N], entropy [N] or None) in
     max(fp32, input dtype). Both outputs are differentiable w.r.t. hidden and weight; the full [N, V] logits
-    tensor never exists -- peak extra memory is two [chunk_size, V] buffers.
+    tensor never exists -- peak extra memory is one (CPU) or two (CUDA) [chunk_size, V] buffers.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     logp, ent = _ChunkedTokenLogprobs.apply(

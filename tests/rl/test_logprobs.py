@@ -136,3 +136,50 @@ def test_bad_ids_and_temperature_raise():
         token_logprobs(h, w, torch.tensor([0, 1]), temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         token_logprobs(h, w, torch.tensor([0, 1]), chunk_size=0)
+
+
+def test_large_vocab_uses_row_blocks_and_stays_exact():
+    """V = 40,000 in float64: the entropy and its gradient are formed a few rows at a time (blocks of 6 rows,
+    a chunk of 16), the log-softmax overwrites the logits in place -- still equal to the naive version."""
+    from grpo_engine.rl.logprobs import _ChunkBuffers
+
+    assert _ChunkBuffers(16, 40_000, torch.float64, torch.device("cpu"), 37).block == 6
+    h, w, t = _problem(n=37, d=4, v=40_000)
+    g = torch.Generator().manual_seed(3)
+    coef_lp, coef_ent = torch.randn(37, generator=g, dtype=torch.float64), torch.randn(37, generator=g,
+                                                                                         dtype=torch.float64)
+    lp, ent = token_logprobs(h, w, t, temperature=0.8, chunk_size=16, with_entropy=True)
+    gh, gw = torch.autograd.grad((lp * coef_lp + ent * coef_ent).sum(), (h, w))
+    lp_ref, ent_ref = naive_token_logprobs(h, w, t, temperature=0.8)
+    gh_ref, gw_ref = torch.autograd.grad((lp_ref * coef_lp + ent_ref * coef_ent).sum(), (h, w))
+    for got, ref in [(lp, lp_ref), (ent, ent_ref), (gh, gh_ref), (gw, gw_ref)]:
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("with_entropy_grad", [True, False])
+def test_with_grads_equals_autograd_of_a_per_token_loss(with_entropy_grad):
+    """token_logprobs_with_grads: L = sum_i a_i logp_i + b_i H_i + c_i logp_i^2 (a per-token loss whose
+    gradient depends on the token's own value) -> same values and gradients as autograd on the naive head;
+    grad_weight_out is added to, not overwritten."""
+    from grpo_engine.rl.logprobs import token_logprobs_with_grads
+
+    h, w, t = _problem(n=37, d=8, v=300)
+    g = torch.Generator().manual_seed(4)
+    a, b, c = (torch.randn(37, generator=g, dtype=torch.float64) for _ in range(3))
+    b = b if with_entropy_grad else torch.zeros(37, dtype=torch.float64)
+
+    def token_grad(s, e, logp, ent):
+        return a[s:e] + 2 * c[s:e] * logp, (b[s:e] if with_entropy_grad else None)
+
+    prior = torch.randn(w.shape, generator=g, dtype=torch.float64)
+    out = token_logprobs_with_grads(h.detach(), w.detach(), t, token_grad, temperature=0.9, chunk_size=10,
+                                    with_entropy=True, grad_weight_out=prior.clone())
+    lp_ref, ent_ref = naive_token_logprobs(h, w, t, temperature=0.9)
+    loss = (a * lp_ref + b * ent_ref + c * lp_ref**2).sum()
+    gh_ref, gw_ref = torch.autograd.grad(loss, (h, w))
+    torch.testing.assert_close(out.logp, lp_ref.detach(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out.entropy, ent_ref.detach(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out.grad_hidden, gh_ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(out.grad_weight, prior + gw_ref, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="grad_weight_out"):
+        token_logprobs_with_grads(h.detach(), w.detach(), t, token_grad, grad_weight_out=torch.zeros(3, 8))
