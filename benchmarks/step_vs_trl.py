@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--steps", type=int, default=4, help="steps per engine; the median excludes the first")
     p.add_argument("--chunk-size", type=int, default=256, help="our log-prob chunk (memory.logprob_chunk_size)")
-    p.add_argument("--micro-batch-tokens", type=int, default=2048,
+    p.add_argument("--micro-batch-tokens", type=int, default=1024,
                    help="our memory.micro_batch_tokens: padded tokens per forward/backward (bounds activations)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",

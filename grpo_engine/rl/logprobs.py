@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..model import onednn
+
 DEFAULT_CHUNK_SIZE = 1024
 
 # token_grad(start, end, logp [n], entropy [n] | None) -> (dL/dlogp [n], dL/dentropy [n] | None)
@@ -47,20 +49,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _ChunkBuffers:
-    """One [chunk, V] work buffer (two on CUDA) plus a few rows of probabilities, reused by every chunk.
+    """Work buffers reused by every chunk: [chunk, V] logits (none on the oneDNN path, which allocates its
+    own output), log-probabilities, and a few rows of probabilities.
 
     On the CPU the log-softmax is written over the logits in place (checked exact in tests), so a chunk
     costs one [chunk, V] buffer; on CUDA the log-softmax gets its own buffer, since in-place use of that
     kernel is not something torch documents. Probabilities are formed a few rows at a time in `q`.
     """
 
-    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int):
+    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,
+                 own_logits: bool = True):
         rows = max(1, min(chunk, n_tok))
-        self.z = torch.empty(rows, vocab, dtype=dtype, device=device)  # [chunk, V] logits
-        in_place = torch.device(device).type == "cpu"
-        self.logq = self.z if in_place else torch.empty_like(self.z)  # [chunk, V] log-probabilities
-        budget = (2 << 20) if in_place else (64 << 20)  # bytes: about a core's L2 on the CPU
-        self.block = max(1, min(rows, budget // (vocab * self.z.element_size())))
+        self.in_place = torch.device(device).type == "cpu"
+        self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if own_logits else None  # [chunk, V]
+        self.logq = self.z if self.in_place or self.z is None else torch.empty_like(self.z)  # [chunk, V]
+        budget = (2 << 20) if self.in_place else (64 << 20)  # bytes: about a core's L2 on the CPU
+        self.block = max(1, min(rows, budget // (vocab * torch.empty((), dtype=dtype).element_size())))
         self.q = torch.empty(self.block, vocab, dtype=dtype, device=device)  # [block, V] probabilities
 
 
@@ -81,14 +85,17 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
     so the [n, V] chunk crosses memory a handful of times instead of once per elementwise op.
     """
     n = h.shape[0]
-    z = bufs.z[:n]  # [n, V]
-    if h.dtype == z.dtype:
-        torch.mm(h, weight.t(), out=z)
+    if bufs.z is None:
+        z = onednn.linear(h, weight)  # [n, V], a fresh buffer
     else:
-        z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
+        z = bufs.z[:n]  # [n, V]
+        if h.dtype == z.dtype:
+            torch.mm(h, weight.t(), out=z)
+        else:
+            z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
     if temperature != 1.0:
         z.div_(temperature)
-    logq = torch.log_softmax(z, dim=-1, out=bufs.logq[:n])  # [n, V]
+    logq = torch.log_softmax(z, dim=-1, out=z if bufs.logq is None else bufs.logq[:n])  # [n, V]
     logp = logq.gather(1, t[:, None]).squeeze(1)  # [n]
     ent = None
     if with_entropy:
@@ -134,7 +141,10 @@ def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w) -> None:
     """grad_h_rows [n, D] = gz @ W and grad_w [V, D] += gz^T h (skipping either when it is None)."""
     gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
     if grad_h_rows is not None:
-        torch.mm(gz, weight, out=grad_h_rows)
+        if onednn.applies(gz, weight):
+            grad_h_rows.copy_(onednn.linear(gz, weight.t()))  # [n, D]
+        else:
+            torch.mm(gz, weight, out=grad_h_rows)
     if grad_w is not None:
         if grad_w.dtype == gz.dtype:
             grad_w.addmm_(gz.t(), h)  # [V, D] += [V, n] @ [n, D], no temporary
@@ -158,7 +168,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
         logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
-        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok)
+        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
+                         own_logits=not onednn.applies(hidden, weight))
         for s, e in _chunks(n_tok, chunk_size):
             c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
             logp[s:e] = c.logp
@@ -183,7 +194,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros(n_tok, dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
-        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok)
+        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok,
+                         own_logits=not onednn.applies(hidden, weight))
         for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
@@ -289,7 +301,8 @@ def token_logprobs_with_grads(
         if grad_w.shape != weight.shape or grad_w.dtype != cdt:
             raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} {cdt}, got {tuple(grad_w.shape)} "
                              f"{grad_w.dtype}")
-    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok)
+    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
+                         own_logits=not onednn.applies(hidden, weight))
     for s, e in _chunks(n_tok, chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model import onednn
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
@@ -221,18 +222,23 @@ def _eager_step(model: Transformer) -> Callable:
 
 
 class _DecodeHead:
-    """The LM head at decode, writing into one reused [rows, V] logits buffer.
+    """The LM head at decode: oneDNN on fp32 CPU (model/onednn.py), else one reused [rows, V] logits buffer.
 
-    Why: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by mmap and
-    page-faulted in on every step; on the 2-core CPU machine that halved the head matmul's throughput.
+    Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
+    mmap and page-faulted in on every step; on the 2-core CPU machine that halved torch.mm's throughput.
+    oneDNN allocates its own output and is still about 2x faster than torch.mm into a buffer there.
     """
 
     def __init__(self, model: Transformer, rows: int):
         self.weight = model.lm_head.weight  # [V, hidden]
-        self.buf = torch.empty(rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
+        probe = self.weight[:1]
+        self.buf = None if onednn.applies(probe, self.weight) else torch.empty(
+            rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [A, hidden] -> logits [A, V], a view of the buffer valid until the next call."""
+        """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call)."""
+        if self.buf is None:
+            return onednn.linear(hidden, self.weight)
         return torch.mm(hidden, self.weight.t(), out=self.buf[: hidden.shape[0]])
 
 
