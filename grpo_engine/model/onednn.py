@@ -36,10 +36,13 @@ def _onednn_works() -> bool:
     return _state["ok"]
 
 
+MIN_WEIGHT_NUMEL = 1 << 20  # below ~4 MB of weight the call overhead wins (tiny models: torch.mm is faster)
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `linear(x, weight)` will run on oneDNN (fp32 CPU matrices and a working op)."""
+    """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a big weight, a working op."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
-            and _onednn_works())
+            and weight.numel() >= MIN_WEIGHT_NUMEL and _onednn_works())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@ from grpo_engine.model import onednn
 from grpo_engine.rl.logprobs import naive_token_logprobs, token_logprobs, token_logprobs_with_grads
 
 
+@pytest.fixture(autouse=True)
+def _small_threshold(monkeypatch):
+    """Let the small test matrices take the oneDNN path (the real threshold is ~4 MB of weight)."""
+    monkeypatch.setattr(onednn, "MIN_WEIGHT_NUMEL", 1)
+
+
 def _xw(m=5, k=24, n=301, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return torch.randn(m, k, generator=g, dtype=dtype), torch.randn(n, k, generator=g, dtype=dtype)
@@ -21,13 +27,16 @@ def test_linear_matches_float64_reference_for_plain_and_transposed_weights():
     torch.testing.assert_close(onednn.linear(x2, w.t()).double(), x2.double() @ w.double(), rtol=1e-5, atol=1e-4)
 
 
-def test_applies_only_to_fp32_cpu_matrices():
+def test_applies_only_to_fp32_cpu_matrices_with_a_big_weight(monkeypatch):
     x, w = _xw()
+    assert onednn.applies(x, w) == onednn._onednn_works()
     assert not onednn.applies(x.double(), w.double())
     assert not onednn.applies(x[None], w)  # 3-d input: not this helper's job
     out = onednn.linear(x.double(), w.double())  # falls back to torch.mm
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, x.double() @ w.double().t())
+    monkeypatch.setattr(onednn, "MIN_WEIGHT_NUMEL", w.numel() + 1)
+    assert not onednn.applies(x, w)  # a small weight: torch.mm
 
 
 def test_switch_off_with_env(monkeypatch):
