@@ -1,8 +1,9 @@
-"""x @ W^T through oneDNN on the CPU, for the two places where one matmul dominates: the LM head.
+"""x @ W^T through oneDNN on the CPU: the LM head (`linear`) and the transformer's projections (`Linear`).
 
 Why: on this project's CPU machine (AMD EPYC, AVX-512) torch's default fp32 GEMM (MKL) runs at about half the
-rate of oneDNN's for the LM head's shapes -- [32, 512] x [512, 151,936] at decode: 45 ms vs 21 ms per step;
-[256, 151,936] x [151,936, 512] (a gradient in the log-prob head): 219 ms vs 99 ms (docs/benchmarks.md).
+rate of oneDNN's -- [32, 512] x [512, 151,936] at decode: 45 ms vs 21 ms per step; [256, 151,936] x
+[151,936, 512] (a gradient in the log-prob head): 219 ms vs 99 ms; a [1024, 512] x [512, 1408] projection and
+both its gradients: ~7.5 ms vs 3.4-4.7 ms each (docs/benchmarks.md).
 Both are fp32 GEMMs (no reduced-precision math): results agree with torch.mm to fp32 rounding (~1e-6).
 
 `torch.ops.mkldnn._linear_pointwise` is the op torch.compile's CPU backend emits for nn.Linear; it is not a
@@ -36,7 +37,7 @@ def _onednn_works() -> bool:
     return _state["ok"]
 
 
-MIN_WEIGHT_NUMEL = 1 << 20  # below ~4 MB of weight the call overhead wins (tiny models: torch.mm is faster)
+MIN_WEIGHT_NUMEL = 1 << 18  # below ~1 MB of weight the call overhead wins (tiny models: torch.mm is faster)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,8 +46,42 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT_NUMEL and _onednn_works())
 
 
+def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> a new [M, N] tensor (weight may be a transposed view). No autograd."""
     if applies(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return _op(x, weight)
     return x @ weight.t()
+
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # x [M, K], weight [N, K], bias [N] | None -> [M, N]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _op(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # [M, N]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        grad_x = _op(grad_y, weight.t()) if need_x else None  # [M, N] @ [N, K]
+        grad_w = _op(grad_y.t(), x.t()) if need_w else None  # [N, M] @ [M, K]
+        grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
+        return grad_x, grad_w, grad_b
+
+
+class Linear(torch.nn.Linear):
+    """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
+    weight is big enough to gain; anything else (CUDA, bf16, tiny weights, no oneDNN) is nn.Linear itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if not applies(x2, self.weight):
+            return super().forward(x)
+        return _LinearFn.apply(x2, self.weight, self.bias).view(*x.shape[:-1], self.out_features)

@@ -66,3 +66,27 @@ def test_fp32_head_through_onednn_matches_float64(chunk):
     for got, ref in [(lp, lp_ref), (ent, ent_ref), (hh.grad, gh_ref), (ww.grad, gw_ref),
                      (fused.logp, lp_ref), (fused.grad_hidden, gh_ref), (fused.grad_weight, gw_ref)]:
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])  # qwen2: q/k/v biases
+def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arch):
+    """The transformer's projections (onednn.Linear) give nn.Linear's loss and gradients, fp32 rounding apart."""
+    from grpo_engine.model.hf_io import load_model
+
+    model = load_model(tiny_ckpt_factory(arch))
+    assert isinstance(model.layers[0].attn.q_proj, onednn.Linear)
+    ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
+    calls, op = [], onednn._op
+    monkeypatch.setattr(onednn, "_op", lambda *a: calls.append(1) or op(*a))
+    works = onednn._onednn_works()
+    grads = {}
+    for on in (True, False):
+        monkeypatch.setattr(onednn, "_state", {"ok": on and works})
+        model.zero_grad(set_to_none=True)
+        logits = model(ids)
+        torch.log_softmax(logits, -1)[..., :5].sum().backward()
+        grads[on] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-5)
+    if works:  # 7 projections x 2 layers, forward + 2 gradients each, in the oneDNN pass only
+        assert len(calls) == 7 * 2 * 3
