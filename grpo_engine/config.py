@@ -164,16 +164,14 @@ class EvalSection:
 class SFTConfig:
     """Supervised warm-start settings."""
 
-    steps: int = field(default=0, metadata={"help": "optimizer steps of supervised training; 0 = no SFT phase"})
-    batch_size: int = field(default=32, metadata={"help": "(prompt, completion) pairs per step"})
-    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate (linear warmup, cosine decay)"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    adam_beta2: float = field(
-        default=0.95, metadata={"help": "AdamW beta2; < 0.999 so the large format-learning gradients of the "
-                                        "first steps do not damp later updates for long"}
-    )
-    seed: int = field(default=0, metadata={"help": "seed for batch order"})
+    steps: int = _f(0, "optimizer steps of supervised training; 0 = no SFT phase")
+    batch_size: int = _f(32, "(prompt, completion) pairs per step")
+    lr: float = _f(3e-3, "peak AdamW learning rate (linear warmup, cosine decay)")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta2: float = _f(0.95, "AdamW beta2; < 0.999 so the large format-learning gradients of the first steps "
+                                 "do not damp later updates for long")
+    seed: int = _f(0, "seed for batch order")
 
 
 @dataclass

@@ -60,11 +60,11 @@ class _ChunkBuffers:
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,
                  own_logits: bool = True):
         rows = max(1, min(chunk, n_tok))
-        self.in_place = torch.device(device).type == "cpu"
+        on_cpu = torch.device(device).type == "cpu"
         self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if own_logits else None  # [chunk, V]
-        self.logq = self.z if self.in_place or self.z is None else torch.empty_like(self.z)  # [chunk, V]
-        budget = (2 << 20) if self.in_place else (64 << 20)  # bytes: about a core's L2 on the CPU
-        self.block = max(1, min(rows, budget // (vocab * torch.empty((), dtype=dtype).element_size())))
+        self.logq = self.z if on_cpu or self.z is None else torch.empty_like(self.z)  # [chunk, V]
+        budget = (2 << 20) if on_cpu else (64 << 20)  # bytes: about a core's L2 on the CPU
+        self.block = max(1, min(rows, budget // (vocab * (torch.finfo(dtype).bits // 8))))
         self.q = torch.empty(self.block, vocab, dtype=dtype, device=device)  # [block, V] probabilities
 
 
