@@ -1,17 +1,30 @@
-"""grpo-engine: native-PyTorch GRPO training for small reasoning models on one consumer GPU."""
+"""grpo-engine: native-PyTorch GRPO training for small reasoning models on one consumer GPU.
 
-from .model.hf_io import CheckpointError, load_model, save_model
-from .model.tokenizer import Tokenizer, load_tokenizer
-from .rollout import GenerationOutput, SamplingParams, generate
+The public names below are imported on first use (PEP 562), so that `import grpo_engine.config` and
+`grpo --help` do not pay for importing torch.
+"""
 
-__all__ = [
-    "CheckpointError",
-    "GenerationOutput",
-    "SamplingParams",
-    "Tokenizer",
-    "generate",
-    "load_model",
-    "load_tokenizer",
-    "save_model",
-]
+from importlib import import_module
+
+_PUBLIC = {
+    "CheckpointError": ".model.hf_io",
+    "load_model": ".model.hf_io",
+    "save_model": ".model.hf_io",
+    "Tokenizer": ".model.tokenizer",
+    "load_tokenizer": ".model.tokenizer",
+    "GenerationOutput": ".rollout",
+    "SamplingParams": ".rollout",
+    "generate": ".rollout",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'grpo_engine' has no attribute {name!r}")
+    return getattr(import_module(_PUBLIC[name], __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -25,7 +25,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..config.training import LoRAConfig
 from .hf_io import hf_name_table
 from .transformer import Transformer
 
@@ -40,47 +41,6 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters on the targeted projections; the rest of the model is frozen."""
-
-    enabled: bool = field(default=False, metadata={"help": "train LoRA adapters instead of all weights"})
-    rank: int = field(default=16, metadata={"help": "adapter rank r"})
-    alpha: float = field(default=32.0, metadata={"help": "scale numerator: the update is (alpha / r) B A x"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input during training"})
-    target_modules: list[str] = field(
-        default_factory=lambda: list(ALL_LINEAR),
-        metadata={"help": "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"},
-    )
-    init: str = field(default="kaiming", metadata={"help": "lora_A init: kaiming (uniform) | gaussian"})
-    adapter_dtype: str = field(
-        default="float32", metadata={"help": "dtype of lora_A / lora_B (fp32 keeps small updates exact)"}
-    )
-    quantize_base: str = field(default="none", metadata={"help": "none | nf4 (QLoRA: 4-bit base, CUDA only)"})
-    quant_backend: str = field(default="auto", metadata={"help": "auto | torchao | bitsandbytes (for nf4)"})
-    strict: bool = field(
-        default=False, metadata={"help": "fail instead of falling back to plain LoRA when nf4 is unavailable"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank must be > 0, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = sorted(set(self.target_modules) - set(ALL_LINEAR))
-        if bad or not self.target_modules:
-            raise ValueError(f"lora.target_modules {bad or '[]'} invalid; choose from {ALL_LINEAR}")
-        if self.init not in LORA_A_INIT:
-            raise ValueError(f"lora.init={self.init!r}; choose from {sorted(LORA_A_INIT)}")
-        if self.quantize_base not in ("none", "nf4"):
-            raise ValueError(f"lora.quantize_base={self.quantize_base!r}; choose none or nf4")
-        if self.quant_backend not in ("auto", *NF4_BACKENDS):
-            choices = ", ".join(["auto", *NF4_BACKENDS])
-            raise ValueError(f"lora.quant_backend={self.quant_backend!r}; choose {choices}")
-        if not isinstance(getattr(torch, self.adapter_dtype, None), torch.dtype):
-            raise ValueError(f"lora.adapter_dtype={self.adapter_dtype!r} is not a torch dtype (e.g. float32)")
 
 
 def _init_kaiming(a: torch.Tensor) -> None:

@@ -3,13 +3,19 @@
 Formulas, citations and the config values that select each variant: docs/algorithms.md.
 """
 
-from .advantages import AdvantageConfig, AdvantageResult, combine_rewards, compute_advantages
-from .group_filter import GroupFilterConfig, GroupSelection, informative_groups, select_groups, take_groups
-from .logprobs import token_logprobs
-from .losses import LossConfig, policy_loss
-from .overlong import OverlongConfig, overlong_keep_mask, soft_overlong_penalty
-from .semantic_entropy import (
+from ..config.algorithm import (
+    AdvantageConfig,
+    GroupFilterConfig,
+    LossConfig,
+    OverlongConfig,
     SemanticEntropyConfig,
+)
+from .advantages import AdvantageResult, combine_rewards, compute_advantages
+from .group_filter import GroupSelection, informative_groups, select_groups, take_groups
+from .logprobs import token_logprobs
+from .losses import policy_loss
+from .overlong import overlong_keep_mask, soft_overlong_penalty
+from .semantic_entropy import (
     cluster_answers,
     curriculum_order,
     difficulty_scores,

@@ -14,20 +14,11 @@ Guarantees the training loop relies on:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class AdvantageConfig:
-    """How rewards become advantages."""
-
-    estimator: str = "grpo"  # grpo: (r-mean)/(std+eps) | dr_grpo: r-mean | batch_std: (r-mean)/batch std | none: r
-    eps: float = 1e-6  # added to the std in the denominator
-    std_unbiased: bool = True  # Bessel-corrected group std (as TRL / DeepSeekMath code); False: population std
-    zero_variance_tol: float = 0.0  # a group is "zero variance" when max - min of its finite rewards <= this
-    component_weights: dict[str, float] = field(default_factory=dict)  # reward component -> weight; {} = all 1
+from ..config.algorithm import AdvantageConfig
 
 
 @dataclass

@@ -17,15 +17,6 @@ import torch
 T = TypeVar("T")
 
 
-@dataclass
-class GroupFilterConfig:
-    """DAPO dynamic sampling."""
-
-    enabled: bool = False  # drop groups whose rewards are all equal and resample
-    max_rounds: int = 3  # cap on sampling rounds per step (the loop trains on what it has when reached)
-    tol: float = 0.0  # rewards within tol of each other count as equal
-
-
 def informative_groups(rewards: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
     """Bool [P]: group has at least two finite rewards that differ by more than tol. rewards [P, G]."""
     if rewards.dim() != 2:

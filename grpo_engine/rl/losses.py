@@ -23,25 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class LossConfig:
-    """Policy loss; `loss` picks a preset, the None-valued fields below override its choices."""
-
-    loss: str = "grpo"  # preset: grpo | dapo | dr_grpo | gspo | cispo (see PRESETS)
-    ratio_level: str | None = None  # override: token | sequence (None: preset)
-    eps_low: float | None = None  # lower clip: ratio >= 1 - eps_low (None: preset)
-    eps_high: float | None = None  # upper clip: ratio <= 1 + eps_high (None: preset; DAPO clip-higher 0.28)
-    dual_clip_c: float | None = None  # dual clip for A < 0: loss <= -c * A (c > 1, e.g. 3.0); None = off
-    cispo_max_weight: float = 5.0  # CISPO: IS weight clipped to <= this (ScaleRL's eps_max)
-    cispo_min_weight: float = 0.0  # CISPO: IS weight clipped to >= this (0 = no lower clip, as MiniMax-M1)
-    aggregation: str | None = None  # override: seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
-    max_completion_len: int | None = None  # Dr. GRPO constant normaliser (max new tokens); needed for *-sum-norm
-    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || pi_ref))
-    beta: float = 0.0  # KL coefficient; 0 = no KL term and no reference model at all
-    kl_clamp: float = 20.0  # |log(pi_ref / pi)| clamped to this before k2/k3 (exp overflow guard)
-    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * mean entropy (needs entropy input)
-    entropy_top_quantile: float = 1.0  # policy gradient only on the top-q entropy tokens (0.2 = top 20%); 1 = all
+from ..config.algorithm import LossConfig
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,8 @@ have been fine -- noise. Two remedies, usable together:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-
-
-@dataclass
-class OverlongConfig:
-    """Handling of completions that reach the length limit."""
-
-    filter_truncated: bool = False  # mask completions with finish_reason "length" out of the loss
-    soft_punish: bool = False  # add DAPO's soft overlong penalty to the reward
-    max_len: int = 0  # L_max: the generation limit (max_new_tokens); needed for soft_punish
-    cache_len: int = 0  # L_cache: penalty ramps over the last cache_len tokens before max_len
 
 
 def overlong_keep_mask(finish_reason: Sequence[str]) -> torch.Tensor:

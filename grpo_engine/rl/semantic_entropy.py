@@ -19,22 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from ..config.algorithm import SemanticEntropyConfig
+
 Equivalent = Callable[[str, str], bool]
-
-
-@dataclass
-class SemanticEntropyConfig:
-    """Semantic-entropy advantage modulation (SEED-GRPO) and difficulty scoring."""
-
-    enabled: bool = False  # off by default: advantages are plain group-relative ones
-    alpha: float = 1.0  # strength: x = alpha * SE / log G; 0 = identical to plain GRPO
-    modulation: str = "linear"  # f(x): linear 1 - x (clamped at 0) | exp e^-x | focal (1 - x)^focal_gamma
-    focal_gamma: float = 2.0  # exponent of the focal modulation
-    probability: str = "count"  # p_k: count (cluster size / G) | likelihood (length-normalised likelihood mass)
 
 
 def cluster_answers(answers: Sequence[str | None], equivalent: Equivalent) -> list[int]:

@@ -11,40 +11,15 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..config.training import MemoryConfig
+
 MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class MemoryConfig:
-    """How weights and activations are held during training."""
-
-    precision: str = field(
-        default="auto", metadata={"help": "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16"}
-    )
-    activation_checkpointing: str = field(
-        default="none", metadata={"help": "none | all (every block) | every_k (every k-th block)"}
-    )
-    checkpoint_every: int = field(default=2, metadata={"help": "k for activation_checkpointing=every_k"})
-    empty_cache_between_phases: bool = field(
-        default=True, metadata={"help": "gc + torch.cuda.empty_cache() between rollout and training"}
-    )
-    allow_tf32: bool = field(default=True, metadata={"help": "TF32 matmuls for fp32 weights on Ampere+ GPUs"})
-
-    def __post_init__(self) -> None:
-        if self.precision != "auto" and self.precision not in PRECISIONS:
-            raise ValueError(f"memory.precision={self.precision!r}; choose from auto, {', '.join(sorted(PRECISIONS))}")
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ValueError(f"memory.activation_checkpointing={self.activation_checkpointing!r}; "
-                             f"choose from {sorted(CHECKPOINTING)}")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"memory.checkpoint_every={self.checkpoint_every} must be >= 1")
 
 
 # activation_checkpointing name -> Transformer.checkpoint_every (0 = off; block i is recomputed if i % k == 0)

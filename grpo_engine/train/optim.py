@@ -15,37 +15,10 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class OptimizerConfig:
-    """AdamW and where its state lives."""
-
-    name: str = field(default="adamw", metadata={"help": "adamw | adamw_fused | adamw_offload | adamw_8bit"})
-    lr: float = field(default=1e-6, metadata={"help": "peak learning rate"})
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99], metadata={"help": "Adam (beta1, beta2)"})
-    eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
-    weight_decay: float = field(default=0.0, metadata={"help": "decoupled (AdamW) weight decay"})
-    master_weights: bool = field(
-        default=True, metadata={"help": "fp32 master copy + fp32 moments for bf16/fp16 params"}
-    )
-    pin_memory: bool = field(default=True, metadata={"help": "pin offloaded CPU state for fast copies"})
-    strict: bool = field(
-        default=False, metadata={"help": "fail instead of falling back when the variant is unavailable"}
-    )
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer.name={self.name!r}; choose from {sorted(OPTIMIZERS)}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer.betas={self.betas} must be two numbers in [0, 1)")
-        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError(f"optimizer lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: "
-                             "lr and weight_decay must be >= 0 and eps > 0")
-
+from ..config.training import OptimizerConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Offloaded / master-weight AdamW

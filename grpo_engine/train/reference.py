@@ -23,20 +23,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-
-@dataclass
-class ReferenceConfig:
-    """The reference policy behind the KL penalty (ignored when the loss's beta is 0)."""
-
-    mode: str = "frozen"  # none | frozen (initial policy) | hard_reset (copy policy every N steps) | mixin (TR-DPO)
-    update_every: int = 0  # hard_reset / mixin: steps between updates (> 0 for those modes)
-    mixin_alpha: float = 0.5  # mixin: ref <- alpha * policy + (1 - alpha) * ref
-    park_on_cpu: bool = False  # keep the reference on CPU; move it to the policy's device only for its pass
+from ..config.algorithm import ReferenceConfig
 
 
 def _no_update(ref: nn.Module, policy: nn.Module, cfg: ReferenceConfig) -> None:

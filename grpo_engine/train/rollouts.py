@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rl.group_filter import GroupFilterConfig, select_groups, take_groups
+from ..config.algorithm import GroupFilterConfig
+from ..rl.group_filter import select_groups, take_groups
 from ..rollout import SamplingParams, generate
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 

@@ -1,0 +1,51 @@
+"""The typed configuration tree of a training run: a leaf package (no torch, nothing from rl/, train/, model/).
+
+One dataclass per section (algorithm.py, training.py, run.py); YAML maps 1:1 onto it and `key.sub=value`
+command-line overrides patch it (load.py). Sections validate themselves in `__post_init__`; every field
+documents itself in its metadata (docs.py writes docs/configuration.md from it).
+"""
+
+from .algorithm import (
+    AdvantageConfig,
+    AlgorithmSection,
+    GroupFilterConfig,
+    LossConfig,
+    OverlongConfig,
+    ReferenceConfig,
+    SemanticEntropyConfig,
+)
+from .docs import config_docs_markdown, iter_config_docs
+from .fields import ConfigError
+from .load import config_from_yaml_text, load_config, to_yaml, validate
+from .paths import check_paths
+from .run import (
+    CheckpointSection,
+    Config,
+    EvalSection,
+    LoggingSection,
+    ModelSection,
+    RolloutSection,
+    TaskSection,
+    TokenizerSection,
+    loss_config,
+)
+from .training import (
+    LoRAConfig,
+    MemoryConfig,
+    MemorySection,
+    OptimizerConfig,
+    OptimizerSection,
+    ScheduleSection,
+    SFTConfig,
+    TinyModelSection,
+    WarmStartSection,
+)
+
+__all__ = [
+    "AdvantageConfig", "AlgorithmSection", "CheckpointSection", "Config", "ConfigError", "EvalSection",
+    "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",
+    "ModelSection", "OptimizerConfig", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",
+    "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TaskSection", "TinyModelSection", "TokenizerSection",
+    "WarmStartSection", "check_paths", "config_docs_markdown", "config_from_yaml_text", "iter_config_docs",
+    "load_config", "loss_config", "to_yaml", "validate",
+]

@@ -1,0 +1,157 @@
+"""Defaults <- YAML file <- `a.b=value` overrides, type-checked by OmegaConf, range-checked by the sections.
+
+OmegaConf does the merging and type checking (structured configs); this module turns its errors and the
+sections' own ValueErrors into a `ConfigError` that names the dotted field, the file and the closest valid
+name, BEFORE any model is loaded, so a typo costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .fields import ConfigError
+from .run import Config
+
+
+def _dotted_names(cls=Config, prefix: str = "") -> list[str]:
+    names = []
+    for f in dataclasses.fields(cls):
+        names.append(prefix + f.name)
+        sub = _section_class(f)
+        if sub is not None:
+            names += _dotted_names(sub, prefix + f.name + ".")
+    return names
+
+
+def _section_class(f: dataclasses.Field):
+    """The dataclass type of a section field, or None for a leaf."""
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
+def _closest(full_key: str) -> str:
+    """' (did you mean X?)' for an unknown dotted key, or a list of the valid keys at that level."""
+    names = _dotted_names()
+    parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    siblings = [n for n in names if n.rsplit(".", 1)[0] == parent and n.count(".") == full_key.count(".")]
+    if not parent:
+        siblings = [n for n in names if "." not in n]
+    match = difflib.get_close_matches(full_key, siblings, n=1, cutoff=0.5)
+    if not match:
+        match = difflib.get_close_matches(full_key, names, n=1, cutoff=0.6)
+    if match:
+        return f" (did you mean {match[0]!r}?)"
+    leaves = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
+    return f" (valid keys under {parent or 'the top level'}: {leaves})"
+
+
+def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    if isinstance(e, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
+        raise ConfigError(f"{source}: unknown config key {key!r}{_closest(key)}") from None
+    if isinstance(e, ValidationError):
+        raise ConfigError(f"{source}: wrong type for {key!r}: {msg}") from None
+    raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory; give the YAML file (e.g. configs/demo.yaml)")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _override(merged: DictConfig, item: str) -> DictConfig:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. rollout.group_size=16)")
+    try:
+        return OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+    except OmegaConfBaseException as e:
+        _raise_from_omegaconf(e, f"override {item!r}")
+    except (yaml.YAMLError, ValueError) as e:
+        raise ConfigError(f"override {item!r}: malformed value ({str(e).splitlines()[0]})") from None
+    raise AssertionError("unreachable")
+
+
+def _build(merged: DictConfig, source: str) -> Config:
+    """The typed tree; a section's __post_init__ range check becomes a ConfigError naming the source."""
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
+        if cause is not None and not isinstance(cause, OmegaConfBaseException):
+            raise ConfigError(f"{source}: {cause}") from None
+        _raise_from_omegaconf(e, source)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    raise AssertionError("unreachable")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by every section."""
+    merged: DictConfig = OmegaConf.structured(Config)
+    if path is not None:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(_read_yaml(Path(path))))
+        except OmegaConfBaseException as e:
+            _raise_from_omegaconf(e, str(path))
+    for item in overrides:
+        merged = _override(merged, item)
+    return _build(merged, str(path or "config"))
+
+
+def validate(cfg: Config) -> None:
+    """Re-run every section's checks (after a Config was changed in code)."""
+    def walk(obj) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value)
+        post = getattr(obj, "__post_init__", None)
+        if post is not None:
+            post()
+
+    try:
+        walk(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
+    """Rebuild a Config from `to_yaml` output (checkpoints and run folders store the config this way)."""
+    try:
+        data = yaml.safe_load(text) or {}
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: malformed YAML ({str(e).splitlines()[0]})") from None
+    except OmegaConfBaseException as e:
+        _raise_from_omegaconf(e, source)
+    return _build(merged, source)

@@ -1,0 +1,146 @@
+"""The root of the config tree: model, task, rollout, logging, checkpoints, evaluation, and the checks that
+span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .algorithm import AlgorithmSection, LossConfig, ReferenceConfig
+from .fields import option, require, section
+from .training import LoRAConfig, MemorySection, OptimizerSection, ScheduleSection, WarmStartSection
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelSection:
+    path: str = option("", "Hugging Face checkpoint directory (config.json + safetensors) of the policy")
+    device: str = option("auto", "where to train: auto picks cuda when available", DEVICES)
+
+    def __post_init__(self) -> None:
+        require(self.device in DEVICES, f"model.device={self.device!r} is not one of {', '.join(DEVICES)}")
+
+
+@dataclass
+class TokenizerSection:
+    path: str | None = option(None, "tokenizer directory; None = model.path")
+
+
+@dataclass
+class TaskSection:
+    name: str = option("arithmetic", "registered task name (see grpo_engine.tasks.make_task)")
+    data_path: str | None = option(None, "local data file/directory for tasks that read one (gsm8k, math, custom)")
+    train_split: str = option("train", "split drawn for training prompts")
+    eval_split: str = option("test", "split used by periodic evaluation")
+    options: dict[str, Any] = option({}, "extra keyword arguments passed to make_task(name, **options)")
+
+
+@dataclass
+class RolloutSection:
+    prompts_per_step: int = option(4, "P: distinct prompts drawn per optimizer step")
+    group_size: int = option(8, "G: completions sampled per prompt (>= 2, advantages are group-relative)")
+    max_new_tokens: int = option(256, "completion length cap; longer ones are truncated (finish_reason=length)")
+    max_prompt_tokens: int = option(1024, "prompts longer than this are rejected with an error")
+    temperature: float = option(1.0, "sampling temperature (also used for training log-probs)")
+    top_p: float = option(1.0, "nucleus sampling mass; 1.0 = off")
+    top_k: int = option(0, "top-k sampling; 0 = off")
+    min_p: float = option(0.0, "min-p sampling threshold; 0.0 = off")
+    stop_strings: list[str] = option([], "extra strings that end a completion (EOS ids always do)")
+    max_tokens_in_flight: int = option(0, "cap on sequences x tokens decoded at once (0 = all rows together)")
+
+    def __post_init__(self) -> None:
+        for ok, message in [
+            (self.group_size >= 2, "rollout.group_size must be >= 2: advantages compare completions of one prompt"),
+            (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
+            (self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+            (self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens must be >= 1"),
+            (self.temperature > 0, "rollout.temperature must be > 0"),
+            (0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (self.top_k >= 0, "rollout.top_k must be >= 0 (0 = off)"),
+            (0 <= self.min_p < 1, "rollout.min_p must be in [0, 1)"),
+            (self.max_tokens_in_flight >= 0, "rollout.max_tokens_in_flight must be >= 0"),
+            (all(self.stop_strings), "rollout.stop_strings must not contain an empty string"),
+        ]:
+            require(ok, message)
+
+
+@dataclass
+class LoggingSection:
+    progress: bool = option(True, "live console progress bar (off automatically when stdout is not a terminal)")
+    samples_every: int = option(10, "write prompt/completion/reward samples to samples.jsonl every N steps; 0 = off")
+    samples_per_log: int = option(2, "completions written per sample log")
+    tensorboard: bool = option(False, "also log to TensorBoard (needs the `tensorboard` extra)")
+    wandb: bool = option(False, "also log to Weights & Biases (needs the `wandb` extra)")
+    wandb_project: str = option("grpo-engine", "wandb project name")
+
+    def __post_init__(self) -> None:
+        require(self.samples_every >= 0, "logging.samples_every must be >= 0")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = option(50, "save every N steps (and always at the end); 0 = only at the end")
+    keep_last: int = option(3, "keep the newest K checkpoints; older ones are deleted")
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "checkpoint.every must be >= 0")
+        require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+
+
+@dataclass
+class EvalSection:
+    every: int = option(0, "evaluate on task.eval_split every N steps (and after the last step); 0 = off")
+    max_examples: int = option(64, "the first N examples of task.eval_split (a fixed subset, same every time)")
+    max_new_tokens: int = option(256, "completion cap during evaluation")
+    temperature: float = option(0.0, "sampling temperature during evaluation; 0 = greedy")
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "eval.every must be >= 0")
+        require(self.max_examples >= 1, "eval.max_examples must be >= 1")
+        require(self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
+        require(self.temperature >= 0, "eval.temperature must be >= 0 (0 = greedy)")
+
+
+@dataclass
+class Config:
+    seed: int = option(0, "seeds data order, sampling and initialisation; same seed = same run")
+    run_dir: str = option("runs/grpo", "output directory: metrics.jsonl, samples.jsonl, checkpoints/")
+    model: ModelSection = section(ModelSection, "policy checkpoint")
+    tokenizer: TokenizerSection = section(TokenizerSection, "tokenizer")
+    task: TaskSection = section(TaskSection, "task and data")
+    rollout: RolloutSection = section(RolloutSection, "generation of completions")
+    algorithm: AlgorithmSection = section(AlgorithmSection, "GRPO loss and advantage variants")
+    reference: ReferenceConfig = section(ReferenceConfig, "reference policy for the KL term (used when beta > 0)")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters instead of full fine-tuning")
+    optimizer: OptimizerSection = section(OptimizerSection, "optimizer and gradient clipping")
+    schedule: ScheduleSection = section(ScheduleSection, "steps and learning-rate schedule")
+    memory: MemorySection = section(MemorySection, "micro-batching and memory options")
+    logging: LoggingSection = section(LoggingSection, "console, metrics and sample logs")
+    checkpoint: CheckpointSection = section(CheckpointSection, "checkpoint interval and retention")
+    eval: EvalSection = section(EvalSection, "periodic evaluation")
+    warm_start: WarmStartSection = section(WarmStartSection, "tiny base model and supervised phase before GRPO")
+
+    def __post_init__(self) -> None:
+        """Checks that span sections (each section checks its own fields)."""
+        a, r = self.algorithm, self.rollout
+        require(self.seed >= 0, f"seed={self.seed} must be >= 0")
+        require(a.advantage.eps > 0, f"algorithm.advantage.eps={a.advantage.eps} must be > 0: it keeps the advantage "
+                                     "of a group with a tiny reward spread finite")
+        require(a.beta == 0 or self.reference.mode != "none",
+                "algorithm.beta > 0 needs a reference policy: set reference.mode=frozen (or beta=0 for no KL term)")
+        require(not (self.lora.enabled and a.beta > 0 and self.reference.mode != "frozen"),
+                "with lora.enabled the reference policy is the base model (adapters off): use reference.mode=frozen")
+        o = a.overlong
+        require(not o.soft_punish or 0 < o.cache_len <= (o.max_len or r.max_new_tokens),
+                "algorithm.overlong.soft_punish needs 0 < cache_len <= max_len (max_len 0 = rollout.max_new_tokens)")
+
+
+def loss_config(cfg: Config) -> LossConfig:
+    """The algorithm section's LossConfig fields as a plain LossConfig; Dr. GRPO's constant normaliser
+    defaults to rollout.max_new_tokens."""
+    from dataclasses import fields
+
+    values = {f.name: getattr(cfg.algorithm, f.name) for f in fields(LossConfig)}
+    values["max_completion_len"] = values["max_completion_len"] or cfg.rollout.max_new_tokens
+    return LossConfig(**values)
