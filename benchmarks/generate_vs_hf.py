@@ -49,8 +49,8 @@ def checkpoint(name: str) -> Path:
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     """Best observed fp32 FLOP/s of an n x n matmul on this machine (the matmul-bound limit), over torch.mm
-    and oneDNN (grpo_engine.model.onednn, which our LM head uses): on AMD CPUs oneDNN is about 2x MKL."""
-    from grpo_engine.model import onednn
+    and oneDNN (grpo_engine.kernels.onednn, which our LM head uses): on AMD CPUs oneDNN is about 2x MKL."""
+    from grpo_engine.kernels import onednn
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     best = float("inf")

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from grpo_engine.config import load_config
-from grpo_engine.train.plan import MODEL_SHAPES, MemoryPlan, PlanInput, fits, format_plan, plan_memory
-from grpo_engine.train.plan_config import plan_config
+from grpo_engine.plan import MODEL_SHAPES, MemoryPlan, PlanInput, fits, format_plan, plan_memory
+from grpo_engine.plan.from_config import plan_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .bench import add_bench_parser
 from .config import ConfigError
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
@@ -59,16 +60,6 @@ def _config_show(args) -> int:
     return 0
 
 
-def add_bench_parser(sub) -> None:
-    from .bench_step import add_bench_step_parser
-    from .rollout.bench import add_bench_generate_parser
-
-    p = sub.add_parser("bench", help="benchmarks (one JSON line with --json)")
-    bsub = p.add_subparsers(dest="bench_command", required=True)
-    add_bench_generate_parser(bsub)
-    add_bench_step_parser(bsub)
-
-
 def add_plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a run's metrics.jsonl as PNG curves")
     p.add_argument("run_dir", help="run directory written by `grpo train` (holds metrics.jsonl)")
@@ -88,7 +79,7 @@ def _plot(args) -> int:
 
 
 def add_plan_parser(sub) -> None:
-    from .train.plan_config import add_plan_parser as add  # grpo plan CONFIG [overrides] [--card GIB] ...
+    from .plan.cli import add_plan_parser as add  # grpo plan CONFIG [overrides] [--card GIB] ...
 
     add(sub)
 

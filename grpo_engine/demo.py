@@ -52,10 +52,11 @@ class DemoResult:
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
     """Greedy accuracy / format rate / length on the first eval.max_examples of the eval split."""
     from .eval.evaluate import EvalConfig, evaluate
+    from .kernels import apply_kernels
     from .model.hf_io import load_model
     from .model.tokenizer import load_tokenizer
 
-    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    model, tok = apply_kernels(load_model(model_dir)), load_tokenizer(model_dir)
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=64)
     s = evaluate(model, tok, task, examples, ecfg).summary
@@ -63,15 +64,15 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None) -> DemoResult:
-    from .tasks import make_task
-    from .train.loop import task_options, train
+    from .train.loop import train
+    from .train.setup import build_task
     from .train.warm_start import warm_start
 
     console = console or Console()
     t0 = time.perf_counter()
     cfg = load_config(Path(str(DEMO_RECIPE)), list(overrides))
     check_paths(cfg)
-    task = make_task(cfg.task.name, **task_options(cfg))
+    task = build_task(cfg)
     console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · tiny {cfg.warm_start.tiny.arch} model · "
                   f"run dir {cfg.run_dir}")
     with _progress(console) as bar:

@@ -7,7 +7,7 @@ from grpo_engine.cli import main
 
 def test_bench_step_json(tiny_ckpt, capsys):
     assert main(["bench", "step", "--model", str(tiny_ckpt), "--prompts", "2", "--group", "2", "--max-new", "4",
-                 "--prompt-len", "4", "--steps", "3", "--json"]) == 0
+                 "--prompt-len", "24", "--steps", "3", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])

@@ -18,46 +18,13 @@ This file imports nothing from training code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from .onednn import Linear
-
-
-@dataclass
-class ModelConfig:
-    """Architecture hyper-parameters; field names follow HF config.json where one exists."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads (Qwen3 gives it explicitly)
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
-    model_type: str = "qwen2"  # written back into config.json on save
-    extra: dict = field(default_factory=dict)  # other config.json fields, preserved on save
-
-    def __post_init__(self) -> None:
-        if self.head_dim == 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
+from .config import ModelConfig
 
 
 class KVCacheLike(Protocol):
@@ -138,10 +105,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -166,9 +133,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -194,8 +161,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> N blocks -> final RMSNorm -> LM head (tied to the embedding when configured).
 
-    `checkpoint_every` > 0 recomputes the activations of every k-th block in backward (set by
-    train/memory.py); it only acts in training mode with gradients enabled.
+    Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -205,7 +171,6 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.checkpoint_every = 0
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -246,18 +211,11 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # [B, T, hidden]
         cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
         for i, block in enumerate(self.layers):
-            if self._checkpointed(i):
-                x = checkpoint(block, x, cos, sin, mask, cache, i, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, mask, cache, i)
+            x = block(x, cos, sin, mask, cache, i)
         if cache is not None:
             cache.start = start + T
         x = self.norm(x)
         return x if return_hidden else self.lm_head(x)
-
-    def _checkpointed(self, i: int) -> bool:
-        k = self.checkpoint_every
-        return k > 0 and self.training and torch.is_grad_enabled() and i % k == 0
 
     @staticmethod
     def _attention_mask(key_mask: torch.Tensor, start: int, T: int):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..model import onednn
+from ..kernels import onednn
 
 DEFAULT_CHUNK_SIZE = 1024
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import onednn
+from ..kernels import onednn
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
 from .sampling import Sampler, SamplingParams
@@ -222,7 +222,7 @@ def _eager_step(model: Transformer) -> Callable:
 
 
 class _DecodeHead:
-    """The LM head at decode: oneDNN on fp32 CPU (model/onednn.py), else one reused [rows, V] logits buffer.
+    """The LM head at decode: oneDNN on fp32 CPU (kernels/onednn.py), else one reused [rows, V] logits buffer.
 
     Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
     mmap and page-faulted in on every step; on the 2-core CPU machine that halved torch.mm's throughput.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +29,6 @@ from ..model.lora import lora_modules, merged_model_state, save_adapter
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-# Test hook: pause inside the write of this step's checkpoint (kill -9 test), touching a marker file first.
-PAUSE_ENV = "GRPO_TEST_PAUSE_IN_CHECKPOINT"
 
 
 @dataclass
@@ -105,11 +102,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _test_pause(step: int, tmp: Path) -> None:
-    wanted = os.environ.get(PAUSE_ENV)
-    if wanted and int(wanted) == step:
-        (tmp.parent / f"paused-{step}").touch()
-        time.sleep(3600)
+def save_weights(model: torch.nn.Module, out: Path, *, tokenizer_dir: str | Path | None,
+                 base_model_path: str | None) -> None:
+    """The policy's weights into a checkpoint directory: model/ in HF layout (LoRA merged into the base when
+    present) and, with LoRA, adapter/ in PEFT layout."""
+    has_lora = any(True for _ in lora_modules(model))
+    save_model(model, out / "model", tokenizer_dir=tokenizer_dir,
+               state_dict=merged_model_state(model) if has_lora else None)
+    if has_lora:
+        save_adapter(model, out / "adapter", base_model_name_or_path=base_model_path)
 
 
 def save_checkpoint(
@@ -131,12 +132,7 @@ def save_checkpoint(
     final = root / step_dir_name(state.step)
     tmp = root / (TMP_PREFIX + final.name)
     tmp.mkdir()
-    has_lora = any(True for _ in lora_modules(model))
-    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir,
-               state_dict=merged_model_state(model) if has_lora else None)
-    if has_lora:
-        save_adapter(model, tmp / "adapter", base_model_name_or_path=base_model_path)
-    _test_pause(state.step, tmp)
+    save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path)
     torch.save(state.__dict__, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     if metrics_path is not None and Path(metrics_path).is_file():

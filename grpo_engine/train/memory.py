@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from ..config.training import MemoryConfig
+from ..kernels import apply_activation_checkpointing
 
 MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# activation_checkpointing name -> Transformer.checkpoint_every (0 = off; block i is recomputed if i % k == 0)
+# activation_checkpointing name -> k of kernels.apply_activation_checkpointing (0 = off; block i % k == 0 recomputed)
 CHECKPOINTING: dict[str, Callable[[MemoryConfig], int]] = {
     "none": lambda cfg: 0,
     "all": lambda cfg: 1,
@@ -47,7 +48,7 @@ def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
         for name, p in model.named_parameters():
             if p.is_floating_point() and "lora_" not in name and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-    model.checkpoint_every = CHECKPOINTING[cfg.activation_checkpointing](cfg)
+    apply_activation_checkpointing(model, CHECKPOINTING[cfg.activation_checkpointing](cfg))
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
     return model

@@ -239,3 +239,69 @@ def clip_and_check(model, max_norm: float) -> float:
 
 def is_finite(*values: float) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The update phase of a step: mu passes, each ending in one optimizer step
+
+
+@dataclass
+class UpdateOutcome:
+    stats: UpdateStats | None  # the last pass's loss and metrics (None when there was nothing to train on)
+    grad_norm: float
+    skipped: bool  # no optimizer step was taken (empty batch, or a NaN/inf loss or gradient)
+    nonfinite: bool  # skipped because the loss or the gradient norm was NaN/inf
+    micro_tokens: int  # the micro-batch token budget the passes ran with (halved on CUDA OOM when allowed)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The config values the update phase reads (memory.*, optimizer.*, algorithm.mu)."""
+
+    loss: LossConfig
+    mu: int
+    grad_clip: float
+    temperature: float
+    chunk_size: int
+    auto_halve: bool  # memory.auto_halve_micro_batch
+
+
+def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSettings, micro_tokens: int,
+                  message=print) -> UpdateOutcome:
+    """mu passes over the batch, each: zero grads, accumulate micro-batches, clip, check finite, step.
+
+    A NaN/inf loss or gradient skips the update (no optimizer step: the weights stay as they were); the caller
+    counts those and stops the run after optimizer.max_nonfinite_steps in a row.
+    """
+    if batch is None:
+        return UpdateOutcome(None, math.nan, True, False, micro_tokens)
+    stats, grad_norm = None, math.nan
+    for _ in range(s.mu):
+        optimizer.zero_grad(set_to_none=True)
+        stats, micro_tokens = run_pass(model, batch, s, micro_tokens, message)
+        grad_norm = clip_and_check(model, s.grad_clip)
+        if not is_finite(stats.loss, grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            return UpdateOutcome(stats, grad_norm, True, True, micro_tokens)
+        optimizer.step()
+    return UpdateOutcome(stats, grad_norm, False, False, micro_tokens)
+
+
+def run_pass(model, batch: RolloutBatch, s: UpdateSettings, micro_tokens: int, message) -> tuple[UpdateStats, int]:
+    """One forward/backward pass over the batch; on CUDA OOM optionally halve the micro-batch and retry."""
+    while True:
+        try:
+            stats = accumulate_gradients(model, batch, s.loss, micro_tokens, temperature=s.temperature,
+                                         chunk_size=s.chunk_size)
+            return stats, micro_tokens
+        except torch.OutOfMemoryError as e:
+            model.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            longest = int(batch.lengths.max())
+            if not s.auto_halve or micro_tokens // 2 < longest:
+                raise torch.OutOfMemoryError(
+                    f"out of memory in the update with memory.micro_batch_tokens={micro_tokens} "
+                    f"(longest row {longest} tokens). Lower one of: {OOM_KNOBS}. ({e})") from e
+            micro_tokens //= 2
+            message(f"out of memory: halving memory.micro_batch_tokens to {micro_tokens} and retrying")

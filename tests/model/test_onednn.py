@@ -1,9 +1,9 @@
-"""model/onednn.linear: x @ W^T through oneDNN on fp32 CPU tensors, torch.mm otherwise -- same numbers."""
+"""kernels/onednn.linear: x @ W^T through oneDNN on fp32 CPU tensors, torch.mm otherwise -- same numbers."""
 
 import pytest
 import torch
 
-from grpo_engine.model import onednn
+from grpo_engine.kernels import apply_kernels, onednn
 from grpo_engine.rl.logprobs import naive_token_logprobs, token_logprobs, token_logprobs_with_grads
 
 
@@ -70,11 +70,11 @@ def test_fp32_head_through_onednn_matches_float64(chunk):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])  # qwen2: q/k/v biases
 def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arch):
-    """The transformer's projections (onednn.Linear) give nn.Linear's loss and gradients, fp32 rounding apart."""
+    """The transformer's projections (onednn.OneDNNLinear) give nn.Linear's loss and gradients, fp32 rounding apart."""
     from grpo_engine.model.hf_io import load_model
 
-    model = load_model(tiny_ckpt_factory(arch))
-    assert isinstance(model.layers[0].attn.q_proj, onednn.Linear)
+    model = apply_kernels(load_model(tiny_ckpt_factory(arch)))
+    assert isinstance(model.layers[0].attn.q_proj, onednn.OneDNNLinear)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
     calls, op = [], onednn._op
     monkeypatch.setattr(onednn, "_op", lambda *a: calls.append(1) or op(*a))

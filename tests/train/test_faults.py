@@ -12,24 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo_engine.train.loop as loop
+import grpo_engine.train.policy as policy_mod
+import grpo_engine.train.update as update_mod
 from grpo_engine.cli import main
 from grpo_engine.config import ConfigError, load_config
 from grpo_engine.model.hf_io import load_model
-from grpo_engine.train.checkpoint import PAUSE_ENV, latest_checkpoint
+from grpo_engine.train.checkpoint import latest_checkpoint
 from grpo_engine.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = str(REPO / "configs/tiny_arithmetic.yaml")
+PAUSER = Path(__file__).with_name("pause_in_checkpoint.py")
 
 
 def _metrics(run_dir):
     return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _spawn(args, **env):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "grpo_engine.cli", "train", CFG, *args], cwd=REPO, env=env,
+def _spawn(args, pause_at_step: int | None = None):
+    """`grpo train CFG args` in a child; pause_at_step: the child stops inside the write of that checkpoint
+    (tests/train/pause_in_checkpoint.py patches the save) so the test can kill it there."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    entry = ["-m", "grpo_engine.cli"] if pause_at_step is None else [str(PAUSER), str(pause_at_step)]
+    return subprocess.Popen([sys.executable, *entry, "train", CFG, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -47,7 +52,7 @@ def _wait_for(predicate, proc, timeout=60.0):
 @pytest.mark.slow
 def test_kill_9_mid_checkpoint_leaves_previous_usable_and_resume_works(tmp_path, tiny_ckpt):
     run = tmp_path / "run"
-    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=3"], **{PAUSE_ENV: "2"})
+    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=3"], pause_at_step=2)
     _wait_for(lambda: (run / "checkpoints/paused-2").exists(), proc)  # inside the write of step-000002
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -82,7 +87,7 @@ def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, tiny_ckpt, sig):
 
 def _poison_gradients_from(call: int, monkeypatch):
     """accumulate_gradients, but from its `call`-th call on every gradient is NaN (one call per step, mu=1)."""
-    real, calls = loop.accumulate_gradients, []
+    real, calls = update_mod.accumulate_gradients, []
 
     def poisoned(model, *args, **kwargs):
         stats = real(model, *args, **kwargs)
@@ -93,7 +98,7 @@ def _poison_gradients_from(call: int, monkeypatch):
                     p.grad.fill_(float("nan"))
         return stats
 
-    monkeypatch.setattr(loop, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(update_mod, "accumulate_gradients", poisoned)
 
 
 @pytest.mark.slow
@@ -118,14 +123,14 @@ def test_nonfinite_updates_skipped_then_stop_with_last_good_checkpoint(tmp_path,
 
 
 def _oom_above(budget: int, monkeypatch):
-    real = loop.accumulate_gradients
+    real = update_mod.accumulate_gradients
 
     def fake(model, batch, loss_cfg, token_budget, **kwargs):
         if token_budget > budget:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         return real(model, batch, loss_cfg, token_budget, **kwargs)
 
-    monkeypatch.setattr(loop, "accumulate_gradients", fake)
+    monkeypatch.setattr(update_mod, "accumulate_gradients", fake)
 
 
 def test_oom_message_names_the_knobs(tmp_path, tiny_ckpt, monkeypatch, capsys):
@@ -150,7 +155,7 @@ def test_config_and_task_errors_before_model_load(tmp_path, tiny_ckpt, monkeypat
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the problem was reported")
 
-    monkeypatch.setattr(loop, "load_model", no_load)
+    monkeypatch.setattr(policy_mod, "load_model", no_load)
     base = [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}"]
     with pytest.raises(ConfigError, match=r"task: unknown option\(s\) \['digts'\] for task 'arithmetic'"):
         train(load_config(CFG, base + ["task.options.digts=2"]))

@@ -4,6 +4,7 @@ gradients equal those of the plain forward (every row prompt + completion) -- fl
 import pytest
 import torch
 
+from grpo_engine.kernels import apply_activation_checkpointing
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora
 from grpo_engine.rl.losses import LossConfig
@@ -94,7 +95,7 @@ def test_shared_equals_plain_with_lora_and_activation_checkpointing(tiny_ckpt_fa
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
-    model.checkpoint_every = checkpoint_every
+    apply_activation_checkpointing(model, checkpoint_every)
     model.train()
     _assert_same(model, _batch(model.config.vocab_size), 30, 1e-10, budget_plain=30)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo_engine.model.tiny import tiny_config
-from grpo_engine.train.plan import (
+from grpo_engine.plan import (
     GIB,
     MODEL_SHAPES,
     PlanInput,
@@ -20,7 +20,7 @@ from grpo_engine.train.plan import (
     plan_memory,
     suggest,
 )
-from grpo_engine.train.plan_config import add_plan_parser
+from grpo_engine.plan.cli import add_plan_parser
 
 # A model big enough that its activations (~100 MiB) dwarf allocator noise, small enough to run in ~1 s.
 VALIDATION_MODEL = dict(arch="qwen2-tied", vocab_size=4096, hidden_size=256, intermediate_size=1024,
@@ -133,6 +133,7 @@ def measure(checkpointing: str) -> dict:
     one optimizer step, after a warm-up that ran the very same model, shapes and kernels once."""
     import torch
 
+    from grpo_engine.kernels import apply_activation_checkpointing, apply_kernels
     from grpo_engine.model.tiny import init_weights
     from grpo_engine.model.transformer import Transformer
     from grpo_engine.train.memory import current_memory_mib, peak_memory_mib, reset_peak_memory
@@ -146,9 +147,9 @@ def measure(checkpointing: str) -> dict:
         return -torch.log_softmax(logits, -1).gather(-1, ids[..., None]).mean()
 
     def setup():
-        model = Transformer(cfg).train()
+        model = apply_kernels(Transformer(cfg).train())
         init_weights(model, seed=0)
-        model.checkpoint_every = {"none": 0, "all": 1}[checkpointing]
+        apply_activation_checkpointing(model, {"none": 0, "all": 1}[checkpointing])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         loss_of(model).backward()
         opt.step()

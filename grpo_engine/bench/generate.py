@@ -1,4 +1,4 @@
-"""`grpo bench generate`: time generate() on a checkpoint with fixed lengths; one JSON line of figures.
+"""`grpo bench generate`: time the rollout sampler on a checkpoint with fixed lengths; one JSON line of figures.
 
 The prompts are chat-templated questions of ~100-150 tokens (byte-level tiny tokenizers; fewer with real
 BPE tokenizers). The same prompt builder feeds benchmarks/generate_vs_hf.py so both engines see one batch.
@@ -10,13 +10,6 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-
-import torch
-
-from ..model.hf_io import load_model
-from ..model.tokenizer import load_tokenizer
-from .generate import generate
-from .sampling import SamplingParams
 
 QUESTIONS = [
     "Using the numbers 3, 7, 25 and 50, write an equation that equals 124. Show your reasoning step by step.",
@@ -66,7 +59,7 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=int, default=64, help="max new tokens T")
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: every completion has T tokens")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--seed", type=int, default=0)
@@ -85,8 +78,16 @@ def _print(result: dict, as_json: bool) -> None:
 
 def bench_generate(args: argparse.Namespace) -> dict:
     """Warm up once with a short run, then time one full generate() call."""
+    import torch
+
+    from ..kernels import apply_kernels
+    from ..model.hf_io import load_model
+    from ..model.tokenizer import load_tokenizer
+    from ..rollout import SamplingParams, generate
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
-    model = load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device)
+    model = apply_kernels(load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device))
     tok = load_tokenizer(args.model)
     prompts = bench_prompts(tok, args.prompts)
     stops = [] if args.ignore_eos else tok.eos_token_ids

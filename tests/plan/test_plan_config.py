@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 import grpo_engine.train.loop as loop
+import grpo_engine.train.policy as policy_mod
+import grpo_engine.train.setup as setup_mod
 from grpo_engine.cli import main
 from grpo_engine.config import ConfigError, load_config
-from grpo_engine.train.plan import MODEL_SHAPES, fits, param_counts
-from grpo_engine.train.plan_config import config_model_shape, plan_config, plan_input_from_config
+from grpo_engine.plan import MODEL_SHAPES, fits, param_counts
+from grpo_engine.plan.from_config import config_model_shape, plan_config, plan_input_from_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted((REPO / "configs").glob("gpu*gb_*.yaml"))
@@ -136,7 +138,7 @@ def _no_load(*a, **k):
 
 
 def test_preflight_refuses_before_loading_the_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "load_model", _no_load)
+    monkeypatch.setattr(policy_mod, "load_model", _no_load)
     ckpt = fake_checkpoint(tmp_path)
     cfg = load_config(REPO / "configs/gpu8gb_qwen2.5-1.5b_qlora.yaml",
                       [f"model.path={ckpt}", f"run_dir={tmp_path / 'run'}", "lora.enabled=false",
@@ -153,7 +155,7 @@ def test_preflight_refuses_before_loading_the_model(tmp_path, monkeypatch):
 
 
 def test_preflight_through_grpo_train(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "load_model", _no_load)
+    monkeypatch.setattr(policy_mod, "load_model", _no_load)
     ckpt = fake_checkpoint(tmp_path)
     rc = main(["train", str(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml"), f"model.path={ckpt}",
                f"run_dir={tmp_path / 'run'}", f"task.data_path={tmp_path}", "memory.gpu_memory_gib=6"])
@@ -170,8 +172,8 @@ def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
     def reached(*a, **k):
         raise Reached
 
-    monkeypatch.setattr(loop, "load_tokenizer", reached)  # the first thing read after the set-up checks
-    monkeypatch.setattr(loop, "load_model", _no_load)
+    monkeypatch.setattr(setup_mod, "load_tokenizer", reached)  # the first thing read after the set-up checks
+    monkeypatch.setattr(policy_mod, "load_model", _no_load)
     ckpt = fake_checkpoint(tmp_path)
     data = tmp_path / "gsm8k"
     data.mkdir()

@@ -1,15 +1,13 @@
-"""x @ W^T through oneDNN on the CPU: the LM head (`linear`) and the transformer's projections (`Linear`).
+"""x @ W^T through oneDNN on the CPU: `linear` for the LM head, `OneDNNLinear` for the projections.
 
-Why: on this project's CPU machine (AMD EPYC, AVX-512) torch's default fp32 GEMM (MKL) runs at about half the
-rate of oneDNN's -- [32, 512] x [512, 151,936] at decode: 45 ms vs 21 ms per step; [256, 151,936] x
-[151,936, 512] (a gradient in the log-prob head): 219 ms vs 99 ms; a [1024, 512] x [512, 1408] projection and
-both its gradients: ~7.5 ms vs 3.4-4.7 ms each (docs/benchmarks.md).
-Both are fp32 GEMMs (no reduced-precision math): results agree with torch.mm to fp32 rounding (~1e-6).
+Why: on some CPUs (seen on AMD EPYC with AVX-512, docs/benchmarks.md) torch's default fp32 GEMM (MKL) runs at
+about half the rate of oneDNN's, for the LM head at decode and in the log-prob head as for the transformer's
+projections and both their gradients; on others (Intel Xeon) the two are level. Both are fp32 GEMMs (no
+reduced-precision math): results agree with torch.mm to fp32 rounding (~1e-6).
 
 `torch.ops.mkldnn._linear_pointwise` is the op torch.compile's CPU backend emits for nn.Linear; it is not a
 public API, so `linear` probes it once (same result as torch.mm on a small problem) and falls back to
-torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. Set GRPO_ONEDNN=0 to turn it
-off (e.g. to compare).
+torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. GRPO_ONEDNN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -76,9 +74,10 @@ class _LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-class Linear(torch.nn.Linear):
+class OneDNNLinear(torch.nn.Linear):
     """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
-    weight is big enough to gain; anything else (CUDA, bf16, tiny weights, no oneDNN) is nn.Linear itself."""
+    weight is big enough to gain; anything else (CUDA, bf16, tiny weights, no oneDNN) is nn.Linear itself.
+    `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]

@@ -1,0 +1,115 @@
+"""`grpo bench step`: seconds per GRPO step and peak RSS, running the trainer's own `grpo_step`.
+
+The run is a training config like any other (defaults <- flags <- `key=value` overrides), so the benchmark
+measures the defaults users get. Only the task is the benchmark's own: P prompts of exactly --prompt-len
+tokens (byte-level tokenizers: random filler in a chat-templated user message), EOS never stops a completion
+(every completion has exactly --max-new tokens, the work benchmarks/step_vs_trl.py gives TRL), and the reward
+is the share of even bytes of the completion (cheap, and it varies within a group, so no update is skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import statistics
+from dataclasses import dataclass, replace
+
+from ..tasks.base import Example, Prompt, RewardResult
+
+FILLER = "0123456789+*=abcdefghij"
+
+
+def add_bench_step_parser(sub) -> None:
+    p = sub.add_parser("step", help="time the training step (grpo_step) with fixed-length completions")
+    p.add_argument("--model", required=True, help="HF checkpoint directory (or .gguf file)")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. memory.micro_batch_tokens=2048")
+    p.add_argument("--prompts", type=int, default=4, help="P prompts per step (rollout.prompts_per_step)")
+    p.add_argument("--group", type=int, default=8, help="G completions per prompt (rollout.group_size)")
+    p.add_argument("--max-new", type=int, default=64, help="completion length (fixed: EOS does not stop)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens, chat template included")
+    p.add_argument("--steps", type=int, default=3, help="steps timed; the median excludes the first")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="memory.micro_batch_tokens (default: config's)")
+    p.add_argument("--chunk-size", type=int, default=None, help="memory.logprob_chunk_size (default: config's)")
+    p.add_argument("--optimizer", default=None, help="optimizer.name (default: the config's)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    flags = {"memory.micro_batch_tokens": args.micro_batch_tokens, "memory.logprob_chunk_size": args.chunk_size,
+             "optimizer.name": args.optimizer}
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    result = bench_step(args.model, prompts=args.prompts, group=args.group, max_new=args.max_new,
+                        prompt_len=args.prompt_len, steps=args.steps, threads=args.threads, overrides=overrides)
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
+@dataclass
+class BenchTask:
+    """Fixed-length prompts and a reward that varies within a group; nothing to learn."""
+
+    questions: list[str]
+    name: str = "bench"
+
+    def examples(self, split: str) -> list[Example]:
+        return [Example(f"bench-{i}", q, "") for i, q in enumerate(self.questions)]
+
+    def prompt(self, example: Example) -> Prompt:
+        return Prompt([{"role": "user", "content": example.question}])
+
+    def reward(self, example: Example, completion: str) -> RewardResult:
+        data = completion.encode()
+        return RewardResult(sum(b % 2 == 0 for b in data) / max(1, len(data)), {}, None)
+
+    def equivalent(self, a: str, b: str) -> bool:
+        return a == b
+
+
+def bench_questions(tokenizer, count: int, length: int, seed: int = 0) -> list[str]:
+    """`count` user messages whose chat-templated prompt is `length` tokens (exact with byte-level tokenizers)."""
+    rng = random.Random(seed)
+    overhead = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ""}])))
+    if length - overhead < 1:
+        raise ValueError(f"--prompt-len {length} is shorter than the chat template ({overhead} tokens); raise it")
+    return ["".join(rng.choice(FILLER) for _ in range(length - overhead)) for _ in range(count)]
+
+
+def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
+               threads: int = 0, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    import torch
+
+    from ..config import load_config
+    from ..model.tokenizer import load_tokenizer
+    from ..train.policy import build_policy
+    from ..train.rollouts import PromptSampler
+    from ..train.setup import pick_device, sampling_params, seed_everything
+    from ..train.step import StepInputs, StepState, grpo_step
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = load_config(None, [f"model.path={model_dir}", f"rollout.prompts_per_step={prompts}",
+                             f"rollout.group_size={group}", f"rollout.max_new_tokens={max_new}",
+                             f"schedule.steps={steps}", *overrides])
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
+    task = BenchTask(bench_questions(tokenizer, prompts * steps, prompt_len))
+    policy = build_policy(cfg, pick_device(cfg.model.device))
+    params = replace(sampling_params(cfg, tokenizer), stop_token_ids=[])  # every completion has max_new tokens
+    examples = task.examples("train")
+    inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed), params)
+    state = StepState(micro_tokens=cfg.memory.micro_batch_tokens)
+    records = [grpo_step(inputs, state, step, message=lambda _: None) for step in range(1, steps + 1)]
+    times = [r.metrics.time_step_s for r in records]
+    return {
+        "engine": "grpo-engine", "sec_per_step": statistics.median(times[1:] or times), "step_times": times,
+        "phases": {k: [getattr(r.metrics, f"time_{k}_s") for r in records] for k in ("generate", "logprobs",
+                                                                                     "update")},
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "prompts": prompts, "group": group, "max_new_tokens": max_new, "prompt_len": prompt_len,
+        "params": policy.model.num_parameters(), "threads": torch.get_num_threads(),
+        "optimizer": cfg.optimizer.name, "micro_batch_tokens": cfg.memory.micro_batch_tokens,
+        "chunk_size": cfg.memory.logprob_chunk_size, "overrides": list(overrides),
+    }

@@ -1,0 +1,32 @@
+"""Model shapes the planner knows by name, or reads from an HF checkpoint's config.json (never the weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..model.config import ModelConfig
+
+
+def _qwen25(hidden, layers, heads, inter) -> ModelConfig:
+    return ModelConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                       tie_word_embeddings=True, attention_bias=True, model_type="qwen2")
+
+
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 4864),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 8960),
+    "qwen2.5-3b": _qwen25(2048, 36, 16, 11008),
+}
+
+
+def model_shape(name_or_dir: str) -> ModelConfig:
+    """A ModelConfig from a known shape name or an HF checkpoint directory (reads config.json only)."""
+    if name_or_dir in MODEL_SHAPES:
+        return MODEL_SHAPES[name_or_dir]
+    path = Path(name_or_dir)
+    if path.is_dir():
+        from ..model.hf_io import config_from_hf, read_json
+
+        return config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
+    raise ValueError(f"unknown model {name_or_dir!r}: give an HF model dir or one of {sorted(MODEL_SHAPES)}")

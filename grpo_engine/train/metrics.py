@@ -1,0 +1,61 @@
+"""The metrics of one step (a StepMetrics record for metrics.jsonl) from its rollout, batch and update."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..monitor import Sample, StepMetrics
+from .advantage_batch import AdvantageInfo
+from .batching import RolloutBatch
+from .evaluation import accuracy
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return math.nan, math.nan
+    return statistics.fmean(xs), (statistics.pstdev(xs) if len(xs) > 1 else 0.0)
+
+
+_UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": "clip_frac_low",
+                   "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max"}
+
+
+def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: AdvantageInfo) -> StepMetrics:
+    gen = rollout.generated
+    results = [r for g in gen for r in g.rewards]
+    lengths = [len(c) for g in gen for c in g.completion_ids]
+    m = StepMetrics(step=step)
+    m.reward_mean, m.reward_std = _mean_std([r.total for r in results])
+    names = sorted({k for r in results for k in r.components})
+    m.reward_components = {}
+    for name in names:
+        mean, std = _mean_std([r.components.get(name, 0.0) for r in results])
+        m.reward_components[name] = {"mean": mean, "std": std}
+    m.accuracy = accuracy(results) if results else math.nan
+    m.completion_len_mean = statistics.fmean(lengths) if lengths else math.nan
+    m.completion_len_max = max(lengths, default=0)
+    m.truncation_rate = statistics.fmean(f == "length" for g in gen for f in g.finish_reasons) if gen else math.nan
+    m.zero_variance_frac = statistics.fmean(g.zero_variance() for g in gen) if gen else math.nan
+    m.semantic_entropy = adv.semantic_entropy
+    m.refills = rollout.refills
+    m.gen_tokens = rollout.gen_tokens
+    m.time_generate_s = rollout.time_generate_s
+    m.gen_tokens_per_s = rollout.gen_tokens / max(rollout.time_generate_s, 1e-9)
+    if batch is not None:
+        m.rows, m.train_tokens = batch.num_rows, batch.active_tokens()
+    if update is not None:
+        m.loss = update.loss
+        for ours, theirs in _UPDATE_METRICS.items():
+            setattr(m, ours, update.metrics.get(theirs, math.nan))
+    return m
+
+
+def sample_records(step: int, rollout, n: int) -> list[Sample]:
+    """The first completion of each of the first n generated groups, for samples.jsonl."""
+    records = []
+    for g in rollout.generated[:n]:
+        r = g.rewards[0]
+        records.append(Sample(step, g.prompt_text, g.texts[0], r.total, dict(r.components), r.answer,
+                              g.finish_reasons[0]))
+    return records

@@ -1,0 +1,133 @@
+"""The policy being trained and everything that moves with it: weights, optimizer, LR schedule, reference.
+
+`policy_spec(cfg)` is the ONE place that decides how the policy is held -- full fine-tuning, LoRA or QLoRA;
+no reference (beta = 0), the base model under the adapters (LoRA: adapters switched off, no copy), a parked
+CPU copy, or a copy on the policy's device -- and whether that reference moves (hard_reset / mixin) so that
+checkpoints must carry it. `build_policy` makes a `Policy` from that decision; the memory planner reads the
+same spec, so what is planned is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..kernels import apply_kernels
+from ..model.hf_io import load_model
+from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
+from .batching import RolloutBatch
+from .memory import apply_memory_config, torch_dtype
+from .optim import build_optimizer
+from .reference import Reference, make_reference
+from .schedule import make_scheduler
+from .update import batch_logprobs
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How the config asks for the policy to be held (pure function of the config: no weights read)."""
+
+    mode: str  # full | lora | qlora
+    reference: str  # none | adapters (LoRA base, no copy) | cpu (parked copy) | gpu_copy (copy on the device)
+    reference_moves: bool  # hard_reset / mixin: the reference changes and is saved in checkpoints
+
+
+def policy_spec(cfg: Config) -> PolicySpec:
+    mode = "full" if not cfg.lora.enabled else ("qlora" if cfg.lora.quantize_base == "nf4" else "lora")
+    if cfg.algorithm.beta == 0 or cfg.reference.mode == "none":
+        reference = "none"
+    elif mode != "full":
+        reference = "adapters"
+    else:
+        reference = "cpu" if cfg.reference.park_on_cpu else "gpu_copy"
+    moves = reference in ("cpu", "gpu_copy") and cfg.reference.mode != "frozen"
+    return PolicySpec(mode, reference, moves)
+
+
+class Policy:
+    """The trained model with its optimizer, LR scheduler and (optional) KL reference."""
+
+    def __init__(self, model, optimizer, scheduler, reference: Reference | None, spec: PolicySpec):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.reference, self.spec = reference, spec
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def rollout_weights(self):
+        """Context in which the policy generates: LoRA adapters merged into the weights when unmerging restores
+        them bit for bit (low-precision bases, whose original weight is parked and copied back). An fp32 base
+        would be restored by subtraction, whose rounding would drift the frozen weights over a long run, so it
+        decodes through the adapter path instead (same function, one extra small matmul per projection)."""
+        low_precision = next(self.model.parameters()).dtype != torch.float32
+        if self.spec.mode != "full" and low_precision and any(True for _ in lora_modules(self.model)):
+            return lora_merged(self.model)
+        return contextlib.nullcontext(self.model)
+
+    def old_logprobs(self, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+        """[B, T] log-probs of the policy as it is now (the behaviour policy of mu > 1 passes)."""
+        return batch_logprobs(self.model, batch, budget, temperature=temperature, chunk_size=chunk_size)
+
+    def ref_logprobs(self, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+        """[B, T] log-probs of the reference policy, or None without a KL term."""
+        if self.spec.reference == "none":
+            return None
+        if self.spec.reference == "adapters":
+            with adapters_disabled(self.model):
+                return batch_logprobs(self.model, batch, budget, temperature=temperature, chunk_size=chunk_size)
+        self.reference.before_pass(self.device)
+        try:
+            return batch_logprobs(self.reference.module, batch, budget, temperature=temperature,
+                                  chunk_size=chunk_size)
+        finally:
+            self.reference.after_pass()
+
+    def after_update(self, step: int, updated: bool) -> None:
+        """Advance the LR schedule; a moving reference follows the policy on its schedule when it was updated."""
+        self.scheduler.step()
+        if updated and self.reference is not None:
+            self.reference.on_step(step, self.model)
+
+    def state_dict(self) -> dict:
+        """What besides the weights an exact resume needs from the policy."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.spec.reference_moves:
+            state["reference"] = self.reference.module.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.spec.reference_moves and "reference" in state:
+            self.reference.module.load_state_dict(state["reference"])
+
+
+def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = None) -> Policy:
+    """The policy of `cfg` on `device`: weights (the checkpoint's when resuming full fine-tuning; LoRA reloads
+    the base from model.path and the adapters from the checkpoint), kernels, memory options, optimizer,
+    schedule and reference. A frozen reference is always the weights at model.path; a moving one is restored
+    from the checkpoint by load_state_dict."""
+    spec = policy_spec(cfg)
+    dtype = torch_dtype(cfg.memory.precision, device)
+    full_resume = resume_dir is not None and spec.mode == "full"
+    model = load_model(resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
+    if spec.mode != "full":
+        apply_lora(model, cfg.lora)
+        if resume_dir is not None:
+            load_adapter(model, resume_dir / "adapter")
+    apply_kernels(model)
+    apply_memory_config(model, cfg.memory)
+    reference = None
+    if spec.reference in ("cpu", "gpu_copy"):
+        initial = load_model(cfg.model.path, dtype, device) if full_resume else model
+        reference = make_reference(apply_kernels(initial), cfg.reference, beta=cfg.algorithm.beta)
+    optimizer = build_optimizer(model.parameters(), cfg.optimizer, device)
+    s = cfg.schedule
+    scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
+                               min_ratio=s.min_lr_ratio)
+    return Policy(model, optimizer, scheduler, reference, spec)

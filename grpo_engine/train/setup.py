@@ -1,0 +1,117 @@
+"""Set-up of a training run, before step 1: everything checkable is checked before any weights are read.
+
+Order: paths and the memory plan (arithmetic on the config), the task and its data, the warm start, the
+checkpoint to resume from, the loggers; only then the tokenizer and the policy's weights. On resume the
+optimizer, LR schedule, moving reference, prompt-stream position and RNG states come back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config, ConfigError, check_paths
+from ..model.tokenizer import load_tokenizer
+from ..monitor import Monitor
+from ..plan.from_config import check_memory_fits
+from ..rollout import SamplingParams
+from ..tasks import make_task
+from ..tasks.base import Example
+from .checkpoint import load_trainer_state, resolve_resume, restore_rng
+from .policy import build_policy
+from .rollouts import PromptSampler
+from .step import StepInputs, StepState
+from .warm_start import warm_start
+
+
+@dataclass
+class Run:
+    """A training run ready for its next step."""
+
+    cfg: Config
+    inputs: StepInputs
+    state: StepState
+    monitor: Monitor
+    eval_examples: list[Example]  # the fixed subset of eval.max_examples (empty when eval.every = 0)
+    ckpt_root: Path
+    done_steps: int  # optimizer steps already taken (the resumed checkpoint's step)
+    last_checkpoint: Path | None
+
+
+def setup_run(cfg: Config, resume: str | None = None) -> Run:
+    """resume: None, "latest" or a checkpoint directory."""
+    check_paths(cfg)
+    check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
+    task = build_task(cfg)
+    if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
+        cfg.model.path = str(warm_start(cfg, task))  # tiny base / SFT phase, written once under run_dir
+    train_examples = list(task.examples(cfg.task.train_split))
+    eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
+    ckpt_root = Path(cfg.run_dir) / "checkpoints"
+    resume_dir = resolve_resume(resume, ckpt_root)
+    saved = load_trainer_state(resume_dir) if resume_dir else None
+    done = saved.step if saved else 0
+    monitor = Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
+                      tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                      wandb_project=cfg.logging.wandb_project, config=cfg_dict(cfg))
+    device = pick_device(cfg.model.device)
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
+    policy = build_policy(cfg, device, resume_dir)
+    prompts = PromptSampler(len(train_examples), cfg.seed, saved.data_position if saved else 0)
+    state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
+    if saved is not None:
+        policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
+        restore_rng(saved.rng)
+    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, sampling_params(cfg, tokenizer))
+    return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_task(cfg: Config):
+    """The task; a bad task name or option is a config error (reported before the model loads)."""
+    options = dict(cfg.task.options)
+    if cfg.task.data_path is not None:
+        options["data_path"] = cfg.task.data_path
+    try:
+        return make_task(cfg.task.name, **options)
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+
+
+def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+        max_new_tokens=r.max_new_tokens, stop_token_ids=list(tokenizer.eos_token_ids),
+        stop_strings=list(r.stop_strings), max_tokens_in_flight=r.max_tokens_in_flight or None,
+    )
+
+
+def eval_params(cfg: Config, tokenizer) -> SamplingParams:
+    """Rollout sampling with the eval section's temperature (0 = greedy) and length cap, one per prompt."""
+    return replace(sampling_params(cfg, tokenizer), n=1, temperature=cfg.eval.temperature,
+                   max_new_tokens=cfg.eval.max_new_tokens)
+
+
+def cfg_dict(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

@@ -1,0 +1,123 @@
+"""One GRPO step, top to bottom: prompts -> generate -> score -> advantages -> batch -> old / reference
+log-probs -> mu updates -> a StepRecord.
+
+Everything a step reads is set up once (train/setup.py) and handed in as `StepInputs`; what carries from one
+step to the next besides the policy and the prompt stream is `StepState`. `train()` (train/loop.py) calls
+`grpo_step` in its loop, and so do `grpo bench step` and the demo, so the step that is benchmarked is the step
+that trains.
+
+Exactness: the prompts are a function of (seed, position in the stream), the sampling seed of (seed, step,
+round), and every other random state is checkpointed, so a resumed CPU run repeats the uninterrupted one bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import Config, loss_config
+from ..monitor import StepMetrics
+from ..rollout import SamplingParams
+from ..tasks.base import Example
+from .advantage_batch import rollout_batch
+from .batching import RolloutBatch
+from .memory import free_rollout_memory, peak_memory_mib, reset_peak_memory
+from .metrics import step_metrics
+from .policy import Policy
+from .rollouts import PromptSampler, RolloutRound, collect_groups
+from .update import UpdateOutcome, UpdateSettings, update_policy
+
+
+@dataclass
+class StepInputs:
+    """What every step reads: built once before the first step."""
+
+    cfg: Config
+    policy: Policy
+    tokenizer: object
+    task: object
+    examples: list[Example]  # the training split
+    prompts: PromptSampler  # endless shuffled stream of example indices (its state is one integer)
+    params: SamplingParams  # rollout sampling (G completions per prompt)
+
+
+@dataclass
+class StepState:
+    """What carries over from one step to the next (checkpointed)."""
+
+    nonfinite_in_row: int = 0  # consecutive updates skipped for a NaN/inf loss or gradient
+    micro_tokens: int = 8192  # micro-batch token budget (halved on CUDA OOM when allowed)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    metrics: StepMetrics  # one line of metrics.jsonl
+    rollout: RolloutRound  # every group generated this step (samples.jsonl reads it)
+    update: UpdateOutcome
+
+
+def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[str], None] = print) -> StepRecord:
+    """Optimizer step number `step` (1-based) of the run: generate, score, update; returns its record."""
+    cfg, policy = run.cfg, run.policy
+    t_step = time.perf_counter()
+    reset_peak_memory(policy.device)
+
+    # 1-3. P prompts -> G completions each, on the policy's own weights -> rewards (dynamic sampling refills)
+    with policy.rollout_weights():
+        rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, run.prompts, run.params,
+                                 prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
+                                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                                 group_filter=cfg.algorithm.group_filter)
+    if cfg.memory.empty_cache_between_phases:
+        free_rollout_memory()
+
+    # 4. rewards -> group advantages (+ semantic entropy, overlong handling) -> one right-padded batch
+    batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id)
+
+    # 5. old-policy (mu > 1) and reference (beta > 0) log-probs, only when the loss needs them
+    t0 = time.perf_counter()
+    policy.model.train()
+    if batch is not None:
+        attach_logprobs(batch, policy, cfg, state.micro_tokens)
+    time_logprobs = time.perf_counter() - t0
+
+    # 6. mu passes over the batch, each ending in one optimizer step; then the LR schedule and the reference
+    t0 = time.perf_counter()
+    lr = policy.scheduler.get_last_lr()[0]
+    outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), state.micro_tokens,
+                            message)
+    policy.after_update(step, updated=not outcome.skipped)
+    state.micro_tokens = outcome.micro_tokens
+    if outcome.nonfinite:
+        state.nonfinite_in_row += 1
+        message(f"step {step}: non-finite loss ({outcome.stats.loss}) or grad norm ({outcome.grad_norm}); "
+                f"update skipped ({state.nonfinite_in_row} in a row)")
+    elif not outcome.skipped:
+        state.nonfinite_in_row = 0
+    time_update = time.perf_counter() - t0
+
+    # 7. the step's record
+    m = step_metrics(step, rollout, batch, outcome.stats, adv_info)
+    m.grad_norm, m.lr, m.skipped_update = outcome.grad_norm, lr, outcome.skipped
+    m.micro_batch_tokens = state.micro_tokens
+    m.time_logprobs_s, m.time_update_s = time_logprobs, time_update
+    m.train_tokens_per_s = m.train_tokens * cfg.algorithm.mu / max(time_update, 1e-9)
+    m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
+    return StepRecord(step, m, rollout, outcome)
+
+
+def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_tokens: int) -> None:
+    """Old-policy log-probs (mu > 1: the ratio of later passes) and reference log-probs (beta > 0)."""
+    kw = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.memory.logprob_chunk_size)
+    if cfg.algorithm.mu > 1:
+        batch.old_logp = policy.old_logprobs(batch, micro_tokens, **kw)
+    batch.ref_logp = policy.ref_logprobs(batch, micro_tokens, **kw)
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+    return UpdateSettings(loss=loss_config(cfg), mu=cfg.algorithm.mu, grad_clip=cfg.optimizer.grad_clip,
+                          temperature=cfg.rollout.temperature, chunk_size=cfg.memory.logprob_chunk_size,
+                          auto_halve=cfg.memory.auto_halve_micro_batch)
