@@ -43,7 +43,6 @@ class StepMetrics:
     gen_tokens_per_s: float = math.nan
     train_tokens_per_s: float = math.nan
     time_generate_s: float = 0.0
-    time_score_s: float = 0.0
     time_logprobs_s: float = 0.0
     time_update_s: float = 0.0
     time_step_s: float = 0.0

@@ -179,7 +179,7 @@ def score_problem(task: Task, example: Example, texts: list[str], lengths: list[
     rewards = score_batch(task, [example] * len(texts), texts, cfg.reward_timeout_s)
     samples = [sample_record(r, t, n, tr) for r, t, n, tr in zip(rewards.results, texts, lengths, truncated)]
     answers = [s.answer for s in samples]
-    equal = _safe_equivalent(task)
+    equal = task.equivalent  # clustering treats an exception as 'not equivalent'
     c = sum(s.correct for s in samples)
     pass_at = {k: pass_at_k(len(samples), c, k) for k in cfg.ks}
     maj_at = {k: maj_at_k(answers, _winner_is_correct(samples[:k]), equal, k) for k in cfg.ks}
@@ -198,18 +198,6 @@ def _winner_is_correct(samples: list[SampleRecord]) -> Callable[[str], bool]:
         return next(s.correct for s in samples if s.answer == winner)
 
     return is_correct
-
-
-def _safe_equivalent(task: Task) -> Callable[[str, str], bool]:
-    """task.equivalent on untrusted answers: an exception means "not equivalent", never a crashed eval."""
-
-    def equal(a: str, b: str) -> bool:
-        try:
-            return bool(task.equivalent(a, b))
-        except Exception:  # noqa: BLE001 - model output is untrusted; any failure = different answers
-            return False
-
-    return equal
 
 
 def summarize(problems: list[ProblemRecord], cfg: EvalConfig) -> EvalSummary:

@@ -8,7 +8,10 @@ answers, clustered with the task's own equivalence (so "0.5" and "1/2" vote toge
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
+
+from ..rl.semantic_entropy import cluster_answers
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -24,20 +27,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_answer(answers: Sequence[str | None], equivalent: Callable[[str, str], bool]) -> str | None:
-    """The answer of the largest equivalence cluster (first seen wins ties); None answers never vote."""
-    clusters: list[list[str]] = []
-    for a in answers:
-        if a is None:
-            continue
-        for cluster in clusters:
-            if equivalent(cluster[0], a):
-                cluster.append(a)
-                break
-        else:
-            clusters.append([a])
-    if not clusters:
+    """The answer of the largest equivalence cluster (rl.semantic_entropy.cluster_answers: the clusters
+    semantic entropy counts; first seen wins ties); None answers never vote. An equivalence check that
+    raises counts as "not equivalent"."""
+    ids = cluster_answers(answers, equivalent)
+    sizes = Counter(i for i, a in zip(ids, answers) if a is not None)
+    if not sizes:
         return None
-    return max(clusters, key=len)[0]  # max keeps the first of equal-sized clusters
+    best = max(sizes, key=lambda k: (sizes[k], -k))
+    return answers[ids.index(best)]
 
 
 def maj_at_k(

@@ -91,6 +91,18 @@ Estimator = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Ad
 ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "dr_grpo": _dr_grpo, "batch_std": _batch_std, "none": _none}
 
 
+def zero_variance_groups(rewards: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
+    """Bool [P]: the group carries no relative signal -- fewer than two finite rewards, or all of its finite
+    rewards within `tol` of each other. rewards [P, G]. The one definition the advantages, dynamic sampling
+    and the step's metrics all use."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [P, G] (prompts x group size), got shape {tuple(rewards.shape)}")
+    valid = torch.isfinite(rewards)  # [P, G]
+    hi = torch.where(valid, rewards, torch.full_like(rewards, -float("inf"))).amax(1)  # [P]
+    lo = torch.where(valid, rewards, torch.full_like(rewards, float("inf"))).amin(1)  # [P]
+    return (valid.sum(1) < 2) | ~(hi - lo > tol)
+
+
 def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None) -> AdvantageResult:
     """Advantages [P, G] from rewards [P, G] with the estimator named by cfg.estimator.
 
@@ -107,9 +119,7 @@ def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None
     valid = torch.isfinite(r_in)  # [P, G]
     r = torch.where(valid, r_in, torch.zeros_like(r_in))  # [P, G]
     mean, std = _masked_group_stats(r, valid, cfg.std_unbiased)  # [P, 1] each
-    big, small = torch.finfo(r.dtype).max, torch.finfo(r.dtype).min
-    spread = torch.where(valid, r, small).amax(1) - torch.where(valid, r, big).amin(1)  # [P]
-    zero_var = (valid.sum(1) < 2) | (spread <= cfg.zero_variance_tol)  # [P]
+    zero_var = zero_variance_groups(r_in, cfg.zero_variance_tol)  # [P]
     adv = ESTIMATORS[cfg.estimator](r, valid, mean, std, cfg)  # [P, G]
     adv = torch.where(valid & ~zero_var[:, None], adv, torch.zeros_like(adv))
     return AdvantageResult(

@@ -14,17 +14,14 @@ from typing import TypeVar
 
 import torch
 
+from .advantages import zero_variance_groups
+
 T = TypeVar("T")
 
 
 def informative_groups(rewards: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
     """Bool [P]: group has at least two finite rewards that differ by more than tol. rewards [P, G]."""
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [P, G] (prompts x group size), got shape {tuple(rewards.shape)}")
-    valid = torch.isfinite(rewards)  # [P, G]
-    hi = torch.where(valid, rewards, torch.full_like(rewards, -float("inf"))).amax(1)  # [P]
-    lo = torch.where(valid, rewards, torch.full_like(rewards, float("inf"))).amin(1)  # [P]
-    return (valid.sum(1) >= 2) & (hi - lo > tol)
+    return ~zero_variance_groups(rewards, tol)
 
 
 @dataclass(frozen=True)

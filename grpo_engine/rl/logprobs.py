@@ -315,13 +315,3 @@ def token_logprobs_with_grads(
     if grad_w is not None and grad_weight_out is None:
         grad_w = grad_w.to(weight.dtype)
     return HeadGrads(logp, ent, grad_h, grad_w)
-
-
-def naive_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference implementation (materialises [N, V]); for tests and benchmarks only."""
-    z = (hidden @ weight.t()).to(_compute_dtype(hidden.dtype)) / temperature  # [N, V]
-    logp_all = torch.log_softmax(z, dim=-1)  # [N, V]
-    ent = -(logp_all.exp() * logp_all).sum(-1)  # [N]
-    return logp_all.gather(1, targets.long()[:, None]).squeeze(1), ent

@@ -49,9 +49,6 @@ class KVCache:
         self.v[layer][:, :, self.start : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # [B, H_kv, start + T, D]
 
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
     def copy_prefix_from(self, other: KVCache, rows: torch.Tensor) -> None:
         """Fill slots [0, other.start) of every row r with row rows[r] of `other`; rows: [B] long.
 

@@ -106,11 +106,3 @@ def peak_memory_mib(device: str | torch.device = "cpu") -> float:
         return torch.cuda.max_memory_allocated(device) / MIB
     hwm = _proc_status_kib("VmHWM")
     return hwm / 1024 if hwm is not None else _maxrss_mib()
-
-
-def current_memory_mib(device: str | torch.device = "cpu") -> float:
-    """Now: CUDA memory_allocated, or the process's resident set on CPU."""
-    if _is_cuda(device):
-        return torch.cuda.memory_allocated(device) / MIB
-    rss = _proc_status_kib("VmRSS")
-    return rss / 1024 if rss is not None else _maxrss_mib()

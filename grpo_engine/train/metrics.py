@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 import statistics
 
+import torch
+
 from ..monitor import Sample, StepMetrics
+from ..rl.advantages import zero_variance_groups
 from .advantage_batch import AdvantageInfo
 from .batching import RolloutBatch
 from .evaluation import accuracy
@@ -21,7 +24,8 @@ _UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": 
                    "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max"}
 
 
-def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: AdvantageInfo) -> StepMetrics:
+def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: AdvantageInfo,
+                 zero_variance_tol: float = 0.0) -> StepMetrics:
     gen = rollout.generated
     results = [r for g in gen for r in g.rewards]
     lengths = [len(c) for g in gen for c in g.completion_ids]
@@ -36,7 +40,9 @@ def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: Ad
     m.completion_len_mean = statistics.fmean(lengths) if lengths else math.nan
     m.completion_len_max = max(lengths, default=0)
     m.truncation_rate = statistics.fmean(f == "length" for g in gen for f in g.finish_reasons) if gen else math.nan
-    m.zero_variance_frac = statistics.fmean(g.zero_variance() for g in gen) if gen else math.nan
+    if gen:  # over every generated group, dynamic sampling's dropped ones included
+        totals = torch.tensor([g.totals for g in gen], dtype=torch.float64)  # [P', G]
+        m.zero_variance_frac = float(zero_variance_groups(totals, zero_variance_tol).double().mean())
     m.semantic_entropy = adv.semantic_entropy
     m.refills = rollout.refills
     m.gen_tokens = rollout.gen_tokens

@@ -56,9 +56,6 @@ class Group:
     def totals(self) -> list[float]:
         return [r.total for r in self.rewards]
 
-    def zero_variance(self) -> bool:
-        return len(set(self.totals)) == 1
-
 
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams, seed: int,
                     max_prompt_tokens: int, reward_timeout_s: float = 5.0) -> tuple[list[Group], int]:

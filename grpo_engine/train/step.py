@@ -100,7 +100,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     time_update = time.perf_counter() - t0
 
     # 7. the step's record
-    m = step_metrics(step, rollout, batch, outcome.stats, adv_info)
+    m = step_metrics(step, rollout, batch, outcome.stats, adv_info, cfg.algorithm.advantage.zero_variance_tol)
     m.grad_norm, m.lr, m.skipped_update = outcome.grad_norm, lr, outcome.skipped
     m.micro_batch_tokens = state.micro_tokens
     m.time_logprobs_s, m.time_update_s = time_logprobs, time_update

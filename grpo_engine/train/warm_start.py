@@ -49,7 +49,8 @@ def build_tiny_base(cfg: Config) -> Path:
 
 
 def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reference completion ids + EOS) for every example the task can complete."""
+    """(prompt ids, reference completion ids + EOS) for every example the task can complete; examples without
+    a reference (e.g. loaded Countdown rows with no known solution) are left out."""
     reference = getattr(task, "reference_completion", None)
     if reference is None:
         raise ConfigError(
@@ -57,10 +58,16 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
             f"set warm_start.sft.steps=0"
         )
     eos = tokenizer.eos_token_ids[0]
-    return [
-        (tokenizer.encode(render_prompt(task, tokenizer, ex)), tokenizer.encode(reference(ex)) + [eos])
-        for ex in examples
-    ]
+    pairs = []
+    for ex in examples:
+        target = reference(ex)
+        if target is not None:
+            pairs.append((tokenizer.encode(render_prompt(task, tokenizer, ex)), tokenizer.encode(target) + [eos]))
+    if not pairs:
+        raise ConfigError(f"task {task.name!r} has no reference completion for any training example (e.g. data "
+                          f"without solutions): the supervised warm start has nothing to learn; set "
+                          f"warm_start.sft.steps=0")
+    return pairs
 
 
 def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None] | None = None) -> Path:

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from references import naive_token_logprobs
 
 from grpo_engine.kernels import apply_kernels, onednn
-from grpo_engine.rl.logprobs import naive_token_logprobs, token_logprobs, token_logprobs_with_grads
+from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 
 
 @pytest.fixture(autouse=True)

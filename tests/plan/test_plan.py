@@ -132,11 +132,12 @@ def measure(checkpointing: str) -> dict:
     train / update: RSS peaks of a micro-batch's forward+backward with gradients already accumulated, and of
     one optimizer step, after a warm-up that ran the very same model, shapes and kernels once."""
     import torch
+    from references import rss_mib
 
     from grpo_engine.kernels import apply_activation_checkpointing, apply_kernels
     from grpo_engine.model.tiny import init_weights
     from grpo_engine.model.transformer import Transformer
-    from grpo_engine.train.memory import current_memory_mib, peak_memory_mib, reset_peak_memory
+    from grpo_engine.train.memory import peak_memory_mib, reset_peak_memory
 
     torch.manual_seed(0)
     cfg = tiny_config(**VALIDATION_MODEL)
@@ -166,11 +167,11 @@ def measure(checkpointing: str) -> dict:
     persistent = tensor_mib(*model.parameters(), *state)
     loss_of(model).backward()  # micro-batch 1: gradients now exist, as in every later micro-batch
     reset_peak_memory()
-    r0 = current_memory_mib()
+    r0 = rss_mib()
     loss_of(model).backward()  # micro-batch 2: the steady state the planner predicts
     train = peak_memory_mib() - r0
     reset_peak_memory()
-    r1 = current_memory_mib()
+    r1 = rss_mib()
     opt.step()
     update = peak_memory_mib() - r1
     return {"persistent": persistent, "train": train, "update": update}
@@ -200,7 +201,7 @@ def test_predicted_vs_measured_cpu(checkpointing, onednn):
     exact lifetime overlap of backward's transient gradient buffers, which the planner approximates with
     3 x [tokens, inter] (about 10% of the dynamic total here)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "GRPO_ONEDNN": onednn,
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "PYTHONPATH": os.pathsep.join(str(Path(__file__).resolve().parents[i]) for i in (2, 1))}
     out = subprocess.run([sys.executable, __file__, checkpointing], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
+from references import naive_token_logprobs
 from torch.profiler import ProfilerActivity, profile
 
 from grpo_engine.model.hf_io import load_model
-from grpo_engine.rl.logprobs import naive_token_logprobs, token_logprobs
+from grpo_engine.rl.logprobs import token_logprobs
 
 
 def _problem(n=37, d=8, v=50, dtype=torch.float64, seed=0):

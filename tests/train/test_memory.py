@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from references import rss_mib
 
 from grpo_engine.kernels import checkpointed_blocks
 from grpo_engine.model.lora import LoRAConfig, apply_lora
@@ -10,7 +11,6 @@ from grpo_engine.model.transformer import Transformer
 from grpo_engine.train.memory import (
     MemoryConfig,
     apply_memory_config,
-    current_memory_mib,
     free_rollout_memory,
     peak_memory_mib,
     reset_peak_memory,
@@ -84,7 +84,7 @@ def test_cpu_peak_reader_sees_a_64mib_allocation():
         pytest.skip("peak RSS is not resettable on this OS")
     before = peak_memory_mib("cpu")
     x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
-    during = current_memory_mib("cpu")
+    during = rss_mib()
     del x
     peak = peak_memory_mib("cpu")
     assert 60 <= peak - before <= 80, (before, peak)

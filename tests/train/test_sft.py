@@ -41,3 +41,23 @@ def test_memorises_a_tiny_dataset(tiny_ckpt):
     losses = train_sft(model, pairs, SFTConfig(steps=60, batch_size=4, lr=1e-2, warmup_steps=5), pad_id=256)
     assert losses[0] > math.log(272) * 0.8  # starts near uniform over the vocabulary
     assert losses[-1] < 0.05
+
+
+def test_sft_pairs_skip_examples_without_a_reference(tiny_ckpt):
+    """A loaded Countdown row has no known solution: it is left out, never passed to the tokenizer as None."""
+    import pytest
+
+    from grpo_engine.config import ConfigError
+    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.tasks import make_task
+    from grpo_engine.tasks.countdown import CountdownExample
+    from grpo_engine.train.warm_start import sft_pairs
+
+    task, tok = make_task("countdown", n_train=4, n_test=2), load_tokenizer(tiny_ckpt)
+    known = task.examples("train")[:2]
+    loaded = CountdownExample("file-0", "Use 3, 4 to make 7", "7", nums=(3, 4), target=7, solution=None)
+    pairs = sft_pairs(task, tok, [known[0], loaded, known[1]])
+    assert len(pairs) == 2
+    assert tok.decode(pairs[1][1][:-1]) == task.reference_completion(known[1])
+    with pytest.raises(ConfigError, match="no reference completion for any training example"):
+        sft_pairs(task, tok, [loaded])
