@@ -14,3 +14,20 @@ def test_bench_step_json(tiny_ckpt, capsys):
     times = result["step_times"]
     assert len(times) == 3 and result["sec_per_step"] == (times[1] + times[2]) / 2  # median after the first
     assert result["peak_rss_mib"] > 10 and result["max_new_tokens"] == 4 and result["group"] == 2
+
+
+def test_bench_step_runs_the_trainers_step(tiny_ckpt, monkeypatch):
+    """The benchmark times train.step.grpo_step itself (not a hand-assembled copy) with the config's defaults,
+    and every completion has exactly --max-new tokens."""
+    import grpo_engine.train.step as step_mod
+    from grpo_engine.bench.step import bench_step
+    from grpo_engine.config import load_config
+
+    records, real = [], step_mod.grpo_step
+    monkeypatch.setattr(step_mod, "grpo_step", lambda *a, **k: records.append(real(*a, **k)) or records[-1])
+    result = bench_step(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2)
+    assert len(records) == 2 and result["step_times"] == [r.metrics.time_step_s for r in records]
+    assert all(len(c) == 5 for r in records for g in r.rollout.groups for c in g.completion_ids)
+    defaults = load_config()
+    assert (result["micro_batch_tokens"], result["chunk_size"], result["optimizer"]) == (
+        defaults.memory.micro_batch_tokens, defaults.memory.logprob_chunk_size, defaults.optimizer.name)

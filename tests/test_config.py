@@ -128,3 +128,26 @@ def test_every_field_documented():
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     load_config(path)
+
+
+def test_config_choices_are_the_library_tables():
+    """config/ validates names without importing the library: its choice lists must be the tables' keys."""
+    from importlib import import_module
+
+    from grpo_engine.config import algorithm as A
+    from grpo_engine.config import training as T
+    from grpo_engine.model import lora
+    from grpo_engine.rl import advantages, losses
+    from grpo_engine.train import memory, optim, reference, schedule
+
+    semantic_entropy = import_module("grpo_engine.rl.semantic_entropy")  # the package re-exports a function
+
+    pairs = [(A.LOSSES, losses.PRESETS), (A.RATIO_LEVELS, losses.RATIOS), (A.AGGREGATIONS, losses.AGGREGATIONS),
+             (A.KL_ESTIMATORS, losses.KL_ESTIMATORS), (A.ADVANTAGE_ESTIMATORS, advantages.ESTIMATORS),
+             (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", *reference.UPDATES]),
+             (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
+             (T.CHECKPOINTING, memory.CHECKPOINTING), (T.LORA_INITS, lora.LORA_A_INIT),
+             (T.NF4_BACKENDS, lora.NF4_BACKENDS), (T.LORA_TARGETS, lora.ALL_LINEAR),
+             (tuple(p for p in T.PRECISIONS if p != "auto"), memory.PRECISIONS)]
+    for names, table in pairs:
+        assert sorted(names) == sorted(table), (names, sorted(table))

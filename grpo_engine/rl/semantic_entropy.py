@@ -94,8 +94,6 @@ def group_semantic_entropy(
 ) -> torch.Tensor:
     """SE per prompt [P] from the final answers [P][G] (and length-normalised log-likelihoods [P, G])."""
     cfg = cfg or SemanticEntropyConfig()
-    if cfg.probability not in ("count", "likelihood"):
-        raise ValueError(f"unknown probability {cfg.probability!r}; choose 'count' or 'likelihood'")
     if cfg.probability == "likelihood" and seq_logp is None:
         raise ValueError("probability='likelihood' needs seq_logp [P, G] (mean token log-prob per completion)")
     out = []
@@ -127,12 +125,8 @@ MODULATIONS: dict[str, Callable[[torch.Tensor, SemanticEntropyConfig], torch.Ten
 
 def modulation_weights(se: torch.Tensor, group_size: int, cfg: SemanticEntropyConfig) -> torch.Tensor:
     """f(alpha * SE / log G) per prompt [P]; 1 where SE = 0, non-increasing in SE."""
-    if cfg.modulation not in MODULATIONS:
-        raise ValueError(f"unknown modulation {cfg.modulation!r}; choose one of {sorted(MODULATIONS)}")
     if group_size < 2:
         raise ValueError(f"semantic entropy needs a group size >= 2, got {group_size}")
-    if cfg.alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {cfg.alpha}")
     x = cfg.alpha * se.float() / math.log(group_size)  # [P], in [0, alpha]
     return MODULATIONS[cfg.modulation](x, cfg)
 

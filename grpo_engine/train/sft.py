@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..config import SFTConfig
 from ..model.transformer import Transformer
+from .schedule import lr_factor
 
 
 @dataclass
@@ -47,10 +48,8 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+    """Linear warmup, then cosine decay to 0: the schedule of GRPO's optimizer (train/schedule.py)."""
+    return cfg.lr * lr_factor(step, total=cfg.steps, warmup=cfg.warmup_steps, kind="cosine", min_ratio=0.0)
 
 
 def train_sft(
