@@ -1,9 +1,16 @@
 """Shared fixtures: tiny HF-layout checkpoints made on the fly (random weights, byte-level tokenizer)."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
-from grpo_engine.model.tiny import make_tiny_checkpoint
+# Kernel plans measured by the tests go to a throwaway cache, never the user's ~/.cache.
+os.environ.setdefault("GRPO_CACHE_DIR", tempfile.mkdtemp(prefix="grpo-test-cache-"))
+
+from grpo_engine.kernels import activate  # noqa: E402
+from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 # One thread: the tiny models gain nothing from more, and on a shared, loaded CPU OpenMP threads that
 # spin-wait for each other make every op 10-100x slower.
@@ -28,3 +35,10 @@ def tiny_ckpt_factory(tmp_path_factory):
 @pytest.fixture
 def tiny_ckpt(tiny_ckpt_factory):
     return tiny_ckpt_factory("qwen2")
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_plan_leaks():
+    """A test that applied a measured kernel plan leaves the process as it found it (the size threshold)."""
+    yield
+    activate(None)

@@ -5,12 +5,15 @@ architecture only): oneDNN GEMMs for fp32 CPU projections (`apply_kernels`), act
 from torch import nn
 
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from .onednn import OneDNNLinear
+from .onednn import OneDNNLinear, activate
+from .select import PLAN_FILE, KernelPlan, choose_plan, load_plan
 
 
-def apply_kernels(model: nn.Module) -> nn.Module:
-    """Turn the nn.Linear projections of every block into OneDNNLinear (same parameters and names); on CUDA,
-    in bf16, or for small weights OneDNNLinear behaves exactly as nn.Linear. Returns the model."""
+def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
+    """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
+    weight shape, and turn the nn.Linear projections of every block into OneDNNLinear (same parameters and
+    names), which follows the plan; on CUDA or in bf16 OneDNNLinear is nn.Linear itself. Returns the model."""
+    activate(plan if plan is not None else choose_plan(model))
     for block in model.layers:
         for module in block.modules():
             if type(module) is nn.Linear:
@@ -18,4 +21,5 @@ def apply_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["OneDNNLinear", "apply_activation_checkpointing", "apply_kernels", "checkpointed_blocks"]
+__all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "activate", "apply_activation_checkpointing", "apply_kernels",
+           "checkpointed_blocks", "choose_plan", "load_plan"]

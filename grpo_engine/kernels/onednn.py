@@ -8,6 +8,9 @@ reduced-precision math): results agree with torch.mm to fp32 rounding (~1e-6).
 `torch.ops.mkldnn._linear_pointwise` is the op torch.compile's CPU backend emits for nn.Linear; it is not a
 public API, so `linear` probes it once (same result as torch.mm on a small problem) and falls back to
 torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. GRPO_ONEDNN=0 turns it off.
+
+Which weights use it is decided per weight shape by a measured `KernelPlan` (kernels/select.py) once one is
+active; before that, by a size threshold.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import os
 import torch
 
 _state: dict[str, bool] = {}
+_active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran
 
 
-def _onednn_works() -> bool:
+def op_works() -> bool:
     """One-time check that the op exists and matches torch.mm on a small fp32 problem."""
     if "ok" not in _state:
         ok = os.environ.get("GRPO_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
@@ -35,17 +39,35 @@ def _onednn_works() -> bool:
     return _state["ok"]
 
 
-MIN_WEIGHT_NUMEL = 1 << 18  # below ~1 MB of weight the call overhead wins (tiny models: torch.mm is faster)
+MIN_WEIGHT_NUMEL = 1 << 18  # without a plan: below ~1 MB of weight the call overhead wins
+
+
+def chosen_for(weight: torch.Tensor) -> bool:
+    """The active plan's choice for this weight's shape; without a plan, a size threshold."""
+    plan = _active.get("plan")
+    if plan is None:
+        return weight.numel() >= MIN_WEIGHT_NUMEL
+    return plan.backend(tuple(weight.shape)) == "onednn"
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a big weight, a working op."""
+    """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the shape."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
-            and weight.numel() >= MIN_WEIGHT_NUMEL and _onednn_works())
+            and op_works() and chosen_for(weight))
+
+
+def activate(plan) -> None:
+    """Make `plan` (a kernels.select.KernelPlan, or None for the size threshold) decide every product."""
+    _active["plan"] = plan
 
 
 def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T on oneDNN, unconditionally (for measuring it)."""
+    return _op(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,7 @@ def save_checkpoint(
     tokenizer_dir: str | Path | None,
     keep_last: int,
     base_model_path: str | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write step-XXXXXX atomically, then prune to the newest `keep_last` complete checkpoints."""
     root = Path(ckpt_root)
@@ -135,6 +136,8 @@ def save_checkpoint(
     save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path)
     torch.save(state.__dict__, tmp / "trainer_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
+    for name, text in (extra_files or {}).items():  # e.g. kernels.json: the run's kernel plan
+        (tmp / name).write_text(text)
     if metrics_path is not None and Path(metrics_path).is_file():
         shutil.copy2(metrics_path, tmp / "metrics.jsonl")
     _fsync_tree(tmp)

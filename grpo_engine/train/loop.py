@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import to_yaml
+from ..kernels import PLAN_FILE
 from .checkpoint import TrainerState, capture_rng, save_checkpoint
 from .evaluation import evaluate_policy
 from .metrics import sample_records
@@ -103,7 +104,7 @@ def checkpoint(run: Run, step: int) -> Path:
     run.last_checkpoint = save_checkpoint(
         run.ckpt_root, inputs.policy.model, state, config_yaml=to_yaml(cfg), metrics_path=run.monitor.metrics_path,
         tokenizer_dir=cfg.tokenizer.path or cfg.model.path, keep_last=cfg.checkpoint.keep_last,
-        base_model_path=cfg.model.path)
+        base_model_path=cfg.model.path, extra_files={PLAN_FILE: inputs.policy.kernels.to_json()})
     return run.last_checkpoint
 
 

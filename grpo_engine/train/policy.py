@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..kernels import apply_kernels
+from ..kernels import KernelPlan, apply_kernels, choose_plan, load_plan
 from ..model.hf_io import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from .batching import RolloutBatch
@@ -51,9 +51,10 @@ def policy_spec(cfg: Config) -> PolicySpec:
 class Policy:
     """The trained model with its optimizer, LR scheduler and (optional) KL reference."""
 
-    def __init__(self, model, optimizer, scheduler, reference: Reference | None, spec: PolicySpec):
+    def __init__(self, model, optimizer, scheduler, reference: Reference | None, spec: PolicySpec,
+                 kernels: KernelPlan):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.reference, self.spec = reference, spec
+        self.reference, self.spec, self.kernels = reference, spec, kernels
 
     @property
     def device(self) -> torch.device:
@@ -120,14 +121,26 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
         apply_lora(model, cfg.lora)
         if resume_dir is not None:
             load_adapter(model, resume_dir / "adapter")
-    apply_kernels(model)
+    kernels = kernel_plan(model, resume_dir)
+    apply_kernels(model, kernels)
     apply_memory_config(model, cfg.memory)
     reference = None
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
-        reference = make_reference(apply_kernels(initial), cfg.reference, beta=cfg.algorithm.beta)
+        reference = make_reference(apply_kernels(initial, kernels), cfg.reference, beta=cfg.algorithm.beta)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, device)
     s = cfg.schedule
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
                                min_ratio=s.min_lr_ratio)
-    return Policy(model, optimizer, scheduler, reference, spec)
+    return Policy(model, optimizer, scheduler, reference, spec, kernels)
+
+
+def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
+    """The checkpoint's kernel plan when resuming (same kernels and threads: the resumed run repeats the
+    uninterrupted one bit for bit), else the one measured / cached for this model on this machine."""
+    plan = load_plan(resume_dir) if resume_dir is not None else None
+    if plan is None:
+        return choose_plan(model)
+    if plan.threads != torch.get_num_threads():
+        torch.set_num_threads(plan.threads)
+    return plan

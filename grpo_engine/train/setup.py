@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..config import Config, ConfigError, check_paths
+from ..kernels import PLAN_FILE
 from ..model.tokenizer import load_tokenizer
 from ..monitor import Monitor
 from ..plan.from_config import check_memory_fits
@@ -62,6 +63,7 @@ def setup_run(cfg: Config, resume: str | None = None) -> Run:
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, resume_dir)
+    (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
     prompts = PromptSampler(len(train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
     if saved is not None:

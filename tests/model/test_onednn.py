@@ -4,14 +4,16 @@ import pytest
 import torch
 from references import naive_token_logprobs
 
-from grpo_engine.kernels import apply_kernels, onednn
+from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
+from grpo_engine.kernels.select import shape_key, weight_shapes
 from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 
 
 @pytest.fixture(autouse=True)
 def _small_threshold(monkeypatch):
-    """Let the small test matrices take the oneDNN path (the real threshold is ~4 MB of weight)."""
+    """No measured plan, and a threshold that lets the small test matrices take the oneDNN path."""
     monkeypatch.setattr(onednn, "MIN_WEIGHT_NUMEL", 1)
+    onednn.activate(None)
 
 
 def _xw(m=5, k=24, n=301, dtype=torch.float32):
@@ -30,7 +32,7 @@ def test_linear_matches_float64_reference_for_plain_and_transposed_weights():
 
 def test_applies_only_to_fp32_cpu_matrices_with_a_big_weight(monkeypatch):
     x, w = _xw()
-    assert onednn.applies(x, w) == onednn._onednn_works()
+    assert onednn.applies(x, w) == onednn.op_works()
     assert not onednn.applies(x.double(), w.double())
     assert not onednn.applies(x[None], w)  # 3-d input: not this helper's job
     out = onednn.linear(x.double(), w.double())  # falls back to torch.mm
@@ -74,12 +76,15 @@ def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arc
     """The transformer's projections (onednn.OneDNNLinear) give nn.Linear's loss and gradients, fp32 rounding apart."""
     from grpo_engine.model.hf_io import load_model
 
-    model = apply_kernels(load_model(tiny_ckpt_factory(arch)))
+    model = load_model(tiny_ckpt_factory(arch))
+    on_onednn = {shape_key(s): "onednn" for s in weight_shapes(model)}
+    every_shape_on_onednn = KernelPlan("cpu", torch.__version__, 1, on_onednn)
+    model = apply_kernels(model, every_shape_on_onednn)
     assert isinstance(model.layers[0].attn.q_proj, onednn.OneDNNLinear)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(5))
     calls, op = [], onednn._op
     monkeypatch.setattr(onednn, "_op", lambda *a: calls.append(1) or op(*a))
-    works = onednn._onednn_works()
+    works = onednn.op_works()
     grads = {}
     for on in (True, False):
         monkeypatch.setattr(onednn, "_state", {"ok": on and works})

@@ -1,0 +1,152 @@
+"""Which GEMM runs each weight shape, and how many threads: chosen by measuring on the machine that runs them.
+
+Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on
+some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
+every distinct weight shape of the model, both are timed on a few representative products and the faster
+one is kept. The plan is cached in a JSON file keyed by (CPU model, torch version, thread count), written into
+the run folder and every checkpoint, and read back on --resume, so a resumed run uses the same kernels and
+repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import onednn
+
+ROWS = (32, 512)  # products timed per weight: decode-sized and training-sized row counts
+PLAN_FILE = "kernels.json"
+
+
+@dataclass
+class KernelPlan:
+    """The kernel choices of one run (JSON-serialisable)."""
+
+    cpu: str
+    torch: str
+    threads: int
+    gemm: dict[str, str] = field(default_factory=dict)  # "out x in" of a weight -> "onednn" | "torch"
+    source: str = "measured"  # measured | cache | checkpoint | forced
+
+    def backend(self, weight_shape: tuple[int, ...]) -> str:
+        return self.gemm.get(shape_key(weight_shape), "torch")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> KernelPlan:
+        data = json.loads(text)
+        return cls(str(data["cpu"]), str(data["torch"]), int(data["threads"]),
+                   {str(k): str(v) for k, v in data["gemm"].items()}, source)
+
+
+def shape_key(weight_shape: tuple[int, ...]) -> str:
+    return "x".join(str(int(d)) for d in weight_shape)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; platform otherwise)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def forced_torch() -> bool:
+    return os.environ.get("GRPO_KERNELS", "auto") == "torch" or os.environ.get("GRPO_ONEDNN", "1") == "0"
+
+
+def weight_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """Distinct (out, in) shapes of the fp32 CPU linear weights whose products the engine runs."""
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)
+              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.weight.dim() == 2}
+    return sorted(shapes)
+
+
+def _best_time(fn, reps: int = 3) -> float:
+    fn()  # warm-up: first-call allocation and kernel dispatch
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_shape(out_features: int, in_features: int) -> dict[str, float]:
+    """Seconds of x @ W^T for x of each ROWS size, summed, per backend."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g)
+    xs = [torch.randn(m, in_features, generator=g) for m in ROWS]
+    times = {"torch": sum(_best_time(lambda x=x: x @ w.t()) for x in xs)}
+    if onednn.op_works():
+        times["onednn"] = sum(_best_time(lambda x=x: onednn.onednn_linear(x, w)) for x in xs)
+    return times
+
+
+def measure_plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan:
+    gemm = {}
+    for shape in shapes:
+        times = measure_shape(*shape)
+        gemm[shape_key(shape)] = min(times, key=times.get)
+    return KernelPlan(cpu_model(), torch.__version__, threads, gemm)
+
+
+def cache_path() -> Path:
+    root = os.environ.get("GRPO_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(root) / "grpo-engine" / PLAN_FILE
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or an unreadable one: measure again
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the plan is still used, just measured again next time
+
+
+def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
+    """The kernel plan for `model` on this machine: from the cache when every shape is there, else measured
+    (only the missing shapes) and cached."""
+    threads = torch.get_num_threads()
+    shapes = weight_shapes(model)
+    if forced_torch() or not onednn.op_works():
+        return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced")
+    path = path or cache_path()
+    key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
+    cache = _read_cache(path)
+    known = cache.get(key, {})
+    missing = [s for s in shapes if shape_key(s) not in known]
+    if missing:
+        known.update(measure_plan(missing, threads).gemm)
+        cache[key] = known
+        _write_cache(path, cache)
+    gemm = {shape_key(s): known[shape_key(s)] for s in shapes}
+    return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if missing else "cache")
+
+
+def load_plan(directory: Path) -> KernelPlan | None:
+    """The plan recorded in a run folder or checkpoint, or None when it has none (older runs)."""
+    f = Path(directory) / PLAN_FILE
+    return KernelPlan.from_json(f.read_text(), "checkpoint") if f.is_file() else None
