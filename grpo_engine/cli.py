@@ -7,6 +7,8 @@ function (in its own module when it grows) and list it in PARSERS.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 
 from .bench import add_bench_parser
@@ -22,6 +24,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint of run_dir, or from the given checkpoint dir")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow resuming a checkpoint whose trainer state is a pickle (written by earlier versions)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="data-parallel ranks on this machine: relaunches itself under torchrun --nproc_per_node N")
     p.set_defaults(func=_train)
 
 
@@ -30,18 +36,32 @@ def _train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _relaunch_under_torchrun(args.nproc)
     import torch
 
     from .train.loop import train
     from .train.update import NonFiniteError
 
     try:
-        result = train(cfg, resume=args.resume, stop_after=args.stop_after)
+        result = train(cfg, resume=args.resume, stop_after=args.stop_after, trust_checkpoint=args.trust_checkpoint)
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
+
+
+def _relaunch_under_torchrun(nproc: int) -> int:
+    """`grpo train ... --nproc N` = `torchrun --standalone --nproc_per_node N -m grpo_engine.cli train ...`."""
+    argv = sys.argv[1:]
+    if "--nproc" in argv:  # drop "--nproc N" / "--nproc=N": the children are the ranks
+        i = argv.index("--nproc")
+        argv = argv[:i] + argv[i + 2 :]
+    argv = [a for a in argv if not a.startswith("--nproc=")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "grpo_engine.cli", *argv]
+    return subprocess.call(cmd)
 
 
 def add_config_parser(sub) -> None:

@@ -172,6 +172,28 @@ class Monitor:
             self.wandb.finish()
 
 
+class RankMessages:
+    """The Monitor of a rank other than 0 under torchrun: rank 0 logs the step; this one only prints its own
+    messages (prefixed with its rank)."""
+
+    metrics_path = None
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def log_step(self, m: StepMetrics) -> None:
+        pass
+
+    def log_samples(self, samples: list[Sample]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def _open_tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter

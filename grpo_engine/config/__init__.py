@@ -21,6 +21,7 @@ from .paths import check_paths
 from .run import (
     CheckpointSection,
     Config,
+    DistributedSection,
     EvalSection,
     LoggingSection,
     ModelSection,
@@ -42,7 +43,8 @@ from .training import (
 )
 
 __all__ = [
-    "AdvantageConfig", "AlgorithmSection", "CheckpointSection", "Config", "ConfigError", "EvalSection",
+    "AdvantageConfig", "AlgorithmSection", "CheckpointSection", "Config", "ConfigError", "DistributedSection",
+    "EvalSection",
     "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",
     "ModelSection", "OptimizerConfig", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",
     "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TaskSection", "TinyModelSection", "TokenizerSection",

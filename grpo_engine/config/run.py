@@ -11,6 +11,8 @@ from .fields import option, require, section
 from .training import LoRAConfig, MemorySection, OptimizerSection, ScheduleSection, WarmStartSection
 
 DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("auto", "ddp", "fsdp2")
+BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass
@@ -103,6 +105,22 @@ class EvalSection:
 
 
 @dataclass
+class DistributedSection:
+    strategy: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the model, gradients "
+                                   "summed once per pass) | fsdp2 (fully_shard: weights, gradients, optimizer state "
+                                   "sharded) | auto (ddp when model + optimizer fit one device, else fsdp2)",
+                           STRATEGIES)
+    backend: str = option("auto", "collectives: auto = nccl on CUDA, gloo on CPU", BACKENDS)
+    timeout_minutes: int = option(30, "a collective that waits longer than this fails the run")
+
+    def __post_init__(self) -> None:
+        require(self.strategy in STRATEGIES, f"distributed.strategy={self.strategy!r} is not one of "
+                                             f"{', '.join(STRATEGIES)}")
+        require(self.backend in BACKENDS, f"distributed.backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
+        require(self.timeout_minutes >= 1, "distributed.timeout_minutes must be >= 1")
+
+
+@dataclass
 class Config:
     seed: int = option(0, "seeds data order, sampling and initialisation; same seed = same run")
     run_dir: str = option("runs/grpo", "output directory: metrics.jsonl, samples.jsonl, checkpoints/")
@@ -120,6 +138,7 @@ class Config:
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoint interval and retention")
     eval: EvalSection = section(EvalSection, "periodic evaluation")
     warm_start: WarmStartSection = section(WarmStartSection, "tiny base model and supervised phase before GRPO")
+    distributed: DistributedSection = section(DistributedSection, "data-parallel training under torchrun")
 
     def __post_init__(self) -> None:
         """Checks that span sections (each section checks its own fields)."""

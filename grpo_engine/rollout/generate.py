@@ -10,13 +10,16 @@ One call runs in waves (so rows x max length stays under `max_tokens_in_flight`)
    stop string, max_new_tokens) are dropped from the batch (cache, mask, state gathered by index) once they
    are `compact_fraction` of the active rows, so long completions do not pay for finished ones.
 
-Reproducibility: one torch.Generator seeded with `seed` on the model's device drives every draw, so the
-same call (same prompts, params, seed, device) gives the same completions.
+Reproducibility: with `seed` an int, one torch.Generator seeded with it drives every draw, so the same call
+(same prompts, params, seed, device) gives the same completions. With one seed per prompt, each prompt draws
+from its own generator, and only for its unfinished rows: a prompt's completions then do not depend on which
+other prompts share the call, the wave plan, or when other rows finish (the trainer seeds each prompt by
+(seed, step, global prompt index), so splitting prompts across ranks does not change what is sampled).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +52,30 @@ class GenerationOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+
+class _Draws:
+    """The random numbers of the decode steps: one shared generator, or one generator per prompt."""
+
+    def __init__(self, seed: int | Sequence[int], device: torch.device):
+        per_prompt = not isinstance(seed, int)
+        self.shared = None if per_prompt else torch.Generator(device=device).manual_seed(seed)
+        self.prompts = [torch.Generator(device=device).manual_seed(int(s)) for s in seed] if per_prompt else None
+        self.device = device
+
+    def uniforms(self, prompt_of_row: list[int], live: list[bool]) -> torch.Tensor | None:
+        """[A, 1] uniforms for the batch rows (per-prompt mode; None: the sampler draws from `shared`). A finished
+        row waiting for compaction draws nothing (its token is discarded), so no generator depends on it."""
+        if self.prompts is None:
+            return None
+        u = torch.full((len(prompt_of_row), 1), 0.5, device=self.device)
+        rows: dict[int, list[int]] = {}
+        for a, (p, alive) in enumerate(zip(prompt_of_row, live)):
+            if alive:
+                rows.setdefault(p, []).append(a)
+        for p, idx in rows.items():
+            u[idx] = torch.rand((len(idx), 1), generator=self.prompts[p], device=self.device)
+        return u
 
 
 @dataclass
@@ -174,11 +201,13 @@ def _run_wave(
     prompts: list[list[int]],
     params: SamplingParams,
     sample: Sampler,
-    generator: torch.Generator,
+    draws: _Draws,
     stop_strings: StopStrings,
     decode_step: Callable,
+    prompt_ids: list[int],
 ) -> list[_Row]:
-    """Generate n completions for each prompt of the wave; rows in (prompt, sample) order."""
+    """Generate n completions for each prompt of the wave (their indices in the call: prompt_ids); rows in
+    (prompt, sample) order."""
     n, T = params.n, params.max_new_tokens
     cache, key_mask, logits = _prefill(model, prompts, n, T)
     R = cache.batch
@@ -189,7 +218,8 @@ def _run_wave(
     reasons: list[str | None] = [None] * R
     active = list(range(R))  # original row of each row in the batch
     for t in range(T):
-        tok, logp = sample(logits, generator)  # [A], [A]
+        u = draws.uniforms([prompt_ids[r // n] for r in active], [reasons[r] is None for r in active])
+        tok, logp = sample(logits, draws.shared, u)  # [A], [A]
         tok_list, logp_list = tok.tolist(), logp.tolist()
         for a, r in enumerate(active):
             if reasons[r] is not None:
@@ -250,13 +280,15 @@ def generate(
     model: Transformer,
     prompt_ids: list[list[int]],
     params: SamplingParams,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     *,
     tokenizer=None,
     compile: bool | str = False,
 ) -> GenerationOutput:
     """Sample params.n completions for each prompt with the model's own weights (no copy, no sync).
 
+    seed: one int for the call, or one per prompt (see the module docstring: per-prompt seeds make a prompt's
+    completions independent of the rest of the batch).
     tokenizer: needed only for stop_strings. compile: torch.compile the decode step (True = inductor,
     or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
     """
@@ -265,14 +297,16 @@ def generate(
     rows: list[_Row | None] = [None] * (len(prompt_ids) * n)
     if not prompt_ids:
         return GenerationOutput([], [], [], [])
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    if not isinstance(seed, int) and len(seed) != len(prompt_ids):
+        raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
+    draws = _Draws(seed, model.device)
     sample, stops = Sampler(params), StopStrings(params.stop_strings, tokenizer)
     step = _eager_step(model)
     if compile:
         step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
     with torch.inference_mode():
         for wave in plan_waves([len(p) for p in prompt_ids], params):
-            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, generator, stops, step)
+            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave)
             for j, i in enumerate(wave):
                 rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
     return GenerationOutput(

@@ -135,7 +135,8 @@ def sample_greedy(
 
 
 def sample_from_logits(
-    logits: torch.Tensor, generator: torch.Generator | None, block: int = SAMPLE_BLOCK, work: torch.Tensor | None = None
+    logits: torch.Tensor, generator: torch.Generator | None, block: int = SAMPLE_BLOCK,
+    work: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF sampling with one uniform per row, searched in two levels to stay cheap on a big vocab.
 
@@ -144,7 +145,9 @@ def sample_from_logits(
     ([R, V/block]), then the token inside that block through a cumsum of one block ([R, block]) — instead of
     a softmax plus a cumsum over all V. A token is drawn only if its weight is positive (a zero weight is a
     zero-width CDF step). log P(token) = logit - max - log(total). `work`: an optional reusable buffer of at
-    least [R, V + pad] (see Sampler) so a decode loop does not allocate a fresh [R, V] per step.
+    least [R, V + pad] (see Sampler) so a decode loop does not allocate a fresh [R, V] per step. `uniforms`
+    [R, 1] in [0, 1): the rows' random numbers when the caller draws them (per-prompt generators), else
+    they come from `generator`.
     """
     R, V = logits.shape
     n_blocks = -(-V // block)
@@ -156,7 +159,9 @@ def sample_from_logits(
     blocks = w.view(R, n_blocks, block)
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [R, n_blocks]
     total = block_cdf[:, -1:]  # [R, 1]
-    u = torch.rand((R, 1), generator=generator, device=logits.device, dtype=w.dtype) * total
+    if uniforms is None:
+        uniforms = torch.rand((R, 1), generator=generator, device=logits.device, dtype=w.dtype)
+    u = uniforms.to(w.dtype) * total  # [R, 1]
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total despite rounding
     b = torch.searchsorted(block_cdf, u, right=True)  # [R, 1]: first block whose cdf exceeds u (weight > 0)
     before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)  # [R, 1]
@@ -177,7 +182,8 @@ class Sampler:
         self.filters = build_filters(params) if params.temperature > 0 else []
         self._work: torch.Tensor | None = None  # sample_from_logits' buffer, reused across decode steps
 
-    def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None):
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None):
         logits = logits.float()
         if self.temperature == 0:
             return sample_greedy(logits, generator)
@@ -185,7 +191,7 @@ class Sampler:
             logits = logits / self.temperature
         for f in self.filters:
             logits = f(logits)
-        return sample_from_logits(logits, generator, work=self._work_for(logits))
+        return sample_from_logits(logits, generator, work=self._work_for(logits), uniforms=uniforms)
 
     def _work_for(self, logits: torch.Tensor) -> torch.Tensor:
         """A [R, V + pad] buffer kept across calls: reused while rows only shrink (compaction)."""

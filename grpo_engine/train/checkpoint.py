@@ -4,7 +4,8 @@ Layout: run_dir/checkpoints/step-000010/
     model/              HF layout (config.json, safetensors, tokenizer files): loads in transformers;
                         with LoRA the adapters merged into the base weights
     adapter/            LoRA only: the adapters in PEFT layout (adapter_config.json + safetensors)
-    trainer_state.pt    optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position
+    trainer_state.json  optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position:
+    trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, train/state_io.py)
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
 
@@ -18,17 +19,29 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..model.hf_io import save_model
+from ..model.hf_io import hf_name_table, save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
+from .state_io import load_state, save_state
 
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors (train/state_io.py: no pickles)
+LEGACY_STATE = "trainer_state.pt"  # the pickled format of earlier versions: resumed only when trusted
+
+
+class UntrustedCheckpointError(ValueError):
+    """A checkpoint whose trainer state is a pickle: loading it would run code from the file."""
+
+
+def has_trainer_state(ckpt_dir: Path) -> bool:
+    return (ckpt_dir / f"{STATE}.json").is_file() or (ckpt_dir / LEGACY_STATE).is_file()
 
 
 @dataclass
@@ -45,9 +58,13 @@ class TrainerState:
 
 
 def capture_rng() -> dict:
+    """Every global RNG state as tensors and numbers (no Python objects: storable without pickles)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -56,15 +73,22 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, nps = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((nps["name"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
+                         nps["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:06d}"
+
+
+def tmp_dir_for(ckpt_root: str | Path, step: int) -> Path:
+    """Where checkpoint `step` is written before it is published by a rename."""
+    return Path(ckpt_root) / (TMP_PREFIX + step_dir_name(step))
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
@@ -73,7 +97,7 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)]
-    found = [p for p in found if (p / "trainer_state.pt").is_file()]
+    found = [p for p in found if has_trainer_state(p)]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
@@ -103,12 +127,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_weights(model: torch.nn.Module, out: Path, *, tokenizer_dir: str | Path | None,
-                 base_model_path: str | None) -> None:
+                 base_model_path: str | None, full_state: dict[str, torch.Tensor] | None = None) -> None:
     """The policy's weights into a checkpoint directory: model/ in HF layout (LoRA merged into the base when
-    present) and, with LoRA, adapter/ in PEFT layout."""
+    present) and, with LoRA, adapter/ in PEFT layout. full_state: our-named full tensors to write instead of
+    the module's own (sharded models gather them first)."""
     has_lora = any(True for _ in lora_modules(model))
-    save_model(model, out / "model", tokenizer_dir=tokenizer_dir,
-               state_dict=merged_model_state(model) if has_lora else None)
+    state = merged_model_state(model) if has_lora else None
+    if full_state is not None:
+        state = {theirs: full_state[ours] for ours, theirs in hf_name_table(model.config).items()}
+    save_model(model, out / "model", tokenizer_dir=tokenizer_dir, state_dict=state)
     if has_lora:
         save_adapter(model, out / "adapter", base_model_name_or_path=base_model_path)
 
@@ -124,22 +151,27 @@ def save_checkpoint(
     keep_last: int,
     base_model_path: str | None = None,
     extra_files: dict[str, str] | None = None,
+    full_state: dict[str, torch.Tensor] | None = None,
+    before_publish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write step-XXXXXX atomically, then prune to the newest `keep_last` complete checkpoints."""
+    # (the temp dir is tmp_dir_for(ckpt_root, step): ranks other than 0 write their files there)
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(TMP_PREFIX + "*"):
         shutil.rmtree(stale, ignore_errors=True)
     final = root / step_dir_name(state.step)
-    tmp = root / (TMP_PREFIX + final.name)
+    tmp = tmp_dir_for(root, state.step)
     tmp.mkdir()
-    save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path)
-    torch.save(state.__dict__, tmp / "trainer_state.pt")
+    save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path, full_state=full_state)
+    save_state(dict(state.__dict__), tmp / STATE)
     (tmp / "config.yaml").write_text(config_yaml)
     for name, text in (extra_files or {}).items():  # e.g. kernels.json: the run's kernel plan
         (tmp / name).write_text(text)
     if metrics_path is not None and Path(metrics_path).is_file():
         shutil.copy2(metrics_path, tmp / "metrics.jsonl")
+    if before_publish is not None:  # e.g. every rank adding its own state (train/loop.py)
+        before_publish(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
         shutil.rmtree(final)
@@ -150,13 +182,36 @@ def save_checkpoint(
     return final
 
 
-def load_trainer_state(ckpt_dir: str | Path) -> TrainerState:
-    path = Path(ckpt_dir) / "trainer_state.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {ckpt_dir} is not a complete checkpoint")
-    # weights_only=False: the file holds python/numpy RNG state objects; it is our own file.
-    raw = torch.load(path, map_location="cpu", weights_only=False)
+def load_trainer_state(ckpt_dir: str | Path, trust_pickle: bool = False) -> TrainerState:
+    """The trainer state of a checkpoint. A legacy pickled trainer_state.pt is read only with trust_pickle
+    (`grpo train --resume --trust-checkpoint`): unpickling a file runs code its author chose."""
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / f"{STATE}.json").is_file():
+        return TrainerState(**load_state(ckpt_dir / STATE))
+    legacy = ckpt_dir / LEGACY_STATE
+    if not legacy.is_file():
+        raise FileNotFoundError(f"{ckpt_dir / STATE}.json not found: {ckpt_dir} is not a complete checkpoint")
+    if not trust_pickle:
+        raise UntrustedCheckpointError(
+            f"{legacy} is a pickle (written by an earlier grpo-engine): loading it runs code chosen by whoever "
+            f"wrote it. If you made this run yourself, resume with --trust-checkpoint; it is then rewritten "
+            f"without pickles at the next checkpoint")
+    raw = torch.load(legacy, map_location="cpu", weights_only=False)
+    raw["rng"] = _legacy_rng(raw["rng"])
     return TrainerState(**raw)
+
+
+def _legacy_rng(rng: dict) -> dict:
+    """The RNG states of a legacy trainer_state.pt (Python objects) in capture_rng's tensor form."""
+    version, internal, gauss = rng["python"]
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    out = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+           "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached": float(cached)},
+           "torch": rng["torch"]}
+    if "cuda" in rng:
+        out["cuda"] = rng["cuda"]
+    return out
 
 
 def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:
@@ -169,6 +224,6 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
         return found
     path = Path(resume)
-    if not (path / "trainer_state.pt").is_file() or not (path / "model" / "config.json").is_file():
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs trainer_state.pt and model/)")
+    if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
+        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
     return path

@@ -68,3 +68,16 @@ def evaluate_policy(model, tokenizer, task, examples: list[Example], params: Sam
         truncation_rate=statistics.fmean(g.finish_reasons[0] == "length" for g in groups),
         num_examples=len(groups),
     )
+
+
+def combine_eval(parts: list[EvalResult]) -> EvalResult:
+    """Results of disjoint example subsets (one per rank) as one result over all of them."""
+    if len(parts) == 1:
+        return parts[0]
+    n = sum(p.num_examples for p in parts)
+
+    def mean(field: str) -> float:
+        values = [(getattr(p, field), p.num_examples) for p in parts if not math.isnan(getattr(p, field))]
+        return sum(v * k for v, k in values) / sum(k for _, k in values) if values else math.nan
+
+    return EvalResult(mean("accuracy"), mean("format_rate"), mean("length_mean"), mean("truncation_rate"), n)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..config import to_yaml
 from ..kernels import PLAN_FILE
-from .checkpoint import TrainerState, capture_rng, save_checkpoint
-from .evaluation import evaluate_policy
+from .checkpoint import TrainerState, capture_rng, save_checkpoint, step_dir_name, tmp_dir_for
+from .distributed import close_world, full_state, gathered, save_rank_state
+from .evaluation import EvalResult, combine_eval, evaluate_policy
 from .metrics import sample_records
 from .setup import Run, eval_params, setup_run
 from .step import StepRecord, grpo_step
@@ -48,9 +49,11 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def train(cfg, *, resume: str | None = None, stop_after: int | None = None) -> RunResult:
-    """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call."""
-    run = setup_run(cfg, resume)
+def train(cfg, *, resume: str | None = None, stop_after: int | None = None,
+          trust_checkpoint: bool = False) -> RunResult:
+    """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
+    trust_checkpoint: allow resuming a legacy pickled trainer state (see train/checkpoint.py)."""
+    run = setup_run(cfg, resume, trust_checkpoint)
     stopped_by, done = "completed", run.done_steps
     with GracefulStop() as stop:
         try:
@@ -75,16 +78,20 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None) -> R
                     break
         finally:
             run.monitor.close()
+            close_world(run.inputs.world)
     return RunResult(done, run.last_checkpoint, stopped_by)
 
 
-def evaluate(run: Run):
-    """The policy on the fixed eval subset, with the same (LoRA-merged when exact) weights as rollout."""
-    cfg, inputs = run.cfg, run.inputs
-    with inputs.policy.rollout_weights():
-        return evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, run.eval_examples,
-                               eval_params(cfg, inputs.tokenizer), seed=cfg.seed,
-                               max_prompt_tokens=cfg.rollout.max_prompt_tokens)
+def evaluate(run: Run) -> EvalResult:
+    """The policy on the fixed eval subset, with the same (LoRA-merged when exact) weights as rollout; under
+    torchrun each rank evaluates every size-th example and the results are combined."""
+    cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
+    mine = run.eval_examples[world.rank :: world.size]
+    with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world):
+        result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
+                                 eval_params(cfg, inputs.tokenizer), seed=cfg.seed,
+                                 max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else None
+    return combine_eval([r for r in world.gather(result) if r is not None])
 
 
 def log(run: Run, record: StepRecord) -> None:
@@ -95,8 +102,23 @@ def log(run: Run, record: StepRecord) -> None:
 
 
 def checkpoint(run: Run, step: int) -> Path:
-    """Write checkpoints/step-N (atomically) with everything an exact resume needs."""
-    cfg, inputs = run.cfg, run.inputs
+    """Write checkpoints/step-N (atomically) with everything an exact resume needs. Under torchrun rank 0
+    writes the model (gathered from the shards under fsdp2) and the shared state, every rank its own state
+    into the same temp directory, and rank 0 publishes it."""
+    cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
+    full = full_state(inputs.policy.model, world) if world.strategy == "fsdp2" else None  # a collective
+
+    def add_rank_states(tmp: Path) -> None:
+        world.barrier()  # rank 0's temp directory exists
+        if world.size > 1:
+            save_rank_state(tmp, world, inputs.policy)
+        world.barrier()  # every rank's file is in it
+
+    if not world.is_main:
+        add_rank_states(tmp_dir_for(run.ckpt_root, step))
+        world.barrier()  # published
+        run.last_checkpoint = run.ckpt_root / step_dir_name(step)
+        return run.last_checkpoint
     policy_state = inputs.policy.state_dict()
     extra = {"reference": policy_state["reference"]} if "reference" in policy_state else {}
     state = TrainerState(step, inputs.prompts.position, policy_state["optimizer"], policy_state["scheduler"],
@@ -104,7 +126,9 @@ def checkpoint(run: Run, step: int) -> Path:
     run.last_checkpoint = save_checkpoint(
         run.ckpt_root, inputs.policy.model, state, config_yaml=to_yaml(cfg), metrics_path=run.monitor.metrics_path,
         tokenizer_dir=cfg.tokenizer.path or cfg.model.path, keep_last=cfg.checkpoint.keep_last,
-        base_model_path=cfg.model.path, extra_files={PLAN_FILE: inputs.policy.kernels.to_json()})
+        base_model_path=cfg.model.path, extra_files={PLAN_FILE: inputs.policy.kernels.to_json()}, full_state=full,
+        before_publish=add_rank_states)
+    world.barrier()
     return run.last_checkpoint
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -11,7 +12,10 @@ from ..monitor import Sample, StepMetrics
 from ..rl.advantages import zero_variance_groups
 from .advantage_batch import AdvantageInfo
 from .batching import RolloutBatch
+from .distributed import World
 from .evaluation import accuracy
+from .rollouts import RolloutRound
+from .update import UpdateStats, combine_metrics
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
@@ -24,8 +28,47 @@ _UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": 
                    "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max"}
 
 
-def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: AdvantageInfo,
-                 zero_variance_tol: float = 0.0) -> StepMetrics:
+@dataclass
+class StepParts:
+    """What a step's metrics are computed from (one rank's, or every rank's merged)."""
+
+    rollout: RolloutRound
+    rows: int  # training rows
+    train_tokens: int  # active completion tokens
+    update: UpdateStats | None
+    adv: AdvantageInfo
+
+
+def step_parts(rollout: RolloutRound, batch: RolloutBatch | None, update: UpdateStats | None,
+               adv: AdvantageInfo) -> StepParts:
+    rows, tokens = (batch.num_rows, batch.active_tokens()) if batch is not None else (0, 0)
+    return StepParts(rollout, rows, tokens, update, adv)
+
+
+def merge_ranks(world: World, parts: StepParts) -> StepParts:
+    """Every rank's parts merged (a collective: all ranks call it): groups concatenated in rank order, counts
+    summed, update metrics combined token-weighted, semantic entropy averaged over groups."""
+    if world.size == 1:
+        return parts
+    every = world.gather(parts)
+    rollouts = [p.rollout for p in every]
+    merged = RolloutRound([g for r in rollouts for g in r.groups], [g for r in rollouts for g in r.generated],
+                          max(r.refills for r in rollouts), sum(r.gen_tokens for r in rollouts),
+                          max(r.time_generate_s for r in rollouts))
+    updates = [p.update for p in every if p.update is not None]
+    update = None
+    if updates:
+        combined = combine_metrics([u.metrics for u in updates])
+        update = UpdateStats(combined["loss"], combined, sum(u.tokens for u in updates))
+    groups = [len(p.rollout.groups) for p in every]
+    se = [p.adv.semantic_entropy * n for p, n in zip(every, groups) if n]
+    adv = AdvantageInfo(sum(p.adv.num_zero_variance for p in every), sum(p.adv.num_nonfinite for p in every),
+                        sum(se) / max(1, sum(groups)) if se else math.nan)
+    return StepParts(merged, sum(p.rows for p in every), sum(p.train_tokens for p in every), update, adv)
+
+
+def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) -> StepMetrics:
+    rollout, adv, update = parts.rollout, parts.adv, parts.update
     gen = rollout.generated
     results = [r for g in gen for r in g.rewards]
     lengths = [len(c) for g in gen for c in g.completion_ids]
@@ -48,8 +91,7 @@ def step_metrics(step: int, rollout, batch: RolloutBatch | None, update, adv: Ad
     m.gen_tokens = rollout.gen_tokens
     m.time_generate_s = rollout.time_generate_s
     m.gen_tokens_per_s = rollout.gen_tokens / max(rollout.time_generate_s, 1e-9)
-    if batch is not None:
-        m.rows, m.train_tokens = batch.num_rows, batch.active_tokens()
+    m.rows, m.train_tokens = parts.rows, parts.train_tokens
     if update is not None:
         m.loss = update.loss
         for ours, theirs in _UPDATE_METRICS.items():

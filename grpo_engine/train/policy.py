@@ -20,6 +20,7 @@ from ..kernels import KernelPlan, apply_kernels, choose_plan, load_plan
 from ..model.hf_io import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from .batching import RolloutBatch
+from .distributed import World, shard_model
 from .memory import apply_memory_config, torch_dtype
 from .optim import build_optimizer
 from .reference import Reference, make_reference
@@ -108,11 +109,14 @@ class Policy:
             self.reference.module.load_state_dict(state["reference"])
 
 
-def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = None) -> Policy:
+def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = None,
+                 world: World | None = None) -> Policy:
     """The policy of `cfg` on `device`: weights (the checkpoint's when resuming full fine-tuning; LoRA reloads
     the base from model.path and the adapters from the checkpoint), kernels, memory options, optimizer,
     schedule and reference. A frozen reference is always the weights at model.path; a moving one is restored
-    from the checkpoint by load_state_dict."""
+    from the checkpoint by load_state_dict. Under fsdp2 the model (and a copied reference) are sharded before
+    the optimizer is built, so its state is sharded too."""
+    world = world or World()
     spec = policy_spec(cfg)
     dtype = torch_dtype(cfg.memory.precision, device)
     full_resume = resume_dir is not None and spec.mode == "full"
@@ -128,6 +132,8 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
         reference = make_reference(apply_kernels(initial, kernels), cfg.reference, beta=cfg.algorithm.beta)
+        shard_model(reference.module, world)
+    shard_model(model, world)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, device)
     s = cfg.schedule
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,

@@ -16,6 +16,7 @@ from ..config.algorithm import GroupFilterConfig
 from ..rl.group_filter import select_groups, take_groups
 from ..rollout import SamplingParams, generate
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
+from .distributed import World
 
 
 class PromptSampler:
@@ -57,9 +58,12 @@ class Group:
         return [r.total for r in self.rewards]
 
 
-def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams, seed: int,
-                    max_prompt_tokens: int, reward_timeout_s: float = 5.0) -> tuple[list[Group], int]:
-    """Generate params.n completions per example and score them. Returns (groups, generated tokens)."""
+def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams,
+                    seed: int | list[int], max_prompt_tokens: int,
+                    reward_timeout_s: float = 5.0) -> tuple[list[Group], int]:
+    """Generate params.n completions per example and score them. Returns (groups, generated tokens).
+
+    seed: one int for the call, or one per example (rollout.generate)."""
     texts = [render_prompt(task, tokenizer, ex) for ex in examples]
     prompt_ids = [tokenizer.encode(t) for t in texts]
     for ex, ids in zip(examples, prompt_ids):
@@ -83,9 +87,11 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
     return groups, sum(len(c) for c in out.completion_ids)
 
 
-def step_seed(seed: int, step: int, round_: int) -> int:
-    """Sampling seed of one generation round: a pure function of (seed, step, round), so resume is exact."""
-    return (seed * 1_000_003 + step * 1_009 + round_) % (2**63)
+def prompt_seed(seed: int, step: int, round_: int, prompt: int) -> int:
+    """Sampling seed of one prompt's group: a pure function of (seed, step, dynamic-sampling round, the prompt's
+    index among the step's global prompts), so resume is exact and the completions of a prompt do not depend
+    on which other prompts share its batch (or its rank)."""
+    return (seed * 1_000_003 + step * 1_009 + round_ * 101 + prompt * 7_919) % (2**63)
 
 
 @dataclass
@@ -100,27 +106,35 @@ class RolloutRound:
 
 
 def collect_groups(model, tokenizer, task, examples, sampler: PromptSampler, params: SamplingParams, *,
-                   prompts: int, seed: int, step: int, max_prompt_tokens: int,
-                   group_filter: GroupFilterConfig) -> RolloutRound:
-    """Generate P groups; with group_filter.enabled keep only informative groups (rewards differ), drawing
-    fresh prompts for the missing ones, for at most group_filter.max_rounds rounds (rl.group_filter)."""
+                   prompts: int, seed: int, step: int, max_prompt_tokens: int, group_filter: GroupFilterConfig,
+                   world: World | None = None) -> RolloutRound:
+    """Generate this rank's groups of the step's `prompts` (the global count); with group_filter.enabled keep
+    only informative groups (rewards differ), drawing fresh prompts for the missing ones, for at most
+    group_filter.max_rounds rounds (rl.group_filter).
+
+    Every rank draws the same global prompts from the stream and generates its own share of them, each
+    prompt seeded by its global index: the completions of a prompt do not depend on the number of ranks.
+    """
+    world = world or World()
+    local = prompts // world.size
     rounds: list[list[Group]] = []
-    gen_tokens, t0 = 0, time.perf_counter()
-    rounds_allowed = group_filter.max_rounds if group_filter.enabled else 1
-    selection = None
-    while len(rounds) < rounds_allowed:
-        missing = prompts - (selection.num_informative if selection else 0)
-        batch = [examples[sampler.next()] for _ in range(missing)]
-        groups, n = generate_groups(model, tokenizer, task, batch, params, step_seed(seed, step, len(rounds)),
-                                    max_prompt_tokens)
-        rounds.append(groups)
-        gen_tokens += n
-        if not group_filter.enabled:
+    gen_tokens, t0, selection = 0, time.perf_counter(), None
+    for round_ in range(group_filter.max_rounds if group_filter.enabled else 1):
+        missing = max(0, local - (selection.num_informative if selection else 0))
+        need = world.max(missing)  # every rank draws (and so advances the stream) in step
+        if need == 0:
             break
-        rewards = [torch.tensor([g.totals for g in r], dtype=torch.float64) for r in rounds]  # [P_r, G] each
-        selection = select_groups(rewards, prompts, group_filter.tol)
-        if selection.done:
-            break
-    kept = rounds[0] if selection is None else take_groups(rounds, selection, group_size=1)
+        drawn = [sampler.next() for _ in range(need * world.size)]  # global prompt index -> example
+        mine = list(world.my_share(len(drawn)))[:missing]
+        if mine:
+            seeds = [prompt_seed(seed, step, round_, i) for i in mine]
+            groups, n = generate_groups(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
+                                        max_prompt_tokens)
+            rounds.append(groups)
+            gen_tokens += n
+        if group_filter.enabled and rounds:
+            rewards = [torch.tensor([g.totals for g in r], dtype=torch.float64) for r in rounds]  # [P_r, G] each
+            selection = select_groups(rewards, local, group_filter.tol)
+    kept = take_groups(rounds, selection, group_size=1) if selection is not None else [g for r in rounds for g in r]
     generated = [g for r in rounds for g in r]
-    return RolloutRound(kept, generated, len(rounds) - 1, gen_tokens, time.perf_counter() - t0)
+    return RolloutRound(kept, generated, max(0, len(rounds) - 1), gen_tokens, time.perf_counter() - t0)

@@ -17,12 +17,13 @@ import torch
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
 from ..model.tokenizer import load_tokenizer
-from ..monitor import Monitor
+from ..monitor import Monitor, RankMessages
 from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams
 from ..tasks import make_task
 from ..tasks.base import Example
 from .checkpoint import load_trainer_state, resolve_resume, restore_rng
+from .distributed import World, init_world, load_rank_state, on_main_first
 from .policy import build_policy
 from .rollouts import PromptSampler
 from .step import StepInputs, StepState
@@ -43,42 +44,55 @@ class Run:
     last_checkpoint: Path | None
 
 
-def setup_run(cfg: Config, resume: str | None = None) -> Run:
-    """resume: None, "latest" or a checkpoint directory."""
+def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = False) -> Run:
+    """resume: None, "latest" or a checkpoint directory. Under torchrun every rank runs this; rank 0 alone
+    builds the warm start and writes logs."""
+    world = init_world(cfg)  # impossible layouts are config errors here, before anything is read
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     task = build_task(cfg)
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
-        cfg.model.path = str(warm_start(cfg, task))  # tiny base / SFT phase, written once under run_dir
+        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))  # base/, sft/ under run_dir
     train_examples = list(task.examples(cfg.task.train_split))
     eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root)
-    saved = load_trainer_state(resume_dir) if resume_dir else None
+    saved = load_trainer_state(resume_dir, trust_checkpoint) if resume_dir else None
     done = saved.step if saved else 0
-    monitor = Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
-                      tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                      wandb_project=cfg.logging.wandb_project, config=cfg_dict(cfg))
-    device = pick_device(cfg.model.device)
+    monitor = make_monitor(cfg, world, done)
+    device = pick_device(cfg.model.device, world)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    policy = build_policy(cfg, device, resume_dir)
-    (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
+    policy = build_policy(cfg, device, resume_dir, world)
+    if world.is_main:
+        (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
     prompts = PromptSampler(len(train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
     if saved is not None:
         policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
         restore_rng(saved.rng)
-    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, sampling_params(cfg, tokenizer))
+        load_rank_state(resume_dir, world, policy)
+    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, sampling_params(cfg, tokenizer), world)
     return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+def make_monitor(cfg: Config, world: World, done: int):
+    """Rank 0 writes metrics, samples and the console; the other ranks only print their messages."""
+    if not world.is_main:
+        return RankMessages(world.rank)
+    return Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
+                   tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                   wandb_project=cfg.logging.wandb_project, config=cfg_dict(cfg))
+
+
+def pick_device(name: str, world: World | None = None) -> torch.device:
+    """The device to train on; under torchrun on CUDA, the rank's own GPU (LOCAL_RANK)."""
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
         raise ConfigError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
-    return torch.device(name)
+    if name == "cpu" or not cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", world.local_rank if world is not None else torch.cuda.current_device())
 
 
 def seed_everything(seed: int) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Config, loss_config
 from ..monitor import StepMetrics
@@ -23,8 +23,9 @@ from ..rollout import SamplingParams
 from ..tasks.base import Example
 from .advantage_batch import rollout_batch
 from .batching import RolloutBatch
+from .distributed import World, gathered
 from .memory import free_rollout_memory, peak_memory_mib, reset_peak_memory
-from .metrics import step_metrics
+from .metrics import merge_ranks, step_metrics, step_parts
 from .policy import Policy
 from .rollouts import PromptSampler, RolloutRound, collect_groups
 from .update import UpdateOutcome, UpdateSettings, update_policy
@@ -41,6 +42,7 @@ class StepInputs:
     examples: list[Example]  # the training split
     prompts: PromptSampler  # endless shuffled stream of example indices (its state is one integer)
     params: SamplingParams  # rollout sampling (G completions per prompt)
+    world: World = field(default_factory=World)  # this rank among the data-parallel ranks (size 1: alone)
 
 
 @dataclass
@@ -65,30 +67,35 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     t_step = time.perf_counter()
     reset_peak_memory(policy.device)
 
-    # 1-3. P prompts -> G completions each, on the policy's own weights -> rewards (dynamic sampling refills)
-    with policy.rollout_weights():
+    # 1-3. this rank's share of the P prompts -> G completions each, on the policy's own weights -> rewards
+    with policy.rollout_weights(), gathered(policy.model, run.world):
         rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, run.prompts, run.params,
                                  prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                                 group_filter=cfg.algorithm.group_filter)
+                                 group_filter=cfg.algorithm.group_filter, world=run.world)
     if cfg.memory.empty_cache_between_phases:
         free_rollout_memory()
 
-    # 4. rewards -> group advantages (+ semantic entropy, overlong handling) -> one right-padded batch
+    # 4. rewards -> group advantages (+ semantic entropy, overlong handling) -> one right-padded batch; the
+    #    loss normalisers are the step's token and sequence counts over all ranks
     batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id)
+    totals = step_totals(batch, run.world)
 
     # 5. old-policy (mu > 1) and reference (beta > 0) log-probs, only when the loss needs them
     t0 = time.perf_counter()
     policy.model.train()
-    if batch is not None:
-        attach_logprobs(batch, policy, cfg, state.micro_tokens)
+    if cfg.algorithm.mu > 1 or policy.spec.reference != "none":
+        reference = policy.reference.module if policy.reference is not None else None
+        with gathered(policy.model, run.world), gathered(reference, run.world):  # fsdp2: weights gathered once
+            if batch is not None:
+                attach_logprobs(batch, policy, cfg, state.micro_tokens)
     time_logprobs = time.perf_counter() - t0
 
     # 6. mu passes over the batch, each ending in one optimizer step; then the LR schedule and the reference
     t0 = time.perf_counter()
     lr = policy.scheduler.get_last_lr()[0]
     outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), state.micro_tokens,
-                            message)
+                            message, run.world, totals)
     policy.after_update(step, updated=not outcome.skipped)
     state.micro_tokens = outcome.micro_tokens
     if outcome.nonfinite:
@@ -100,13 +107,14 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     time_update = time.perf_counter() - t0
 
     # 7. the step's record
-    m = step_metrics(step, rollout, batch, outcome.stats, adv_info, cfg.algorithm.advantage.zero_variance_tol)
+    parts = merge_ranks(run.world, step_parts(rollout, batch, outcome.stats, adv_info))
+    m = step_metrics(step, parts, cfg.algorithm.advantage.zero_variance_tol)
     m.grad_norm, m.lr, m.skipped_update = outcome.grad_norm, lr, outcome.skipped
     m.micro_batch_tokens = state.micro_tokens
     m.time_logprobs_s, m.time_update_s = time_logprobs, time_update
     m.train_tokens_per_s = m.train_tokens * cfg.algorithm.mu / max(time_update, 1e-9)
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
-    return StepRecord(step, m, rollout, outcome)
+    return StepRecord(step, m, parts.rollout, outcome)
 
 
 def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_tokens: int) -> None:
@@ -115,6 +123,13 @@ def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_toke
     if cfg.algorithm.mu > 1:
         batch.old_logp = policy.old_logprobs(batch, micro_tokens, **kw)
     batch.ref_logp = policy.ref_logprobs(batch, micro_tokens, **kw)
+
+
+def step_totals(batch: RolloutBatch | None, world: World) -> tuple[int, int] | None:
+    """(active tokens, active rows) of the whole step over all ranks; None when no rank has a batch."""
+    local = [1.0, batch.active_tokens(), batch.active_rows()] if batch is not None else [0.0, 0.0, 0.0]
+    ranks_with_data, tokens, rows = world.sum(local)
+    return (int(tokens), int(rows)) if ranks_with_data else None
 
 
 def update_settings(cfg: Config) -> UpdateSettings:

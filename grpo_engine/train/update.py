@@ -16,6 +16,7 @@ import torch
 from ..rl.logprobs import token_logprobs, token_logprobs_with_grads
 from ..rl.losses import LossConfig, is_tokenwise, policy_loss
 from .batching import RolloutBatch, plan_micro_batches
+from .distributed import World, accumulating, sum_gradients
 from .shared_prompt import shared_prompt_hidden
 
 OOM_KNOBS = (
@@ -88,14 +89,14 @@ def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature
 @dataclass
 class UpdateStats:
     loss: float  # the pass's loss (micro-batch losses add up to it: each is its share of the whole step)
-    metrics: dict[str, float]  # policy_loss metrics combined over micro-batches (see _combine)
+    metrics: dict[str, float]  # policy_loss metrics combined over micro-batches (see combine_metrics)
     tokens: int  # active completion tokens of the step
 
 
 _SUMMED = ("loss", "pg_loss", "active_tokens", "num_nonfinite")
 
 
-def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Micro-batch metrics -> step metrics: sums for additive ones, min / max for ratio extremes, and an
     active-token-weighted mean for the rest (kl_mean, entropy_mean, clip fractions, ratio_mean)."""
     weight = sum(p["active_tokens"] for p in parts) or 1.0
@@ -114,21 +115,25 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def accumulate_gradients(model, batch: RolloutBatch, loss_cfg: LossConfig, token_budget: int, *,
-                         temperature: float, chunk_size: int, fused_head: bool = True) -> UpdateStats:
+                         temperature: float, chunk_size: int, fused_head: bool = True,
+                         totals: tuple[int, int] | None = None) -> UpdateStats:
     """One pass: forward/backward every micro-batch through rl.policy_loss, gradients summed in .grad.
 
-    policy_loss gets the WHOLE step's active tokens and sequences as its normalisers, so the micro-batch
-    losses (and gradients) add up exactly to those of one big batch, whatever the split. With `fused_head`
+    policy_loss gets the WHOLE step's active tokens and sequences as its normalisers (`totals`, summed over
+    ranks when data-parallel; default: this batch's), so the micro-batch losses (and gradients) add up exactly
+    to those of one big batch, whatever the split. With `fused_head`
     and a per-token loss (rl.losses.is_tokenwise) the LM head's gradients are computed in its forward pass
     (`_fused_micro_batch`); otherwise autograd runs through the chunked head (`_autograd_micro_batch`).
     """
-    totals = (max(1, batch.active_tokens()), max(1, batch.active_rows()))
+    if totals is None:  # one process: this batch is the whole step
+        totals = (batch.active_tokens(), batch.active_rows())
+    totals = (max(1, totals[0]), max(1, totals[1]))
     step = _fused_micro_batch if fused_head and is_tokenwise(loss_cfg) else _autograd_micro_batch
     parts = []
     for rows in plan_micro_batches(batch, token_budget):
         sub = batch.select(torch.tensor(rows)).to(model.device)
         parts.append(step(model, sub, loss_cfg, totals, temperature=temperature, chunk_size=chunk_size))
-    combined = _combine(parts)
+    combined = combine_metrics(parts)
     return UpdateStats(combined["loss"], combined, totals[0])
 
 
@@ -229,12 +234,15 @@ def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, cfg: LossConfig, total
 
 
 def clip_and_check(model, max_norm: float) -> float:
-    """Global grad norm (clipped to max_norm when > 0). Returns inf/nan untouched so the caller can skip."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    """Global grad norm (clipped to max_norm when > 0; sharded gradients included). Returns inf/nan untouched
+    so the caller can skip the step."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
+    if hasattr(norm, "full_tensor"):  # a DTensor (FSDP2): the same value on every rank
+        norm = norm.full_tensor()
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False))
-    norms = torch.stack([p.grad.detach().float().norm() for p in params])
-    return float(norms.norm())
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return float(norm)
 
 
 def is_finite(*values: float) -> bool:
@@ -267,39 +275,50 @@ class UpdateSettings:
 
 
 def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSettings, micro_tokens: int,
-                  message=print) -> UpdateOutcome:
-    """mu passes over the batch, each: zero grads, accumulate micro-batches, clip, check finite, step.
+                  message=print, world: World | None = None, totals: tuple[int, int] | None = None) -> UpdateOutcome:
+    """mu passes over the batch, each: zero grads, accumulate micro-batches, sum over ranks, clip, check
+    finite, step. `totals`: the step's active tokens and rows over all ranks (default: this batch's); a rank
+    whose batch is None still takes part (its gradients are zeros) as long as some rank has data.
 
     A NaN/inf loss or gradient skips the update (no optimizer step: the weights stay as they were); the caller
     counts those and stops the run after optimizer.max_nonfinite_steps in a row.
     """
-    if batch is None:
+    world = world or World()
+    if totals is None and batch is not None:
+        totals = (batch.active_tokens(), batch.active_rows())
+    if totals is None:  # no rank has anything to train on
         return UpdateOutcome(None, math.nan, True, False, micro_tokens)
     stats, grad_norm = None, math.nan
     for _ in range(s.mu):
         optimizer.zero_grad(set_to_none=True)
-        stats, micro_tokens = run_pass(model, batch, s, micro_tokens, message)
+        with accumulating(model, world):
+            if batch is not None:
+                stats, micro_tokens = run_pass(model, batch, s, micro_tokens, message, totals, world.size == 1)
+        sum_gradients(model, world)
         grad_norm = clip_and_check(model, s.grad_clip)
-        if not is_finite(stats.loss, grad_norm):
+        loss = world.sum([stats.loss if stats is not None else 0.0])[0]  # each rank's share of the step's loss
+        if not is_finite(loss, grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return UpdateOutcome(stats, grad_norm, True, True, micro_tokens)
         optimizer.step()
     return UpdateOutcome(stats, grad_norm, False, False, micro_tokens)
 
 
-def run_pass(model, batch: RolloutBatch, s: UpdateSettings, micro_tokens: int, message) -> tuple[UpdateStats, int]:
-    """One forward/backward pass over the batch; on CUDA OOM optionally halve the micro-batch and retry."""
+def run_pass(model, batch: RolloutBatch, s: UpdateSettings, micro_tokens: int, message,
+             totals: tuple[int, int], may_retry: bool = True) -> tuple[UpdateStats, int]:
+    """One forward/backward pass over the batch; on CUDA OOM optionally halve the micro-batch and retry (one
+    process only: a rank retrying alone would leave the others waiting in a collective)."""
     while True:
         try:
             stats = accumulate_gradients(model, batch, s.loss, micro_tokens, temperature=s.temperature,
-                                         chunk_size=s.chunk_size)
+                                         chunk_size=s.chunk_size, totals=totals)
             return stats, micro_tokens
         except torch.OutOfMemoryError as e:
             model.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             longest = int(batch.lengths.max())
-            if not s.auto_halve or micro_tokens // 2 < longest:
+            if not (s.auto_halve and may_retry) or micro_tokens // 2 < longest:
                 raise torch.OutOfMemoryError(
                     f"out of memory in the update with memory.micro_batch_tokens={micro_tokens} "
                     f"(longest row {longest} tokens). Lower one of: {OOM_KNOBS}. ({e})") from e

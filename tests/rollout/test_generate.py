@@ -182,3 +182,28 @@ def test_compiled_decode_step_traces_and_matches_eager(tiny_model, mixed_prompts
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
     compiled = generate(tiny_model, mixed_prompts, params, compile="eager")
     assert compiled == generate(tiny_model, mixed_prompts, params)
+
+
+def test_per_prompt_seeds_make_a_prompts_samples_independent_of_the_batch(tiny_dir, mixed_prompts):
+    """With one seed per prompt, a prompt's completions are the same alone, in any batch, in any wave plan and
+    whatever the other rows do (stop tokens compact the batch at different times) -- the property that makes a
+    step's samples independent of how prompts are split across ranks. float64: no matmul-blocking rounding."""
+    from grpo_engine.model.hf_io import load_model
+
+    model = load_model(tiny_dir, dtype=torch.float64)
+    seeds = [11, 22, 33]
+    stops = list(range(100, 140))  # frequent stops: rows finish at different steps
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, stop_token_ids=stops)
+    together = generate(model, mixed_prompts, params, seed=seeds)
+    for i, prompt in enumerate(mixed_prompts):
+        alone = generate(model, [prompt], params, seed=[seeds[i]])
+        assert alone.completion_ids == together.completion_ids[3 * i : 3 * i + 3]
+        assert alone.finish_reason == together.finish_reason[3 * i : 3 * i + 3]
+    waves = generate(model, mixed_prompts[::-1], SamplingParams(**{**params.__dict__, "max_tokens_in_flight": 70}),
+                     seed=seeds[::-1])  # other order, one prompt per wave
+    for i in range(3):
+        j = 2 - i
+        assert waves.completion_ids[3 * j : 3 * j + 3] == together.completion_ids[3 * i : 3 * i + 3]
+    assert len({f for f in together.finish_reason}) == 2  # both stops and length caps happened
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generate(model, mixed_prompts, params, seed=[1, 2])
