@@ -15,6 +15,7 @@ from .bench import add_bench_parser
 from .config import ConfigError
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
+from .model.gguf_export import add_export_parser
 
 
 def add_train_parser(sub) -> None:
@@ -105,7 +106,7 @@ def add_plan_parser(sub) -> None:
 
 
 PARSERS = [add_demo_parser, add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser,
-           add_config_parser, add_plan_parser, add_bench_parser]
+           add_config_parser, add_plan_parser, add_bench_parser, add_export_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

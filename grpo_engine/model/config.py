@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class CheckpointError(ValueError):
+    """A checkpoint (directory or GGUF file) that cannot be loaded; the message names the file or tensor and
+    the fix."""
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters; field names follow HF config.json where one exists."""

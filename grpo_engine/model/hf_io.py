@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .config import CheckpointError
 from .transformer import ModelConfig, Transformer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -28,10 +29,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file or tensor and the fix."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -240,8 +237,13 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load an HF checkpoint directory. Built on the meta device, so weights are allocated once."""
+    """Load an HF checkpoint directory (or a .gguf file: model/gguf_io.py). Built on the meta device, so weights
+    are allocated once."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf_io import load_gguf_model
+
+        return load_gguf_model(path, dtype, device)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
@@ -318,7 +320,15 @@ def save_model(
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    """The tokenizer files of `src` into `dst`; from a .gguf file they are generated (tokenizer.json,
+    tokenizer_config.json with the chat template, generation_config.json), so a run that started from a GGUF
+    writes ordinary Hugging Face checkpoints."""
     src, dst = Path(src), Path(dst)
+    if src.suffix == ".gguf":
+        from .tokenizer import load_tokenizer
+
+        load_tokenizer(src).save(dst)
+        return
     if src.resolve() == dst.resolve():
         return
     for name in TOKENIZER_FILES:

@@ -105,6 +105,20 @@ class Tokenizer:
             return pad_id
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
+    def save(self, out_dir: str | Path) -> Path:
+        """tokenizer.json, tokenizer_config.json (chat template included) and, when known, generation_config.json
+        (written only if the directory has none): files transformers, vLLM and load_tokenizer read."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        config = dict(self.config)
+        if self.chat_template_source and "chat_template" not in config:
+            config["chat_template"] = self.chat_template_source
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        if self.generation_config and not (out / "generation_config.json").exists():
+            (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
+        return out
+
     # -- chat template ------------------------------------------------------------------------------------
 
     @cached_property
@@ -121,8 +135,14 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load tokenizer.json, tokenizer_config.json (+ chat_template.jinja) and generation_config.json."""
+    """Load tokenizer.json, tokenizer_config.json (+ chat_template.jinja) and generation_config.json; or the
+    tokenizer inside a .gguf file (model/gguf_tokenizer.py)."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf_io import metadata, reader
+        from .gguf_tokenizer import build_tokenizer
+
+        return build_tokenizer(metadata(reader(path)), str(path))
     tok_file = path / "tokenizer.json"
     if not tok_file.exists():
         raise CheckpointError(

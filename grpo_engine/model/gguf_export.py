@@ -1,0 +1,167 @@
+"""`grpo export MODEL|CHECKPOINT|RUN_DIR OUT.gguf --type f16|q8_0`: a trained model as one GGUF file that
+llama.cpp and Ollama run, tokenizer and chat template inside.
+
+Written the way llama.cpp's own converter writes a Llama / Qwen2 / Qwen3 checkpoint: its metadata keys, its
+tensor names in the order of the Hugging Face tensor names, Llama's q/k rows permuted (the inverse of
+gguf_io.unpermute_qk), 1-D tensors (norms, biases) in F32 and the matrices in the chosen type. Checkpoints
+hold LoRA already merged into model/, so an adapter run exports like any other.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .config import CheckpointError
+
+if TYPE_CHECKING:
+    from .transformer import Transformer
+
+TYPES = ("f16", "q8_0")
+FILE_TYPES = {"f16": 1, "q8_0": 7}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0
+ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def permute_qk(w, heads: int):
+    """llama.cpp's Llama q/k row order (w: a numpy array [rows, in]): each head's rows as [2, d/2] pairs
+    swapped to [d/2, 2]."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    from .gguf_io import BLOCK_NAMES, GLOBAL_NAMES
+
+    glob = {v: k for k, v in GLOBAL_NAMES.items()}
+    if hf in glob:
+        return glob[hf]
+    layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+    block = {v: k for k, v in BLOCK_NAMES.items()}
+    return f"blk.{layer}.{block[rest]}"
+
+
+def resolve_source(path: str) -> Path:
+    """A model path, a checkpoint dir (its model/) or a run dir (its newest checkpoint's model/)."""
+    p = Path(path)
+    if p.suffix == ".gguf" or (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    steps = sorted((p / "checkpoints").glob("step-*"), key=lambda d: int(d.name.split("-")[1])) \
+        if (p / "checkpoints").is_dir() else []
+    steps = [s for s in steps if (s / "model" / "config.json").is_file()]
+    if steps:
+        return steps[-1] / "model"
+    raise CheckpointError(f"{path}: not a model directory, a .gguf file, a checkpoint or a run directory with "
+                          f"checkpoints")
+
+
+def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
+    c = model.config
+    w.add_type("model")
+    general = dict(c.extra.get("gguf_general", {}))
+    w.add_name(str(general.pop("general.name", name)))
+    for key, value in general.items():
+        w.add_key_value(key, value, _value_type(value))
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(FILE_TYPES[kind])
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.head_dim)
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+
+
+def _value_type(value):
+    from gguf import GGUFValueType
+
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.UINT32
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, list):
+        return GGUFValueType.ARRAY
+    return GGUFValueType.STRING
+
+
+def write_tensors(w, model: Transformer, kind: str) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from .hf_io import hf_name_table, hf_state_dict
+
+    c = model.config
+    state = hf_state_dict(model)
+    for hf in sorted(hf_name_table(c).values()):
+        t = state[hf].float().numpy()
+        if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
+        if t.ndim == 1:
+            w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
+        elif kind == "f16":
+            w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float16))
+        else:
+            q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+
+def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = False) -> Path:
+    """Write `source` (model dir, .gguf, checkpoint or run dir) to the GGUF file `out` as f16 or q8_0."""
+    import gguf
+
+    from .gguf_tokenizer import write_tokenizer
+    from .hf_io import load_model
+    from .tokenizer import load_tokenizer
+
+    if kind not in TYPES:
+        raise CheckpointError(f"--type {kind!r} is not supported; choose one of {', '.join(TYPES)}")
+    out_path = Path(out)
+    if out_path.exists() and not overwrite:
+        raise CheckpointError(f"{out_path} exists; remove it or pass --overwrite")
+    src = resolve_source(source)
+    model, tok = load_model(src), load_tokenizer(src)
+    if model.config.rope_scaling:
+        raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
+                              f"(llama.cpp stores it as a rope_freqs tensor); convert with llama.cpp's converter")
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), ARCH_OF[model.config.model_type])
+    write_metadata(w, model, kind, src.parent.name if src.name == "model" else src.stem)
+    write_tokenizer(w, tok, model.config.vocab_size)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    write_tensors(w, model, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out_path)
+    return out_path
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a model, checkpoint or run as one GGUF file (llama.cpp, Ollama)")
+    p.add_argument("source", help="HF model dir, .gguf file, checkpoint dir, or run dir (its newest checkpoint)")
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument("--type", default="f16", choices=TYPES, help="matrix type: f16 or q8_0 (norms stay F32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    try:
+        path = export_gguf(args.source, args.out, args.type, overwrite=args.overwrite)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"grpo export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})")
+    return 0
+

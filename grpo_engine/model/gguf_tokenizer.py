@@ -1,0 +1,133 @@
+"""A GGUF file's tokenizer as a `tokenizers.Tokenizer` and the engine's Tokenizer (chat template included).
+
+GGUF stores a BPE tokenizer ("gpt2" model) as its token list, merges, token types and special ids; how text is
+split before BPE is named by `tokenizer.ggml.pre`. Each supported name maps to the pre-tokenizer the model's
+Hugging Face tokenizer.json uses; an unknown one is refused (a wrong split gives plausible but wrong ids).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .hf_io import CheckpointError
+from .tokenizer import Tokenizer
+
+# Split patterns (the regexes are facts of each model family's tokenizer)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+PRE_TOKENIZERS = {
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "llama-bpe": lambda: _split_then_bytes(LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(QWEN2_SPLIT),
+}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are special tokens
+
+
+def build_tokenizer(meta: dict, source: str) -> Tokenizer:
+    """The engine's Tokenizer from GGUF metadata (tokenizer.ggml.* and tokenizer.chat_template)."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise CheckpointError(f"{source}: tokenizer model {model!r} is not supported (only BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
+                              f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    special = [AddedToken(t, special=ty == CONTROL, normalized=False)
+               for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    tok.add_special_tokens([a for a in special if a.special])
+    tok.add_tokens([a for a in special if not a.special])
+    config = _tokenizer_config(meta, tokens)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    generation = {"eos_token_id": int(eos)} if eos is not None else {}
+    if "tokenizer.ggml.bos_token_id" in meta:
+        generation["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    return Tokenizer(tok, config, generation)
+
+
+def _tokenizer_config(meta: dict, tokens: list[str]) -> dict:
+    """tokenizer_config.json as transformers writes it: special tokens by text, the chat template."""
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                    "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                    "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 32768))}
+    for ours, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id"),
+                      ("unk_token", "unknown_token_id")):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            config[ours] = tokens[int(i)]
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------
+# Out: the tokenizer into a GGUF writer (model/gguf_export.py)
+
+NORMAL, UNUSED = 1, 5
+
+
+def pre_tokenizer_name(tok: HFTokenizer) -> str:
+    """The llama.cpp name of a tokenizers pre-tokenizer (the inverse of PRE_TOKENIZERS)."""
+    state = json.loads(tok.to_str()).get("pre_tokenizer") or {}
+    kinds = [p.get("type") for p in state.get("pretokenizers", [state])]
+    if kinds == ["Digits", "ByteLevel"]:
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"]:
+        pattern = state["pretokenizers"][0].get("pattern", {}).get("Regex", "")
+        for name, split in (("llama-bpe", LLAMA3_SPLIT), ("qwen2", QWEN2_SPLIT)):
+            if pattern == split:
+                return name
+    if kinds == ["ByteLevel"]:
+        return "gpt2"
+    raise CheckpointError(f"this tokenizer's pre-tokenizer ({kinds}) has no llama.cpp equivalent this exporter "
+                          f"knows (smollm, llama-bpe, qwen2, gpt2)")
+
+
+def write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template, as llama.cpp's converter writes a BPE tokenizer."""
+    tok = tokenizer._tok
+    data = json.loads(tok.to_str())
+    vocab = tok.get_vocab(with_added_tokens=True)
+    size = max(vocab_size or 0, max(vocab.values()) + 1)
+    tokens, types = [f"[PAD{i}]" for i in range(size)], [UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, NORMAL
+    for added in data.get("added_tokens", []):
+        types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(bool(tokenizer.config.get("add_bos_token", False)))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre_tokenizer_name(tok))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                     ("unk_token", w.add_unk_token_id), ("pad_token", w.add_pad_token_id)):
+        text = tokenizer.special_tokens.get(key)
+        if text is not None and text in vocab:
+            add(vocab[text])
+    if tokenizer.chat_template_source:
+        w.add_chat_template(tokenizer.chat_template_source)

