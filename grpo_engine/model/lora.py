@@ -40,6 +40,7 @@ from .transformer import Transformer
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ENGINE_CONFIG = "grpo_lora.json"  # the engine's own LoRA settings, kept out of PEFT's adapter_config.json
 PEFT_PREFIX = "base_model.model."
 
 
@@ -327,18 +328,19 @@ def peft_adapter_config(cfg: LoRAConfig, base_model_name_or_path: str | None) ->
         "modules_to_save": None,
         "use_rslora": False,
         "use_dora": False,
-        "grpo_engine": asdict(cfg),
     }
 
 
 def save_adapter(model: Transformer, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
-    """Write adapter_config.json + adapter_model.safetensors in PEFT's layout."""
+    """Write adapter_config.json (only keys PEFT knows) + adapter_model.safetensors in PEFT's layout, and the
+    engine's full LoRA settings (init, adapter dtype, quantization) beside them in grpo_lora.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.lora_config
     save_file(lora_state_dict(model), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_adapter_config(cfg, base_model_name_or_path)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    (out / ENGINE_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return out
 
 

@@ -219,3 +219,20 @@ def test_nf4_on_cuda_close_to_dequantized_base(ckpt):
     x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
     want = x @ m.base_weight().to(torch.bfloat16).T
     torch.testing.assert_close(m(x), want, rtol=2e-2, atol=2e-2)
+
+
+def test_adapter_config_holds_only_keys_peft_knows(tmp_path, tiny_ckpt):
+    """PEFT warns ("upgrade PEFT") about keys it does not know: the engine's settings live in grpo_lora.json."""
+    import json
+
+    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.lora import LoRAConfig, apply_lora, save_adapter
+
+    model = apply_lora(load_model(tiny_ckpt), LoRAConfig(enabled=True, rank=4, init="gaussian"))
+    out = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tiny_ckpt))
+    config = json.loads((out / "adapter_config.json").read_text())
+    peft_keys = {"peft_type", "task_type", "base_model_name_or_path", "r", "lora_alpha", "lora_dropout",
+                 "target_modules", "bias", "fan_in_fan_out", "inference_mode", "init_lora_weights",
+                 "modules_to_save", "use_rslora", "use_dora"}
+    assert set(config) <= peft_keys and config["r"] == 4
+    assert json.loads((out / "grpo_lora.json").read_text())["init"] == "gaussian"
