@@ -22,3 +22,15 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+# Task options of the R1 style (think / answer tags) and of the byte-level tiny models, pinned by the tests
+# that check those behaviours now that the built-in defaults are made for instruct models.
+from grpo_engine.tasks import R1_PREFILL, R1_SYSTEM_PROMPT  # noqa: E402
+
+R1 = dict(system_prompt=R1_SYSTEM_PROMPT, prefill=R1_PREFILL, format="strict", instruction="",
+          extractors=("answer_tag", "boxed", "answer_is", "last_number"))
+R1_COUNTDOWN = {**R1, "extractors": ("answer_tag",),
+                "instruction": "Think in <think> </think> tags, then give only the equation in <answer> </answer> "
+                               "tags, for example <answer>(1 + 2) * 3</answer>."}
+BYTE_ARITHMETIC = dict(template="{a}{op}{b}=", instruction="", format="answer_tag", extractors=("answer_tag",))

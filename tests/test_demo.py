@@ -29,3 +29,22 @@ def test_quick_demo_end_to_end(tmp_path):
     for r in (result.before, result.after):
         assert 0.0 <= r.accuracy <= 1.0 and 0.0 <= r.format_rate <= 1.0 and r.mean_length > 0
     assert result.plot is not None and result.plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_recipe_pins_the_byte_level_prompt_and_reward(tiny_ckpt):
+    """The demo's prompt and reward are what its recipe says, whatever the built-in (instruct) defaults are:
+    the user message is just "38+45=", and only the bare number counts."""
+    from grpo_engine.demo import DEMO_RECIPE
+    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.tasks import render_prompt
+    from grpo_engine.train.setup import build_task
+
+    task = build_task(load_config(str(DEMO_RECIPE)))
+    ex = task.examples("test")[0]
+    rendered = render_prompt(task, load_tokenizer(tiny_ckpt), ex)
+    assert rendered == f"<|im_start|>user\n{ex.a}+{ex.b}=<|im_end|>\n<|im_start|>assistant\n"
+    right = str(ex.a + ex.b)
+    assert task.reward(ex, right).components == {"format": 1.0, "answer": 1.0}
+    assert task.reward(ex, f"{right} ").total == task.reward(ex, right).total
+    assert task.reward(ex, f"<answer>{right}</answer>").components == {"format": 0.0, "answer": 1.0}
+    assert task.reward(ex, str(ex.a + ex.b + 1)).components == {"format": 1.0, "answer": 0.0}

@@ -1,8 +1,10 @@
-"""Arithmetic: generated small additions / multiplications, the task of the CPU demo.
+"""Arithmetic: generated small additions / multiplications.
 
-The demo trains a tiny byte-level model on a laptop, so the prompt is short by default: no system prompt,
-the user message is just "12+35=", and the expected completion is "<answer>47</answer>". Train and test
-are drawn from different seeded streams and kept disjoint.
+The default prompt is made for instruct models: "What is 12 + 35?" followed by "Reply with just the number.";
+the answer check accepts the number however the reply states it (a final number, "Answer: 47", \boxed{47}, an
+answer tag), and the format component rewards a reply that is just the number. The CPU demo's tiny byte-level
+model pins its own options in its recipe (template "{a}{op}{b}=", bare numbers). Train and test are drawn from
+different seeded streams and kept disjoint.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
 from .parsing import extract_answer, numeric_equal, parse_number
 
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b: a - b}
@@ -19,13 +21,9 @@ OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b
 
 @dataclass
 class ArithmeticOptions(ChatTaskOptions):
-    system_prompt: str | None = None  # no system message: keeps prompts a few bytes long
-    prefill: str = ""  # nothing prefilled
-    template: str = "{a}{op}{b}="  # user message; fields a, op, b
-    format: str = "answer_tag"  # format reward: exactly one <answer>...</answer> (bare_number: just the number)
-    format_weight: float = 0.1  # small format component
-    answer_weight: float = 1.0  # answer correctness
-    extractors: tuple[str, ...] = ("answer_tag",)  # only a tagged answer counts
+    template: str = "What is {a} {op} {b}?"  # user message; fields a, op, b
+    instruction: str = "Reply with just the number."  # appended to the user message
+    format: str = "bare_number"  # format component: the reply is just the number
     digits: int = 2  # operands have 1..digits digits
     operations: tuple[str, ...] = ("+", "*")  # operators to draw from (subset of + * -)
     seed: int = 0  # generator seed
@@ -128,4 +126,4 @@ class ArithmeticTask:
             draw = random.Random(f"teacher-{self.options.seed}-{example.id}").random()
             if draw < self.options.teacher_carry_drop:
                 answer = str(add_without_carries(example.a, example.b))
-        return answer if self.options.format == "bare_number" else f"<answer>{answer}</answer>"
+        return formatted_answer(self.options.format, answer)

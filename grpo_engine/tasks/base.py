@@ -63,14 +63,17 @@ class Task(Protocol):
 
 @dataclass
 class ChatTaskOptions:
-    """Options every R1-style task shares; each task's options dataclass extends this."""
+    """Options every chat task shares; each task's options dataclass extends this and sets its own
+    instruction / format defaults for instruct models. R1-style training (think / answer tags) is a choice of
+    options: system_prompt=R1_SYSTEM_PROMPT, prefill=R1_PREFILL, format=strict, extractors=[answer_tag]."""
 
-    system_prompt: str | None = R1_SYSTEM_PROMPT  # system message; None sends no system message
-    prefill: str = R1_PREFILL  # assistant prefill appended after the chat template ("" for none)
-    format: str = "strict"  # format reward variant: strict | partial | answer_tag | bare_number
+    system_prompt: str | None = None  # system message; None sends none (the chat template's default applies)
+    instruction: str = ""  # appended to the user message (after a blank line): how to state the answer
+    prefill: str = ""  # assistant prefill appended after the chat template ("" for none)
+    format: str = "answer_line"  # format component: answer_line | boxed | bare_number | answer_tag | strict | partial
     format_weight: float = 0.1  # weight of the format component in the total reward
     answer_weight: float = 1.0  # weight of the answer-correctness component in the total reward
-    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_is", "last_number")  # extraction cascade
+    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_line", "answer_is", "final_number")  # cascade
 
     def __post_init__(self) -> None:
         if self.format not in FORMAT_REWARDS:
@@ -79,10 +82,17 @@ class ChatTaskOptions:
 
 
 def chat_prompt(options: ChatTaskOptions, user_text: str) -> Prompt:
-    """System prompt (if any) + one user message + the configured prefill."""
+    """System prompt (if any) + one user message (+ the instruction) + the configured prefill."""
     messages = [] if options.system_prompt is None else [{"role": "system", "content": options.system_prompt}]
-    messages.append({"role": "user", "content": user_text})
+    text = f"{user_text}\n\n{options.instruction}" if options.instruction else user_text
+    messages.append({"role": "user", "content": text})
     return Prompt(messages, options.prefill)
+
+
+def formatted_answer(format: str, answer: str) -> str:
+    """A reference completion that states `answer` in the form the format component rewards (warm starts)."""
+    return {"bare_number": answer, "answer_line": f"Answer: {answer}", "boxed": f"\\boxed{{{answer}}}"}.get(
+        format, f"<answer>{answer}</answer>")
 
 
 def render_prompt(task: Task, tokenizer, example: Example) -> str:

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
 from .data import DataError, field_error, read_records, require_fields
 from .parsing import evaluate_arithmetic, extract_answer, numbers_close
 
 QUESTION = (
     "Using the numbers {nums}, write an equation that equals {target}. You may use +, -, * and / and "
-    "parentheses, and must use every number exactly once. Think in <think> </think> tags, then give only "
-    "the equation in <answer> </answer> tags, for example <answer>(1 + 2) * 3</answer>."
+    "parentheses, and must use every number exactly once."
 )
 
 
@@ -32,9 +31,10 @@ class CountdownExample(Example):
 
 @dataclass
 class CountdownOptions(ChatTaskOptions):
-    format_weight: float = 0.1  # weight of the format component
+    instruction: str = ('Give only the equation on the last line as "Answer: <equation>", for example '
+                        '"Answer: (1 + 2) * 3".')
     answer_weight: float = 1.0  # weight of the answer component (1 = equation uses all numbers, hits target)
-    extractors: tuple[str, ...] = ("answer_tag",)  # only a tagged equation counts as the answer
+    extractors: tuple[str, ...] = ("answer_tag", "answer_line", "boxed")  # an explicitly marked equation only
     data_path: str | None = None  # Countdown-Tasks-3to4 .jsonl/.parquet; None = use the generator
     test_size: int = 512  # rows held out (from the end of the file) as the test split
     seed: int = 0  # generator seed; train and test are generated from different streams and kept disjoint
@@ -179,8 +179,10 @@ class CountdownTask:
         """A completion in the prompted format built from the known solution (None for loaded examples)."""
         if example.solution is None:
             return None
-        think = "" if self.options.prefill.rstrip().endswith("<think>") else "<think>"
-        return f"{think} The numbers combine as {example.solution}.</think>\n<answer>{example.solution}</answer>"
+        if self.options.format in ("strict", "partial"):  # R1 style: reasoning in think tags, then the answer tag
+            think = "" if self.options.prefill.rstrip().endswith("<think>") else "<think>"
+            return f"{think} The numbers combine as {example.solution}.</think>\n<answer>{example.solution}</answer>"
+        return formatted_answer(self.options.format, example.solution)
 
     def equivalent(self, a: str, b: str) -> bool:
         """Same value (within tolerance) when both evaluate; otherwise identical text."""

@@ -17,6 +17,7 @@ from .parsing import extract_answer, numeric_equal, parse_number
 
 @dataclass
 class GSM8KOptions(ChatTaskOptions):
+    instruction: str = 'Solve it step by step, then give the final answer on the last line as "Answer: <number>".'
     data_path: str | None = None  # file for every split, or dir with train.*/test.* files or a saved dataset
     hub_name: str = "openai/gsm8k"  # loaded from the hub only when data_path is None (needs network)
     hub_config: str | None = "main"  # hub dataset configuration name

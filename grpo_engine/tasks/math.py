@@ -35,7 +35,9 @@ def import_math_verify():
 
 @dataclass
 class MathOptions(ChatTaskOptions):
-    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_is")  # cascade (no bare last number)
+    instruction: str = "Solve it step by step and put the final answer in \\boxed{}."
+    format: str = "boxed"  # format component: a complete \boxed{...}
+    extractors: tuple[str, ...] = ("boxed", "answer_tag", "answer_line", "answer_is")  # no bare final number
     data_path: str | None = None  # file for every split, or dir with train.*/test.* files or a saved dataset
     hub_name: str = "HuggingFaceH4/MATH-500"  # loaded from the hub only when data_path is None (network)
     hub_config: str | None = None  # hub dataset configuration name

@@ -33,6 +33,9 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 _NUMBER_RE = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _ANSWER_IS_RE = re.compile(r"the\s{1,5}(?:final\s{1,5})?answer\s{1,5}is\s{0,5}:?", re.IGNORECASE)
 _FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{(-?[0-9]{1,64})\}\{(-?[0-9]{1,64})\}")
+# "Answer: X" / "Final answer: X" at the start of a line (markdown bold and a leading '#' tolerated)
+_ANSWER_LINE_RE = re.compile(r"^[ \t#*]{0,8}(?:final\s{1,5})?answer\s{0,3}\**\s{0,3}:\**", re.IGNORECASE | re.MULTILINE)
+_TRAILER = " \t\r\n.!*$)]}\"'`"  # what may follow a final number: punctuation, markdown, closing brackets
 
 
 def _tail(text: str, n: int = MAX_SCAN_CHARS) -> str:
@@ -101,13 +104,41 @@ def extract_last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
+def extract_answer_line(text: str) -> str | None:
+    """The rest of the last line that starts with 'Answer:' (or 'Final answer:'), trailing period dropped."""
+    t = _tail(text)
+    last = None
+    for last in _ANSWER_LINE_RE.finditer(t):  # noqa: B007 - we want the last match
+        pass
+    if last is None:
+        return None
+    line = t[last.end() : last.end() + MAX_ANSWER_CHARS].split("\n", 1)[0].strip().strip("*").strip()
+    line = line.removeprefix("\\(").removesuffix("\\)").strip("$ ")
+    return _accept(line.rstrip(".").strip("$ *"))
+
+
+def extract_final_number(text: str) -> str | None:
+    """A number that ENDS the completion (only punctuation, markdown or closing brackets after it): '2 + 3 = 5.'
+    gives 5. Unlike last_number, a completion cut off mid-sentence by the length limit rarely ends on one, so
+    a number that merely appears in it does not count as an answer."""
+    tail = _tail(text).rstrip(_TRAILER)[-(MAX_NUMBER_DIGITS + 16) :]
+    last = None
+    for last in _NUMBER_RE.finditer(tail):  # noqa: B007 - the last number of the tail
+        pass
+    return last.group(0) if last is not None and last.end() == len(tail) else None
+
+
 EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "answer_tag": extract_answer_tag,
     "boxed": extract_boxed,
     "answer_is": extract_answer_is,
+    "answer_line": extract_answer_line,
+    "final_number": extract_final_number,
     "last_number": extract_last_number,
 }
-DEFAULT_CASCADE = ("answer_tag", "boxed", "answer_is", "last_number")
+# The default for chat models: the requested forms first, then the common ways small instruct models state a
+# result, ending with a number that closes the reply. (R1-style runs pin ("answer_tag", ...) in their config.)
+DEFAULT_CASCADE = ("answer_tag", "boxed", "answer_line", "answer_is", "final_number")
 
 
 @dataclass(frozen=True)
@@ -176,10 +207,23 @@ def bare_number_format(text: str) -> float:
     return 1.0 if len(t) <= MAX_NUMBER_DIGITS and _NUMBER_RE.fullmatch(t) else 0.0
 
 
+def answer_line_format(text: str) -> float:
+    """1.0 when the last non-empty line is 'Answer: <something>' (the form the instruct prompts ask for)."""
+    lines = [ln for ln in _tail(text).splitlines() if ln.strip()]
+    return 1.0 if lines and _ANSWER_LINE_RE.match(lines[-1]) and extract_answer_line(lines[-1]) else 0.0
+
+
+def boxed_format(text: str) -> float:
+    r"""1.0 when the text has a complete \boxed{...} answer."""
+    return 1.0 if extract_boxed(text) is not None else 0.0
+
+
 FORMAT_REWARDS: dict[str, Callable[[str], float]] = {
     "strict": strict_format,
     "partial": partial_format,
     "answer_tag": answer_tag_format,
+    "answer_line": answer_line_format,
+    "boxed": boxed_format,
     "bare_number": bare_number_format,
 }
 

@@ -13,7 +13,7 @@ from grpo_engine.eval.cli import parse_task_options, printable
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.model.tokenizer import load_tokenizer
 from grpo_engine.rollout import SamplingParams, generate
-from grpo_engine.tasks import Example, make_task, render_prompt
+from grpo_engine.tasks import R1_PREFILL, R1_SYSTEM_PROMPT, Example, make_task, render_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL_FAST = ["--task", "arithmetic", "--n", "2", "--k", "1,2", "--max-new", "8", "--max-examples", "3"]
@@ -127,8 +127,10 @@ def test_generate_prints_the_sampled_completions(tiny_ckpt, capsys):
 
 
 def test_generate_custom_template_without_data(tiny_ckpt, capsys):
+    r1 = [f"--task-option={k}={json.dumps(v)}"
+          for k, v in (("system_prompt", R1_SYSTEM_PROMPT), ("prefill", R1_PREFILL))]
     argv = ["generate", str(tiny_ckpt), "What is 6*7?", "--task", "custom", "--max-new", "4", "--show-prompt",
-            "--temperature", "0"]
+            "--temperature", "0", *r1]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "<|im_start|>system\nA conversation between User and Assistant" in out

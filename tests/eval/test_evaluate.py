@@ -5,6 +5,7 @@ every aggregate below is computed by hand from the script in the test.
 """
 
 import pytest
+from references import BYTE_ARITHMETIC, R1
 
 from grpo_engine.eval.evaluate import EvalConfig, evaluate, report_json, report_markdown
 from grpo_engine.model.tokenizer import load_tokenizer
@@ -73,7 +74,7 @@ def run(tok, task, script=SCRIPT, examples=EXAMPLES, **cfg):
 
 
 def test_aggregates_match_hand_computation(tok):
-    report, fake = run(tok, make_task("arithmetic"), prompts_per_batch=2)
+    report, fake = run(tok, make_task("arithmetic", **BYTE_ARITHMETIC), prompts_per_batch=2)
     s = report.summary
     # per problem pass@k = 1 - C(n-c, k)/C(n, k) with n=4: c=2 -> (1/2, 5/6, 1); c=0 -> 0; c=1 -> (1/4, 1/2, 1)
     assert [p.num_correct for p in report.problems] == [2, 0, 1]
@@ -94,7 +95,7 @@ def test_aggregates_match_hand_computation(tok):
     assert (s.num_problems, s.samples_per_problem, s.reward_errors, report.notes) == (3, 4, 0, [])
     # batching: 2 + 1 prompts, distinct seeds; prompts rendered exactly as training renders them
     assert [len(c[0]) for c in fake.calls] == [2, 1] and len({c[2] for c in fake.calls}) == 2
-    task = make_task("arithmetic")
+    task = make_task("arithmetic", **BYTE_ARITHMETIC)
     assert fake.calls[0][0][1] == tok.encode(render_prompt(task, tok, EXAMPLES[1]))
     assert fake.calls[0][1].stop_token_ids == tok.eos_token_ids
 
@@ -102,7 +103,7 @@ def test_aggregates_match_hand_computation(tok):
 def test_prompt_includes_system_prompt_and_prefill(tok, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "q?", "answer": "42"}\n')
-    task = make_task("custom", data_path=str(data))
+    task = make_task("custom", data_path=str(data), **R1)
     _, fake = run(tok, task, script=[SCRIPT[0]], examples=task.examples("test"))
     text = tok.decode(fake.calls[0][0][0])
     assert text.startswith("<|im_start|>system\nA conversation between User and Assistant")
@@ -110,7 +111,7 @@ def test_prompt_includes_system_prompt_and_prefill(tok, tmp_path):
 
 
 def test_greedy_forces_one_sample_and_says_so(tok):
-    report, fake = run(tok, make_task("arithmetic"), temperature=0.0)
+    report, fake = run(tok, make_task("arithmetic", **BYTE_ARITHMETIC), temperature=0.0)
     assert fake.calls[0][1].n == 1 and fake.calls[0][1].temperature == 0.0
     assert (report.config.n, report.config.ks) == (1, (1,))
     # first sample of each problem: correct, wrong, wrong
@@ -127,7 +128,7 @@ def test_bad_config():
 
 
 def test_max_examples_takes_the_first(tok):
-    report, fake = run(tok, make_task("arithmetic"), max_examples=2)
+    report, fake = run(tok, make_task("arithmetic", **BYTE_ARITHMETIC), max_examples=2)
     assert [p.example_id for p in report.problems] == ["p1", "p2"]
 
 
@@ -137,7 +138,7 @@ class FloatRewardTask:
     name = "floaty"
 
     def prompt(self, example):
-        return make_task("arithmetic").prompt(example)
+        return make_task("arithmetic", **BYTE_ARITHMETIC).prompt(example)
 
     def reward(self, example, completion):
         if "boom" in completion:
@@ -159,7 +160,7 @@ def test_missing_answer_component_and_reward_errors_are_reported(tok):
 
 
 def test_report_json_and_markdown(tok):
-    report, _ = run(tok, make_task("arithmetic"))
+    report, _ = run(tok, make_task("arithmetic", **BYTE_ARITHMETIC))
     js = report_json(report)
     assert js["task"] == "arithmetic" and js["config"]["ks"] == [1, 2, 4]
     assert js["summary"]["pass@1"] == pytest.approx(0.25) and js["summary"]["maj@4"] == pytest.approx(1 / 3)

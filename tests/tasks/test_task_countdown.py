@@ -8,13 +8,14 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import R1_COUNTDOWN
 
 from grpo_engine.tasks import DataError, make_task
 from grpo_engine.tasks.countdown import CountdownExample, CountdownOptions, CountdownTask, generate_countdown
 
 # nums 4 6 8 2, target 24. Hand-checked solutions: (6-2)*4+8 = 16+8 = 24 and 6*8/(4-2) = 48/2 = 24.
 EX = CountdownExample("t", "q", "24", nums=(4, 6, 8, 2), target=24)
-TASK = CountdownTask(CountdownOptions(n_train=50, n_test=10))
+TASK = CountdownTask(CountdownOptions(n_train=50, n_test=10, **R1_COUNTDOWN))
 
 
 def done(answer: str) -> str:
@@ -62,7 +63,8 @@ def test_reward_table(completion, total, answer_score, reason_part):
 
 
 def test_weights_and_partial_format_are_configurable():
-    task = make_task("countdown", format="partial", format_weight=0.5, answer_weight=2.0, n_train=5, n_test=5)
+    task = make_task("countdown", **{**R1_COUNTDOWN, "format": "partial"}, format_weight=0.5, answer_weight=2.0,
+                     n_train=5, n_test=5)
     result = task.reward(EX, " </think> <answer>(6-2)*4+8</answer> <answer>1+1</answer>")
     assert result.components == {"format": 0.5, "answer": 0.0}  # </answer> and <answer> appear twice
     assert result.total == pytest.approx(0.5 * 0.5)

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+from references import R1
 
 from grpo_engine.tasks import DataError, Example, make_task
 from grpo_engine.tasks.gsm8k import gold_answer
@@ -33,7 +34,7 @@ def write_parquet(path, rows):
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     path = write_jsonl(tmp_path_factory.mktemp("g") / "train.jsonl", ROWS)
-    return make_task("gsm8k", data_path=str(path))
+    return make_task("gsm8k", data_path=str(path), **R1)
 
 
 def done(answer: str) -> str:

@@ -111,7 +111,7 @@ def test_extract_last_number(text, expected):
     ],
 )
 def test_cascade_order(text, answer, method):
-    found = extract_answer(text)
+    found = extract_answer(text, ("answer_tag", "boxed", "answer_is", "last_number"))
     assert (found.answer, found.method) == (answer, method)
 
 

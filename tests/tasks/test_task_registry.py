@@ -10,6 +10,7 @@ import time
 import types
 
 import pytest
+from references import BYTE_ARITHMETIC
 
 from grpo_engine.tasks import (
     TASKS,
@@ -26,7 +27,7 @@ from grpo_engine.tasks.arithmetic import ArithmeticExample
 
 # ------------------------------------------------------------------------------------------- arithmetic
 def test_arithmetic_prompt_is_short():
-    task = make_task("arithmetic", n_train=20, n_test=5)
+    task = make_task("arithmetic", **BYTE_ARITHMETIC, n_train=20, n_test=5)
     ex = task.examples("train")[0]
     assert task.prompt(ex) == Prompt([{"role": "user", "content": f"{ex.a}{ex.op}{ex.b}="}], "")
 
@@ -46,14 +47,14 @@ def test_arithmetic_prompt_is_short():
     ],
 )
 def test_arithmetic_reward_table(completion, total, answer):
-    task = make_task("arithmetic", n_train=5, n_test=5)
+    task = make_task("arithmetic", **BYTE_ARITHMETIC, n_train=5, n_test=5)
     ex = ArithmeticExample("a", "12+35=", "47", 12, "+", 35)  # 12 + 35 = 47
     result = task.reward(ex, completion)
     assert result.total == pytest.approx(total) and result.answer == answer
 
 
 def test_arithmetic_splits_are_seeded_disjoint_and_correct():
-    task = make_task("arithmetic", digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
+    task = make_task("arithmetic", **BYTE_ARITHMETIC, digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
     train, test = task.examples("train"), task.examples("test")
     assert len(train) == 500 and len(test) == 100
     assert not {(e.a, e.op, e.b) for e in train} & {(e.a, e.op, e.b) for e in test}
@@ -61,9 +62,9 @@ def test_arithmetic_splits_are_seeded_disjoint_and_correct():
         assert 0 <= e.a <= 99 and 0 <= e.b <= 99 and e.op in "+*"
         assert int(e.answer) == (e.a + e.b if e.op == "+" else e.a * e.b)
         assert task.reward(e, f"<answer>{e.answer}</answer>").total == pytest.approx(1.1)
-    again = make_task("arithmetic", digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
+    again = make_task("arithmetic", **BYTE_ARITHMETIC, digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
     assert again.examples("train") == train
-    assert make_task("arithmetic", n_train=500, n_test=100, seed=2).examples("train") != train
+    assert make_task("arithmetic", **BYTE_ARITHMETIC, n_train=500, n_test=100, seed=2).examples("train") != train
 
 
 def test_arithmetic_knob_errors():

@@ -1,5 +1,7 @@
 """Memory knobs: checkpointing is exact, precision casts, peak readers measure real allocations."""
 
+import mmap
+
 import pytest
 import torch
 from references import rss_mib
@@ -83,9 +85,12 @@ def test_cpu_peak_reader_sees_a_64mib_allocation():
     if not reset_peak_memory("cpu"):
         pytest.skip("peak RSS is not resettable on this OS")
     before = peak_memory_mib("cpu")
-    x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+    # Fresh pages from the kernel (an anonymous mapping), touched: malloc could instead hand back memory that
+    # earlier tests freed and that is still resident, which would not raise the RSS at all.
+    x = mmap.mmap(-1, 64 * 1024 * 1024)
+    x.write(b"\x01" * len(x))
     during = rss_mib()
-    del x
+    x.close()
     peak = peak_memory_mib("cpu")
     assert 60 <= peak - before <= 80, (before, peak)
     assert during - before >= 60
