@@ -65,14 +65,14 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None) -> DemoResult:
     from .train.loop import train
-    from .train.setup import build_task
+    from .train.setup import task_of
     from .train.warm_start import warm_start
 
     console = console or Console()
     t0 = time.perf_counter()
     cfg = load_config(Path(str(DEMO_RECIPE)), list(overrides))
     check_paths(cfg)
-    task = build_task(cfg)
+    task = task_of(cfg)
     console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · tiny {cfg.warm_start.tiny.arch} model · "
                   f"run dir {cfg.run_dir}")
     with _progress(console) as bar:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,28 @@ class _Console:
         self.progress.stop()
 
 
+class _PlainLines:
+    """The console when stdout is not a terminal (a log file, CI, nohup): one plain line per step, or per
+    `every_s` seconds when steps are faster, so a long run never goes silent."""
+
+    def __init__(self, total: int, every_s: float = 10.0):
+        self.total, self.every_s = total, every_s
+        self.start = time.monotonic()
+        self.last = -float("inf")
+
+    def update(self, m: StepMetrics) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s and m.step != self.total:
+            return
+        self.last = now
+        acc = "" if m.accuracy != m.accuracy else f"  acc {m.accuracy:.2f}"  # NaN: the task has no answer check
+        print(f"step {m.step}/{self.total}  reward {m.reward_mean:.3f}{acc}  len {m.completion_len_mean:.0f}  "
+              f"gen {m.gen_tokens_per_s:.0f} tok/s  {now - self.start:.0f} s", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 class Monitor:
     def __init__(
         self,
@@ -123,7 +146,10 @@ class Monitor:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
         self._truncate_metrics_after(start_step)
-        self.console = _Console(total_steps, start_step) if progress and sys.stdout.isatty() else None
+        if not progress:
+            self.console = None
+        else:
+            self.console = _Console(total_steps, start_step) if sys.stdout.isatty() else _PlainLines(total_steps)
         self.tb = _open_tensorboard(self.run_dir) if tensorboard else None
         self.wandb = _open_wandb(wandb_project, config, self.run_dir) if wandb else None
 
@@ -158,7 +184,7 @@ class Monitor:
 
     def message(self, text: str) -> None:
         """A line for the person watching (stderr, above the progress bar)."""
-        if self.console is not None:
+        if isinstance(self.console, _Console):
             self.console.progress.console.print(text)
         else:
             print(text, file=sys.stderr, flush=True)

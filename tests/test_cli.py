@@ -29,3 +29,16 @@ def test_console_script_entry(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo_engine.cli", "config", "show", str(bad)],
                           capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and "malformed YAML" in proc.stderr and "bad.yaml:" in proc.stderr
+
+
+def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    """Under CI / nohup the bar is off, but a line per step (here every step: no time limit) still shows up."""
+    from grpo_engine.monitor import Monitor, StepMetrics
+
+    mon = Monitor(tmp_path, total_steps=2, start_step=0, progress=True, tensorboard=False, wandb=False,
+                  wandb_project="x", config={})
+    mon.console.every_s = 0.0
+    for step in (1, 2):
+        mon.log_step(StepMetrics(step=step, reward_mean=0.5, accuracy=0.25, completion_len_mean=7.0))
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split("  ")[0] for ln in out] == ["step 1/2", "step 2/2"] and "acc 0.25" in out[0]

@@ -37,9 +37,9 @@ def test_demo_recipe_pins_the_byte_level_prompt_and_reward(tiny_ckpt):
     from grpo_engine.demo import DEMO_RECIPE
     from grpo_engine.model.tokenizer import load_tokenizer
     from grpo_engine.tasks import render_prompt
-    from grpo_engine.train.setup import build_task
+    from grpo_engine.train.setup import task_of
 
-    task = build_task(load_config(str(DEMO_RECIPE)))
+    task = task_of(load_config(str(DEMO_RECIPE)))
     ex = task.examples("test")[0]
     rendered = render_prompt(task, load_tokenizer(tiny_ckpt), ex)
     assert rendered == f"<|im_start|>user\n{ex.a}+{ex.b}=<|im_end|>\n<|im_start|>assistant\n"

@@ -69,7 +69,8 @@ class RolloutSection:
 
 @dataclass
 class LoggingSection:
-    progress: bool = option(True, "live console progress bar (off automatically when stdout is not a terminal)")
+    progress: bool = option(True, "console progress: a live bar on a terminal, else a plain line per step (or per "
+                                  "10 s)")
     samples_every: int = option(10, "write prompt/completion/reward samples to samples.jsonl every N steps; 0 = off")
     samples_per_log: int = option(2, "completions written per sample log")
     tensorboard: bool = option(False, "also log to TensorBoard (needs the `tensorboard` extra)")

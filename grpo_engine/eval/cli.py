@@ -8,13 +8,13 @@ their traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from ..tasks import TASKS
+from ..tasks import TASKS, build_task
 
+DEFAULT_KS = (1, 4, 8)
 INPUT_ERRORS = (ValueError, FileNotFoundError)  # CheckpointError, DataError and ConfigError are ValueErrors
 NO_DATA_PATH = "(none: grpo generate reads no data file)"  # custom task placeholder; generate never loads rows
 
@@ -23,11 +23,13 @@ NO_DATA_PATH = "(none: grpo generate reads no data file)"  # custom task placeho
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="pass@1 / pass@k / maj@k, format rate, length, truncation on a task split")
     _model_args(p)
-    p.add_argument("--task", required=True, choices=sorted(TASKS), help="task to evaluate on")
+    p.add_argument("--task", default=None, choices=sorted(TASKS),
+                   help="task to evaluate on (default: the run's own task and options, for a run or checkpoint)")
     p.add_argument("--data", default=None, help="local data file / directory (gsm8k, math, countdown, custom)")
     p.add_argument("--split", default="test", help="split to evaluate (default: test)")
     p.add_argument("--n", type=int, default=8, help="samples per problem (default 8)")
-    p.add_argument("--k", default="1,4,8", help="comma-separated k for pass@k and maj@k, each <= n (default 1,4,8)")
+    p.add_argument("--k", default=None,
+                   help="comma-separated k for pass@k and maj@k, each <= n (default: those of 1,4,8 that are <= n)")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy: forces n=1 and k=1")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new", type=int, default=512, help="max new tokens per completion")
@@ -43,7 +45,9 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample completions of one question with a task's prompt template")
     _model_args(p)
     p.add_argument("question", help="the question text (the task's user message)")
-    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="prompt template and reward")
+    p.add_argument("--task", default=None, choices=sorted(TASKS),
+                   help="prompt template and reward (default: the run's own task for a run or checkpoint, else "
+                        "arithmetic)")
     p.add_argument("--answer", default=None, help="reference answer: also print correctness and reward")
     p.add_argument("--n", type=int, default=1, help="completions to sample")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
@@ -54,7 +58,7 @@ def add_generate_parser(sub) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="HF model directory, or a `grpo train` checkpoint (step-XXXXXX or its model/)")
+    p.add_argument("model", help="HF model directory, .gguf file, `grpo train` checkpoint (step-XXXXXX) or run dir")
     p.add_argument("--tokenizer", default=None, help="take the tokenizer from this directory (default: model's)")
     p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE",
                    help="task option, e.g. format=partial or digits=3 (repeatable)")
@@ -70,19 +74,21 @@ def fail(command: str, error: Exception) -> int:
 
 # ---------------------------------------------------------------------------------------------------- eval
 def run_eval(args) -> int:
+    from ..train.checkpoint import model_source
     from .evaluate import EvalConfig, evaluate, report_json, report_markdown
 
     try:
-        cfg = EvalConfig(n=args.n, ks=parse_ks(args.k), temperature=args.temperature, top_p=args.top_p,
+        ks = parse_ks(args.k) if args.k is not None else tuple(sorted({min(k, args.n) for k in DEFAULT_KS}))
+        cfg = EvalConfig(n=args.n, ks=ks, temperature=args.temperature, top_p=args.top_p,
                          max_new_tokens=args.max_new, max_examples=args.max_examples, seed=args.seed,
                          prompts_per_batch=args.batch_prompts)
-        task = build_task(args.task, parse_task_options(args.task_option), data=args.data)
+        name, task = task_for(args)
         examples = task.examples(args.split)
-        model_dir = resolve_model_dir(args.model)
+        model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
     except INPUT_ERRORS as e:
         return fail("eval", e)
-    print(f"evaluating {model_dir} on {args.task}/{args.split}: "
+    print(f"evaluating {model_dir} on {name}/{args.split}: "
           f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
     report = evaluate(model, tok, task, examples, cfg, progress=_progress)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}
@@ -96,6 +102,28 @@ def run_eval(args) -> int:
     else:
         print(report_markdown(report), end="")
     return 0
+
+
+def task_for(args):
+    """(name, task): the run's own task, data and options when the model is a run or checkpoint and no --task
+    is given (--task-option / --data still override them); else --task with the given options."""
+    from ..config import config_from_yaml_text
+    from ..train.checkpoint import stored_config_text
+
+    options, data = parse_task_options(args.task_option), getattr(args, "data", None)
+    text = stored_config_text(args.model) if Path(args.model).exists() else None
+    stored = config_from_yaml_text(text).task if text else None
+    if args.task is None and stored is not None:
+        options = {**stored.options, **options}
+        return stored.name, build_task(stored.name, options, data if data is not None else stored.data_path)
+    name = args.task or "arithmetic"
+    if name == "custom" and data is None and "data_path" not in options:
+        options["data_path"] = NO_DATA_PATH  # generate reads no rows: any path will do
+    task = build_task(name, options, data)  # a task that generates its problems refuses --data first
+    if data is not None and not Path(data).exists():
+        raise FileNotFoundError(f"--data {data}: no such file or directory; pass a local .jsonl / .parquet file "
+                                f"or a directory holding e.g. test.jsonl")
+    return name, task
 
 
 def _progress(done: int, total: int) -> None:
@@ -115,13 +143,11 @@ def run_generate(args) -> int:
 
     from ..rollout import SamplingParams, generate
     from ..tasks import Example, render_prompt, safe_reward
+    from ..train.checkpoint import model_source
 
     try:
-        options = parse_task_options(args.task_option)
-        if args.task == "custom":
-            options.setdefault("data_path", NO_DATA_PATH)
-        task = build_task(args.task, options, data=None)
-        model, tok = load_model_and_tokenizer(resolve_model_dir(args.model), args.tokenizer, args.device, args.dtype)
+        _, task = task_for(args)
+        model, tok = load_model_and_tokenizer(model_source(args.model), args.tokenizer, args.device, args.dtype)
         params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new,
                                 stop_token_ids=tok.eos_token_ids)
     except INPUT_ERRORS as e:
@@ -178,46 +204,11 @@ def parse_task_options(pairs: list[str]) -> dict:
     return options
 
 
-def build_task(name: str, options: dict, data: str | None):
-    """make_task with --data as the task's data_path; tasks that generate their problems take no --data."""
-    from ..tasks import make_task
-
-    if data is not None:
-        fields = [f.name for f in dataclasses.fields(TASKS[name].options)]
-        if "data_path" not in fields:
-            raise ValueError(f"task {name!r} generates its problems and reads no data file; drop --data {data}")
-        if not Path(data).exists():
-            raise FileNotFoundError(f"--data {data}: no such file or directory; pass a local .jsonl / .parquet "
-                                    f"file or a directory holding e.g. test.jsonl")
-        options = {**options, "data_path": data}
-    return make_task(name, **options)
-
-
-def resolve_model_dir(path: str) -> Path:
-    """An HF model dir as given; a `grpo train` checkpoint dir -> its model/; a run dir -> latest checkpoint."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"model {p} does not exist; pass an HF model directory or a checkpoint "
-                                f"written by `grpo train` (RUN_DIR/checkpoints/step-XXXXXX)")
-    if (p / "config.json").is_file():
-        return p
-    if (p / "model" / "config.json").is_file():
-        return p / "model"
-    if (p / "checkpoints").is_dir():
-        from ..train.checkpoint import latest_checkpoint
-
-        latest = latest_checkpoint(p / "checkpoints")
-        if latest is not None:
-            print(f"using the latest checkpoint of run {p}: {latest.name}", file=sys.stderr)
-            return latest / "model"
-    raise FileNotFoundError(f"{p / 'config.json'} not found (nor {p / 'model' / 'config.json'}): pass an HF model "
-                            f"directory or a `grpo train` checkpoint directory step-XXXXXX")
-
-
 def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device: str | None, dtype: str | None):
     """Tokenizer first (cheap, and the commonest mistake), then the weights."""
     import torch
 
+    from ..kernels import apply_kernels
     from ..model.hf_io import CheckpointError, load_model
     from ..model.tokenizer import load_tokenizer
 
@@ -229,4 +220,4 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
         raise CheckpointError(f"{e}{hint}") from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return load_model(model_dir, dtype=getattr(torch, dtype), device=device), tok
+    return apply_kernels(load_model(model_dir, dtype=getattr(torch, dtype), device=device)), tok

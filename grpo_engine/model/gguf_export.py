@@ -41,22 +41,6 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{block[rest]}"
 
 
-def resolve_source(path: str) -> Path:
-    """A model path, a checkpoint dir (its model/) or a run dir (its newest checkpoint's model/)."""
-    p = Path(path)
-    if p.suffix == ".gguf" or (p / "config.json").is_file():
-        return p
-    if (p / "model" / "config.json").is_file():
-        return p / "model"
-    steps = sorted((p / "checkpoints").glob("step-*"), key=lambda d: int(d.name.split("-")[1])) \
-        if (p / "checkpoints").is_dir() else []
-    steps = [s for s in steps if (s / "model" / "config.json").is_file()]
-    if steps:
-        return steps[-1] / "model"
-    raise CheckpointError(f"{path}: not a model directory, a .gguf file, a checkpoint or a run directory with "
-                          f"checkpoints")
-
-
 def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
     c = model.config
     w.add_type("model")
@@ -128,7 +112,12 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     out_path = Path(out)
     if out_path.exists() and not overwrite:
         raise CheckpointError(f"{out_path} exists; remove it or pass --overwrite")
-    src = resolve_source(source)
+    from ..train.checkpoint import model_source
+
+    try:
+        src = model_source(source)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
     model, tok = load_model(src), load_tokenizer(src)
     if model.config.rope_scaling:
         raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "

@@ -67,6 +67,17 @@ def make_task(name: str, **options) -> Task:
     return TASKS[name].task(options_obj)
 
 
+def build_task(name: str, options: dict, data_path: str | None = None) -> Task:
+    """make_task with a data path given apart from the options (a config's task.data_path, `grpo eval --data`);
+    a task that generates its problems refuses one. ValueError names the problem."""
+    if data_path is not None:
+        if name in TASKS and "data_path" not in {f.name for f in dataclasses.fields(TASKS[name].options)}:
+            raise ValueError(f"task {name!r} generates its problems and reads no data file; drop --data / "
+                             f"task.data_path ({data_path})")
+        options = {**options, "data_path": data_path}
+    return make_task(name, **options)
+
+
 __all__ = [
     "R1_PREFILL",
     "R1_SYSTEM_PROMPT",
@@ -89,6 +100,7 @@ __all__ = [
     "RewardResult",
     "Task",
     "TaskSpec",
+    "build_task",
     "make_task",
     "render_prompt",
     "safe_reward",

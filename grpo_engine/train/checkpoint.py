@@ -227,3 +227,29 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:
     if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
         raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
     return path
+
+
+def model_source(path: str | Path) -> Path:
+    """What a user may point a command at, as the model to load: a .gguf file or an HF model dir as given; a
+    checkpoint dir -> its model/; a run dir -> its newest checkpoint's model/."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model {p} does not exist; pass an HF model directory, a .gguf file, a checkpoint "
+                                f"(RUN_DIR/checkpoints/step-XXXXXX) or a run directory")
+    if p.suffix == ".gguf" or (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    latest = latest_checkpoint(p / "checkpoints")
+    if latest is not None:
+        return latest / "model"
+    raise FileNotFoundError(f"{p / 'config.json'} not found: {p} is not a model directory, a .gguf file, a "
+                            f"checkpoint (model/config.json) or a run directory with complete checkpoints")
+
+
+def stored_config_text(path: str | Path) -> str | None:
+    """The config.yaml a run stored next to the model `path` resolves to (None for a plain model)."""
+    model = model_source(path)
+    candidates = [model.parent / "config.yaml"] if model.name == "model" else []
+    found = next((c for c in candidates if c.is_file()), None)
+    return found.read_text() if found else None

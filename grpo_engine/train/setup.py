@@ -20,7 +20,7 @@ from ..model.tokenizer import load_tokenizer
 from ..monitor import Monitor, RankMessages
 from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams
-from ..tasks import make_task
+from ..tasks import build_task
 from ..tasks.base import Example
 from .checkpoint import load_trainer_state, resolve_resume, restore_rng
 from .distributed import World, init_world, load_rank_state, on_main_first
@@ -50,7 +50,7 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
     world = init_world(cfg)  # impossible layouts are config errors here, before anything is read
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
-    task = build_task(cfg)
+    task = task_of(cfg)
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
         cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))  # base/, sft/ under run_dir
     train_examples = list(task.examples(cfg.task.train_split))
@@ -101,13 +101,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_task(cfg: Config):
-    """The task; a bad task name or option is a config error (reported before the model loads)."""
-    options = dict(cfg.task.options)
-    if cfg.task.data_path is not None:
-        options["data_path"] = cfg.task.data_path
+def task_of(cfg: Config):
+    """The config's task; a bad task name or option is a config error (reported before the model loads)."""
     try:
-        return make_task(cfg.task.name, **options)
+        return build_task(cfg.task.name, dict(cfg.task.options), cfg.task.data_path)
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
 

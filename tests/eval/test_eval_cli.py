@@ -156,3 +156,20 @@ def test_plot_writes_png(tmp_path, capsys):
     empty.mkdir()
     assert main(["plot", str(empty)]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_uses_its_task_and_options(tiny_ckpt, tmp_path, capsys):
+    """`grpo eval RUN_DIR` evaluates on the run's own task, data and options (here a byte-level template and
+    digits=1), without repeating them; --k defaults are clamped to --n."""
+    from grpo_engine.config import load_config
+    from grpo_engine.train.loop import train
+
+    cfg = load_config(REPO / "configs/tiny_arithmetic.yaml", [f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'r'}",
+                                                             "schedule.steps=1", "task.options.template=Q {a}{op}{b}"])
+    train(cfg)
+    assert main(["eval", str(tmp_path / "r"), "--n", "2", "--max-new", "4", "--max-examples", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["task"] == "arithmetic" and set(doc["summary"]) >= {"pass@1", "pass@2"}
+    assert "pass@4" not in doc["summary"]
+    want = make_task("arithmetic", template="Q {a}{op}{b}", digits=1, n_train=64, n_test=16).examples("test")[:2]
+    assert [p["question"] for p in doc["problems"]] == [e.question for e in want]

@@ -100,5 +100,5 @@ def test_bad_inputs_are_clear_errors(tmp_path, tiny_ckpt):
     (tmp_path / "exists.gguf").write_bytes(b"")
     with pytest.raises(CheckpointError, match="exists"):
         export_gguf(str(tiny_ckpt), str(tmp_path / "exists.gguf"))
-    with pytest.raises(CheckpointError, match="not a model directory"):
+    with pytest.raises(CheckpointError, match="is not a model directory"):
         export_gguf(str(tmp_path), str(tmp_path / "y.gguf"))
