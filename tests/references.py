@@ -33,4 +33,5 @@ R1 = dict(system_prompt=R1_SYSTEM_PROMPT, prefill=R1_PREFILL, format="strict", i
 R1_COUNTDOWN = {**R1, "extractors": ("answer_tag",),
                 "instruction": "Think in <think> </think> tags, then give only the equation in <answer> </answer> "
                                "tags, for example <answer>(1 + 2) * 3</answer>."}
-BYTE_ARITHMETIC = dict(template="{a}{op}{b}=", instruction="", format="answer_tag", extractors=("answer_tag",))
+BYTE_ARITHMETIC = dict(template="{a}{op}{b}=", instruction="", format="answer_tag", format_weight=0.1,
+                       extractors=("answer_tag",))

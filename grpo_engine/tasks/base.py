@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ..config.fields import option
 from .parsing import FORMAT_REWARDS, check_cascade
 
 R1_SYSTEM_PROMPT = (
@@ -67,13 +68,15 @@ class ChatTaskOptions:
     instruction / format defaults for instruct models. R1-style training (think / answer tags) is a choice of
     options: system_prompt=R1_SYSTEM_PROMPT, prefill=R1_PREFILL, format=strict, extractors=[answer_tag]."""
 
-    system_prompt: str | None = None  # system message; None sends none (the chat template's default applies)
-    instruction: str = ""  # appended to the user message (after a blank line): how to state the answer
-    prefill: str = ""  # assistant prefill appended after the chat template ("" for none)
-    format: str = "answer_line"  # format component: answer_line | boxed | bare_number | answer_tag | strict | partial
-    format_weight: float = 0.1  # weight of the format component in the total reward
-    answer_weight: float = 1.0  # weight of the answer-correctness component in the total reward
-    extractors: tuple[str, ...] = ("answer_tag", "boxed", "answer_line", "answer_is", "final_number")  # cascade
+    system_prompt: str | None = option(None, "system message; None sends none (the chat template's default applies)")
+    instruction: str = option("", "appended to the user message (after a blank line): how to state the answer")
+    prefill: str = option("", "assistant prefill appended after the chat template (\"\" for none)")
+    format: str = option(
+        "answer_line", "format component: answer_line | boxed | bare_number | answer_tag | strict | partial")
+    format_weight: float = option(0.1, "weight of the format component in the total reward")
+    answer_weight: float = option(1.0, "weight of the answer-correctness component in the total reward")
+    extractors: tuple[str, ...] = option(("answer_tag", "boxed", "answer_line", "answer_is", "final_number"),
+                                         "answer cascade: the first that finds an answer wins")
 
     def __post_init__(self) -> None:
         if self.format not in FORMAT_REWARDS:

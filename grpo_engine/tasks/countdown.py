@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
+from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
 from .data import DataError, field_error, read_records, require_fields
 from .parsing import evaluate_arithmetic, extract_answer, numbers_close
@@ -31,22 +32,23 @@ class CountdownExample(Example):
 
 @dataclass
 class CountdownOptions(ChatTaskOptions):
-    instruction: str = ('Give only the equation on the last line as "Answer: <equation>", for example '
-                        '"Answer: (1 + 2) * 3".')
-    answer_weight: float = 1.0  # weight of the answer component (1 = equation uses all numbers, hits target)
-    extractors: tuple[str, ...] = ("answer_tag", "answer_line", "boxed")  # an explicitly marked equation only
-    data_path: str | None = None  # Countdown-Tasks-3to4 .jsonl/.parquet; None = use the generator
-    test_size: int = 512  # rows held out (from the end of the file) as the test split
-    seed: int = 0  # generator seed; train and test are generated from different streams and kept disjoint
-    n_train: int = 10_000  # generated train examples
-    n_test: int = 256  # generated test examples
-    min_nums: int = 3  # fewest numbers per problem
-    max_nums: int = 4  # most numbers per problem
-    max_number: int = 99  # numbers are drawn from 1..max_number
-    min_target: int = 1  # smallest target
-    max_target: int = 100  # largest target
-    integer_only: bool = True  # every intermediate value of the hidden solution is a positive integer
-    tolerance: float = 1e-6  # |value - target| allowed
+    instruction: str = option('Give only the equation on the last line as "Answer: <equation>", for example '
+                              '"Answer: (1 + 2) * 3".', "appended to the user message: how to state the answer")
+    answer_weight: float = option(1.0, "weight of the answer component (1 = equation uses all numbers, hits target)")
+    extractors: tuple[str, ...] = option(("answer_tag", "answer_line", "boxed"),
+                                        "answer cascade: only an explicitly marked equation counts")
+    data_path: str | None = option(None, "Countdown-Tasks-3to4 .jsonl/.parquet; None = use the generator")
+    test_size: int = option(512, "rows held out (from the end of the file) as the test split")
+    seed: int = option(0, "generator seed; train and test are generated from different streams and kept disjoint")
+    n_train: int = option(10_000, "generated train examples")
+    n_test: int = option(256, "generated test examples")
+    min_nums: int = option(3, "fewest numbers per problem")
+    max_nums: int = option(4, "most numbers per problem")
+    max_number: int = option(99, "numbers are drawn from 1..max_number")
+    min_target: int = option(1, "smallest target")
+    max_target: int = option(100, "largest target")
+    integer_only: bool = option(True, "every intermediate value of the hidden solution is a positive integer")
+    tolerance: float = option(1e-6, "|value - target| allowed")
 
 
 def generate_countdown(options: CountdownOptions, split: str, count: int, exclude=frozenset()) -> list:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
 from .data import read_records, require_fields
 from .parsing import extract_answer, numeric_equal
@@ -40,10 +41,10 @@ VERIFIERS: dict[str, Callable[[], Callable[[str, str], bool]]] = {
 
 @dataclass
 class CustomOptions(ChatTaskOptions):
-    data_path: str = ""  # JSONL (or parquet) with `prompt` and `answer` fields: the train split
-    test_path: str | None = None  # file for the test split; None = data_path
-    verifier: str = "exact"  # answer check: exact | numeric | math (math needs grpo-engine[math])
-    reward_fn: str | None = None  # "module:function" called as fn(example, completion); replaces the verifier
+    data_path: str = option("", "JSONL (or parquet) with `prompt` and `answer` fields: the train split")
+    test_path: str | None = option(None, "file for the test split; None = data_path")
+    verifier: str = option("exact", "answer check: exact | numeric | math (math needs grpo-engine[math])")
+    reward_fn: str | None = option(None, "\"module:function\" called as fn(example, completion); replaces the verifier")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
 from .data import DataError, field_error, load_hub, read_records, require_fields, split_source
 from .parsing import extract_answer, numeric_equal, parse_number
@@ -17,11 +18,12 @@ from .parsing import extract_answer, numeric_equal, parse_number
 
 @dataclass
 class GSM8KOptions(ChatTaskOptions):
-    instruction: str = 'Solve it step by step, then give the final answer on the last line as "Answer: <number>".'
-    data_path: str | None = None  # file for every split, or dir with train.*/test.* files or a saved dataset
-    hub_name: str = "openai/gsm8k"  # loaded from the hub only when data_path is None (needs network)
-    hub_config: str | None = "main"  # hub dataset configuration name
-    tolerance: float = 1e-6  # relative/absolute tolerance of the numeric comparison
+    instruction: str = option('Solve it step by step, then give the final answer on the last line as '
+                              '"Answer: <number>".', "appended to the user message: how to state the answer")
+    data_path: str | None = option(None, "file for every split, or dir with train.*/test.* files or a saved dataset")
+    hub_name: str = option("openai/gsm8k", "loaded from the hub only when data_path is None (needs network)")
+    hub_config: str | None = option("main", "hub dataset configuration name")
+    tolerance: float = option(1e-6, "relative/absolute tolerance of the numeric comparison")
 
 
 def gold_answer(solution: str) -> str | None:

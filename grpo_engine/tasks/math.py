@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
+from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
 from .data import field_error, load_hub, read_records, require_fields, split_source
 from .parsing import extract_answer, extract_boxed
@@ -35,15 +36,17 @@ def import_math_verify():
 
 @dataclass
 class MathOptions(ChatTaskOptions):
-    instruction: str = "Solve it step by step and put the final answer in \\boxed{}."
-    format: str = "boxed"  # format component: a complete \boxed{...}
-    extractors: tuple[str, ...] = ("boxed", "answer_tag", "answer_line", "answer_is")  # no bare final number
-    data_path: str | None = None  # file for every split, or dir with train.*/test.* files or a saved dataset
-    hub_name: str = "HuggingFaceH4/MATH-500"  # loaded from the hub only when data_path is None (network)
-    hub_config: str | None = None  # hub dataset configuration name
-    verify_timeout_s: int = 2  # math-verify parse / verify timeout (whole seconds; main thread only)
-    max_answer_chars: int = 300  # longer extracted answers are wrong without being parsed
-    max_nesting: int = 16  # answers with deeper ()[]{} nesting are wrong without being parsed
+    instruction: str = option("Solve it step by step and put the final answer in \\boxed{}.",
+                              "appended to the user message: how to state the answer")
+    format: str = option("boxed", "format component: a complete \boxed{...}")
+    extractors: tuple[str, ...] = option(("boxed", "answer_tag", "answer_line", "answer_is"),
+                                        "answer cascade (a bare final number is not a MATH answer)")
+    data_path: str | None = option(None, "file for every split, or dir with train.*/test.* files or a saved dataset")
+    hub_name: str = option("HuggingFaceH4/MATH-500", "loaded from the hub only when data_path is None (network)")
+    hub_config: str | None = option(None, "hub dataset configuration name")
+    verify_timeout_s: int = option(2, "math-verify parse / verify timeout (whole seconds; main thread only)")
+    max_answer_chars: int = option(300, "longer extracted answers are wrong without being parsed")
+    max_nesting: int = option(16, "answers with deeper ()[]{} nesting are wrong without being parsed")
 
 
 def nesting_depth(text: str) -> int:
