@@ -197,12 +197,26 @@ AGGREGATIONS: dict[str, Callable] = {
 # ---- the loss --------------------------------------------------------------------------------------------
 
 
-def _check_shapes(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+def _check_inputs(c: LossConfig, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Shapes agree with mask [B, T], and the inputs the config's terms need are there."""
+    if c.beta > 0 and tensors["ref_logp"] is None:
+        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
+    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and tensors["entropy"] is None:
+        raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
     if mask.dim() != 2:
         raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
     for name, t in tensors.items():
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
+
+
+def _normalisers(m: torch.Tensor, num_tokens_total, num_seqs_total) -> tuple[float, float]:
+    """Active tokens and sequences the aggregation divides by: the whole step's when given, else this call's."""
+    n_tok = float(num_tokens_total) if num_tokens_total is not None else float(m.sum().clamp_min(1))
+    n_seq = float(num_seqs_total) if num_seqs_total is not None else float((m.sum(1) > 0).sum().clamp_min(1))
+    if n_tok <= 0 or n_seq <= 0:
+        raise ValueError(f"num_tokens_total and num_seqs_total must be > 0, got {num_tokens_total}, {num_seqs_total}")
+    return n_tok, n_seq
 
 
 def _broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -246,42 +260,24 @@ def policy_loss(
     mask [B, T] (bool or 0/1) of completion tokens; entropy [B, T] (needed for entropy_coef > 0 or
     entropy_top_quantile < 1).
 
-    num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (all micro-batches
-    of all accumulation steps). Pass them when the step is split into micro-batches: each micro-batch's loss is
-    then its share of the big-batch loss, so the summed gradients equal the one-batch gradient exactly. Default:
-    this call's own counts.
-
-    Non-finite inputs at active positions are masked out (and counted in metrics["num_nonfinite"]).
+    num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (default: this
+    call's): each micro-batch's loss is then its share of the big-batch loss, so the summed gradients equal the
+    one-batch gradient exactly. Non-finite inputs at active positions are masked out (metrics["num_nonfinite"]).
     """
     r = resolve(cfg or LossConfig())
     c = r.cfg
-    _check_shapes(mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy)
+    _check_inputs(c, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy)
     adv = _broadcast_advantages(advantages, mask).to(logp.dtype)  # [B, T]
-    if c.beta > 0 and ref_logp is None:
-        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
-    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and entropy is None:
-        raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
 
-    # Mask non-finite inputs: they would turn the whole loss into NaN.
-    mask_in = mask.bool()
     old = logp.detach() if old_logp is None else old_logp
-    finite = torch.isfinite(logp) & torch.isfinite(old) & torch.isfinite(adv)  # [B, T]
-    if ref_logp is not None and c.beta > 0:
-        finite &= torch.isfinite(ref_logp)
-    if entropy is not None:
-        finite &= torch.isfinite(entropy)
-    m_bool = mask_in & finite  # [B, T]
-    num_nonfinite = int((mask_in & ~finite).sum())
+    live = _finite_inputs(mask, logp, old, adv, ref_logp if c.beta > 0 else None, entropy)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    logp = torch.where(m_bool, logp, zero)
-    old = torch.where(m_bool, old.to(logp.dtype), zero)
-    adv = torch.where(m_bool, adv, zero)
-    m = m_bool.to(logp.dtype)  # [B, T]
+    logp = torch.where(live.mask, logp, zero)
+    old = torch.where(live.mask, old.to(logp.dtype), zero)
+    adv = torch.where(live.mask, adv, zero)
+    m_bool, m = live.mask, live.mask.to(logp.dtype)  # [B, T]
 
-    n_tok = float(num_tokens_total) if num_tokens_total is not None else float(m.sum().clamp_min(1))
-    n_seq = float(num_seqs_total) if num_seqs_total is not None else float((m.sum(1) > 0).sum().clamp_min(1))
-    if n_tok <= 0 or n_seq <= 0:
-        raise ValueError(f"num_tokens_total and num_seqs_total must be > 0, got {num_tokens_total}, {num_seqs_total}")
+    n_tok, n_seq = _normalisers(m, num_tokens_total, num_seqs_total)
     aggregate = AGGREGATIONS[r.aggregation]
 
     ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
@@ -290,20 +286,9 @@ def policy_loss(
     if c.entropy_top_quantile < 1:
         pg_mask = _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
     pg_loss = aggregate(surr.loss, pg_mask, n_tok, n_seq, r)
-    loss = pg_loss
-
-    kl_mean = 0.0
-    if c.beta > 0:
-        d = torch.where(m_bool, ref_logp.to(logp.dtype), zero) - logp  # [B, T] log(pi_ref / pi)
-        kl = KL_ESTIMATORS[c.kl_estimator](d.clamp(-c.kl_clamp, c.kl_clamp))  # [B, T]
-        loss = loss + c.beta * aggregate(kl, m, n_tok, n_seq, r)
-        kl_mean = _masked_mean(kl, m)
-    ent_mean = 0.0
-    if entropy is not None:
-        ent = torch.where(m_bool, entropy.to(logp.dtype), zero)
-        if c.entropy_coef > 0:
-            loss = loss - c.entropy_coef * aggregate(ent, m, n_tok, n_seq, r)
-        ent_mean = _masked_mean(ent, m)
+    loss, kl_mean, ent_mean = _add_kl_and_entropy(
+        pg_loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r
+    )
 
     metrics = {
         "loss": float(loss.detach()),
@@ -311,10 +296,48 @@ def policy_loss(
         "kl_mean": kl_mean,
         "entropy_mean": ent_mean,
         "active_tokens": float(m.sum()),
-        "num_nonfinite": float(num_nonfinite),
+        "num_nonfinite": float(live.num_nonfinite),
         **_ratio_metrics(ratio.detach(), surr, m_bool),
     }
     return loss, metrics
+
+
+@dataclass
+class _Finite:
+    mask: torch.Tensor  # [B, T] bool: active tokens whose every input is finite
+    num_nonfinite: int  # active tokens dropped because an input was NaN or inf
+
+
+def _finite_inputs(mask, logp, old, adv, ref_logp, entropy) -> _Finite:
+    """Drop active tokens with a non-finite input: one NaN would turn the whole loss (and every weight) into NaN."""
+    finite = torch.isfinite(logp) & torch.isfinite(old) & torch.isfinite(adv)  # [B, T]
+    for t in (ref_logp, entropy):
+        if t is not None:
+            finite &= torch.isfinite(t)
+    mask_in = mask.bool()
+    return _Finite(mask=mask_in & finite, num_nonfinite=int((mask_in & ~finite).sum()))
+
+
+def _add_kl_and_entropy(loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r: ResolvedLoss):
+    """loss + beta * KL(pi || pi_ref) - entropy_coef * entropy, aggregated like the policy term.
+
+    Returns (loss, kl_mean, entropy_mean) with the means over active tokens, for metrics.
+    """
+    c = r.cfg
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    m = m_bool.to(logp.dtype)  # [B, T]
+    kl_mean = ent_mean = 0.0
+    if c.beta > 0:
+        d = torch.where(m_bool, ref_logp.to(logp.dtype), zero) - logp  # [B, T] log(pi_ref / pi)
+        kl = KL_ESTIMATORS[c.kl_estimator](d.clamp(-c.kl_clamp, c.kl_clamp))  # [B, T]
+        loss = loss + c.beta * aggregate(kl, m, n_tok, n_seq, r)
+        kl_mean = _masked_mean(kl, m)
+    if entropy is not None:
+        ent = torch.where(m_bool, entropy.to(logp.dtype), zero)
+        if c.entropy_coef > 0:
+            loss = loss - c.entropy_coef * aggregate(ent, m, n_tok, n_seq, r)
+        ent_mean = _masked_mean(ent, m)
+    return loss, kl_mean, ent_mean
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
