@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo_engine.bench.generate import bench_prompts
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.model.tiny import make_tiny_checkpoint
 from grpo_engine.model.tokenizer import load_tokenizer
 from grpo_engine.rollout import SamplingParams, generate
-from grpo_engine.rollout.bench import bench_prompts
 
 CACHE = Path(os.environ.get("GRPO_BENCH_CACHE", Path.home() / ".cache" / "grpo-engine" / "bench"))
 MODELS = {
@@ -88,18 +88,25 @@ def time_ours(path: Path, prompts, group: int, new: int) -> tuple[float, int, ob
     return seconds, out.num_tokens, model
 
 
-def time_hf(path: Path, prompts, group: int, new: int, pad_id: int) -> tuple[float, int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+def time_hf(path: Path, prompts, group: int, new: int, pad_id: int, *, dtype=torch.float32, device: str = "cpu",
+            cache_implementation: str | None = None) -> tuple[float, int]:
+    """Seconds and new tokens of one transformers generate() call (after a 2-token warm-up).
+
+    cache_implementation: None (transformers' default dynamic cache) or e.g. "static"."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     L = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts])  # left padding, as HF expects
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts], device=device)  # left padding, as HF expects
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=group,
-                  pad_token_id=pad_id)
+                  pad_token_id=pad_id, cache_implementation=cache_implementation)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
         torch.manual_seed(0)
+        sync()
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        sync()
         seconds = time.perf_counter() - t0
     n_tokens = (out.shape[1] - L) * out.shape[0]
     assert out.shape == (len(prompts) * group, L + new), out.shape

@@ -42,3 +42,11 @@ def _no_kernel_plan_leaks():
     """A test that applied a measured kernel plan leaves the process as it found it (the size threshold)."""
     yield
     activate(None)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32_leaks():
+    """apply_memory_config turns TF32 on for CUDA (memory.allow_tf32); later fp32 parity tests need it off."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before

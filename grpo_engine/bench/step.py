@@ -23,6 +23,7 @@ FILLER = "0123456789+*=abcdefghij"
 def add_bench_step_parser(sub) -> None:
     p = sub.add_parser("step", help="time the training step (grpo_step) with fixed-length completions")
     p.add_argument("--model", required=True, help="HF checkpoint directory (or .gguf file)")
+    p.add_argument("--config", default=None, help="a training YAML (e.g. a preset) under the flags and overrides")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. memory.micro_batch_tokens=2048")
     p.add_argument("--prompts", type=int, default=4, help="P prompts per step (rollout.prompts_per_step)")
     p.add_argument("--group", type=int, default=8, help="G completions per prompt (rollout.group_size)")
@@ -42,7 +43,8 @@ def _run(args) -> int:
              "optimizer.name": args.optimizer}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
     result = bench_step(args.model, prompts=args.prompts, group=args.group, max_new=args.max_new,
-                        prompt_len=args.prompt_len, steps=args.steps, threads=args.threads, overrides=overrides)
+                        prompt_len=args.prompt_len, steps=args.steps, threads=args.threads, overrides=overrides,
+                        config=args.config)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 
@@ -77,22 +79,19 @@ def bench_questions(tokenizer, count: int, length: int, seed: int = 0) -> list[s
     return ["".join(rng.choice(FILLER) for _ in range(length - overhead)) for _ in range(count)]
 
 
-def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
-               threads: int = 0, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    import torch
-
+def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
+                 overrides: list[str] | tuple[str, ...] = (), config: str | None = None):
+    """The StepInputs and StepState of a benchmark run: the trainer's own, with BenchTask as the task."""
     from ..config import load_config
     from ..model.tokenizer import load_tokenizer
     from ..train.policy import build_policy
     from ..train.rollouts import PromptSampler
     from ..train.setup import pick_device, sampling_params, seed_everything
-    from ..train.step import StepInputs, StepState, grpo_step
+    from ..train.step import StepInputs, StepState
 
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = load_config(None, [f"model.path={model_dir}", f"rollout.prompts_per_step={prompts}",
-                             f"rollout.group_size={group}", f"rollout.max_new_tokens={max_new}",
-                             f"schedule.steps={steps}", *overrides])
+    cfg = load_config(config, [f"model.path={model_dir}", f"rollout.prompts_per_step={prompts}",
+                               f"rollout.group_size={group}", f"rollout.max_new_tokens={max_new}",
+                               f"schedule.steps={steps}", "schedule.warmup_steps=0", *overrides])
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
     task = BenchTask(bench_questions(tokenizer, prompts * steps, prompt_len))
@@ -100,7 +99,20 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     params = replace(sampling_params(cfg, tokenizer), stop_token_ids=[])  # every completion has max_new tokens
     examples = task.examples("train")
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed), params)
-    state = StepState(micro_tokens=cfg.memory.micro_batch_tokens)
+    return inputs, StepState(micro_tokens=cfg.memory.micro_batch_tokens)
+
+
+def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
+               threads: int = 0, overrides: list[str] | tuple[str, ...] = (), config: str | None = None) -> dict:
+    import torch
+
+    from ..train.step import grpo_step
+
+    if threads:
+        torch.set_num_threads(threads)
+    inputs, state = bench_inputs(model_dir, prompts=prompts, group=group, max_new=max_new, prompt_len=prompt_len,
+                                 steps=steps, overrides=overrides, config=config)
+    cfg, policy = inputs.cfg, inputs.policy
     records = [grpo_step(inputs, state, step, message=lambda _: None) for step in range(1, steps + 1)]
     times = [r.metrics.time_step_s for r in records]
     return {

@@ -63,7 +63,10 @@ LORA_A_INIT: dict[str, Callable[[torch.Tensor], None]] = {
 
 
 def _nf4_torchao(w: torch.Tensor):
-    from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
+    try:  # torchao >= 0.15 keeps NF4 under quantization/
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+    except ImportError:
+        from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
 
     q = to_nf4(w.detach().to(torch.bfloat16), block_size=64, scaler_block_size=256)
     return q, lambda x, qw: linear_nf4(x, qw), lambda qw: qw.get_original_weight()

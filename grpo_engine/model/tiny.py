@@ -119,30 +119,41 @@ def tiny_config(arch: str = "qwen2", **overrides) -> ModelConfig:
 
 
 def init_weights(model: Transformer, seed: int, std: float = 0.02) -> None:
-    """Normal(0, std) matrices, small random biases and norm weights near 1 (so each is exercised)."""
-    g = torch.Generator().manual_seed(seed)
+    """Normal(0, std) matrices, small random biases and norm weights near 1 (so each is exercised).
+
+    Drawn on the parameters' device (a CUDA generator makes a 3B model in seconds; the CPU stream is the
+    one the tests and CPU checkpoints have always used)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + 0.1 * noise)
             elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(0.1 * noise)
             else:
-                p.copy_(std * torch.randn(p.shape, generator=g))
+                p.copy_(std * noise)
 
 
 def make_tiny_checkpoint(
-    out_dir: str | Path, arch: str = "qwen2", *, seed: int = 0, chat_style: str | None = None, **overrides
+    out_dir: str | Path, arch: str = "qwen2", *, seed: int = 0, chat_style: str | None = None,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", **overrides
 ) -> Path:
-    """Write a random-weight checkpoint of `arch` plus a byte-level tokenizer into out_dir."""
+    """Write a random-weight checkpoint of `arch` plus a byte-level tokenizer into out_dir.
+
+    dtype / device: the weights' saved dtype and where they are drawn (device="cuda" for real shapes:
+    benchmarks/gpu_check.py makes Qwen2.5-3B-shaped checkpoints this way)."""
     out = Path(out_dir)
     style = chat_style or ("llama3" if arch.startswith("llama") else "chatml")
     n_tok = write_byte_tokenizer(out, style)
     cfg = tiny_config(arch, **overrides)
     if cfg.vocab_size < n_tok:
         raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
-    model = Transformer(cfg)
+    with torch.device(device):
+        model = Transformer(cfg)
     init_weights(model, seed)
+    model.to(device="cpu", dtype=dtype)
     specials, bos, eos, pad, _ = CHAT_STYLES[style]
     ids = {s: 256 + i for i, s in enumerate(specials)}
     cfg.extra = {"bos_token_id": ids.get(bos), "eos_token_id": ids[eos], "pad_token_id": ids[pad]}

@@ -30,8 +30,9 @@ def _batch(vocab: int, share: bool):
             prompts.append(prompt)
             comps.append(torch.randint(0, vocab, (n,), generator=g).tolist())
     adv = torch.randn(len(prompts), generator=g)
-    return build_rollout_batch(prompts, comps, [[0.0] * len(c) for c in comps], adv, [True] * len(prompts), 0,
-                               share_prompts=share)
+    return build_rollout_batch(
+        prompts, comps, [[0.0] * len(c) for c in comps], adv, [True] * len(prompts), 0, share_prompts=share
+    )
 
 
 def _step(model, batch):
@@ -40,8 +41,7 @@ def _step(model, batch):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    accumulate_gradients(model, batch, LossConfig(loss="grpo", beta=0.0), 1_000_000, temperature=1.0,
-                         chunk_size=1024)
+    accumulate_gradients(model, batch, LossConfig(loss="grpo", beta=0.0), 1_000_000, temperature=1.0, chunk_size=1024)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, peak
@@ -53,7 +53,9 @@ def test_shared_equals_plain_on_gpu_fp32(tiny_ckpt):
     g_shared, _ = _step(model, _batch(vocab, True))
     g_plain, _ = _step(model, _batch(vocab, False))
     for name in g_plain:
-        torch.testing.assert_close(g_shared[name], g_plain[name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            g_shared[name], g_plain[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_shared_needs_no_more_memory_on_gpu_bf16(tiny_ckpt):

@@ -1,0 +1,552 @@
+"""The CUDA path in one run: bf16 parity, each preset's memory against the planner, rollout speed.
+
+    python benchmarks/gpu_check.py --out REPORT_DIR [--sections parity,memory,speed] [--smoke]
+
+Writes REPORT_DIR/gpu_check.json (every figure) and REPORT_DIR/gpu_check.md (tables), section by section, so a
+run cut short keeps what it measured. Checkpoints are random weights at the real Qwen2.5 shapes, made by the
+project's own make_tiny_checkpoint on the GPU (byte-level tokenizer, 151,936-row vocabulary), cached in
+$GRPO_BENCH_CACHE (default ~/.cache/grpo-engine/bench). --smoke runs every code path at a toy shape on CPU.
+
+Sections
+- parity: logits of our bf16 model vs transformers' bf16 model, both against our fp32 forward (the same
+  weights); then the rollout/trainer mismatch under bf16: generate()'s log-probs vs the training forward's.
+- memory: one GRPO step per preset config (each in its own process) at its real shape, G=8, 8 prompts,
+  512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction.
+- speed: generate() eager and compiled vs transformers' generate (dynamic and static cache), tokens/s and the
+  fraction of the HBM bound (weight + KV-cache bytes read per decode step over the measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from grpo_engine.model.tiny import make_tiny_checkpoint
+from grpo_engine.plan.shapes import MODEL_SHAPES
+
+CACHE = Path(os.environ.get("GRPO_BENCH_CACHE", Path.home() / ".cache" / "grpo-engine" / "bench"))
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = {  # config -> model shape
+    "configs/gpu8gb_qwen2.5-1.5b_qlora.yaml": "qwen2.5-1.5b",
+    "configs/gpu12gb_qwen2.5-1.5b_lora.yaml": "qwen2.5-1.5b",
+    "configs/gpu8gb_qwen2.5-0.5b_full.yaml": "qwen2.5-0.5b",
+    "configs/gpu24gb_qwen2.5-3b_full.yaml": "qwen2.5-3b",
+}
+SMOKE_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+GIB = 1024**3
+
+
+@dataclasses.dataclass
+class Sizes:
+    """How big each section runs: the issue's sizes on a GPU, toy sizes for --smoke."""
+
+    prompts: int = 8
+    group: int = 8
+    completion: int = 512
+    prompt_len: int = 256
+    speed_prompts: int = 64
+    steps: int = 1
+
+
+SMOKE = Sizes(prompts=2, group=2, completion=8, prompt_len=40, speed_prompts=2)
+
+
+def checkpoint(shape: str, smoke: bool) -> Path:
+    """A random-weight bf16 checkpoint of a named Qwen2.5 shape (drawn on the GPU when there is one)."""
+    out = CACHE / (f"smoke-{shape}" if smoke else f"random-{shape}")
+    if not (out / "config.json").exists():
+        s = MODEL_SHAPES[shape]
+        fields = (
+            SMOKE_SHAPE
+            if smoke
+            else dict(
+                hidden_size=s.hidden_size,
+                intermediate_size=s.intermediate_size,
+                num_hidden_layers=s.num_hidden_layers,
+                num_attention_heads=s.num_attention_heads,
+                num_key_value_heads=s.num_key_value_heads,
+                vocab_size=s.vocab_size,
+            )
+        )
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        make_tiny_checkpoint(
+            out,
+            "qwen2",
+            tie_word_embeddings=s.tie_word_embeddings,
+            attention_bias=True,
+            max_position_embeddings=32768,
+            dtype=torch.bfloat16,
+            device=device,
+            **fields,
+        )
+    return out
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------
+# parity
+
+
+@torch.no_grad()
+def logits_parity(path: Path, device: str, prompts: list[list[int]]) -> dict:
+    """max / mean |logit diff| of our bf16 and transformers' bf16 forward, each against our fp32 forward."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_engine.model.hf_io import load_model
+
+    ref = load_model(path, dtype=torch.float32, device=device)
+    want = [ref(torch.tensor([p], device=device))[0].float() for p in prompts]  # [L, V] each
+    del ref
+    ours = load_model(path, dtype=torch.bfloat16, device=device)
+    got_ours = [ours(torch.tensor([p], device=device))[0].float() for p in prompts]
+    del ours
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    got_hf = [hf(torch.tensor([p], device=device)).logits[0].float() for p in prompts]
+    del hf
+
+    def diff(a, b) -> dict:
+        d = torch.cat([(x - y).abs().flatten() for x, y in zip(a, b)])
+        top1 = torch.cat([(x.argmax(-1) == y.argmax(-1)).float() for x, y in zip(a, b)])
+        return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "top1_agree": top1.mean().item()}
+
+    scale = torch.cat([w.flatten() for w in want]).std().item()
+    return {
+        "logit_std_fp32": scale,
+        "ours_bf16_vs_fp32": diff(got_ours, want),
+        "hf_bf16_vs_fp32": diff(got_hf, want),
+        "ours_bf16_vs_hf_bf16": diff(got_ours, got_hf),
+    }
+
+
+def rollout_mismatch(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]], sizes: Sizes) -> dict:
+    """generate()'s per-token log-probs vs the training forward's (batch_logprobs) on the same completions."""
+    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.rollout import SamplingParams, generate
+    from grpo_engine.train.batching import build_rollout_batch
+    from grpo_engine.train.update import batch_logprobs
+
+    model = load_model(path, dtype=dtype, device=device)
+    params = SamplingParams(
+        n=sizes.group, temperature=1.0, max_new_tokens=sizes.completion, stop_token_ids=[], max_tokens_in_flight=None
+    )
+    out = generate(model, prompts, params, seed=0)
+    rows = [prompts[i] for i in out.prompt_index]
+    batch = build_rollout_batch(
+        rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows), pad_id=0
+    )
+    train = batch_logprobs(model, batch, 16384, temperature=1.0, chunk_size=1024)  # [B, T]
+    mask = batch.completion_mask.bool()
+    log_ratio = (train - batch.sampler_logp)[mask]  # log pi_train / pi_sampler per token
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": int(mask.sum()),
+        "mean_abs": log_ratio.abs().mean().item(),
+        "max_abs": log_ratio.abs().max().item(),
+        "mean": log_ratio.mean().item(),
+        "k3": (log_ratio.exp() - 1 - log_ratio).mean().item(),
+    }
+
+
+def parity(smoke: bool, sizes: Sizes) -> dict:
+    from grpo_engine.bench.generate import bench_prompts
+    from grpo_engine.model.tokenizer import load_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = checkpoint("qwen2.5-0.5b", smoke)
+    prompts = bench_prompts(load_tokenizer(path), sizes.prompts)
+    result = {"shape": "qwen2.5-0.5b", "logits": logits_parity(path, device, prompts)}
+    result["mismatch"] = [rollout_mismatch(path, device, dt, prompts, sizes) for dt in (torch.bfloat16, torch.float32)]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# memory: one preset per process
+
+
+class PhasePeaks:
+    """Peak CUDA memory of each phase of grpo_step: the step module's phase functions are wrapped in place."""
+
+    def __init__(self):
+        self.peaks: dict[str, dict[str, float]] = {}
+        self.times: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        if torch.cuda.is_available():
+            sync()
+            self.peaks[name] = {
+                "allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+                "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+            }
+            torch.cuda.reset_peak_memory_stats()
+
+    def wrap(self, fn, name: str):
+        def wrapped(*args, **kwargs):
+            self.mark("before " + name)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.mark(name)
+            self.times[name] = time.perf_counter() - t0
+            return out
+
+        return wrapped
+
+    def install(self, optimizer) -> None:
+        from grpo_engine.train import step as step_module
+
+        step_module.collect_groups = self.wrap(step_module.collect_groups, "rollout")
+        step_module.attach_logprobs = self.wrap(step_module.attach_logprobs, "scoring")
+        original_step = optimizer.step
+
+        def optimizer_step(*args, **kwargs):  # the backward passes end here: training | optimizer
+            self.mark("training")
+            out = original_step(*args, **kwargs)
+            self.mark("optimizer")
+            return out
+
+        optimizer.step = optimizer_step
+
+
+def profiled(fn, enabled: bool):
+    """fn() under torch.profiler when enabled; the 25 ops with the most device time go to stdout."""
+    if not enabled:
+        return fn()
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        out = fn()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
+    return out
+
+
+def one_preset(config: str, smoke: bool, sizes: Sizes, profile_last: bool = False) -> dict:
+    """One preset's GRPO steps in this process; the planner's prediction beside the measured peaks."""
+    from grpo_engine.bench.step import bench_inputs
+    from grpo_engine.plan.from_config import plan_config
+    from grpo_engine.train.step import grpo_step
+
+    path = checkpoint(PRESETS[config], smoke)
+    extra = [] if torch.cuda.is_available() else ["memory.precision=fp32", "model.device=cpu"]
+    if not torch.cuda.is_available() and "offload" in (ROOT / config).read_text():
+        extra.append("optimizer.name=adamw")
+    inputs, state = bench_inputs(
+        str(path),
+        prompts=sizes.prompts,
+        group=sizes.group,
+        max_new=sizes.completion,
+        prompt_len=sizes.prompt_len,
+        steps=sizes.steps,
+        config=str(ROOT / config),
+        overrides=[f"run_dir={CACHE / 'runs'}", *extra],
+    )
+    peaks = PhasePeaks()
+    peaks.mark("load")
+    peaks.install(inputs.policy.optimizer)
+    records = [
+        profiled(lambda s=s: grpo_step(inputs, state, s, message=print), profile_last and s == sizes.steps)
+        for s in range(1, sizes.steps + 1)
+    ]
+    plan = plan_config(inputs.cfg, shape=str(path), prompt_len=sizes.prompt_len)
+    free, total = torch.cuda.mem_get_info() if torch.cuda.is_available() else (0, 0)
+    m = records[-1].metrics
+    return {
+        "config": config,
+        "shape": PRESETS[config],
+        "peaks": peaks.peaks,
+        "max_reserved_gib": max((p["reserved_gib"] for p in peaks.peaks.values()), default=0.0),
+        "max_allocated_gib": max((p["allocated_gib"] for p in peaks.peaks.values()), default=0.0),
+        "outside_torch_gib": (
+            (total - free) / GIB - torch.cuda.memory_reserved() / GIB - float(os.environ.get("GPU_CHECK_OTHERS_GIB", 0))
+        )
+        if total
+        else 0.0,
+        "plan_total_gib": plan.total_gib,
+        "plan_peak_phase": plan.peak_phase,
+        "plan_phases_gib": {p.name: p.total / GIB for p in plan.phases},
+        "nf4_layers": sum(getattr(mod, "quantized", False) is True for mod in inputs.policy.model.modules()),
+        "sec_per_step": m.time_step_s,
+        "time_generate_s": m.time_generate_s,
+        "time_logprobs_s": m.time_logprobs_s,
+        "time_update_s": m.time_update_s,
+        "train_tokens": m.train_tokens,
+        "step_times": [r.metrics.time_step_s for r in records],
+    }
+
+
+def memory(smoke: bool, out: Path, presets: list[str], steps: int, profile: str) -> list[dict]:
+    """Each preset in its own process (clean peaks, its own CUDA context); this process's GPU use is passed on."""
+    gc.collect()
+    others = 0.0
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        others = (total - free) / GIB
+    results = []
+    for config in presets:
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--one-preset",
+                config,
+                "--out",
+                str(out),
+                "--memory-steps",
+                str(steps + (config == profile)),
+            ]
+            + (["--smoke"] if smoke else [])
+            + (["--profile", config] if config == profile else [])
+        )
+        env = {**os.environ, "GPU_CHECK_OTHERS_GIB": str(others)}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        except subprocess.TimeoutExpired as e:
+            results.append({"config": config, "error": f"timed out after {e.timeout} s"})
+            continue
+        (out / f"preset_{Path(config).stem}.log").write_text(proc.stdout + proc.stderr)
+        line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
+        results.append(
+            json.loads(line)
+            if proc.returncode == 0 and line
+            else {"config": config, "error": (proc.stderr or proc.stdout)[-2000:]}
+        )
+        print(json.dumps(results[-1])[:600], flush=True)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# speed
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, bytes read + written (the HBM bound's denominator)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    x = torch.empty(2 * GIB // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    return 2 * x.numel() * 2 * 10 / (time.perf_counter() - t0)
+
+
+def decode_bytes(cfg, rows: int, prompt_len: float, new: int) -> float:
+    """Bytes a decode pass must read from memory: all weights once per step + every row's KV cache so far."""
+    d, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 4 * d * d + 2 * d * kv_dim + 3 * d * cfg.intermediate_size  # q,o + k,v + mlp (approx: q,o d x d)
+    weights = 2 * (layers * per_layer + v * d)  # bf16; the LM head is read every step
+    kv_per_token = 2 * layers * 2 * kv_dim  # K and V, bf16
+    return sum(weights + rows * kv_per_token * (prompt_len + t) for t in range(new))
+
+
+def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
+    from grpo_engine.bench.generate import bench_generate
+
+    args = argparse.Namespace(
+        model=str(path),
+        prompts=sizes.speed_prompts,
+        group=sizes.group,
+        max_new=sizes.completion,
+        ignore_eos=True,
+        temperature=1.0,
+        device=None,
+        dtype=None,
+        compile=compile,
+        seed=0,
+    )
+    return bench_generate(args)
+
+
+def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from generate_vs_hf import time_hf
+
+    from grpo_engine.bench.generate import bench_prompts
+    from grpo_engine.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    prompts = bench_prompts(tok, sizes.speed_prompts)
+    cuda = torch.cuda.is_available()
+    seconds, tokens = time_hf(
+        path,
+        prompts,
+        sizes.group,
+        sizes.completion,
+        tok.pad_token_id,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        device="cuda" if cuda else "cpu",
+        cache_implementation=cache,
+    )
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens}
+
+
+def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str]) -> dict:
+    from grpo_engine.model.hf_io import config_from_hf, read_json
+
+    bw = copy_bandwidth()
+    result = {"copy_bandwidth_gb_s": bw / 1e9, "runs": []}
+    for shape in shapes:
+        path = checkpoint(shape, smoke)
+        cfg = config_from_hf(read_json(path / "config.json"))
+        runs = {
+            "ours_eager": partial(ours_speed, path, sizes, False),
+            "ours_compiled": partial(ours_speed, path, sizes, True),
+            "hf_dynamic": partial(hf_speed, path, sizes, None),
+        }
+        if shape in hf_static:
+            runs["hf_static"] = partial(hf_speed, path, sizes, "static")
+        for name, run in runs.items():
+            try:
+                r = run()
+            except Exception as e:  # one engine failing must not lose the others' figures
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            if "seconds" in r:
+                prompt_len = r.get("mean_prompt_tokens", sizes.prompt_len)
+                rows = sizes.speed_prompts * sizes.group
+                bound_s = decode_bytes(cfg, rows, prompt_len, sizes.completion) / bw
+                r["fraction_of_hbm_bound"] = bound_s / r["seconds"]
+            result["runs"].append({"shape": shape, "engine": name, **r})
+            print(json.dumps(result["runs"][-1]), flush=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# report
+
+
+def write_report(report: dict, out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# gpu_check on {r['gpu']} (torch {r['torch']}, {r['date']})", ""]
+    if "parity" in r:
+        p = r["parity"]
+        lines += [
+            "## bf16 parity (Qwen2.5-0.5B shape, random weights)",
+            "",
+            "| pair | max abs | mean abs | top-1 |",
+            "|---|---|---|---|",
+        ]
+        for k, v in p["logits"].items():
+            if isinstance(v, dict):
+                lines.append(f"| {k} | {v['max_abs']:.4g} | {v['mean_abs']:.4g} | {v['top1_agree']:.4f} |")
+        lines += ["", "| rollout vs trainer | tokens | mean abs | max abs | mean | k3 |", "|---|---|---|---|---|---|"]
+        for m in p["mismatch"]:
+            lines.append(
+                f"| {m['dtype']} | {m['tokens']} | {m['mean_abs']:.4g} | {m['max_abs']:.4g} | "
+                f"{m['mean']:.3g} | {m['k3']:.3g} |"
+            )
+    if "memory" in r:
+        lines += [
+            "",
+            "## memory per preset (one GRPO step)",
+            "",
+            "| config | max reserved GiB | max allocated GiB | planned GiB | s/step | generate | log-probs | update |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for m in r["memory"]:
+            if "error" in m:
+                lines.append(f"| {m['config']} | error: {m['error'][-200:]!r} |")
+                continue
+            lines.append(
+                f"| {m['config']} | {m['max_reserved_gib']:.2f} | {m['max_allocated_gib']:.2f} | "
+                f"{m['plan_total_gib']:.2f} | {m['sec_per_step']:.1f} | {m['time_generate_s']:.1f} | "
+                f"{m['time_logprobs_s']:.1f} | {m['time_update_s']:.1f} |"
+            )
+    if "speed" in r:
+        s = r["speed"]
+        lines += [
+            "",
+            f"## rollout speed (copy bandwidth {s['copy_bandwidth_gb_s']:.0f} GB/s)",
+            "",
+            "| shape | engine | tokens/s | seconds | HBM-bound fraction |",
+            "|---|---|---|---|---|",
+        ]
+        for x in s["runs"]:
+            if "error" in x:
+                lines.append(f"| {x['shape']} | {x['engine']} | error: {x['error'][:200]!r} | | |")
+            else:
+                lines.append(
+                    f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f} | "
+                    f"{x.get('fraction_of_hbm_bound', float('nan')):.3f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--sections", default="parity,memory,speed")
+    ap.add_argument("--speed-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
+    ap.add_argument("--hf-static", default="qwen2.5-0.5b", help="shapes that also time HF's static cache")
+    ap.add_argument("--speed-prompts", type=int, default=None, help="prompts P of the speed runs (default 64)")
+    ap.add_argument("--smoke", action="store_true", help="toy shapes on CPU: every code path, no real figures")
+    ap.add_argument("--presets", default=",".join(PRESETS), help="preset configs of the memory section")
+    ap.add_argument("--memory-steps", type=int, default=1, help="GRPO steps per preset (peaks: the last step)")
+    ap.add_argument("--profile", default="", help="a preset whose last step (one extra) runs under torch.profiler")
+    ap.add_argument("--one-preset", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = dataclasses.replace(SMOKE if args.smoke else Sizes(), steps=args.memory_steps)
+    if args.speed_prompts:
+        sizes = dataclasses.replace(sizes, speed_prompts=args.speed_prompts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one_preset:
+        print(json.dumps(one_preset(args.one_preset, args.smoke, sizes, args.profile == args.one_preset)))
+        return
+    report = {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "sizes": dataclasses.asdict(sizes),
+    }
+    for section in args.sections.split(","):
+        t0 = time.perf_counter()
+        if section == "parity":
+            report["parity"] = parity(args.smoke, sizes)
+        elif section == "memory":
+            report["memory"] = memory(args.smoke, args.out, args.presets.split(","), args.memory_steps, args.profile)
+        elif section == "speed":
+            report["speed"] = speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","))
+        report.setdefault("seconds", {})[section] = time.perf_counter() - t0
+        write_report(report, args.out)
+        print(f"[{section}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
