@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 from .bench import add_bench_parser
-from .config import ConfigError
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 from .model.gguf_export import add_export_parser
@@ -25,6 +24,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint of run_dir, or from the given checkpoint dir")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run_dir that holds a run: the old run is renamed RUN_DIR.prev-<time>")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow resuming a checkpoint whose trainer state is a pickle (written by earlier versions)")
     p.add_argument("--nproc", type=int, default=None,
@@ -45,7 +46,8 @@ def _train(args) -> int:
     from .train.update import NonFiniteError
 
     try:
-        result = train(cfg, resume=args.resume, stop_after=args.stop_after, trust_checkpoint=args.trust_checkpoint)
+        result = train(cfg, resume=args.resume, stop_after=args.stop_after, trust_checkpoint=args.trust_checkpoint,
+                       overwrite=args.overwrite)
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
@@ -110,20 +112,42 @@ PARSERS = [add_demo_parser, add_train_parser, add_eval_parser, add_generate_pars
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training engine")
+    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training engine (add --debug anywhere to "
+                                                               "see tracebacks instead of one-line errors)")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in PARSERS:
         add(sub)
     return parser
 
 
+# Errors a user can fix from the message alone: one line, exit 2. Config, data and checkpoint errors are
+# ValueErrors (ConfigError, DataError, CheckpointError, StateFormatError, UntrustedCheckpointError).
+INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit codes: 0 done, 1 a run stopped (non-finite updates, out of memory, disk full), 2 bad input, 130
+    Ctrl-C before a run started. `--debug` shows the traceback instead of the one-line message."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except INPUT_ERRORS as e:
+        if args.debug:
+            raise
         print(f"grpo: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # disk full, I/O failure: the run's last checkpoint is intact (written atomically)
+        if args.debug:
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"grpo: error: {e.strerror or e}{where}: free space or fix the path, then --resume", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("grpo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

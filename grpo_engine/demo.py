@@ -80,8 +80,10 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,
              real: bool = False, model: str | None = None) -> DemoResult:
-    """The tiny demo (warm start, then GRPO), or with `real` SmolLM2-135M-Instruct (GRPO only)."""
+    """The tiny demo (warm start, then GRPO), or with `real` SmolLM2-135M-Instruct (GRPO only). A previous run
+    in the run dir is renamed RUN_DIR.prev-<time> first (nothing deleted)."""
     from .train.loop import train
+    from .train.run_dir import plan_run_dir
     from .train.setup import task_of
 
     console = console or Console()
@@ -91,6 +93,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
         cfg.model.path = real_model_path(model or cfg.model.path)
     check_paths(cfg)
     task = task_of(cfg)
+    plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True).apply(console.print)
     what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model"
     console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
     start = cfg.model.path if real else _warm_start(cfg, task, console)

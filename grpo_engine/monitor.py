@@ -27,6 +27,10 @@ class StepMetrics:
     completion_len_max: int = 0
     truncation_rate: float = math.nan
     zero_variance_frac: float = math.nan
+    zero_variance_groups: int = 0  # groups whose rewards were all equal: no learning signal from them
+    reward_errors: int = 0  # rewards that raised (scored 0)
+    reward_timeouts: int = 0  # rewards that ran past their time limit (scored 0)
+    reward_nonfinite: int = 0  # rewards that returned NaN / inf (scored 0)
     semantic_entropy: float = math.nan
     kl: float = math.nan
     entropy: float = math.nan
@@ -76,6 +80,7 @@ class Sample:
     components: dict[str, float]
     answer: str | None
     finish_reason: str
+    error: str | None = None  # why the reward failed ("exception: ...", "timeout: ..."), None when it did not
 
 
 class _Console:
@@ -154,12 +159,19 @@ class Monitor:
         self.wandb = _open_wandb(wandb_project, config, self.run_dir) if wandb else None
 
     def _truncate_metrics_after(self, step: int) -> None:
-        """On resume, drop lines of steps after the checkpoint (they will be recomputed identically)."""
-        if not self.metrics_path.exists():
-            return
-        lines = self.metrics_path.read_text().splitlines()
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= step]
-        self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
+        """Keep the lines of steps up to `step` (a resumed run rewrites the rest identically); a torn last line
+        (a crash or a full disk mid-write) is dropped with one warning instead of blocking the run."""
+        from .train.run_dir import parse_line
+
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            lines = path.read_text(errors="replace").splitlines()
+            kept = [ln for ln in lines if (r := parse_line(ln)) is not None and r.get("step", 0) <= step]
+            torn = sum(1 for ln in lines if ln.strip() and parse_line(ln) is None)
+            if torn:
+                print(f"warning: {path}: dropped {torn} unreadable (torn) line(s)", file=sys.stderr)
+            path.write_text("".join(ln + "\n" for ln in kept))
 
     def log_step(self, m: StepMetrics) -> None:
         with self.metrics_path.open("a") as f:

@@ -76,9 +76,12 @@ class LoggingSection:
     tensorboard: bool = option(False, "also log to TensorBoard (needs the `tensorboard` extra)")
     wandb: bool = option(False, "also log to Weights & Biases (needs the `wandb` extra)")
     wandb_project: str = option("grpo-engine", "wandb project name")
+    no_signal_warn_steps: int = option(10, "warn after this many steps in a row in which every group's rewards "
+                                           "were equal (no learning signal)")
 
     def __post_init__(self) -> None:
         require(self.samples_every >= 0, "logging.samples_every must be >= 0")
+        require(self.no_signal_warn_steps >= 1, "logging.no_signal_warn_steps must be >= 1")
 
 
 @dataclass

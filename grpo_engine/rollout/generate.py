@@ -27,7 +27,7 @@ import torch
 from ..kernels import onednn
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
-from .sampling import Sampler, SamplingParams
+from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
 
 STOP, LENGTH = "stop", "length"
 
@@ -221,6 +221,8 @@ def _run_wave(
         u = draws.uniforms([prompt_ids[r // n] for r in active], [reasons[r] is None for r in active])
         tok, logp = sample(logits, draws.shared, u)  # [A], [A]
         tok_list, logp_list = tok.tolist(), logp.tolist()
+        if NAN_TOKEN in tok_list:
+            raise NonFiniteLogits(f"NaN logits at decode step {t}: the model's weights or activations have blown up")
         for a, r in enumerate(active):
             if reasons[r] is not None:
                 continue  # finished, waiting for compaction; its new token is discarded

@@ -22,6 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 SAMPLE_BLOCK = 1024  # vocabulary block of the two-level inverse-CDF search (sample_from_logits)
+NAN_TOKEN = -1  # returned for a row whose logits are NaN (the caller raises NonFiniteLogits; no extra host sync)
+
+
+class NonFiniteLogits(FloatingPointError):
+    """The policy produced NaN logits: its weights or activations have blown up (e.g. too high a learning rate)."""
 LogitFilter = Callable[[torch.Tensor], torch.Tensor]  # logits [R, V] -> logits [R, V] with -inf holes
 
 
@@ -130,6 +135,7 @@ def sample_greedy(
     logits: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     top, tokens = logits.max(dim=-1)  # [R], [R]
+    tokens = torch.where(torch.isnan(top), NAN_TOKEN, tokens)
     total = torch.exp(logits - top[:, None]).sum(dim=-1)  # [R]; cheaper than torch.logsumexp on CPU
     return tokens, -torch.log(total)  # log_softmax at the argmax: top - (top + log total)
 
@@ -170,7 +176,8 @@ def sample_from_logits(
     u_in = (u - before).clamp(min=torch.finfo(w.dtype).tiny)
     u_in = torch.minimum(u_in, inner_cdf[:, -1:])
     tokens = (b * block + torch.searchsorted(inner_cdf, u_in, right=False))[:, 0]  # [R]
-    chosen = logits.gather(-1, tokens[:, None])[:, 0]  # [R]
+    tokens = torch.where(torch.isnan(top[:, 0]), NAN_TOKEN, tokens.clamp(max=V - 1))  # NaN logits: flagged
+    chosen = logits.gather(-1, tokens.clamp(min=0)[:, None])[:, 0]  # [R]
     return tokens, chosen - top[:, 0] - torch.log(total[:, 0])
 
 

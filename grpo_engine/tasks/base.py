@@ -8,11 +8,12 @@ reward that raises or runs too long scores 0 and is counted, and never stops tra
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from ..config.fields import option
@@ -122,6 +123,9 @@ def weighted_reward(
 
 
 # ---------------------------------------------------------------------------------------- guarded scoring
+REWARD_LIMIT = 1e6  # |reward| beyond this is clamped: group means and variances stay finite
+
+
 class RewardTimeout(BaseException):
     """Raised by the alarm in safe_reward. A BaseException so that a reward's own `except Exception`
     (math-verify has several) cannot swallow it."""
@@ -163,6 +167,12 @@ def safe_reward(task: Task, example: Example, completion: str, timeout_s: float 
         return _failed("timeout", f"reward took {elapsed:.2f}s > {timeout_s}s (not interruptible here)")
     if not isinstance(result, RewardResult):
         return _failed("exception", f"reward returned {type(result).__name__}, expected RewardResult")
+    if not isinstance(result.total, (int, float)) or not math.isfinite(result.total):
+        return _failed("nonfinite", f"reward total {result.total!r} is not a finite number")
+    if abs(result.total) > REWARD_LIMIT or any(abs(v) > REWARD_LIMIT for v in result.components.values()):
+        clamp = lambda v: max(-REWARD_LIMIT, min(REWARD_LIMIT, v))  # noqa: E731 - 1e308 overflows group statistics
+        components = {k: clamp(v) for k, v in result.components.items()}
+        return replace(result, total=clamp(result.total), components=components)
     return result
 
 

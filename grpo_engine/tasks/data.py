@@ -29,7 +29,11 @@ def read_records(path: str | Path) -> list[Record]:
     reader = readers.get(p.suffix.lower())
     if reader is None:
         raise DataError(f"{p}: unknown data format {p.suffix!r}; use {list(readers)} or a datasets dir")
-    return reader(p)
+    try:
+        return reader(p)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
+                        f"re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _read_jsonl(p: Path) -> list[Record]:

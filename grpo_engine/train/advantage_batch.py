@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..rl.advantages import combine_rewards, compute_advantages
 from ..rl.overlong import overlong_keep_mask, soft_overlong_penalty
 from ..rl.semantic_entropy import group_semantic_entropy, modulate_advantages
@@ -35,7 +35,12 @@ def _rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
     components; then the soft overlong penalty when enabled."""
     weights = cfg.algorithm.advantage.component_weights
     if weights:
-        names = sorted({k for g in groups for r in g.rewards for k in r.components} | set(weights))
+        seen = {k for g in groups for r in g.rewards for k in r.components}
+        unknown = sorted(set(weights) - seen)
+        if unknown and seen:  # (all rewards failing leaves no components to compare against)
+            raise ConfigError(f"algorithm.advantage.component_weights names {unknown}, but the task's rewards have "
+                              f"the components {sorted(seen)}: fix the names")
+        names = sorted(seen | set(weights))
         comps = {n: torch.tensor([[r.components.get(n, 0.0) for r in g.rewards] for g in groups]) for n in names}
         rewards = combine_rewards(comps, weights).double()  # [P, G]
     else:

@@ -101,6 +101,10 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
 
+def checkpoint_step(path: Path | None) -> int | None:
+    return None if path is None else int(path.name[len(STEP_PREFIX) :])
+
+
 def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     found = list_checkpoints(ckpt_root)
     return found[-1] if found else None
@@ -178,7 +182,8 @@ def save_checkpoint(
     os.rename(tmp, final)
     _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:  # never the checkpoint just written (a stray later step must not push it out)
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

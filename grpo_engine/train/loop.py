@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import to_yaml
 from ..kernels import PLAN_FILE
+from ..rollout.sampling import NonFiniteLogits
 from .checkpoint import TrainerState, capture_rng, save_checkpoint, step_dir_name, tmp_dir_for
 from .distributed import close_world, full_state, gathered, save_rank_state
 from .evaluation import EvalResult, combine_eval, evaluate_policy
@@ -49,16 +50,21 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def train(cfg, *, resume: str | None = None, stop_after: int | None = None,
-          trust_checkpoint: bool = False) -> RunResult:
+def train(cfg, *, resume: str | None = None, stop_after: int | None = None, trust_checkpoint: bool = False,
+          overwrite: bool = False) -> RunResult:
     """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
-    trust_checkpoint: allow resuming a legacy pickled trainer state (see train/checkpoint.py)."""
-    run = setup_run(cfg, resume, trust_checkpoint)
+    trust_checkpoint: allow resuming a legacy pickled trainer state (train/checkpoint.py); overwrite: start
+    over in a run_dir that holds a run, renaming the old run (train/run_dir.py)."""
+    run = setup_run(cfg, resume, trust_checkpoint, overwrite)
     stopped_by, done = "completed", run.done_steps
     with GracefulStop() as stop:
         try:
             for step in range(run.done_steps + 1, cfg.schedule.steps + 1):
-                record = grpo_step(run.inputs, run.state, step, run.monitor.message)
+                try:
+                    record = grpo_step(run.inputs, run.state, step, run.monitor.message)
+                except (NonFiniteError, NonFiniteLogits) as e:  # weights blew up: nothing more is saved
+                    raise NonFiniteError(f"step {step}: {e}. Nothing was saved after it; the last good checkpoint "
+                                         f"is {run.last_checkpoint or 'none'}") from None
                 if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.schedule.steps):
                     record.metrics.eval = evaluate(run).as_metrics()
                 log(run, record)
@@ -78,6 +84,8 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None,
                     break
         finally:
             run.monitor.close()
+            if run.lock is not None:
+                run.lock.release()
             close_world(run.inputs.world)
     return RunResult(done, run.last_checkpoint, stopped_by)
 
@@ -96,6 +104,7 @@ def evaluate(run: Run) -> EvalResult:
 
 def log(run: Run, record: StepRecord) -> None:
     run.monitor.log_step(record.metrics)
+    run.reward_watch(record.metrics, record.rollout)
     every = run.cfg.logging.samples_every
     if every and record.step % every == 0:
         run.monitor.log_samples(sample_records(record.step, record.rollout, run.cfg.logging.samples_per_log))

@@ -85,7 +85,11 @@ def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) ->
     m.truncation_rate = statistics.fmean(f == "length" for g in gen for f in g.finish_reasons) if gen else math.nan
     if gen:  # over every generated group, dynamic sampling's dropped ones included
         totals = torch.tensor([g.totals for g in gen], dtype=torch.float64)  # [P', G]
-        m.zero_variance_frac = float(zero_variance_groups(totals, zero_variance_tol).double().mean())
+        zero = zero_variance_groups(totals, zero_variance_tol)  # [P']
+        m.zero_variance_frac, m.zero_variance_groups = float(zero.double().mean()), int(zero.sum())
+    errors = [r.info.get("error") for r in results]
+    m.reward_errors, m.reward_timeouts = errors.count("exception"), errors.count("timeout")
+    m.reward_nonfinite = errors.count("nonfinite")
     m.semantic_entropy = adv.semantic_entropy
     m.refills = rollout.refills
     m.gen_tokens = rollout.gen_tokens
@@ -104,6 +108,33 @@ def sample_records(step: int, rollout, n: int) -> list[Sample]:
     records = []
     for g in rollout.generated[:n]:
         r = g.rewards[0]
+        error = f"{r.info['error']}: {r.info.get('message', '')}" if "error" in r.info else None
         records.append(Sample(step, g.prompt_text, g.texts[0], r.total, dict(r.components), r.answer,
-                              g.finish_reasons[0]))
+                              g.finish_reasons[0], error))
     return records
+
+
+class RewardWatch:
+    """Warnings a person watching a run needs: the first failed reward of each kind (with its message), and
+    a run that has had no learning signal (every group's rewards equal) for `quiet_steps` steps in a row."""
+
+    def __init__(self, message, quiet_steps: int = 10):
+        self.message, self.quiet_steps = message, quiet_steps
+        self.warned: set[str] = set()
+        self.quiet = 0
+
+    def __call__(self, m: StepMetrics, rollout) -> None:
+        for kind, count in (("exception", m.reward_errors), ("timeout", m.reward_timeouts),
+                            ("nonfinite", m.reward_nonfinite)):
+            if count and kind not in self.warned:
+                self.warned.add(kind)
+                first = next(r.info for g in rollout.generated for r in g.rewards if r.info.get("error") == kind)
+                self.message(f"warning: step {m.step}: {count} reward(s) failed ({kind}: {first.get('message')}); "
+                             f"they score 0 (counted in metrics.jsonl as reward_errors / reward_timeouts / "
+                             f"reward_nonfinite)")
+        all_equal = m.zero_variance_groups and m.zero_variance_groups == len(rollout.generated)
+        self.quiet = self.quiet + 1 if all_equal else 0
+        if self.quiet == self.quiet_steps:
+            self.message(f"warning: {self.quiet_steps} steps in a row with no learning signal (every group's rewards "
+                         f"were equal, e.g. all 0): check the reward on samples.jsonl, the prompt format, or raise "
+                         f"rollout.group_size / the sampling temperature")

@@ -58,9 +58,12 @@ class Group:
         return [r.total for r in self.rewards]
 
 
+REWARD_TIMEOUT_S = 5.0  # a reward that runs longer scores 0 and is counted as a timeout
+
+
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams,
                     seed: int | list[int], max_prompt_tokens: int,
-                    reward_timeout_s: float = 5.0) -> tuple[list[Group], int]:
+                    reward_timeout_s: float | None = None) -> tuple[list[Group], int]:
     """Generate params.n completions per example and score them. Returns (groups, generated tokens).
 
     seed: one int for the call, or one per example (rollout.generate)."""
@@ -81,7 +84,8 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
         rows = range(p * G, (p + 1) * G)
         completions = [out.completion_ids[i] for i in rows]
         decoded = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        rewards = [safe_reward(task, ex, text, reward_timeout_s) for text in decoded]
+        timeout = REWARD_TIMEOUT_S if reward_timeout_s is None else reward_timeout_s
+        rewards = [safe_reward(task, ex, text, timeout) for text in decoded]
         groups.append(Group(ex, texts[p], prompt_ids[p], completions, [out.logprobs[i] for i in rows],
                             [out.finish_reason[i] for i in rows], decoded, rewards))
     return groups, sum(len(c) for c in out.completion_ids)

@@ -8,6 +8,7 @@ optimizer, LR schedule, moving reference, prompt-stream position and RNG states 
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,10 +23,13 @@ from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams
 from ..tasks import build_task
 from ..tasks.base import Example
-from .checkpoint import load_trainer_state, resolve_resume, restore_rng
+from .checkpoint import checkpoint_step, latest_checkpoint, load_trainer_state, resolve_resume, restore_rng
 from .distributed import World, init_world, load_rank_state, on_main_first
+from .metrics import RewardWatch
 from .policy import build_policy
+from .resume import apply_learning_rate, check_resume_config
 from .rollouts import PromptSampler
+from .run_dir import RunDirPlan, RunLock, plan_run_dir
 from .step import StepInputs, StepState
 from .warm_start import warm_start
 
@@ -42,38 +46,76 @@ class Run:
     ckpt_root: Path
     done_steps: int  # optimizer steps already taken (the resumed checkpoint's step)
     last_checkpoint: Path | None
+    lock: RunLock | None = None  # rank 0's hold on run_dir
+    reward_watch: RewardWatch | None = None  # warnings on failed rewards and a run without learning signal
+
+    def __post_init__(self) -> None:
+        self.reward_watch = self.reward_watch or RewardWatch(self.monitor.message,
+                                                             self.cfg.logging.no_signal_warn_steps)
 
 
-def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = False) -> Run:
-    """resume: None, "latest" or a checkpoint directory. Under torchrun every rank runs this; rank 0 alone
-    builds the warm start and writes logs."""
+def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = False,
+              overwrite: bool = False) -> Run:
+    """resume: None, "latest" or a checkpoint directory; overwrite: start over in a run_dir that holds a run
+    (the old run is renamed, train/run_dir.py). Under torchrun every rank runs this; rank 0 alone builds the
+    warm start, owns the run directory and writes logs."""
     world = init_world(cfg)  # impossible layouts are config errors here, before anything is read
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     task = task_of(cfg)
-    if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:
-        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))  # base/, sft/ under run_dir
-    train_examples = list(task.examples(cfg.task.train_split))
+    train_examples = nonempty(task.examples(cfg.task.train_split), cfg, "train_split")
     eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root)
     saved = load_trainer_state(resume_dir, trust_checkpoint) if resume_dir else None
-    done = saved.step if saved else 0
-    monitor = make_monitor(cfg, world, done)
+    changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
+    run_dir = RunDirPlan(Path(cfg.run_dir))
+    if world.is_main:
+        run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
+                               newest_step=checkpoint_step(latest_checkpoint(ckpt_root)), overwrite=overwrite)
+    lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
+    if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
+        take_run_dir(run_dir, lock)
+        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))
     device = pick_device(cfg.model.device, world)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, resume_dir, world)
+    take_run_dir(run_dir, lock)  # the model and data loaded: now the run directory may change
+    done = saved.step if saved else 0
+    monitor = make_monitor(cfg, world, done)
     if world.is_main:
         (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
     prompts = PromptSampler(len(train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
     if saved is not None:
         policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
+        apply_learning_rate(policy, cfg, changes if world.size == 1 else world.gather(changes)[0])
         restore_rng(saved.rng)
         load_rank_state(resume_dir, world, policy)
     inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, sampling_params(cfg, tokenizer), world)
-    return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir)
+    return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir, lock)
+
+
+def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
+    """Apply the run-dir plan once (rank 0): move an old run aside, or supersede later checkpoints."""
+    if lock is None or plan.applied:
+        return
+    plan.apply()
+    if plan.move_aside:
+        lock.moved_to(plan.run_dir)
+
+
+def to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def nonempty(examples, cfg: Config, split_field: str) -> list:
+    examples = list(examples)
+    if not examples:
+        raise ConfigError(f"task.{split_field}={getattr(cfg.task, split_field)!r} of task {cfg.task.name!r} has no "
+                          f"examples: check task.data_path / the task's options")
+    return examples
 
 
 def make_monitor(cfg: Config, world: World, done: int):

@@ -93,7 +93,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
 
     # 6. mu passes over the batch, each ending in one optimizer step; then the LR schedule and the reference
     t0 = time.perf_counter()
-    lr = policy.scheduler.get_last_lr()[0]
+    lr = policy.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
     outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), state.micro_tokens,
                             message, run.world, totals)
     policy.after_update(step, updated=not outcome.skipped)

@@ -27,7 +27,15 @@ OOM_KNOBS = (
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive updates with NaN/inf loss or gradient."""
+    """Too many consecutive updates with NaN/inf loss or gradient, or an update that made the weights NaN/inf."""
+
+
+def weights_finite(model, world: World) -> bool:
+    """Every parameter finite (one fused reduction, one host sync); under fsdp2 each rank checks its shards."""
+    params = [p.detach() for p in model.parameters()]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    total = torch.stack([n.float() for n in torch._foreach_norm(local)]).sum()
+    return world.sum([float(not torch.isfinite(total))])[0] == 0
 
 
 def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -301,6 +309,9 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
             optimizer.zero_grad(set_to_none=True)
             return UpdateOutcome(stats, grad_norm, True, True, micro_tokens)
         optimizer.step()
+        if not weights_finite(model, world):  # finite gradients can still overflow the weights (a huge lr)
+            raise NonFiniteError(f"the optimizer step made weights NaN/inf (loss {loss:.4g}, grad norm "
+                                 f"{grad_norm:.4g}): lower optimizer.lr")
     return UpdateOutcome(stats, grad_norm, False, False, micro_tokens)
 
 

@@ -7,6 +7,8 @@ config behaves the same as `grpo demo`. The policy that GRPO starts from is the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,22 +23,45 @@ from .sft import train_sft
 DONE_MARKER = ".complete"
 
 
-def _complete(path: Path) -> bool:
-    return (path / DONE_MARKER).exists()
+def _complete(path: Path, settings: dict) -> bool:
+    """The stage's directory is complete and was built with these settings (a mismatch is an error: the
+    directory holds a different run's warm start, and it is not ours to delete)."""
+    marker = path / DONE_MARKER
+    if not marker.exists():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        recorded = None  # written by an earlier version ("ok"): settings unknown
+    if recorded is not None and recorded != settings:
+        changed = sorted(k for k in settings.keys() | recorded.keys() if settings.get(k) != recorded.get(k))
+        raise ConfigError(f"{path} was built with other warm-start settings ({', '.join(changed)}): start over with "
+                          f"--overwrite (the old run is renamed) or choose another run_dir")
+    return True
 
 
-def _mark_complete(tmp: Path, final: Path) -> None:
-    (tmp / DONE_MARKER).write_text("ok\n")
+def _mark_complete(tmp: Path, final: Path, settings: dict) -> None:
+    (tmp / DONE_MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+
+
+def _settings(cfg: Config, stage: str) -> dict:
+    """What a stage's result depends on, JSON-comparable."""
+    tiny = dataclasses.asdict(cfg.warm_start.tiny)
+    if stage == "base":
+        return {"tiny": tiny}
+    return {"tiny": tiny, "sft": dataclasses.asdict(cfg.warm_start.sft), "task": cfg.task.name,
+            "options": json.loads(json.dumps(dict(cfg.task.options), default=list)),
+            "data_path": cfg.task.data_path, "model": "" if cfg.warm_start.tiny.arch else cfg.model.path}
 
 
 def build_tiny_base(cfg: Config) -> Path:
     """run_dir/base: a random tiny checkpoint of the configured family (written once)."""
     t = cfg.warm_start.tiny
     out = Path(cfg.run_dir) / "base"
-    if not _complete(out):
+    if not _complete(out, _settings(cfg, "base")):
         tmp = out.with_name("base.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         make_tiny_checkpoint(
@@ -44,7 +69,7 @@ def build_tiny_base(cfg: Config) -> Path:
             num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
             intermediate_size=t.intermediate_size,
         )
-        _mark_complete(tmp, out)
+        _mark_complete(tmp, out, _settings(cfg, "base"))
     return out
 
 
@@ -73,7 +98,7 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
 def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None] | None = None) -> Path:
     """run_dir/sft: `base` after the supervised phase on the task's training split (written once)."""
     out = Path(cfg.run_dir) / "sft"
-    if _complete(out):
+    if _complete(out, _settings(cfg, "sft")):
         return out
     model = load_model(base)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
@@ -82,7 +107,7 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     tmp = out.with_name("sft.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)  # copies the tokenizer files too
-    _mark_complete(tmp, out)
+    _mark_complete(tmp, out, _settings(cfg, "sft"))
     return out
 
 

@@ -8,3 +8,30 @@ would happen; these rewards vary between completions so the advantages (and the 
 def even_bytes(example, completion: str) -> float:
     """Fraction of characters with an even code point: differs between random completions."""
     return sum(ord(c) % 2 == 0 for c in completion) / max(1, len(completion))
+
+
+def raises(example, completion: str) -> float:
+    raise RuntimeError("the verifier crashed")
+
+
+def returns_nan(example, completion: str) -> float:
+    return float("nan")
+
+
+def returns_text(example, completion: str):
+    return "1.0"
+
+
+def returns_none(example, completion: str):
+    return None
+
+
+def sleeps(example, completion: str) -> float:
+    import time
+
+    time.sleep(1.0)
+    return 1.0
+
+
+def huge(example, completion: str) -> float:
+    return 1e308

@@ -1,0 +1,174 @@
+"""The run-directory contract: nothing a user wrote is deleted without their word.
+
+- A new run refuses a run_dir that already holds a run (checkpoints/ or metrics.jsonl): resume it with
+  --resume, or start over with --overwrite, which renames the old run to RUN_DIR.prev-<UTC time> (nothing is
+  deleted).
+- --resume from a checkpoint older than the newest moves the later checkpoints and the later lines of
+  metrics.jsonl / samples.jsonl into RUN_DIR/superseded-<UTC time>/ before training continues.
+- A lock file (RUN_DIR/.lock: host and pid) keeps a second process out; a lock whose process is gone (same
+  host) is stale and taken over with a warning.
+
+`plan_run_dir` only decides (and refuses); `RunDirPlan.apply` moves things, and the set-up calls it once the
+config, task and data have passed their checks and the model has loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError
+
+LOCK = ".lock"
+
+
+def utc_stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def holds_run(run_dir: Path) -> bool:
+    return (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()
+
+
+@dataclass
+class RunDirPlan:
+    run_dir: Path
+    move_aside: bool = False  # --overwrite of an existing run: rename it to RUN_DIR.prev-<stamp>
+    supersede_after: int | None = None  # --resume from step N < newest: move later steps aside
+    applied: bool = False
+
+    def apply(self, message=print) -> None:
+        if self.move_aside and self.run_dir.exists():
+            target = self.run_dir.with_name(f"{self.run_dir.name}.prev-{utc_stamp()}")
+            os.rename(self.run_dir, target)
+            message(f"--overwrite: the previous run in {self.run_dir} is now {target} (nothing deleted)")
+        if self.supersede_after is not None:
+            supersede(self.run_dir, self.supersede_after, message)
+        self.applied = True
+
+
+def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: int | None,
+                 overwrite: bool) -> RunDirPlan:
+    """What starting this run does to run_dir; a ConfigError (exit 2) when it would clobber an existing run."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory: choose another run_dir")
+    if resume_step is not None:
+        later = newest_step is not None and newest_step > resume_step
+        return RunDirPlan(run_dir, supersede_after=resume_step if later else None)
+    if holds_run(run_dir) and not overwrite:
+        raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run (checkpoints/ or metrics.jsonl): continue "
+                          f"it with --resume, or start over with --overwrite (the old run is renamed, not deleted), "
+                          f"or choose another run_dir")
+    return RunDirPlan(run_dir, move_aside=overwrite and holds_run(run_dir))
+
+
+def supersede(run_dir: Path, step: int, message=print) -> Path:
+    """Move checkpoints after `step` and metrics / samples lines after it into run_dir/superseded-<stamp>/."""
+    from .checkpoint import STEP_PREFIX, list_checkpoints
+
+    dest = run_dir / f"superseded-{utc_stamp()}"
+    (dest / "checkpoints").mkdir(parents=True, exist_ok=True)
+    for ckpt in list_checkpoints(run_dir / "checkpoints"):
+        if int(ckpt.name[len(STEP_PREFIX) :]) > step:
+            os.rename(ckpt, dest / "checkpoints" / ckpt.name)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        split_jsonl(run_dir / name, dest / name, step)
+    message(f"resuming from step {step}: later checkpoints and log lines moved to {dest}")
+    return dest
+
+
+def split_jsonl(path: Path, later_to: Path, step: int) -> None:
+    """Keep the lines of `path` up to `step`; the later ones go to `later_to` (a torn line is dropped)."""
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines():
+        record = parse_line(line)
+        if record is not None:
+            (keep if record.get("step", 0) <= step else later).append(line)
+    if later:
+        later_to.write_text("".join(ln + "\n" for ln in later))
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def parse_line(line: str) -> dict | None:
+    """One JSONL record, or None for a blank or torn (half-written) line."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The lock
+
+
+class RunLock:
+    """RUN_DIR/.lock holding host and pid while a training runs there."""
+
+    def __init__(self, run_dir: str | Path, message=print):
+        self.path = Path(run_dir) / LOCK
+        self.message = message
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+
+    def _take_over_if_stale(self) -> None:
+        holder = parse_line(self.path.read_text()) if self.path.exists() else None
+        if holder is None:  # torn or vanished: the other writer is mid-write or gone
+            time.sleep(0.05)
+            if self.path.exists() and parse_line(self.path.read_text()) is None:
+                self.path.unlink(missing_ok=True)
+            return
+        same_host = holder.get("host") == socket.gethostname()
+        if same_host and not _alive(int(holder.get("pid", -1))):
+            self.message(f"warning: taking over the stale lock {self.path} of process {holder.get('pid')} "
+                         f"(no longer running)")
+            self.path.unlink(missing_ok=True)
+            return
+        raise ConfigError(f"{self.path.parent} is in use by process {holder.get('pid')} on {holder.get('host')}: "
+                          f"two trainings in one run_dir would mix their logs and checkpoints; wait for it, "
+                          f"or choose another run_dir")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def moved_to(self, run_dir: Path) -> None:
+        """After the run dir was renamed away under us: hold a lock in the (new) run dir."""
+        self.held = False
+        self.path = Path(run_dir) / LOCK
+        self.acquire()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
