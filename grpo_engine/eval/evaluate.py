@@ -5,13 +5,14 @@ prefill) in, `score_batch` (the guarded task reward) out. Metrics per problem, t
 
 - pass@k: unbiased estimator from n samples with c correct (metrics.pass_at_k), so pass@1 = c / n.
 - maj@k: 1 if the majority answer of the first k samples (clustered with task.equivalent) is correct.
-- format rate: fraction of samples whose "format" component is 1.0 (fully formatted).
+- format rate: fraction of samples with full format marks (RewardResult.formatted, as in training).
 - mean length: completion tokens, stop token included; truncation rate: fraction that hit max_new_tokens.
 
-Correctness rule, the same for every task: a sample is correct iff its RewardResult has an "answer"
-component >= 1.0. Every built-in task scores "answer" as 0 or 1 (correctness alone, independent of the format
-bonus in `total`). A custom reward_fn that returns a bare float has no "answer" component: its samples count
-as incorrect, and the report says so in its notes (return a RewardResult with components={"answer": ...}).
+Correctness rule, the same for every task and for training metrics (RewardResult.correct): a sample is
+correct iff its RewardResult has an "answer" component >= 1.0. Every built-in task scores "answer" as 0 or 1
+(correctness alone, independent of the format bonus in `total`). A custom reward_fn that returns a bare float
+has no "answer" component: its samples count as incorrect, and the report says so in its notes (return a
+RewardResult with components={"answer": ...}).
 Temperature 0 is greedy decoding: n samples would be identical, so n is forced to 1 and only k = 1 reported.
 """
 
@@ -27,7 +28,7 @@ from ..rollout import GenerationOutput, SamplingParams, generate
 from ..tasks.base import Example, RewardResult, Task, render_prompt, score_batch
 from .metrics import maj_at_k, majority_answer, pass_at_k
 
-ANSWER, FORMAT = "answer", "format"  # RewardResult component names that eval reads
+ANSWER = "answer"  # the RewardResult component that correctness reads (RewardResult.correct)
 GenerateFn = Callable[..., GenerationOutput]  # generate(model, prompt_ids, params, seed=..., tokenizer=...)
 
 
@@ -72,8 +73,8 @@ class EvalConfig:
 class SampleRecord:
     text: str  # decoded completion (special tokens skipped), as scored
     answer: str | None  # the answer the task extracted, None if none
-    correct: bool  # components["answer"] >= 1.0
-    formatted: bool  # components["format"] == 1.0
+    correct: bool  # RewardResult.correct: components["answer"] >= 1.0
+    formatted: bool  # RewardResult.formatted: components["format"] >= 1.0
     reward: float  # RewardResult.total
     components: dict[str, float]  # RewardResult.components (unweighted scores)
     num_tokens: int  # completion tokens, stop token included
@@ -163,8 +164,8 @@ def sample_record(result: RewardResult, text: str, num_tokens: int, truncated: b
     return SampleRecord(
         text=text,
         answer=result.answer,
-        correct=result.components.get(ANSWER, 0.0) >= 1.0,
-        formatted=result.components.get(FORMAT, 0.0) == 1.0,
+        correct=result.correct,
+        formatted=result.formatted,
         reward=result.total,
         components=dict(result.components),
         num_tokens=num_tokens,

@@ -49,6 +49,20 @@ class RewardResult:
     answer: str | None  # normalised final answer extracted from the completion, None if none found
     info: dict[str, str] = field(default_factory=dict)  # diagnostics, e.g. {"error": ...} or {"reason": ...}
 
+    @property
+    def correct(self) -> bool:
+        """The one correctness rule of training metrics, in-loop eval and `grpo eval`: full answer marks.
+
+        Independent of the format component and of the weights of the total; a reward that crashed has no
+        components and is incorrect.
+        """
+        return self.components.get("answer", 0.0) >= 1.0
+
+    @property
+    def formatted(self) -> bool:
+        """Full format marks (the format rate's rule everywhere)."""
+        return self.components.get("format", 0.0) >= 1.0
+
 
 @runtime_checkable
 class Task(Protocol):

@@ -29,14 +29,14 @@ def accuracy(results: list[RewardResult]) -> float:
     no result has an "answer" component (see module docstring)."""
     if not any("answer" in r.components for r in results):
         return math.nan
-    return statistics.fmean(r.components.get("answer", 0.0) >= 1.0 for r in results)
+    return statistics.fmean(r.correct for r in results)
 
 
 def format_rate(results: list[RewardResult]) -> float:
     """Fraction whose "format" component is 1.0; NaN when the task has no format component."""
     if not any("format" in r.components for r in results):
         return math.nan
-    return statistics.fmean(r.components.get("format", 0.0) >= 1.0 for r in results)
+    return statistics.fmean(r.formatted for r in results)
 
 
 @dataclass
