@@ -22,7 +22,8 @@ TINY_ARCHS = ("", "qwen2", "qwen2-tied", "qwen3", "llama3")
 class OptimizerConfig:
     """AdamW and where its state lives."""
 
-    name: str = option("adamw", "adamw | adamw_fused | adamw_offload | adamw_8bit")
+    name: str = option("adamw_fused", "adamw_fused (torch's fused kernel, CPU and CUDA; plain adamw where it has "
+                                      "none) | adamw (foreach) | adamw_offload | adamw_8bit")
     lr: float = option(1e-6, "peak learning rate")
     betas: list[float] = option([0.9, 0.99], "Adam (beta1, beta2)")
     eps: float = option(1e-8, "Adam epsilon")
@@ -90,11 +91,11 @@ class MemoryConfig:
 class MemorySection(MemoryConfig):
     """MemoryConfig (precision, checkpointing) plus micro-batching."""
 
-    micro_batch_tokens: int = option(8192, "token budget of one forward/backward micro-batch: padded rows x length, "
+    micro_batch_tokens: int = option(2048, "token budget of one forward/backward micro-batch: padded rows x length, "
                                            "or with share_prompt_forward prompts x prompt length + rows x "
                                            "completion length")
     auto_halve_micro_batch: bool = option(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
-    logprob_chunk_size: int = option(1024, "tokens per chunk when computing log-probs from hidden states")
+    logprob_chunk_size: int = option(256, "tokens per chunk when computing log-probs from hidden states")
     share_prompt_forward: bool = option(True, "run each prompt once per group in the update forward, its "
                                               "completions attending to its keys/values (same numbers as false, "
                                               "less compute)")
