@@ -38,6 +38,11 @@ class StepMetrics:
     clip_frac_high: float = math.nan
     ratio_mean: float = math.nan
     ratio_max: float = math.nan
+    # sampler vs trainer log-probs of the completion tokens (rl/correction.py): |log pi_train - log pi_sampler|
+    mismatch_mean_abs: float = math.nan  # its mean over tokens
+    mismatch_max_abs: float = math.nan  # its max
+    mismatch_k3: float = math.nan  # k3 estimate of KL(pi_sampler || pi_train), nats per token
+    rollout_correction_frac: float = math.nan  # tokens capped (tis) or masked (mis) by algorithm.rollout_correction
     grad_norm: float = math.nan
     lr: float = math.nan
     skipped_update: bool = False
@@ -53,6 +58,12 @@ class StepMetrics:
     time_step_s: float = 0.0
     peak_mem_mib: float = math.nan
     micro_batch_tokens: int = 0
+    # curriculum (train/curriculum.py): set on the steps that re-score a pool, NaN / 0 on the others
+    curriculum_pool_accuracy: float = math.nan  # mean accuracy of the pooled prompts' samples
+    curriculum_pool_entropy: float = math.nan  # mean semantic entropy / log(samples) of the pooled prompts
+    curriculum_queued: int = 0  # pooled prompts queued to be served next
+    curriculum_gen_tokens: int = 0  # completion tokens the scoring generated
+    curriculum_time_s: float = 0.0
     eval: dict[str, float] = field(default_factory=dict)  # "eval/accuracy", ... on evaluation steps only
 
     def flat(self) -> dict:

@@ -28,6 +28,9 @@ PANELS = (
     Panel("KL to reference", ("kl",), "nats / token"),
     Panel("Policy entropy", ("entropy",), "nats / token"),
     Panel("Semantic entropy", ("semantic_entropy",), "nats (mean over groups)"),
+    Panel("Sampler / trainer mismatch", ("mismatch_mean_abs", "mismatch_max_abs"), "|log pi_train - log pi_sampler|"),
+    Panel("Mismatch KL(sampler || trainer), k3", ("mismatch_k3",), "nats / token"),
+    Panel("Rollout correction", ("rollout_correction_frac",), "fraction of tokens capped / masked"),
     Panel("Throughput", ("gen_tokens_per_s", "train_tokens_per_s"), "tokens / s"),
 )
 

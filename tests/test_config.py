@@ -137,13 +137,14 @@ def test_config_choices_are_the_library_tables():
     from grpo_engine.config import algorithm as A
     from grpo_engine.config import training as T
     from grpo_engine.model import lora
-    from grpo_engine.rl import advantages, losses
+    from grpo_engine.rl import advantages, correction, losses
     from grpo_engine.train import memory, optim, reference, schedule
 
     semantic_entropy = import_module("grpo_engine.rl.semantic_entropy")  # the package re-exports a function
 
     pairs = [(A.LOSSES, losses.PRESETS), (A.RATIO_LEVELS, losses.RATIOS), (A.AGGREGATIONS, losses.AGGREGATIONS),
              (A.KL_ESTIMATORS, losses.KL_ESTIMATORS), (A.ADVANTAGE_ESTIMATORS, advantages.ESTIMATORS),
+             (A.ROLLOUT_CORRECTIONS, correction.CORRECTIONS), (A.CORRECTION_LEVELS, correction.LEVELS),
              (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", *reference.UPDATES]),
              (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
              (T.CHECKPOINTING, memory.CHECKPOINTING), (T.LORA_INITS, lora.LORA_A_INIT),

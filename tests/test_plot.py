@@ -50,3 +50,12 @@ def test_moving_average_hand_computed():
     ys = [float(v) for v in range(1, 41)]  # window = round(40 * 0.05) = 2
     avg = moving_average(ys)
     assert avg[:3] == [1.0, 1.5, 2.5] and avg[-1] == 39.5 and len(avg) == 40
+
+
+def test_mismatch_and_correction_panels(tmp_path):
+    """The sampler/trainer mismatch metrics (rl/correction.py) each have a panel, drawn when logged."""
+    rows = [{"step": s, "mismatch_mean_abs": 0.007, "mismatch_max_abs": 0.04, "mismatch_k3": 4e-5,
+             "rollout_correction_frac": 0.01} for s in range(1, 4)]
+    drawn = {k for p in PANELS for k in p.keys}
+    assert {"mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3", "rollout_correction_frac"} <= drawn
+    assert plot_run(write_run(tmp_path, rows)).read_bytes()[:4] == b"\x89PNG"

@@ -14,6 +14,7 @@ from .algorithm import (
     ReferenceConfig,
     SemanticEntropyConfig,
 )
+from .curriculum import CURRICULUM_MODES, CurriculumSection
 from .docs import config_docs_markdown, iter_config_docs
 from .fields import ConfigError
 from .load import config_from_yaml_text, load_config, to_yaml, validate
@@ -43,7 +44,8 @@ from .training import (
 )
 
 __all__ = [
-    "AdvantageConfig", "AlgorithmSection", "CheckpointSection", "Config", "ConfigError", "DistributedSection",
+    "AdvantageConfig", "AlgorithmSection", "CURRICULUM_MODES", "CheckpointSection", "Config", "ConfigError",
+    "CurriculumSection", "DistributedSection",
     "EvalSection",
     "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",
     "ModelSection", "OptimizerConfig", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from .fields import one_of, option, require, section
 
-LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo")
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+CORRECTION_LEVELS = ("token", "sequence")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "batch_std", "none")
 MODULATIONS = ("linear", "exp", "focal")
 SE_PROBABILITIES = ("count", "likelihood")
@@ -25,13 +27,15 @@ REFERENCE_MODES = ("none", "frozen", "hard_reset", "mixin")
 class LossConfig:
     """Policy loss; `loss` picks a preset, the None-valued fields below override its choices."""
 
-    loss: str = option("grpo", "preset: grpo | dapo | dr_grpo | gspo | cispo (see PRESETS)")
+    loss: str = option("grpo", "preset: grpo | dapo | dr_grpo | gspo | cispo | sapo (see PRESETS)")
     ratio_level: str | None = option(None, "override: token | sequence (None: preset)")
     eps_low: float | None = option(None, "lower clip: ratio >= 1 - eps_low (None: preset)")
     eps_high: float | None = option(None, "upper clip: ratio <= 1 + eps_high (None: preset; DAPO clip-higher 0.28)")
     dual_clip_c: float | None = option(None, "dual clip for A < 0: loss <= -c * A (c > 1, e.g. 3.0); None = off")
     cispo_max_weight: float = option(5.0, "CISPO: IS weight clipped to <= this (ScaleRL's eps_max)")
     cispo_min_weight: float = option(0.0, "CISPO: IS weight clipped to >= this (0 = no lower clip, as MiniMax-M1)")
+    sapo_tau_pos: float = option(1.0, "SAPO: gate temperature for tokens with A > 0 (larger = sharper gate)")
+    sapo_tau_neg: float = option(1.05, "SAPO: gate temperature for tokens with A < 0")
     aggregation: str | None = option(
         None, "override: seq-mean-token-mean | token-mean | seq-mean-token-sum-norm")
     max_completion_len: int | None = option(
@@ -42,6 +46,13 @@ class LossConfig:
     entropy_coef: float = option(0.0, "entropy bonus: loss -= entropy_coef * mean entropy (needs entropy input)")
     entropy_top_quantile: float = option(
         1.0, "policy gradient only on the top-q entropy tokens (0.2 = top 20%); 1 = all")
+    rollout_correction: str = option(
+        "none", "sampler/trainer mismatch correction: none | tis (weight min(pi_train / pi_sampler, cap)) | "
+        "mis (mask ratios outside [1/cap, cap])", ROLLOUT_CORRECTIONS)
+    rollout_correction_cap: float = option(2.0, "C of rollout_correction: the TIS cap / the MIS band [1/C, C]")
+    rollout_correction_level: str = option(
+        "token", "ratio of rollout_correction per token, or per sequence (exp of the summed log ratio)",
+        CORRECTION_LEVELS)
 
     def __post_init__(self) -> None:
         one_of("algorithm", self.loss, LOSSES, "loss")
@@ -63,6 +74,12 @@ class LossConfig:
         require(self.kl_clamp > 0, f"algorithm.kl_clamp must be > 0, got {self.kl_clamp}")
         require(self.max_completion_len is None or self.max_completion_len >= 0,
                 "algorithm.max_completion_len must be >= 0 (0 or None: rollout.max_new_tokens)")
+        require(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0,
+                f"algorithm.sapo_tau_pos and sapo_tau_neg must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
+        one_of("algorithm", self.rollout_correction, ROLLOUT_CORRECTIONS, "rollout_correction")
+        one_of("algorithm", self.rollout_correction_level, CORRECTION_LEVELS, "rollout_correction_level")
+        require(self.rollout_correction_cap > 1,
+                f"algorithm.rollout_correction_cap must be > 1 (e.g. 2.0), got {self.rollout_correction_cap}")
 
 
 @dataclass

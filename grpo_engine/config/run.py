@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .algorithm import AlgorithmSection, LossConfig, ReferenceConfig
+from .curriculum import CurriculumSection
 from .fields import option, require, section
 from .training import LoRAConfig, MemorySection, OptimizerSection, ScheduleSection, WarmStartSection
 
@@ -133,6 +134,8 @@ class Config:
     task: TaskSection = section(TaskSection, "task and data")
     rollout: RolloutSection = section(RolloutSection, "generation of completions")
     algorithm: AlgorithmSection = section(AlgorithmSection, "GRPO loss and advantage variants")
+    curriculum: CurriculumSection = section(CurriculumSection, "which prompts are served next, from a pool scored "
+                                                               "with the policy")
     reference: ReferenceConfig = section(ReferenceConfig, "reference policy for the KL term (used when beta > 0)")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters instead of full fine-tuning")
     optimizer: OptimizerSection = section(OptimizerSection, "optimizer and gradient clipping")

@@ -4,11 +4,13 @@ All tensors are padded [B, T] with a mask [B, T] of completion tokens (float or 
 four small variants, each chosen by name from a dict:
 
     ratio        RATIOS        token (GRPO/DAPO) | sequence (GSPO)
-    surrogate    SURROGATES    clip (PPO clip, eps_low/eps_high, optional dual clip) | cispo
+    surrogate    SURROGATES    clip (PPO clip, eps_low/eps_high, optional dual clip) | cispo | sapo (soft gate)
     aggregation  AGGREGATIONS  seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
     KL           KL_ESTIMATORS k1 | k2 | k3
 
 `LossConfig.loss` picks a preset (PRESETS) that fills the variants; explicit fields override the preset.
+Given the sampler's log-probs, the policy-gradient term can also be reweighted for the sampler/trainer
+mismatch (`LossConfig.rollout_correction`, one of rl.correction.CORRECTIONS).
 Formulas with citations: docs/algorithms.md.
 
 Micro-batching: the aggregations divide by the size of the WHOLE optimizer step (num_tokens_total /
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config.algorithm import LossConfig
+from .correction import mismatch_metrics, rollout_correction
+from .loss_inputs import broadcast_advantages, check_inputs, finite_inputs, normalisers
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ PRESETS: dict[str, _Preset] = {
     "dr_grpo": _Preset("token", "clip", 0.2, 0.2, "seq-mean-token-sum-norm"),  # Dr. GRPO
     "gspo": _Preset("sequence", "clip", 3e-4, 4e-4, "seq-mean-token-mean"),  # GSPO
     "cispo": _Preset("token", "cispo", 0.2, 0.2, "token-mean"),  # MiniMax-M1 (eps unused: cispo_*_weight)
+    "sapo": _Preset("token", "sapo", 0.2, 0.2, "token-mean"),  # SAPO (eps unused: sapo_tau_pos/neg)
 }
 
 
@@ -93,9 +98,11 @@ def is_tokenwise(cfg: LossConfig) -> bool:
     """True when the loss is a sum of per-token terms, each depending on that token's log-prob and entropy only.
 
     Then the LM head can compute its gradients in its forward pass (rl.logprobs.token_logprobs_with_grads).
-    Not per-token: GSPO's sequence ratio (a mean over the sequence) and top-entropy masking (a batch quantile).
+    Not per-token: GSPO's sequence ratio (a mean over the sequence), top-entropy masking (a batch quantile) and a
+    sequence-level rollout correction (its weight depends on every token of the sequence).
     """
-    return resolve(cfg).ratio_level == "token" and cfg.entropy_top_quantile >= 1
+    sequence_correction = cfg.rollout_correction != "none" and cfg.rollout_correction_level == "sequence"
+    return resolve(cfg).ratio_level == "token" and cfg.entropy_top_quantile >= 1 and not sequence_correction
 
 
 # ---- importance ratio: [B, T] log-probs -> [B, T] ratio ------------------------------------------------
@@ -147,7 +154,21 @@ def _cispo_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
     return _Surrogate(loss=-weight * adv * logp, clipped_low=ratio < lo, clipped_high=ratio > hi)
 
 
-SURROGATES: dict[str, Callable[..., _Surrogate]] = {"clip": _clip_surrogate, "cispo": _cispo_surrogate}
+def _sapo_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
+    """SAPO: -f(ratio) * A with the soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau by the sign of A.
+
+    d f / d logp = 4 s (1 - s) r with s = sigmoid(tau (r - 1)): exactly 1 on-policy (r = 1, the plain policy
+    gradient), decaying smoothly to 0 as r leaves 1 instead of PPO's hard cut. Nothing is clipped outright.
+    """
+    tau = torch.where(adv > 0, r.cfg.sapo_tau_pos, r.cfg.sapo_tau_neg).to(ratio.dtype)  # [B, T]
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # [B, T]
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return _Surrogate(loss=-gate * adv, clipped_low=none, clipped_high=none)
+
+
+SURROGATES: dict[str, Callable[..., _Surrogate]] = {
+    "clip": _clip_surrogate, "cispo": _cispo_surrogate, "sapo": _sapo_surrogate,
+}
 
 
 # ---- KL(pi || pi_ref) per token, d = log(pi_ref / pi) ----------------------------------------------------
@@ -197,40 +218,6 @@ AGGREGATIONS: dict[str, Callable] = {
 # ---- the loss --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(c: LossConfig, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    """Shapes agree with mask [B, T], and the inputs the config's terms need are there."""
-    if c.beta > 0 and tensors["ref_logp"] is None:
-        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
-    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and tensors["entropy"] is None:
-        raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
-    for name, t in tensors.items():
-        if t is not None and t.shape != mask.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
-
-
-def _normalisers(m: torch.Tensor, num_tokens_total, num_seqs_total) -> tuple[float, float]:
-    """Active tokens and sequences the aggregation divides by: the whole step's when given, else this call's."""
-    n_tok = float(num_tokens_total) if num_tokens_total is not None else float(m.sum().clamp_min(1))
-    n_seq = float(num_seqs_total) if num_seqs_total is not None else float((m.sum(1) > 0).sum().clamp_min(1))
-    if n_tok <= 0 or n_seq <= 0:
-        raise ValueError(f"num_tokens_total and num_seqs_total must be > 0, got {num_tokens_total}, {num_seqs_total}")
-    return n_tok, n_seq
-
-
-def _broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B] per-sequence or [B, T] per-token advantages -> [B, T]."""
-    if advantages.shape == mask.shape[:1]:
-        return advantages[:, None].expand_as(mask)
-    if advantages.shape != mask.shape:
-        raise ValueError(
-            f"advantages has shape {tuple(advantages.shape)} but mask has shape {tuple(mask.shape)}; "
-            f"expected [B] or [B, T]"
-        )
-    return advantages
-
-
 def _top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
     """Bool [B, T]: active tokens whose entropy is in the top q fraction of this call's active tokens."""
     active = entropy[mask]
@@ -249,6 +236,7 @@ def policy_loss(
     cfg: LossConfig | None = None,
     *,
     entropy: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
     num_tokens_total: float | None = None,
     num_seqs_total: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -258,7 +246,8 @@ def policy_loss(
     (None = on-policy single pass: logp.detach() is used, so the ratio is 1 and the gradient is exact);
     ref_logp [B, T] or None: reference log-probs (needed when cfg.beta > 0); advantages [B] or [B, T];
     mask [B, T] (bool or 0/1) of completion tokens; entropy [B, T] (needed for entropy_coef > 0 or
-    entropy_top_quantile < 1).
+    entropy_top_quantile < 1); sampler_logp [B, T]: the sampler's log-probs of the same tokens (needed for
+    cfg.rollout_correction; when given, the mismatch metrics of rl.correction are reported).
 
     num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (default: this
     call's): each micro-batch's loss is then its share of the big-batch loss, so the summed gradients equal the
@@ -266,26 +255,23 @@ def policy_loss(
     """
     r = resolve(cfg or LossConfig())
     c = r.cfg
-    _check_inputs(c, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy)
-    adv = _broadcast_advantages(advantages, mask).to(logp.dtype)  # [B, T]
+    check_inputs(c, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
+                 sampler_logp=sampler_logp)
+    adv = broadcast_advantages(advantages, mask).to(logp.dtype)  # [B, T]
 
     old = logp.detach() if old_logp is None else old_logp
-    live = _finite_inputs(mask, logp, old, adv, ref_logp if c.beta > 0 else None, entropy)
+    live = finite_inputs(mask, logp, old, adv, ref_logp if c.beta > 0 else None, entropy,
+                         sampler_logp if c.rollout_correction != "none" else None)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(live.mask, logp, zero)
     old = torch.where(live.mask, old.to(logp.dtype), zero)
     adv = torch.where(live.mask, adv, zero)
     m_bool, m = live.mask, live.mask.to(logp.dtype)  # [B, T]
 
-    n_tok, n_seq = _normalisers(m, num_tokens_total, num_seqs_total)
+    n_tok, n_seq = normalisers(m, num_tokens_total, num_seqs_total)
     aggregate = AGGREGATIONS[r.aggregation]
-
-    ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
-    surr = SURROGATES[r.surrogate](ratio, logp, adv, r)
-    pg_mask = m
-    if c.entropy_top_quantile < 1:
-        pg_mask = _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
-    pg_loss = aggregate(surr.loss, pg_mask, n_tok, n_seq, r)
+    pg = _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r)
+    pg_loss = aggregate(pg.loss, pg.mask, n_tok, n_seq, r)
     loss, kl_mean, ent_mean = _add_kl_and_entropy(
         pg_loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r
     )
@@ -297,25 +283,41 @@ def policy_loss(
         "entropy_mean": ent_mean,
         "active_tokens": float(m.sum()),
         "num_nonfinite": float(live.num_nonfinite),
-        **_ratio_metrics(ratio.detach(), surr, m_bool),
+        **_ratio_metrics(pg.ratio.detach(), pg.surr, m_bool),
+        **pg.metrics,
     }
     return loss, metrics
 
 
 @dataclass
-class _Finite:
-    mask: torch.Tensor  # [B, T] bool: active tokens whose every input is finite
-    num_nonfinite: int  # active tokens dropped because an input was NaN or inf
+class _PolicyGradient:
+    """The policy-gradient term before aggregation."""
+
+    loss: torch.Tensor  # [B, T] per-token loss, rollout correction applied
+    mask: torch.Tensor  # [B, T] float: the tokens it is aggregated over (top-entropy ones, or all active)
+    ratio: torch.Tensor  # [B, T] importance ratio pi / pi_old
+    surr: _Surrogate
+    metrics: dict[str, float]  # mismatch and correction metrics (empty without sampler log-probs)
 
 
-def _finite_inputs(mask, logp, old, adv, ref_logp, entropy) -> _Finite:
-    """Drop active tokens with a non-finite input: one NaN would turn the whole loss (and every weight) into NaN."""
-    finite = torch.isfinite(logp) & torch.isfinite(old) & torch.isfinite(adv)  # [B, T]
-    for t in (ref_logp, entropy):
-        if t is not None:
-            finite &= torch.isfinite(t)
-    mask_in = mask.bool()
-    return _Finite(mask=mask_in & finite, num_nonfinite=int((mask_in & ~finite).sum()))
+def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: ResolvedLoss) -> _PolicyGradient:
+    """Ratio -> surrogate -> rollout-correction weight (old = pi_train: logp.detach() when on-policy)."""
+    c, m = r.cfg, m_bool.to(logp.dtype)  # [B, T]
+    ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
+    surr = SURROGATES[r.surrogate](ratio, logp, adv, r)
+    pg_mask = m
+    if c.entropy_top_quantile < 1:
+        pg_mask = _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
+    per_token, metrics = surr.loss, {}
+    if sampler_logp is not None:
+        metrics = mismatch_metrics(old, sampler_logp, m_bool)
+        hit = 0.0
+        if c.rollout_correction != "none":
+            fix = rollout_correction(old, sampler_logp, m_bool, c)
+            per_token = per_token * fix.weight
+            hit = float(fix.hit.sum() / m_bool.sum().clamp_min(1))
+        metrics["rollout_correction_frac"] = hit
+    return _PolicyGradient(per_token, pg_mask, ratio, surr, metrics)
 
 
 def _add_kl_and_entropy(loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r: ResolvedLoss):

@@ -20,7 +20,7 @@ other prompts share the call, the wave plan, or when other rows finish (the trai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,14 +37,18 @@ class GenerationOutput:
     """Completions of generate(); row i belongs to prompt prompt_index[i] == i // n (groups contiguous).
 
     completion_ids[i]: sampled tokens, the stop token (or the token completing a stop string) included.
-    logprobs[i][t]: log-prob of completion_ids[i][t] under the sampling distribution (see sampling.py).
+    logprobs[i][t]: log-prob of completion_ids[i][t] under the temperature-scaled full softmax, the policy the
+    trainer computes (sampling.py; the rollout-correction metrics compare the two).
     finish_reason[i]: "stop" (stop token / stop string) or "length" (max_new_tokens reached).
+    filtered_logprobs[i][t]: its log-prob under the top-k / top-p / min-p filtered distribution it was drawn
+    from (equal to logprobs[i][t] when no filter is on).
     """
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reason: list[str]
     prompt_index: list[int]
+    filtered_logprobs: list[list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -84,6 +88,7 @@ class _Row:
 
     tokens: list[int]
     logprobs: list[float]
+    filtered_logprobs: list[float]
     reason: str
 
 
@@ -215,12 +220,14 @@ def _run_wave(
     stop_ids = set(params.stop_token_ids)
     tokens: list[list[int]] = [[] for _ in range(R)]
     logps: list[list[float]] = [[] for _ in range(R)]
+    filtered: list[list[float]] = [[] for _ in range(R)]
     reasons: list[str | None] = [None] * R
     active = list(range(R))  # original row of each row in the batch
     for t in range(T):
         u = draws.uniforms([prompt_ids[r // n] for r in active], [reasons[r] is None for r in active])
-        tok, logp = sample(logits, draws.shared, u)  # [A], [A]
+        tok, logp, filtered_logp = sample(logits, draws.shared, u)  # [A] each
         tok_list, logp_list = tok.tolist(), logp.tolist()
+        filtered_list = logp_list if filtered_logp is logp else filtered_logp.tolist()
         if NAN_TOKEN in tok_list:
             raise NonFiniteLogits(f"NaN logits at decode step {t}: the model's weights or activations have blown up")
         for a, r in enumerate(active):
@@ -228,6 +235,7 @@ def _run_wave(
                 continue  # finished, waiting for compaction; its new token is discarded
             tokens[r].append(tok_list[a])
             logps[r].append(logp_list[a])
+            filtered[r].append(filtered_list[a])
             if tok_list[a] in stop_ids or stop_strings(tokens[r]):
                 reasons[r] = STOP
             elif t == T - 1:
@@ -243,7 +251,7 @@ def _run_wave(
             active = [active[a] for a in keep]
         key_mask[:, cache.start] = True
         logits = head(decode_step(tok[:, None], key_mask[:, : cache.start + 1], cache))  # [A, V]
-    return [_Row(tokens[r], logps[r], reasons[r]) for r in range(R)]
+    return [_Row(tokens[r], logps[r], filtered[r], reasons[r]) for r in range(R)]
 
 
 def _eager_step(model: Transformer) -> Callable:
@@ -316,4 +324,5 @@ def generate(
         logprobs=[r.logprobs for r in rows],
         finish_reason=[r.reason for r in rows],
         prompt_index=[i // n for i in range(len(rows))],
+        filtered_logprobs=[r.filtered_logprobs for r in rows],
     )

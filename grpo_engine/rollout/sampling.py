@@ -2,8 +2,15 @@
 
 The distribution we sample from is: logits / temperature, then top-k, then top-p (on the top-k
 renormalised distribution), then min-p, each filter setting excluded tokens to -inf; what remains is
-renormalised. The returned log-prob is log P(token) under exactly that final distribution, which is what
-the trainer needs as the behaviour policy's log-prob.
+renormalised. Each draw reports two log-probs of the sampled token (`Draw`):
+
+* `logp`: under the temperature-scaled FULL softmax, log softmax(logits / T). This is the distribution the
+  trainer's log-probs describe (rl/logprobs.py divides by the same T), so the two differ only by numerics
+  (bf16 decode vs the training forward): what the rollout-correction metrics measure (rl/correction.py).
+* `filtered_logp`: under the filtered, renormalised distribution actually sampled from. It differs from
+  `logp` by design when a filter is on (it is larger: the removed mass is renormalised away).
+
+Without filters the two are the same tensor; with them the full one costs one log-sum-exp over [R, V].
 
 Greedy (temperature == 0) returns the argmax and, by convention, log_softmax(logits) at that token (the
 log-prob under the unscaled model distribution), since the "sampling distribution" is a point mass.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -131,6 +139,20 @@ def build_filters(params: SamplingParams) -> list[LogitFilter]:
 # Samplers: logits [R, V] (fp32) -> tokens [R] long, logprobs [R] fp32.
 
 
+class Draw(NamedTuple):
+    """One decode step's draw for R rows."""
+
+    tokens: torch.Tensor  # [R] long (NAN_TOKEN for a row with NaN logits)
+    logp: torch.Tensor  # [R] fp32: log softmax(logits / T) at the token (greedy: unscaled log softmax)
+    filtered_logp: torch.Tensor  # [R] fp32: log-prob under the filtered distribution sampled from
+
+
+def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R] log sum_j exp(logits_j): max + log of the shifted sum (cheaper than torch.logsumexp on CPU)."""
+    top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
+    return top[:, 0] + torch.log(torch.exp(logits - top).sum(dim=-1))
+
+
 def sample_greedy(
     logits: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +204,7 @@ def sample_from_logits(
 
 
 class Sampler:
-    """params -> a callable logits [R, V] -> (tokens [R], logprobs [R]) with the filters fixed once."""
+    """params -> a callable logits [R, V] -> Draw (tokens [R], full and filtered log-probs [R]), filters fixed once."""
 
     def __init__(self, params: SamplingParams):
         self.temperature = params.temperature
@@ -190,15 +212,21 @@ class Sampler:
         self._work: torch.Tensor | None = None  # sample_from_logits' buffer, reused across decode steps
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None,
-                 uniforms: torch.Tensor | None = None):
+                 uniforms: torch.Tensor | None = None) -> Draw:
         logits = logits.float()
         if self.temperature == 0:
-            return sample_greedy(logits, generator)
+            tokens, logp = sample_greedy(logits, generator)
+            return Draw(tokens, logp, logp)
         if self.temperature != 1.0:
             logits = logits / self.temperature
+        scaled = logits  # [R, V]; the filters below return new tensors, never write into it
         for f in self.filters:
             logits = f(logits)
-        return sample_from_logits(logits, generator, work=self._work_for(logits), uniforms=uniforms)
+        tokens, filtered = sample_from_logits(logits, generator, work=self._work_for(logits), uniforms=uniforms)
+        if not self.filters:
+            return Draw(tokens, filtered, filtered)
+        chosen = scaled.gather(-1, tokens.clamp(min=0)[:, None])[:, 0]  # [R]
+        return Draw(tokens, chosen - _log_normaliser(scaled), filtered)
 
     def _work_for(self, logits: torch.Tensor) -> torch.Tensor:
         """A [R, V + pad] buffer kept across calls: reused while rows only shrink (compaction)."""

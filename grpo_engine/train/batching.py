@@ -30,7 +30,7 @@ class RolloutBatch:
     advantages: torch.Tensor  # [B] float
     lengths: torch.Tensor  # [B] long, real tokens per row (prompt + completion)
     prompt_lengths: torch.Tensor  # [B] long, prompt tokens per row
-    sampler_logp: torch.Tensor  # [B, T] float, log-probs the sampler reported (0 off the completion)
+    sampler_logp: torch.Tensor  # [B, T] float, the sampler's full-softmax log-probs (0 off the completion)
     prompt_index: torch.Tensor | None = None  # [B] long, equal <=> identical prompt tokens; None: no sharing
     old_logp: torch.Tensor | None = None  # [B, T] policy log-probs before the update (mu > 1)
     ref_logp: torch.Tensor | None = None  # [B, T] reference log-probs (beta > 0)

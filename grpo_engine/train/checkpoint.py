@@ -4,7 +4,8 @@ Layout: run_dir/checkpoints/step-000010/
     model/              HF layout (config.json, safetensors, tokenizer files): loads in transformers;
                         with LoRA the adapters merged into the base weights
     adapter/            LoRA only: the adapters in PEFT layout (adapter_config.json + safetensors)
-    trainer_state.json  optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position:
+    trainer_state.json  optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position,
+                        curriculum queue:
     trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, train/state_io.py)
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
@@ -55,6 +56,7 @@ class TrainerState:
     rng: dict
     nonfinite_in_row: int = 0
     extra: dict = field(default_factory=dict)
+    curriculum: dict = field(default_factory=dict)  # train/curriculum.py's queue and next re-scoring step
 
 
 def capture_rng() -> dict:

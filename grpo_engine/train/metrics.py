@@ -25,7 +25,9 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 _UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": "clip_frac_low",
-                   "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max"}
+                   "clip_frac_high": "clip_frac_high", "ratio_mean": "ratio_mean", "ratio_max": "ratio_max",
+                   "mismatch_mean_abs": "mismatch_mean_abs", "mismatch_max_abs": "mismatch_max_abs",
+                   "mismatch_k3": "mismatch_k3", "rollout_correction_frac": "rollout_correction_frac"}
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,13 @@ class PromptSampler:
             self._perm, self._epoch = torch.randperm(self.n, generator=g).tolist(), epoch
         self.position += 1
         return self._perm[offset]
+
+
+class PromptStream(Protocol):
+    """Where a step draws its prompts from: a PromptSampler, or a curriculum's queue in front of one
+    (train/curriculum.py)."""
+
+    def next(self) -> int: ...
 
 
 @dataclass
@@ -109,7 +117,7 @@ class RolloutRound:
     time_generate_s: float
 
 
-def collect_groups(model, tokenizer, task, examples, sampler: PromptSampler, params: SamplingParams, *,
+def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, params: SamplingParams, *,
                    prompts: int, seed: int, step: int, max_prompt_tokens: int, group_filter: GroupFilterConfig,
                    world: World | None = None) -> RolloutRound:
     """Generate this rank's groups of the step's `prompts` (the global count); with group_filter.enabled keep

@@ -2,7 +2,8 @@
 
 Order: paths and the memory plan (arithmetic on the config), the task and its data, the warm start, the
 checkpoint to resume from, the loggers; only then the tokenizer and the policy's weights. On resume the
-optimizer, LR schedule, moving reference, prompt-stream position and RNG states come back from the checkpoint.
+optimizer, LR schedule, moving reference, prompt-stream position, curriculum queue and RNG states come back from the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..rollout import SamplingParams
 from ..tasks import build_task
 from ..tasks.base import Example
 from .checkpoint import checkpoint_step, latest_checkpoint, load_trainer_state, resolve_resume, restore_rng
+from .curriculum import build_curriculum
 from .distributed import World, init_world, load_rank_state, on_main_first
 from .metrics import RewardWatch
 from .policy import build_policy
@@ -93,7 +95,10 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
         apply_learning_rate(policy, cfg, changes if world.size == 1 else world.gather(changes)[0])
         restore_rng(saved.rng)
         load_rank_state(resume_dir, world, policy)
-    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, sampling_params(cfg, tokenizer), world)
+    params = sampling_params(cfg, tokenizer)
+    curriculum = build_curriculum(cfg, prompts, tokenizer, task, train_examples, params, world,
+                                  saved.curriculum if saved else None)
+    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, params, world, curriculum)
     return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir, lock)
 
 

@@ -6,9 +6,9 @@ step to the next besides the policy and the prompt stream is `StepState`. `train
 `grpo_step` in its loop, and so do `grpo bench step` and the demo, so the step that is benchmarked is the step
 that trains.
 
-Exactness: the prompts are a function of (seed, position in the stream), the sampling seed of (seed, step,
-round), and every other random state is checkpointed, so a resumed CPU run repeats the uninterrupted one bit
-for bit.
+Exactness: the prompts are a function of (seed, position in the stream) and the curriculum's checkpointed
+queue, the sampling seed of (seed, step, round), and every other random state is checkpointed, so a resumed CPU
+run repeats the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..rollout import SamplingParams
 from ..tasks.base import Example
 from .advantage_batch import rollout_batch
 from .batching import RolloutBatch
+from .curriculum import Curriculum, PoolReport
 from .distributed import World, gathered
 from .memory import free_rollout_memory, peak_memory_mib, reset_peak_memory
 from .metrics import merge_ranks, step_metrics, step_parts
@@ -43,6 +44,7 @@ class StepInputs:
     prompts: PromptSampler  # endless shuffled stream of example indices (its state is one integer)
     params: SamplingParams  # rollout sampling (G completions per prompt)
     world: World = field(default_factory=World)  # this rank among the data-parallel ranks (size 1: alone)
+    curriculum: Curriculum | None = None  # curriculum.mode != none: a scored queue in front of `prompts`
 
 
 @dataclass
@@ -50,7 +52,7 @@ class StepState:
     """What carries over from one step to the next (checkpointed)."""
 
     nonfinite_in_row: int = 0  # consecutive updates skipped for a NaN/inf loss or gradient
-    micro_tokens: int = 8192  # micro-batch token budget (halved on CUDA OOM when allowed)
+    micro_tokens: int = 2048  # micro-batch token budget (halved on CUDA OOM when allowed)
 
 
 @dataclass
@@ -67,9 +69,12 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     t_step = time.perf_counter()
     reset_peak_memory(policy.device)
 
-    # 1-3. this rank's share of the P prompts -> G completions each, on the policy's own weights -> rewards
+    # 1-3. this rank's share of the P prompts -> G completions each, on the policy's own weights -> rewards;
+    #      with a curriculum the prompts come from its queue first, refilled from a scored pool every K steps
+    stream = run.curriculum or run.prompts
     with policy.rollout_weights(), gathered(policy.model, run.world):
-        rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, run.prompts, run.params,
+        pool = run.curriculum.refresh(step, policy.model) if run.curriculum is not None else None
+        rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, stream, run.params,
                                  prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                                  group_filter=cfg.algorithm.group_filter, world=run.world)
@@ -114,7 +119,16 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     m.time_logprobs_s, m.time_update_s = time_logprobs, time_update
     m.train_tokens_per_s = m.train_tokens * cfg.algorithm.mu / max(time_update, 1e-9)
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
+    curriculum_metrics(m, pool)
     return StepRecord(step, m, parts.rollout, outcome)
+
+
+def curriculum_metrics(m: StepMetrics, pool: PoolReport | None) -> None:
+    """A re-scoring step's curriculum figures into its metrics line (None: no re-scoring this step)."""
+    if pool is None:
+        return
+    m.curriculum_pool_accuracy, m.curriculum_pool_entropy = pool.accuracy, pool.entropy
+    m.curriculum_queued, m.curriculum_gen_tokens, m.curriculum_time_s = pool.queued, pool.gen_tokens, pool.time_s
 
 
 def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_tokens: int) -> None:

@@ -105,8 +105,8 @@ _SUMMED = ("loss", "pg_loss", "active_tokens", "num_nonfinite")
 
 
 def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Micro-batch metrics -> step metrics: sums for additive ones, min / max for ratio extremes, and an
-    active-token-weighted mean for the rest (kl_mean, entropy_mean, clip fractions, ratio_mean)."""
+    """Micro-batch metrics -> step metrics: sums for additive ones, min / max for ratio and mismatch extremes, and
+    an active-token-weighted mean for the rest (kl_mean, entropy_mean, clip fractions, ratio_mean, mismatch)."""
     weight = sum(p["active_tokens"] for p in parts) or 1.0
     out = {}
     for key in parts[0]:
@@ -115,7 +115,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             out[key] = sum(values)
         elif key == "ratio_min":
             out[key] = min(values)
-        elif key == "ratio_max":
+        elif key in ("ratio_max", "mismatch_max_abs"):
             out[key] = max(values)
         else:
             out[key] = sum(v * p["active_tokens"] for v, p in zip(values, parts)) / weight
@@ -151,7 +151,8 @@ def _autograd_micro_batch(model, sub: RolloutBatch, cfg: LossConfig, totals: tup
     logp, ent = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
                                   with_entropy=True)  # [b, T] each
     loss, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
-                                entropy=ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+                                entropy=ent, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
+                                num_seqs_total=totals[1])
     loss.backward()
     return metrics
 
@@ -181,7 +182,8 @@ def _fused_micro_batch(model, sub: RolloutBatch, cfg: LossConfig, totals: tuple[
     logp, ent = _scatter(head.logp, mask), _scatter(head.entropy, mask)  # [b, T] each
     with torch.no_grad():
         _, metrics = policy_loss(logp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
-                                 entropy=ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+                                 entropy=ent, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
+                                 num_seqs_total=totals[1])
     if hidden.requires_grad:
         if model.embed.weight.requires_grad:
             _dense_grad(model.embed.weight)  # so the sparse embedding gradient is added in place
@@ -233,7 +235,8 @@ def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, cfg: LossConfig, total
                 full_ent = torch.zeros_like(full_lp).index_put(idx, ent_leaf)  # [b, T]
                 leaves += [ent_leaf] if wants_entropy_grad else []
             loss, _ = policy_loss(full_lp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
-                                  entropy=full_ent, num_tokens_total=totals[0], num_seqs_total=totals[1])
+                                  entropy=full_ent, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
+                                  num_seqs_total=totals[1])
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0]
         return g_lp, grads[1] if len(grads) > 1 else None

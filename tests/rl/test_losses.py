@@ -68,6 +68,46 @@ def test_cispo_clipped_stop_gradient_weight():
     assert m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0
 
 
+def test_sapo_soft_gate_hand_computed():
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = 1 for A > 0 and 1.05 for A < 0; objective f(r) A
+    #   r=e,A=+1: s = sigmoid(1.7182818) = 0.8479074, f = 3.3916296   | r=e,A=-1: s = sigmoid(1.8041960) = 0.8586589,
+    #   f = 4 s / 1.05 = 3.2710817 | r=1/e,A=+1: s = sigmoid(-0.6321206) = 0.3470299, f = 1.3881195
+    #   | r=1/e,A=-1: s = sigmoid(-0.6637266) = 0.3399030, f = 1.2948685
+    # token-mean: loss = -(3.3916296 - 3.2710817 + 1.3881195 - 1.2948685) / 4 = -0.0534497
+    # d loss / d logp = -4 s (1 - s) r A / 4 = [-0.3505508, 0.3299009, -0.0833615, 0.0825407]
+    loss, grad, m = _run(LossConfig(loss="sapo"), *_clip_case())
+    assert loss == pytest.approx(-0.0534497, abs=1e-7)
+    expect = torch.tensor([[-0.3505508, 0.3299009, -0.0833615, 0.0825407]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expect, atol=1e-7, rtol=0)
+    assert m["clip_frac_low"] == m["clip_frac_high"] == 0.0  # a soft gate: nothing is cut off outright
+
+
+def test_sapo_on_policy_gradient_is_the_plain_policy_gradient():
+    # r = 1: 4 sigmoid(0) (1 - sigmoid(0)) * 1 * A = A, whatever tau: the same gradient as on-policy DAPO
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(3, 4, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
+    mask = torch.arange(4)[None, :] < torch.tensor([4, 2, 3])[:, None]
+    grads = {}
+    for cfg in (LossConfig(loss="sapo", sapo_tau_pos=3.0, sapo_tau_neg=0.5), LossConfig(loss="dapo")):
+        loss, _ = policy_loss(logp, None, None, adv, mask, cfg)
+        grads[cfg.loss] = torch.autograd.grad(loss, logp)[0]
+    torch.testing.assert_close(grads["sapo"], grads["dapo"], atol=1e-15, rtol=0)
+    assert grads["dapo"][0, 0].item() == pytest.approx(-1.5 / 9)  # -A / active tokens
+
+
+def test_sapo_gradient_vanishes_smoothly_far_from_ratio_one():
+    # weight on the plain gradient, 4 s (1 - s) r with s = sigmoid(r - 1) (tau = 1, A = +1):
+    #   r = 1/16: 0.0505541 | r = 1: 1 | r = 4: 0.7228266 | r = 16: 0.0000196 (no cliff, unlike PPO's clip)
+    ratios = torch.tensor([1 / 16, 1.0, 4.0, 16.0], dtype=torch.float64)
+    logp = torch.full((1, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach() - ratios.log()[None], None, torch.ones(1, dtype=torch.float64),
+                          torch.ones(1, 4), LossConfig(loss="sapo"))
+    weight = -torch.autograd.grad(loss, logp)[0] * 4  # token-mean over 4 tokens
+    expect = torch.tensor([[0.0505541, 1.0, 0.7228266, 0.0000196]], dtype=torch.float64)
+    torch.testing.assert_close(weight, expect, atol=1e-7, rtol=0)
+
+
 def test_gspo_sequence_ratio():
     # row 0: log-ratios [0.5, 1.5] -> s = exp(mean) = e, A = -1 -> objective -e (not clipped: min picks r A)
     # row 1: log-ratios [-0.5, -1.5] -> s = 1/e, A = +1 -> objective 1/e
@@ -158,8 +198,9 @@ def test_entropy_bonus_and_top_quantile():
         LossConfig(loss="grpo", beta=0.05, dual_clip_c=3.0),
         LossConfig(loss="gspo"),
         LossConfig(loss="cispo", cispo_max_weight=1.1),
+        LossConfig(loss="sapo", beta=0.05),
     ],
-    ids=["token-mean", "dr-grpo", "seq-mean", "gspo", "cispo"],
+    ids=["token-mean", "dr-grpo", "seq-mean", "gspo", "cispo", "sapo"],
 )
 def test_micro_batches_sum_to_one_batch_gradient(cfg):
     g = torch.Generator().manual_seed(0)
@@ -214,6 +255,8 @@ def test_bad_config():
         resolve(LossConfig(loss="ppo2"))
     with pytest.raises(ValueError, match="max_completion_len"):
         resolve(LossConfig(loss="dr_grpo"))
+    with pytest.raises(ValueError, match="sapo_tau_pos and sapo_tau_neg must be > 0"):
+        LossConfig(loss="sapo", sapo_tau_neg=0.0)
     with pytest.raises(ValueError, match="kl_estimator"):
         resolve(LossConfig(kl_estimator="k4"))
     with pytest.raises(ValueError, match="ref_logp"):
@@ -223,5 +266,7 @@ def test_bad_config():
 def test_presets():
     r = resolve(LossConfig(loss="dapo"))
     assert (r.eps_low, r.eps_high, r.aggregation, r.ratio_level) == (0.2, 0.28, "token-mean", "token")
+    r = resolve(LossConfig(loss="sapo"))
+    assert (r.surrogate, r.aggregation, r.ratio_level) == ("sapo", "token-mean", "token")
     r = resolve(LossConfig(loss="grpo", eps_high=0.28, aggregation="token-mean"))
     assert (r.eps_high, r.aggregation) == (0.28, "token-mean")

@@ -32,14 +32,15 @@ def test_greedy_with_cache_equals_argmax_of_full_forwards(tiny_model, mixed_prom
     assert out.finish_reason == ["length"] * 6
 
 
-def check_logprobs_against_full_forward(model, prompts, out: GenerationOutput, transform) -> None:
-    """out.logprobs[i][t] == log-softmax(transform(logits)) of a full forward at the sampled token."""
+def check_logprobs_against_full_forward(model, prompts, out: GenerationOutput, transform, which="logprobs") -> None:
+    """out.<which>[i][t] == log-softmax(transform(logits)) of a full forward at the sampled token."""
     checked = 0
     for i, comp in enumerate(out.completion_ids):
         prompt = prompts[out.prompt_index[i]]
         logits = full_forward_logits(model, prompt + comp)[len(prompt) - 1 : -1]  # [T, V] predicting comp
         ref = torch.log_softmax(transform(logits), dim=-1).gather(-1, torch.tensor(comp)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.logprobs[i], dtype=torch.float64), ref, atol=1e-4, rtol=0)
+        got = torch.tensor(getattr(out, which)[i], dtype=torch.float64)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
         checked += len(comp)
     assert checked > 0
 
@@ -57,9 +58,12 @@ def test_logprobs_equal_full_forward_with_mixed_lengths_and_compaction(tiny_mode
         assert (comp[-1] in stops) == (reason == "stop")
         assert not any(t in stops for t in comp[:-1])
     check_logprobs_against_full_forward(tiny_model, mixed_prompts, out, lambda z: z)
+    assert out.filtered_logprobs == out.logprobs  # no filter: one and the same distribution
 
 
-def test_logprobs_are_under_the_filtered_distribution(tiny_model, mixed_prompts):
+def test_logprobs_are_full_softmax_and_filtered_ones_under_the_filter(tiny_model, mixed_prompts):
+    """logprobs: the temperature-scaled full softmax (what the trainer computes); filtered_logprobs: the top-k
+    renormalised distribution the tokens were drawn from (larger: the cut mass is renormalised away)."""
     params = SamplingParams(n=3, temperature=0.7, top_k=20, max_new_tokens=10)
     out = generate(tiny_model, mixed_prompts, params, seed=1)
 
@@ -68,7 +72,9 @@ def test_logprobs_are_under_the_filtered_distribution(tiny_model, mixed_prompts)
         kth = z.topk(20, dim=-1).values[:, -1:]
         return z.masked_fill(z < kth, float("-inf"))
 
-    check_logprobs_against_full_forward(tiny_model, mixed_prompts, out, top20)
+    check_logprobs_against_full_forward(tiny_model, mixed_prompts, out, lambda z: z / 0.7)
+    check_logprobs_against_full_forward(tiny_model, mixed_prompts, out, top20, which="filtered_logprobs")
+    assert all(f > x for lf, lx in zip(out.filtered_logprobs, out.logprobs) for f, x in zip(lf, lx))
 
 
 def test_greedy_logprob_is_unscaled_log_softmax(tiny_model, mixed_prompts):

@@ -1,4 +1,5 @@
-"""Sampler on a tiny hand-made vocabulary: exact support, renormalised log-probs, chi-square frequencies."""
+"""Sampler on a tiny hand-made vocabulary: exact support, renormalised (filtered) and full-softmax log-probs,
+chi-square frequencies."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ def draw(params: SamplingParams, rows: int = 20000, seed: int = 0, probs=PROBS):
     return Sampler(params)(logits, g)
 
 
-def check(params: SamplingParams, expected_probs: dict[int, float], probs=PROBS) -> None:
-    tokens, logp = draw(params, probs=probs)
+def check(params: SamplingParams, expected_probs: dict[int, float], probs=PROBS, full=None) -> None:
+    """full: token -> its probability under the temperature-scaled unfiltered softmax (default: PROBS itself)."""
+    tokens, logp, filtered = draw(params, probs=probs)
+    full = full or dict(enumerate(probs))
     counts = torch.bincount(tokens, minlength=len(probs))
     support = sorted(expected_probs)
     assert sorted(torch.nonzero(counts)[:, 0].tolist()) == support  # exact support
-    for t in support:  # returned log-prob = log of the renormalised probability of the drawn token
-        assert torch.allclose(logp[tokens == t], torch.tensor(math.log(expected_probs[t])), atol=1e-5)
+    for t in support:  # filtered log-prob = log of the renormalised probability of the drawn token
+        assert torch.allclose(filtered[tokens == t], torch.tensor(math.log(expected_probs[t])), atol=1e-5)
+        # recorded log-prob = the unfiltered temperature-scaled one (what the trainer computes)
+        assert torch.allclose(logp[tokens == t], torch.tensor(math.log(full[t])), atol=1e-5)
     n = len(tokens)
     chi2 = sum((counts[t].item() - n * p) ** 2 / (n * p) for t, p in expected_probs.items())
     if len(support) > 1:
@@ -45,7 +50,19 @@ def test_plain_sampling_frequencies():
 def test_temperature_scales_logits():
     # p_i ** (1/T) renormalised, T = 0.5 -> p_i^2
     sq = [p * p for p in PROBS]
-    check(SamplingParams(temperature=0.5), {i: q / sum(sq) for i, q in enumerate(sq)})
+    squared = {i: q / sum(sq) for i, q in enumerate(sq)}
+    check(SamplingParams(temperature=0.5), squared, full=squared)
+
+
+def test_temperature_then_top_k_full_logp_is_unfiltered():
+    # T = 0.5 -> p_i^2 / sum p^2 = [.16, .0625, ...] / .2602 = [.6149, .2402, .0865, .0384, .0138, .0061];
+    # top_k = 2 renormalises the first two (.16 / .2225 = .7191, .2809) for sampling, but the recorded
+    # log-prob stays log(p_i^2 / sum p^2)
+    sq = [p * p for p in PROBS]
+    squared = {i: q / sum(sq) for i, q in enumerate(sq)}
+    two = {0: sq[0] / (sq[0] + sq[1]), 1: sq[1] / (sq[0] + sq[1])}
+    assert two[0] == pytest.approx(0.7191, abs=1e-4) and squared[0] == pytest.approx(0.6149, abs=1e-4)
+    check(SamplingParams(temperature=0.5, top_k=2), two, full=squared)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -74,9 +91,14 @@ def test_top_k_then_top_p_on_the_renormalised_top_k():
 
 
 def test_greedy_is_argmax_with_unscaled_logprob():
-    tokens, logp = draw(SamplingParams(temperature=0.0), rows=3)
+    tokens, logp, filtered = draw(SamplingParams(temperature=0.0), rows=3)
     assert tokens.tolist() == [0, 0, 0]
-    assert torch.allclose(logp, torch.tensor(math.log(0.40)), atol=1e-6)
+    assert torch.allclose(logp, torch.tensor(math.log(0.40)), atol=1e-6) and torch.equal(filtered, logp)
+
+
+def test_no_filter_full_and_filtered_are_one_tensor():
+    out = draw(SamplingParams(temperature=0.7), rows=4)
+    assert out.filtered_logp is out.logp
 
 
 def test_masked_tokens_are_never_drawn_across_blocks():
@@ -94,9 +116,9 @@ def test_masked_tokens_are_never_drawn_across_blocks():
 
 
 def test_same_generator_seed_same_draws():
-    a, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=5)
-    b, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=5)
-    c, _ = draw(SamplingParams(top_p=0.9), rows=100, seed=6)
+    a = draw(SamplingParams(top_p=0.9), rows=100, seed=5).tokens
+    b = draw(SamplingParams(top_p=0.9), rows=100, seed=5).tokens
+    c = draw(SamplingParams(top_p=0.9), rows=100, seed=6).tokens
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 

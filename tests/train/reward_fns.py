@@ -35,3 +35,13 @@ def sleeps(example, completion: str) -> float:
 
 def huge(example, completion: str) -> float:
     return 1e308
+
+
+def first_char(example, completion: str):
+    """The completion's first character is its "answer", correct when its code point is even: answers and
+    accuracy differ between prompts of a random model (the curriculum's scores have something to rank)."""
+    from grpo_engine.tasks.base import RewardResult
+
+    answer = completion[:1] or None
+    correct = float(answer is not None and ord(answer) % 2 == 0)
+    return RewardResult(correct, {"answer": correct}, answer)

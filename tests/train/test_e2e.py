@@ -171,3 +171,24 @@ def test_shared_prompt_forward_matches_plain_in_the_loop(tmp_path, tiny_ckpt, mo
     for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_max"):
         assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
     assert off["loss"] < -1e-4 and off["kl"] > 0  # the second pass moved away from the old / reference policy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mu", [1, 2])
+def test_mismatch_metrics_and_rollout_correction_in_the_loop(tmp_path, tiny_ckpt, monkeypatch, mu):
+    """metrics.jsonl carries the sampler/trainer mismatch of every step. In fp32 on the CPU the sampler's (full,
+    temperature-scaled) log-probs and the trainer's agree to float rounding, so TIS with C = 2 caps nothing,
+    and the plot draws the mismatch panels."""
+    from grpo_engine.plot import plot_run
+
+    run = tmp_path / "r"
+    over = [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2", "rollout.max_new_tokens=6",
+            "rollout.temperature=0.8", "rollout.top_k=5", f"algorithm.mu={mu}", "algorithm.rollout_correction=tis",
+            "checkpoint.every=0"]
+    train(load_config(custom_task_config(tmp_path, monkeypatch), over))
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["mismatch_mean_abs"] <= r["mismatch_max_abs"] < 1e-4, r
+        assert 0 <= r["mismatch_k3"] < 1e-8 and r["rollout_correction_frac"] == 0.0
+    assert plot_run(run).stat().st_size > 5000

@@ -6,7 +6,7 @@ import torch
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.rl.losses import LossConfig, is_tokenwise
 from grpo_engine.train.batching import build_rollout_batch, micro_batches
-from grpo_engine.train.update import accumulate_gradients, batch_logprobs
+from grpo_engine.train.update import accumulate_gradients, batch_logprobs, combine_metrics
 
 
 def _batch(vocab: int):
@@ -84,6 +84,9 @@ def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cf
     (LossConfig(loss="gspo"), False),  # sequence-level ratio
     (LossConfig(loss="dapo", ratio_level="sequence"), False),
     (LossConfig(loss="grpo", entropy_top_quantile=0.2), False),  # a batch quantile
+    (LossConfig(loss="sapo"), True),
+    (LossConfig(loss="dapo", rollout_correction="tis"), True),  # a token's weight depends on that token only
+    (LossConfig(loss="dapo", rollout_correction="mis", rollout_correction_level="sequence"), False),
 ])
 def test_is_tokenwise(cfg, tokenwise):
     assert is_tokenwise(cfg) is tokenwise
@@ -115,3 +118,44 @@ def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_
         grads[fast] = {n: p.grad.clone() for n, p in model.named_parameters()}
     for name, g in grads[False].items():
         torch.testing.assert_close(grads[True][name], g, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cfg", [
+    LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_cap=1.3),
+    LossConfig(loss="sapo", rollout_correction="mis", rollout_correction_cap=1.5),
+], ids=["tis", "sapo-mis"])
+@pytest.mark.parametrize("mu_above_1", [False, True])
+def test_fused_head_with_rollout_correction_equals_autograd_float64(tiny_ckpt_factory, cfg, mu_above_1):
+    """Token-level corrections through the in-forward head gradients == autograd, with one pass (pi_train =
+    the current policy, detached) and with old log-probs (pi_train = the old policy)."""
+    model = load_model(tiny_ckpt_factory("qwen2"), dtype=torch.float64)
+    batch = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        current = batch_logprobs(model, batch, 10_000, temperature=0.9, chunk_size=4)
+    noise = 0.4 * torch.randn(current.shape, generator=torch.Generator().manual_seed(4))  # [B, T]
+    batch.sampler_logp = (current + noise) * batch.completion_mask  # an injected sampler/trainer mismatch
+    if mu_above_1:
+        batch.old_logp, _ = _old_and_ref(model, batch)
+    grads, stats = {}, {}
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        stats[fused] = accumulate_gradients(model, batch, cfg, 12, temperature=0.9, chunk_size=4, fused_head=fused)
+        grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert 0 < stats[True].metrics["rollout_correction_frac"] < 1  # the correction is live
+    assert stats[True].metrics == pytest.approx(stats[False].metrics, rel=1e-12, abs=1e-12)
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=0, atol=1e-10)
+    if not mu_above_1:  # one pass: the mismatch is exactly the injected noise (float32 storage of the sampler's)
+        active = batch.completion_mask.bool()
+        d = noise[active].double()
+        assert stats[True].metrics["mismatch_max_abs"] == pytest.approx(float(d.abs().max()), abs=1e-6)
+        assert stats[True].metrics["mismatch_mean_abs"] == pytest.approx(float(d.abs().mean()), abs=1e-6)
+
+
+def test_combine_metrics_mismatch_mean_weighted_and_max_of_maxima():
+    # micro-batches of 2 and 6 tokens: mean |d| (0.1 * 2 + 0.3 * 6) / 8 = 0.25, max max(0.5, 0.4) = 0.5
+    parts = [{"active_tokens": 2.0, "mismatch_mean_abs": 0.1, "mismatch_max_abs": 0.5, "mismatch_k3": 0.02},
+             {"active_tokens": 6.0, "mismatch_mean_abs": 0.3, "mismatch_max_abs": 0.4, "mismatch_k3": 0.06}]
+    out = combine_metrics(parts)
+    assert out["mismatch_mean_abs"] == pytest.approx(0.25) and out["mismatch_max_abs"] == 0.5
+    assert out["mismatch_k3"] == pytest.approx(0.05) and out["active_tokens"] == 8.0
