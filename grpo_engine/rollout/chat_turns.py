@@ -1,0 +1,97 @@
+"""The text of a multi-turn trajectory: the first prompt (with tool declarations), then each later turn alone.
+
+Why "alone": a trajectory's tokens must be exactly the tokens the policy saw and sampled. Re-rendering the
+whole conversation and re-tokenizing it can change earlier tokens (BPE merges across a boundary, templates
+that rewrite earlier turns, e.g. Qwen3 dropping old <think> blocks), which would make the trainer score
+tokens that were never sampled. So only the new messages are rendered and tokenized, and their ids are
+appended to the ids so far (rollout/multiturn.py prefills just those into the KV cache).
+
+How the new messages are rendered with the model's own chat template: a two-message context whose assistant
+turn is a sentinel string, followed by the new messages and the generation prompt; the continuation is the
+text after the sentinel. It starts with the template's end of the assistant turn (e.g. `<|im_end|>\\n`),
+which the policy did not emit when it was stopped at `</tool_call>`; when the policy did emit it as its stop
+token, that first id is dropped (`continuation_ids`). The boundary is a special token, so tokenizing the
+continuation on its own gives the tokens the template's text would give.
+
+Tools: a template that mentions `tools` (Qwen2.5, Qwen3, Llama 3.1+) gets the declarations through
+`tools=` and its own tool-message format. A template without tool support (the tiny byte-level models,
+SmolLM2) gets the project's fallback format: `tools_paragraph` appended to the system message (or as one),
+and each tool result as a user turn of `<tool_response>\\n...\\n</tool_response>` blocks (consecutive results
+share one turn) -- the same text Qwen2.5's template produces for tool results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+SENTINEL = "<<grpo-turn-boundary-7c1e>>"
+
+
+def template_supports_tools(tokenizer) -> bool:
+    """Whether the chat template reads a `tools` variable (then it renders declarations and tool messages)."""
+    return re.search(r"\btools\b", tokenizer.chat_template_source or "") is not None
+
+
+def tools_paragraph(declarations: list[dict[str, Any]]) -> str:
+    """The fallback declaration text: one JSON object per tool, and how to call one."""
+    lines = [json.dumps(d.get("function", d), ensure_ascii=False) for d in declarations]
+    return ("# Tools\n\nYou may call tools. The available tools, one JSON object per line:\n" + "\n".join(lines)
+            + '\n\nTo call a tool, write <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>'
+            " and stop. The result comes back as <tool_response>...</tool_response>.")
+
+
+def fallback_messages(messages: list[dict[str, Any]], declarations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template without tool support: tools listed in the system message, tool results as
+    user turns of <tool_response> blocks."""
+    out: list[dict[str, Any]] = []
+    previous_was_tool = False
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if previous_was_tool:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+        previous_was_tool = m["role"] == "tool"
+    if declarations:
+        paragraph = tools_paragraph(declarations)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{paragraph}"}
+        else:
+            out.insert(0, {"role": "system", "content": paragraph})
+    return out
+
+
+def render_first_prompt(tokenizer, messages: list[dict[str, Any]], prefill: str = "",
+                        tools: list[dict[str, Any]] | None = None) -> str:
+    """The first prompt's text: chat template with the generation prompt (and the tools), then the prefill.
+    Without tools this is exactly tasks.render_prompt's text."""
+    if tools and template_supports_tools(tokenizer):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    else:
+        text = tokenizer.apply_chat_template(fallback_messages(messages, tools or []), add_generation_prompt=True)
+    return text + prefill
+
+
+def continuation_text(tokenizer, appended: list[dict[str, Any]]) -> str:
+    """The text that follows an assistant turn when `appended` messages are added: end of the assistant
+    turn, the new messages, the next generation prompt."""
+    context = [{"role": "user", "content": "."}, {"role": "assistant", "content": SENTINEL}, *appended]
+    if not template_supports_tools(tokenizer):
+        context = fallback_messages(context, [])
+    text = tokenizer.apply_chat_template(context, add_generation_prompt=True)
+    if text.count(SENTINEL) != 1:
+        raise ValueError("the chat template does not render an assistant message's content verbatim; cannot "
+                         "render a continuation turn on its own")
+    return text[text.index(SENTINEL) + len(SENTINEL) :]
+
+
+def continuation_ids(tokenizer, appended: list[dict[str, Any]], ended_with: int | None = None) -> list[int]:
+    """Token ids of the continuation. ended_with: the stop token the policy ended its turn with (e.g.
+    <|im_end|>), dropped from the front of the continuation since it is already in the trajectory."""
+    ids = tokenizer.encode(continuation_text(tokenizer, appended))
+    return ids[1:] if ended_with is not None and ids[:1] == [ended_with] else ids
