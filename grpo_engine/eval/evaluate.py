@@ -1,7 +1,7 @@
 """Evaluate a model on a task: pass@1, pass@k, maj@k, format rate, completion length, truncation rate.
 
-Each problem gets n samples, rendered and scored exactly as in training: `render_prompt` (chat template +
-prefill) in, `score_batch` (the guarded task reward) out. Metrics per problem, then averaged over problems:
+Each problem gets n samples from the generate-and-score path training uses (`train.rollouts.generate_groups`:
+`render_prompt` in, the guarded task reward out). Metrics per problem, then averaged over problems:
 
 - pass@k: unbiased estimator from n samples with c correct (metrics.pass_at_k), so pass@1 = c / n.
 - maj@k: 1 if the majority answer of the first k samples (clustered with task.equivalent) is correct.
@@ -22,10 +22,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..rollout import GenerationOutput, SamplingParams, generate
-from ..tasks.base import Example, RewardResult, Task, render_prompt, score_batch
+from ..tasks.base import Example, RewardResult, Task
+from ..train.rollouts import Group, generate_groups
 from .metrics import maj_at_k, majority_answer, pass_at_k
 
 ANSWER = "answer"  # the RewardResult component that correctness reads (RewardResult.correct)
@@ -134,27 +133,13 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
                             max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(tokenizer.eos_token_ids))
     problems: list[ProblemRecord] = []
-    was_training = model.training
-    model.eval()
-    try:
-        for b, start in enumerate(range(0, len(examples), cfg.prompts_per_batch)):
-            batch = examples[start : start + cfg.prompts_per_batch]
-            prompt_ids = [tokenizer.encode(render_prompt(task, tokenizer, ex)) for ex in batch]
-            with torch.no_grad():
-                out = generate_fn(model, prompt_ids, params, seed=cfg.seed * 1_000_003 + b, tokenizer=tokenizer)
-            if len(out.completion_ids) != len(batch) * cfg.n:
-                raise RuntimeError(f"generate returned {len(out.completion_ids)} rows for {len(batch)} prompts "
-                                   f"x n={cfg.n}")
-            for p, ex in enumerate(batch):
-                rows = range(p * cfg.n, (p + 1) * cfg.n)
-                texts = [tokenizer.decode(out.completion_ids[i], skip_special_tokens=True) for i in rows]
-                lengths = [len(out.completion_ids[i]) for i in rows]
-                truncated = [out.finish_reason[i] == "length" for i in rows]
-                problems.append(score_problem(task, ex, texts, lengths, truncated, cfg))
-            if progress is not None:
-                progress(len(problems), len(examples))
-    finally:
-        model.train(was_training)
+    for b, start in enumerate(range(0, len(examples), cfg.prompts_per_batch)):
+        batch = examples[start : start + cfg.prompts_per_batch]
+        groups, _ = generate_groups(model, tokenizer, task, batch, params, cfg.seed * 1_000_003 + b, None,
+                                    cfg.reward_timeout_s, generate_fn)
+        problems += [score_problem(task, g, cfg) for g in groups]
+        if progress is not None:
+            progress(len(problems), len(examples))
     notes += _missing_answer_note(problems)
     return EvalReport(task.name, cfg, summarize(problems, cfg), problems, notes)
 
@@ -174,18 +159,18 @@ def sample_record(result: RewardResult, text: str, num_tokens: int, truncated: b
     )
 
 
-def score_problem(task: Task, example: Example, texts: list[str], lengths: list[int], truncated: list[bool],
-                  cfg: EvalConfig) -> ProblemRecord:
-    """Score the n samples of one problem and compute its pass@k / maj@k."""
-    rewards = score_batch(task, [example] * len(texts), texts, cfg.reward_timeout_s)
-    samples = [sample_record(r, t, n, tr) for r, t, n, tr in zip(rewards.results, texts, lengths, truncated)]
+def score_problem(task: Task, group: Group, cfg: EvalConfig) -> ProblemRecord:
+    """The n scored samples of one problem -> its pass@k / maj@k."""
+    truncated = [r == "length" for r in group.finish_reasons]
+    lengths = [len(c) for c in group.completion_ids]
+    samples = [sample_record(r, t, n, tr) for r, t, n, tr in zip(group.rewards, group.texts, lengths, truncated)]
     answers = [s.answer for s in samples]
     equal = task.equivalent  # clustering treats an exception as 'not equivalent'
     c = sum(s.correct for s in samples)
     pass_at = {k: pass_at_k(len(samples), c, k) for k in cfg.ks}
     maj_at = {k: maj_at_k(answers, _winner_is_correct(samples[:k]), equal, k) for k in cfg.ks}
-    return ProblemRecord(example.id, example.question, example.answer, samples, pass_at, maj_at,
-                         majority_answer(answers, equal))
+    ex = group.example
+    return ProblemRecord(ex.id, ex.question, ex.answer, samples, pass_at, maj_at, majority_answer(answers, equal))
 
 
 def _winner_is_correct(samples: list[SampleRecord]) -> Callable[[str], bool]:

@@ -70,24 +70,28 @@ REWARD_TIMEOUT_S = 5.0  # a reward that runs longer scores 0 and is counted as a
 
 
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams,
-                    seed: int | list[int], max_prompt_tokens: int,
-                    reward_timeout_s: float | None = None) -> tuple[list[Group], int]:
+                    seed: int | list[int], max_prompt_tokens: int | None,
+                    reward_timeout_s: float | None = None, generate_fn=generate) -> tuple[list[Group], int]:
     """Generate params.n completions per example and score them. Returns (groups, generated tokens).
 
-    seed: one int for the call, or one per example (rollout.generate)."""
+    The one generate-and-score path: training, the in-loop eval and `grpo eval` all call it, so a completion is
+    rendered, decoded and scored the same way everywhere. seed: one int for the call, or one per example
+    (rollout.generate); max_prompt_tokens None: no cap; generate_fn: rollout.generate (tests script it)."""
     texts = [render_prompt(task, tokenizer, ex) for ex in examples]
     prompt_ids = [tokenizer.encode(t) for t in texts]
     for ex, ids in zip(examples, prompt_ids):
-        if len(ids) > max_prompt_tokens:
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             raise ValueError(f"prompt of example {ex.id} has {len(ids)} tokens > rollout.max_prompt_tokens="
                              f"{max_prompt_tokens}; raise it or shorten the prompt")
     was_training = model.training
     model.eval()  # no dropout while sampling: the sampler's log-probs must match the policy
     try:
-        out = generate(model, prompt_ids, params, seed=seed, tokenizer=tokenizer)
+        out = generate_fn(model, prompt_ids, params, seed=seed, tokenizer=tokenizer)
     finally:
         model.train(was_training)
     groups, G = [], params.n
+    if len(out.completion_ids) != len(examples) * G:
+        raise RuntimeError(f"generate returned {len(out.completion_ids)} rows for {len(examples)} prompts x n={G}")
     for p, ex in enumerate(examples):
         rows = range(p * G, (p + 1) * G)
         completions = [out.completion_ids[i] for i in rows]
