@@ -115,6 +115,9 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     cfg, policy = inputs.cfg, inputs.policy
     records = [grpo_step(inputs, state, step, message=lambda _: None) for step in range(1, steps + 1)]
     times = [r.metrics.time_step_s for r in records]
+    floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new) if policy.device.type == "cpu" else {}
+    if floor:
+        floor["sec_per_step_over_floor"] = statistics.median(times[1:] or times) / floor["floor_s"]
     return {
         "engine": "grpo-engine", "sec_per_step": statistics.median(times[1:] or times), "step_times": times,
         "phases": {k: [getattr(r.metrics, f"time_{k}_s") for r in records] for k in ("generate", "logprobs",
@@ -124,4 +127,24 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
         "params": policy.model.num_parameters(), "threads": torch.get_num_threads(),
         "optimizer": cfg.optimizer.name, "micro_batch_tokens": cfg.memory.micro_batch_tokens,
         "chunk_size": cfg.memory.logprob_chunk_size, "overrides": list(overrides),
+        **floor,
     }
+
+
+def matmul_floor(inputs, *, prompt_len: int, max_new: int) -> dict:
+    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured here, now (CPU, fp32)."""
+    from ..config import loss_config
+    from ..rl.losses import is_tokenwise
+    from .floor import StepSizes, gemm_rates, step_flops
+
+    cfg, model = inputs.cfg, inputs.policy.model
+    mem, n_layers = cfg.memory, model.config.num_hidden_layers
+    every = {"none": 0, "all": 1, "every_k": mem.checkpoint_every}[mem.activation_checkpointing]
+    recompute = len(range(0, n_layers, every)) / n_layers if every else 0.0
+    sizes = StepSizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, prompt_len, max_new,
+                      shared_prompt=mem.share_prompt_forward, fused_head=is_tokenwise(loss_config(cfg)),
+                      recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)
+    flops, rates = step_flops(model.config, sizes), gemm_rates()
+    return {"matmul_gflop": {"generate": flops.generate / 1e9, "logprobs": flops.logprobs / 1e9,
+                             "update": flops.update / 1e9},
+            "gemm_gflops": rates, "floor_s": flops.total / max(rates.values()) / 1e9}
