@@ -12,7 +12,6 @@ count, timed in the same process as the step.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -108,26 +107,17 @@ def step_flops(cfg: ModelConfig, s: StepSizes) -> StepFlops:
     return StepFlops(generate_flops(cfg, s), logprob_flops(cfg, s), update_flops(cfg, s))
 
 
-def _best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: kernel selection, page faults
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def gemm_rates(reps: int = 5) -> dict[str, float]:
     """GFLOP/s of torch.mm and (where it runs) oneDNN on GEMM_SHAPE in fp32 at the current thread count."""
     from ..kernels import onednn
+    from ..kernels.select import best_time
 
     m, k, n = GEMM_SHAPE
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     out = torch.empty(m, n)
     flops = 2.0 * m * k * n
-    rates = {"torch": flops / _best_seconds(lambda: torch.mm(x, w.t(), out=out), reps) / 1e9}
+    rates = {"torch": flops / best_time(lambda: torch.mm(x, w.t(), out=out), reps) / 1e9}
     if onednn.op_works():
-        rates["onednn"] = flops / _best_seconds(lambda: onednn.onednn_linear(x, w), reps) / 1e9
+        rates["onednn"] = flops / best_time(lambda: onednn.onednn_linear(x, w), reps) / 1e9
     return rates

@@ -75,7 +75,8 @@ def weight_shapes(model: nn.Module) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
-def _best_time(fn, reps: int = 3) -> float:
+def best_time(fn, reps: int = 3) -> float:
+    """Fastest of `reps` timed calls of fn, after one untimed warm-up call."""
     fn()  # warm-up: first-call allocation and kernel dispatch
     best = float("inf")
     for _ in range(reps):
@@ -90,9 +91,9 @@ def measure_shape(out_features: int, in_features: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
     xs = [torch.randn(m, in_features, generator=g) for m in ROWS]
-    times = {"torch": sum(_best_time(lambda x=x: x @ w.t()) for x in xs)}
+    times = {"torch": sum(best_time(lambda x=x: x @ w.t()) for x in xs)}
     if onednn.op_works():
-        times["onednn"] = sum(_best_time(lambda x=x: onednn.onednn_linear(x, w)) for x in xs)
+        times["onednn"] = sum(best_time(lambda x=x: onednn.onednn_linear(x, w)) for x in xs)
     return times
 
 
