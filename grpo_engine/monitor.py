@@ -65,11 +65,14 @@ class StepMetrics:
     curriculum_gen_tokens: int = 0  # completion tokens the scoring generated
     curriculum_time_s: float = 0.0
     eval: dict[str, float] = field(default_factory=dict)  # "eval/accuracy", ... on evaluation steps only
+    # tools.enabled only (empty otherwise): "tool_calls", "tool_errors", "turns", means per trajectory
+    tools: dict[str, float] = field(default_factory=dict)
 
     def flat(self) -> dict:
-        """The record as metrics.jsonl stores it: the eval figures as top-level "eval/..." keys."""
+        """The record as metrics.jsonl stores it: the eval figures as top-level "eval/..." keys, and the tool
+        figures (when there are any) as top-level keys."""
         record = dataclasses.asdict(self)
-        return {**{k: v for k, v in record.items() if k != "eval"}, **self.eval}
+        return {**{k: v for k, v in record.items() if k not in ("eval", "tools")}, **self.tools, **self.eval}
 
     def to_json(self) -> str:
         def clean(v):

@@ -31,6 +31,7 @@ from .run import (
     TokenizerSection,
     loss_config,
 )
+from .tools import TOOL_FORMATS, ToolsSection
 from .training import (
     LoRAConfig,
     MemoryConfig,
@@ -49,7 +50,8 @@ __all__ = [
     "EvalSection",
     "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",
     "ModelSection", "OptimizerConfig", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",
-    "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TaskSection", "TinyModelSection", "TokenizerSection",
+    "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TOOL_FORMATS", "TaskSection", "TinyModelSection",
+    "TokenizerSection", "ToolsSection",
     "WarmStartSection", "check_paths", "config_docs_markdown", "config_from_yaml_text", "iter_config_docs",
     "load_config", "loss_config", "to_yaml", "validate",
 ]

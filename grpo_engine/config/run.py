@@ -9,6 +9,7 @@ from typing import Any
 from .algorithm import AlgorithmSection, LossConfig, ReferenceConfig
 from .curriculum import CurriculumSection
 from .fields import option, require, section
+from .tools import ToolsSection
 from .training import LoRAConfig, MemorySection, OptimizerSection, ScheduleSection, WarmStartSection
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -136,6 +137,7 @@ class Config:
     algorithm: AlgorithmSection = section(AlgorithmSection, "GRPO loss and advantage variants")
     curriculum: CurriculumSection = section(CurriculumSection, "which prompts are served next, from a pool scored "
                                                                "with the policy")
+    tools: ToolsSection = section(ToolsSection, "multi-turn rollouts with tool calls")
     reference: ReferenceConfig = section(ReferenceConfig, "reference policy for the KL term (used when beta > 0)")
     lora: LoRAConfig = section(LoRAConfig, "LoRA adapters instead of full fine-tuning")
     optimizer: OptimizerSection = section(OptimizerSection, "optimizer and gradient clipping")

@@ -95,3 +95,23 @@ def continuation_ids(tokenizer, appended: list[dict[str, Any]], ended_with: int 
     <|im_end|>), dropped from the front of the continuation since it is already in the trajectory."""
     ids = tokenizer.encode(continuation_text(tokenizer, appended))
     return ids[1:] if ended_with is not None and ids[:1] == [ended_with] else ids
+
+
+def conversation_ids(tokenizer, turns: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a whole scripted conversation after the first prompt, exactly as a rollout would build
+    them: each assistant turn's text tokenized alone (it ends without a stop token, as a turn stopped at
+    `</tool_call>` does), each run of other messages as its continuation. A teacher's multi-turn target for
+    supervised training is then token-for-token what the policy sees when it behaves the same way."""
+    ids: list[int] = []
+    pending: list[dict[str, Any]] = []
+    for m in turns:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            ids += continuation_ids(tokenizer, pending)
+            pending = []
+        ids += tokenizer.encode(m["content"])
+    if pending:
+        ids += continuation_ids(tokenizer, pending)
+    return ids

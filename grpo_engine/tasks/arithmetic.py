@@ -9,6 +9,7 @@ different seeded streams and kept disjoint.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from functools import cache
@@ -28,12 +29,15 @@ class ArithmeticOptions(ChatTaskOptions):
     format_weight: float = option(0.0, "reported, not rewarded by default: rewarding bare numbers taught "
                                        "SmolLM2-135M-Instruct to drop its '38 + 45 =' working and lose accuracy")
     digits: int = option(2, "operands have 1..digits digits")
+    full_width: bool = option(False, "operands have exactly `digits` digits (no leading zeros, e.g. 100..999)")
     operations: tuple[str, ...] = option(("+", "*"), "operators to draw from (subset of + * -)")
     seed: int = option(0, "generator seed")
     n_train: int = option(2000, "train examples (capped by how many distinct problems exist)")
     n_test: int = option(200, "test examples, disjoint from train")
     teacher_carry_drop: float = option(
         0.0, "fraction of SFT targets (+ only) written by a teacher that forgets carries")
+    teacher_tool_rate: float = option(
+        0.0, "fraction of SFT targets written by a teacher that calls the calculator tool first (tools demo)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +49,8 @@ class ArithmeticOptions(ChatTaskOptions):
             raise ValueError(f"digits must be in 1..9, got {self.digits}")
         if not 0.0 <= self.teacher_carry_drop <= 1.0:
             raise ValueError(f"teacher_carry_drop must be in [0, 1], got {self.teacher_carry_drop}")
+        if not 0.0 <= self.teacher_tool_rate <= 1.0:
+            raise ValueError(f"teacher_tool_rate must be in [0, 1], got {self.teacher_tool_rate}")
         if "{a}" not in self.template or "{b}" not in self.template:
             raise ValueError(f"template {self.template!r} must contain {{a}} and {{b}}")
 
@@ -60,7 +66,8 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
     """{"train": [...], "test": [...]}: distinct problems, test first so train can exclude it."""
     o = options
     hi = 10**o.digits - 1
-    n_distinct = (hi + 1) ** 2 * len(o.operations)
+    lo = 10 ** (o.digits - 1) if o.full_width and o.digits > 1 else 0
+    n_distinct = (hi - lo + 1) ** 2 * len(o.operations)
     if o.n_test + 1 > n_distinct:
         raise ValueError(f"only {n_distinct} distinct problems with digits={o.digits}; lower n_test")
     seen: set[tuple[int, str, int]] = set()
@@ -69,7 +76,7 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
         rng = random.Random(f"arithmetic-{o.seed}-{split}")
         rows: list[ArithmeticExample] = []
         while len(rows) < count:
-            key = (rng.randint(0, hi), rng.choice(o.operations), rng.randint(0, hi))
+            key = (rng.randint(lo, hi), rng.choice(o.operations), rng.randint(lo, hi))
             if key in seen:
                 continue
             seen.add(key)
@@ -131,3 +138,20 @@ class ArithmeticTask:
             if draw < self.options.teacher_carry_drop:
                 answer = str(add_without_carries(example.a, example.b))
         return formatted_answer(self.options.format, answer)
+
+    def reference_conversation(self, example: ArithmeticExample) -> list[dict] | None:
+        """A supervised target that goes through the calculator: the call, the tool's result, then the answer.
+
+        With teacher_tool_rate > 0 a fixed, seeded share of the examples get it (None for the others: their
+        target is reference_completion, answered in the head). A small model cannot multiply 3-digit numbers in
+        its head but can copy the operands into a call and the result into its answer: the warm-started model
+        calls the tool on some samples, and GRPO with tools can raise that share because those samples score.
+        """
+        if self.options.teacher_tool_rate <= 0:
+            return None
+        if random.Random(f"tool-teacher-{self.options.seed}-{example.id}").random() >= self.options.teacher_tool_rate:
+            return None
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{example.a}{example.op}{example.b}"}})
+        return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                {"role": "tool", "name": "calculator", "content": example.answer},
+                {"role": "assistant", "content": formatted_answer(self.options.format, example.answer)}]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .base import Example, Prompt, Task, safe_reward
+from .base import Example, Prompt, RewardResult, Task, safe_reward
 from .tools import CLOSE, MAX_CALLS_PER_TURN, ToolSet, parse_tool_calls
 
 Message = dict[str, Any]  # {"role": ..., "content": ...}; "name" on tool results
@@ -71,15 +71,17 @@ class TaskEnvironment:
         self.task, self.reward_timeout_s = task, reward_timeout_s
         self.limits = TrajectoryLimits(max_turns=1, max_tokens=max_tokens)
         self.example: Example | None = None
+        self.scored: RewardResult | None = None  # the task's reward of the answer turn (its answer, info)
 
     def reset(self, example: Example) -> Prompt:
-        self.example = example
+        self.example, self.scored = example, None
         return self.task.prompt(example)
 
     def step(self, completion: str) -> StepResult:
         if self.example is None:
             raise RuntimeError("step() before reset()")
         result = safe_reward(self.task, self.example, completion, self.reward_timeout_s)
+        self.scored = result
         return StepResult(None, dict(result.components), result.total, info=dict(result.info))
 
 

@@ -81,5 +81,6 @@ def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int) -> tuple[
         completion_keep=keep.reshape(-1).tolist(),
         pad_id=pad_id,
         share_prompts=cfg.memory.share_prompt_forward,
+        loss_masks=[m for g in groups for m in g.loss_masks] if groups[0].loss_masks is not None else None,
     )
     return batch, AdvantageInfo(result.num_zero_variance, result.num_nonfinite, float(se.mean()))

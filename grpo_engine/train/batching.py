@@ -76,8 +76,12 @@ def build_rollout_batch(
     completion_keep: list[bool],
     pad_id: int,
     share_prompts: bool = True,
+    loss_masks: list[list[int]] | None = None,
 ) -> RolloutBatch:
     """Concatenate prompt_ids[i] + completion_ids[i] per row; completion_keep[i]=False masks a row out.
+
+    loss_masks: per row, one 0/1 per completion token (multi-turn rollouts: 0 on tool tokens, which the
+    policy did not sample); multiplied into the completion mask. None: every completion token is trained.
 
     share_prompts: rows with identical prompt tokens get one prompt_index (any rows, not only a group's),
     so the update runs that prompt once; left None when no prompt has two rows (nothing to share).
@@ -91,7 +95,7 @@ def build_rollout_batch(
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         if completion_keep[i] and c:
-            mask[i, len(p) : len(p) + len(c)] = 1.0
+            mask[i, len(p) : len(p) + len(c)] = 1.0 if loss_masks is None else _row_mask(loss_masks[i], len(c))
         sampler[i, len(p) : len(p) + len(c)] = torch.tensor(sampler_logprobs[i], dtype=torch.float32)
     return RolloutBatch(
         input_ids=input_ids,
@@ -102,6 +106,13 @@ def build_rollout_batch(
         sampler_logp=sampler,
         prompt_index=shared_prompt_index(prompt_ids) if share_prompts else None,
     )
+
+
+def _row_mask(loss_mask: list[int], n: int) -> torch.Tensor:
+    """[n] float 0/1 of one row's loss mask; its length must be the completion's."""
+    if len(loss_mask) != n:
+        raise ValueError(f"a loss mask has {len(loss_mask)} entries for a completion of {n} tokens")
+    return torch.tensor(loss_mask, dtype=torch.float32).clamp(0.0, 1.0)
 
 
 def shared_prompt_index(prompt_ids: list[list[int]]) -> torch.Tensor | None:

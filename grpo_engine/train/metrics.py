@@ -98,11 +98,22 @@ def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) ->
     m.time_generate_s = rollout.time_generate_s
     m.gen_tokens_per_s = rollout.gen_tokens / max(rollout.time_generate_s, 1e-9)
     m.rows, m.train_tokens = parts.rows, parts.train_tokens
+    m.tools = tool_metrics(gen)
     if update is not None:
         m.loss = update.loss
         for ours, theirs in _UPDATE_METRICS.items():
             setattr(m, ours, update.metrics.get(theirs, math.nan))
     return m
+
+
+def tool_metrics(groups) -> dict[str, float]:
+    """Means per trajectory of the tool calls, failed calls and model turns; {} without multi-turn groups."""
+    trajs = [t for g in groups for t in (g.trajectory_metrics or [])]
+    if not trajs:
+        return {}
+    return {"tool_calls": statistics.fmean(t.tool_calls for t in trajs),
+            "tool_errors": statistics.fmean(t.tool_errors for t in trajs),
+            "turns": statistics.fmean(t.turns for t in trajs)}
 
 
 def sample_records(step: int, rollout, n: int) -> list[Sample]:

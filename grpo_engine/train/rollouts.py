@@ -16,6 +16,7 @@ import torch
 from ..config.algorithm import GroupFilterConfig
 from ..rl.group_filter import select_groups, take_groups
 from ..rollout import SamplingParams, generate
+from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 from .distributed import World
 
@@ -60,6 +61,9 @@ class Group:
     finish_reasons: list[str]  # G
     texts: list[str]  # G decoded completions
     rewards: list[RewardResult]  # G
+    # multi-turn rollouts with tools (train/tool_rollouts.py); None for single-turn completions
+    loss_masks: list[list[int]] | None = None  # G rows aligned with completion_ids: 1 = sampled by the policy
+    trajectory_metrics: list[TrajectoryMetrics] | None = None  # G: turns, tool calls / errors, token counts
 
     @property
     def totals(self) -> list[float]:
@@ -123,15 +127,17 @@ class RolloutRound:
 
 def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, params: SamplingParams, *,
                    prompts: int, seed: int, step: int, max_prompt_tokens: int, group_filter: GroupFilterConfig,
-                   world: World | None = None) -> RolloutRound:
+                   world: World | None = None, generate_fn=None) -> RolloutRound:
     """Generate this rank's groups of the step's `prompts` (the global count); with group_filter.enabled keep
     only informative groups (rewards differ), drawing fresh prompts for the missing ones, for at most
     group_filter.max_rounds rounds (rl.group_filter).
 
     Every rank draws the same global prompts from the stream and generates its own share of them, each
     prompt seeded by its global index: the completions of a prompt do not depend on the number of ranks.
+    generate_fn: generate_groups' stand-in (the same arguments), e.g. train/tool_rollouts.generate_tool_groups.
     """
     world = world or World()
+    generate_fn = generate_fn or generate_groups
     local = prompts // world.size
     rounds: list[list[Group]] = []
     gen_tokens, t0, selection = 0, time.perf_counter(), None
@@ -144,8 +150,8 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
         mine = list(world.my_share(len(drawn)))[:missing]
         if mine:
             seeds = [prompt_seed(seed, step, round_, i) for i in mine]
-            groups, n = generate_groups(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
-                                        max_prompt_tokens)
+            groups, n = generate_fn(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
+                                    max_prompt_tokens)
             rounds.append(groups)
             gen_tokens += n
         if group_filter.enabled and rounds:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..config import Config, loss_config
 from ..monitor import StepMetrics
@@ -77,7 +78,8 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
         rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, stream, run.params,
                                  prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                                 group_filter=cfg.algorithm.group_filter, world=run.world)
+                                 group_filter=cfg.algorithm.group_filter, world=run.world,
+                                 generate_fn=rollout_fn(cfg))
     if cfg.memory.empty_cache_between_phases:
         free_rollout_memory()
 
@@ -121,6 +123,16 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
     curriculum_metrics(m, pool)
     return StepRecord(step, m, parts.rollout, outcome)
+
+
+def rollout_fn(cfg: Config):
+    """What generates a step's groups: None (collect_groups' single-turn default), or with tools.enabled the
+    multi-turn trajectories of train/tool_rollouts.py."""
+    if not cfg.tools.enabled:
+        return None
+    from .tool_rollouts import generate_tool_groups
+
+    return partial(generate_tool_groups, tools=cfg.tools)
 
 
 def curriculum_metrics(m: StepMetrics, pool: PoolReport | None) -> None:

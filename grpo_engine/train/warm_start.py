@@ -17,6 +17,7 @@ from ..config import Config, ConfigError
 from ..model.hf_io import load_model, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..model.tokenizer import load_tokenizer
+from ..rollout.chat_turns import conversation_ids
 from ..tasks import render_prompt
 from .sft import train_sft
 
@@ -75,7 +76,10 @@ def build_tiny_base(cfg: Config) -> Path:
 
 def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, reference completion ids + EOS) for every example the task can complete; examples without
-    a reference (e.g. loaded Countdown rows with no known solution) are left out."""
+    a reference (e.g. loaded Countdown rows with no known solution) are left out. A task's
+    `reference_conversation` (a teacher that calls tools) takes precedence: the target is the whole conversation
+    as a tool rollout would tokenize it (tool results included in the target, the teacher's results being
+    exact)."""
     reference = getattr(task, "reference_completion", None)
     if reference is None:
         raise ConfigError(
@@ -83,11 +87,15 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
             f"set warm_start.sft.steps=0"
         )
     eos = tokenizer.eos_token_ids[0]
+    conversation = getattr(task, "reference_conversation", lambda ex: None)  # a teacher that calls tools
     pairs = []
     for ex in examples:
-        target = reference(ex)
-        if target is not None:
-            pairs.append((tokenizer.encode(render_prompt(task, tokenizer, ex)), tokenizer.encode(target) + [eos]))
+        turns = conversation(ex)
+        target = reference(ex) if turns is None else None
+        ids = conversation_ids(tokenizer, turns) if turns is not None else \
+            tokenizer.encode(target) if target is not None else None
+        if ids is not None:
+            pairs.append((tokenizer.encode(render_prompt(task, tokenizer, ex)), ids + [eos]))
     if not pairs:
         raise ConfigError(f"task {task.name!r} has no reference completion for any training example (e.g. data "
                           f"without solutions): the supervised warm start has nothing to learn; set "

@@ -1,0 +1,78 @@
+"""`grpo demo --tools`: its recipe, its teacher's tokens, the tools config section, and the quick run end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_engine.cli import main
+from grpo_engine.config import ConfigError, load_config
+from grpo_engine.demo import TOOLS_QUICK_OVERRIDES, TOOLS_RECIPE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_configs_demo_tools_is_the_embedded_recipe():
+    assert (REPO / "configs" / "demo_tools.yaml").read_text() == Path(str(TOOLS_RECIPE)).read_text()
+    cfg = load_config(REPO / "configs" / "demo_tools.yaml")
+    assert cfg.tools.enabled and cfg.tools.names == ["calculator"] and cfg.eval.max_examples >= 200
+    assert cfg.task.options["operations"] == ["*"] and cfg.task.options["digits"] == 3
+
+
+def test_tools_section_checks_its_values():
+    assert not load_config(None).tools.enabled
+    with pytest.raises(ConfigError, match="unknown tool 'calculater'.*did you mean 'calculator'"):
+        load_config(None, ["tools.names=[calculater]"])
+    with pytest.raises(ConfigError, match="tools.format='xml' is not one of auto, fallback, undeclared"):
+        load_config(None, ["tools.format=xml"])
+    with pytest.raises(ConfigError, match="tools.max_turns=0 must be >= 1"):
+        load_config(None, ["tools.max_turns=0"])
+    with pytest.raises(ConfigError, match="at least one name"):
+        load_config(None, ["tools.enabled=true", "tools.names=[]"])
+
+
+def test_teacher_conversation_is_the_rollout_tokens(tiny_ckpt):
+    """The SFT target of a tool-using teacher is byte for byte what a rollout appends: the call, the tool turn
+    rendered on its own (end of turn, user turn with the <tool_response> block, generation prompt), the answer."""
+    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.train.setup import task_of
+    from grpo_engine.train.warm_start import sft_pairs
+
+    tok = load_tokenizer(tiny_ckpt)
+    task = task_of(load_config(str(TOOLS_RECIPE), ["task.options.n_train=40"]))
+    examples = task.examples("train")
+    pairs = sft_pairs(task, tok, examples)
+    with_tool = [(ex, c) for ex, (_, c) in zip(examples, pairs) if task.reference_conversation(ex) is not None]
+    assert 0 < len(with_tool) < len(examples)
+    ex, ids = with_tool[0]
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{ex.a}*{ex.b}"}}}}</tool_call>'
+    assert tok.decode(ids) == (f"{call}<|im_end|>\n<|im_start|>user\n<tool_response>\n{ex.a * ex.b}\n"
+                               f"</tool_response><|im_end|>\n<|im_start|>assistant\n{ex.a * ex.b}<|im_end|>")
+    direct = next(c for e, (_, c) in zip(examples, pairs) if task.reference_conversation(e) is None)
+    assert tok.decode(direct).endswith("<|im_end|>") and "<tool_call>" not in tok.decode(direct)
+
+
+def test_full_width_operands_and_the_teachers_share():
+    """full_width: both operands in 100..999; teacher_tool_rate 0.3 of 2000 seeded draws: 0.3 +- 3 sigma."""
+    from grpo_engine.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
+
+    task = ArithmeticTask(ArithmeticOptions(digits=3, full_width=True, operations=("*",), n_train=2000, n_test=10,
+                                            teacher_tool_rate=0.3))
+    train = task.examples("train")
+    assert all(100 <= ex.a <= 999 and 100 <= ex.b <= 999 for ex in train + task.examples("test"))
+    share = sum(task.reference_conversation(ex) is not None for ex in train) / len(train)
+    assert abs(share - 0.3) < 3 * (0.3 * 0.7 / 2000) ** 0.5
+    assert ArithmeticTask(ArithmeticOptions(digits=3)).reference_conversation(train[0]) is None
+
+
+@pytest.mark.slow
+def test_quick_tools_demo_end_to_end(tmp_path):
+    assert main(["demo", "--tools", "--quick", f"run_dir={tmp_path / 'demo'}"]) == 0
+    run = tmp_path / "demo"
+    demo = json.loads((run / "demo.json").read_text())
+    assert demo["problems"] == 8 and set(demo["tool_call_rate"]) == {"before", "after"}
+    for side in ("before", "after"):
+        assert 0.0 <= demo[side]["accuracy"] <= 1.0 and 0.0 <= demo["tool_call_rate"][side] <= 1.0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["turns"] >= 1.0 and "tool_calls" in r for r in rows)
+    assert len(TOOLS_QUICK_OVERRIDES) > 0

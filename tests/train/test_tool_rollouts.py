@@ -1,0 +1,145 @@
+"""Training with tools: a trajectory becomes a Group row whose tool tokens carry no loss, and one GRPO step
+on it reproduces the sampler's log-probs on the policy's tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_engine.config import load_config
+from grpo_engine.rollout.chat_turns import continuation_ids
+from grpo_engine.tasks.environment import ToolEnvironment
+from grpo_engine.train import tool_rollouts
+from grpo_engine.train.advantage_batch import rollout_batch
+from grpo_engine.train.batching import build_rollout_batch
+from grpo_engine.train.setup import pick_device, sampling_params, seed_everything, task_of
+from grpo_engine.train.step import StepInputs, StepState, grpo_step
+
+REPO = Path(__file__).resolve().parents[2]
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def test_loss_mask_enters_the_completion_mask():
+    """Row 0: prompt [5, 6], completion [7, 8, 9, 10] of which 8, 9 are tool tokens; row 1 unmasked; row 2
+    masked out by completion_keep whatever its loss mask says."""
+    batch = build_rollout_batch([[5, 6], [5], [5]], [[7, 8, 9, 10], [7, 8], [7]],
+                                [[-0.5, 0.0, 0.0, -0.25], [-1.0, -2.0], [-3.0]], torch.zeros(3), [True, True, False],
+                                pad_id=0, share_prompts=False, loss_masks=[[1, 0, 0, 1], [1, 1], [1]])
+    assert batch.completion_mask.tolist() == [[0, 0, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert batch.sampler_logp[0].tolist() == [0, 0, -0.5, 0, 0, -0.25]
+    assert batch.active_tokens() == 4
+    with pytest.raises(ValueError, match="3 entries for a completion of 4 tokens"):
+        build_rollout_batch([[5]], [[7, 8, 9, 10]], [[0.0] * 4], torch.zeros(1), [True], 0, loss_masks=[[1, 0, 1]])
+
+
+class ScriptedCallEnv(ToolEnvironment):
+    """The policy's first turn is answered as if it had called calculator(6*7) (a random tiny model never
+    writes a call itself): the real tool path runs and its result is appended; the second turn is scored."""
+
+    def step(self, completion):
+        first = not getattr(self, "called", False)
+        self.called = True
+        return super().step(CALL if first else completion)
+
+    def reset(self, example):
+        self.called = False
+        return super().reset(example)
+
+
+def _inputs(tiny_ckpt, tmp_path, overrides) -> StepInputs:
+    cfg = load_config(str(REPO / "configs/tiny_arithmetic.yaml"),
+                      [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "tools.enabled=true", "tools.max_turns=2",
+                       "tools.max_tokens=128", "tools.format=undeclared", *overrides])
+    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.train.policy import build_policy
+    from grpo_engine.train.rollouts import PromptSampler
+
+    seed_everything(cfg.seed)
+    tok, task = load_tokenizer(tiny_ckpt), task_of(cfg)
+    examples = task.examples("train")
+    return StepInputs(cfg, build_policy(cfg, pick_device("cpu")), tok, task, examples,
+                      PromptSampler(len(examples), cfg.seed), sampling_params(cfg, tok))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_one_step_with_tools_trains_only_policy_tokens(tiny_ckpt, tmp_path, monkeypatch, share):
+    made = tool_rollouts.tool_environments
+
+    def scripted(task, tools, count, timeout):
+        envs = made(task, tools, count, timeout)
+        scripted_envs = [ScriptedCallEnv(task, e.toolset, e.limits, reward_timeout_s=timeout) for e in envs]
+        for s in scripted_envs:
+            s.tools = []  # tools.format=undeclared
+        return scripted_envs
+
+    monkeypatch.setattr(tool_rollouts, "tool_environments", scripted)
+    run = _inputs(tiny_ckpt, tmp_path, [f"memory.share_prompt_forward={str(share).lower()}"])
+    record = grpo_step(run, StepState(micro_tokens=256), 1, message=lambda _: None)
+    groups = record.rollout.groups
+    trajs = [t for g in groups for t in g.trajectory_metrics]
+    assert len(trajs) == 8 and all(t.turns == 2 and t.tool_calls == 1 and t.tool_errors == 0 for t in trajs)
+    assert record.metrics.tools == {"tool_calls": 1.0, "tool_errors": 0.0, "turns": 2.0}
+    # the tool turn is exactly the rendered tool message (the first turn ended at max_new_tokens, no EOS)
+    appended = continuation_ids(run.tokenizer, [{"role": "tool", "name": "calculator", "content": "42"}])
+    for g in groups:
+        for c, m in zip(g.completion_ids, g.loss_masks):
+            first = m.index(0)
+            assert c[first : first + len(appended)] == appended and m.count(0) == len(appended)
+    batch, _ = rollout_batch(groups, run.cfg, run.task, run.tokenizer.pad_token_id)
+    model_tokens = sum(t.model_tokens for t in trajs)
+    assert batch.active_tokens() == record.metrics.train_tokens == model_tokens
+    for i, (g, row) in enumerate([(h, r) for h in groups for r in range(len(h.completion_ids))]):
+        p, mask = len(g.prompt_ids), g.loss_masks[row]
+        assert batch.completion_mask[i, p : p + len(mask)].tolist() == [float(x) for x in mask]
+    assert record.metrics.mismatch_max_abs < 1e-4  # fp32: the trainer's forward = the sampler's on model tokens
+    text = groups[0].texts[0]
+    assert "<tool_response>\n42\n</tool_response>" in text and "<|im_start|>user" in text
+    line = json.loads(record.metrics.to_json())
+    assert (line["tool_calls"], line["tool_errors"], line["turns"]) == (1.0, 0.0, 2.0)
+
+
+def test_default_step_has_no_tool_metrics(tiny_ckpt, tmp_path):
+    run = _inputs(tiny_ckpt, tmp_path, ["tools.enabled=false"])
+    record = grpo_step(run, StepState(micro_tokens=256), 1, message=lambda _: None)
+    assert record.metrics.tools == {} and "turns" not in json.loads(record.metrics.to_json())
+    assert all(g.loss_masks is None for g in record.rollout.groups)
+
+
+def test_generate_tool_groups_without_calls_is_single_turn(tiny_ckpt, tmp_path):
+    """A random tiny model writes no call: every trajectory is one scored turn, all of it policy tokens."""
+    run = _inputs(tiny_ckpt, tmp_path, [])
+    params = replace(run.params, n=2, max_new_tokens=4)
+    groups, n = tool_rollouts.generate_tool_groups(run.policy.model, run.tokenizer, run.task, run.examples[:2],
+                                                   params, [1, 2], 128, tools=run.cfg.tools)
+    assert [len(g.completion_ids) for g in groups] == [2, 2]
+    assert n == sum(len(c) for g in groups for c in g.completion_ids)
+    for g in groups:
+        assert all(len(c) == len(lp) and m == [1] * len(c) for c, m, lp in zip(g.completion_ids, g.loss_masks,
+                                                                                g.logprobs))
+        assert all(t.turns == 1 and t.tool_calls == 0 for t in g.trajectory_metrics)
+        assert all("answer" in r.components for r in g.rewards) and set(g.finish_reasons) == {"stop"}
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fallback", "undeclared"])
+def test_tool_formats_of_the_first_prompt(tiny_ckpt, tmp_path, fmt):
+    """auto and fallback declare the calculator in a system message (the tiny template has no tool support, so
+    both are the fallback); undeclared gives exactly the single-turn prompt."""
+    from grpo_engine.rollout.chat_turns import template_supports_tools
+    from grpo_engine.tasks.base import render_prompt
+
+    run = _inputs(tiny_ckpt, tmp_path, [f"tools.format={fmt}", "rollout.max_prompt_tokens=1024"])
+    params = replace(run.params, n=2, max_new_tokens=1)
+    ex = run.examples[0]
+    (group,), _ = tool_rollouts.generate_tool_groups(run.policy.model, run.tokenizer, run.task, [ex], params, 0,
+                                                     1024, tools=run.cfg.tools)
+    if fmt == "undeclared":
+        assert group.prompt_text == render_prompt(run.task, run.tokenizer, ex)
+    else:
+        assert group.prompt_text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in \
+            group.prompt_text
+    assert group.prompt_ids == run.tokenizer.encode(group.prompt_text)
+    assert not template_supports_tools(tool_rollouts._FallbackTemplate(run.tokenizer))
