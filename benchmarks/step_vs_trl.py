@@ -53,9 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=64, help="completion length (fixed)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--steps", type=int, default=4, help="steps per engine; the median excludes the first")
-    p.add_argument("--chunk-size", type=int, default=256, help="our log-prob chunk (memory.logprob_chunk_size)")
-    p.add_argument("--micro-batch-tokens", type=int, default=1024,
-                   help="our memory.micro_batch_tokens: padded tokens per forward/backward (bounds activations)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="our log-prob chunk (memory.logprob_chunk_size; default: the engine's default)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="our memory.micro_batch_tokens: padded tokens per forward/backward (default: the engine's)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
@@ -104,7 +105,9 @@ def run_ours(args, model_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--chunk-size", str(args.chunk_size), "--micro-batch-tokens", str(args.micro_batch_tokens), "--json"]
+           *([] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]),
+           *([] if args.micro_batch_tokens is None else ["--micro-batch-tokens", str(args.micro_batch_tokens)]),
+           "--json"]
     result = run_child(cmd, "grpo-engine")
     result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
     return result
