@@ -91,7 +91,7 @@ class MemoryConfig:
 class MemorySection(MemoryConfig):
     """MemoryConfig (precision, checkpointing) plus micro-batching."""
 
-    micro_batch_tokens: int = option(2048, "token budget of one forward/backward micro-batch: padded rows x length, "
+    micro_batch_tokens: int = option(1024, "token budget of one forward/backward micro-batch: padded rows x length, "
                                            "or with share_prompt_forward prompts x prompt length + rows x "
                                            "completion length")
     auto_halve_micro_batch: bool = option(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")

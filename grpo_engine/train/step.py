@@ -53,7 +53,7 @@ class StepState:
     """What carries over from one step to the next (checkpointed)."""
 
     nonfinite_in_row: int = 0  # consecutive updates skipped for a NaN/inf loss or gradient
-    micro_tokens: int = 2048  # micro-batch token budget (halved on CUDA OOM when allowed)
+    micro_tokens: int = 1024  # micro-batch token budget (halved on CUDA OOM when allowed)
 
 
 @dataclass
