@@ -223,6 +223,9 @@ def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, cfg: LossConfig, total
     cols = cols + 1  # mask[:, t] marks the token at position t + 1
     placeholder = sub.old_logp if sub.old_logp is not None else torch.zeros(sub.input_ids.shape)  # [b, T]
     wants_entropy_grad = cfg.entropy_coef > 0
+    # per chunk only the gradient is kept: sampler log-probs only when the correction needs them, so the mismatch
+    # metrics (host syncs) are not recomputed for every chunk; the micro-batch's metrics pass reports them once
+    sampler_logp = sub.sampler_logp if cfg.rollout_correction != "none" else None
 
     def token_grad(start: int, end: int, logp: torch.Tensor, ent: torch.Tensor | None):
         idx = (rows[start:end], cols[start:end])
@@ -235,7 +238,7 @@ def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, cfg: LossConfig, total
                 full_ent = torch.zeros_like(full_lp).index_put(idx, ent_leaf)  # [b, T]
                 leaves += [ent_leaf] if wants_entropy_grad else []
             loss, _ = policy_loss(full_lp, sub.old_logp, sub.ref_logp, sub.advantages, sub.completion_mask, cfg,
-                                  entropy=full_ent, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
+                                  entropy=full_ent, sampler_logp=sampler_logp, num_tokens_total=totals[0],
                                   num_seqs_total=totals[1])
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0]
