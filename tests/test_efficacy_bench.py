@@ -1,0 +1,53 @@
+"""benchmarks/efficacy_vs_trl.py --real: what TRL is given comes from the real-model recipe, and the ratios
+and per-seed means it reports are the ones its targets name."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from grpo_engine.config import load_config
+from grpo_engine.demo import REAL_RECIPE
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy_vs_trl.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("efficacy_vs_trl", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_real_settings_are_the_recipes(bench):
+    cfg = load_config(Path(str(REAL_RECIPE)))
+    st = bench.grpo_settings(bench.parse_args(["--real"]))
+    assert st == {"prompts": cfg.rollout.prompts_per_step, "group": cfg.rollout.group_size,
+                  "max_new": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+                  "lr": cfg.optimizer.lr, "steps": cfg.schedule.steps, "betas": tuple(cfg.optimizer.betas),
+                  "weight_decay": cfg.optimizer.weight_decay, "grad_clip": cfg.optimizer.grad_clip,
+                  "loss_type": "grpo"}
+    shorter = bench.grpo_settings(bench.parse_args(["--real", "--recipe-set", "schedule.steps=3"]))
+    assert shorter["steps"] == 3
+
+
+def test_a_recipe_trl_cannot_mirror_is_refused(bench):
+    with pytest.raises(SystemExit, match="loss=dapo"):
+        bench.grpo_settings(bench.parse_args(["--real", "--recipe-set", "algorithm.loss=dapo"]))
+
+
+def test_ratios_and_seed_means(bench, capsys):
+    def run(seed, ours, trl):
+        results = {"ours": dict(zip(("accuracy", "grpo_wall_s", "peak_rss_mib"), ours)),
+                   "trl": dict(zip(("accuracy", "grpo_wall_s", "peak_rss_mib"), trl))}
+        return {"settings": {"seed": seed}, "sft_accuracy": 0.2, "results": results}
+
+    summary = bench.over_seeds([run(0, (0.6, 100.0, 3000.0), (0.5, 400.0, 6000.0)),
+                                run(1, (0.4, 140.0, 3200.0), (0.5, 400.0, 6400.0))])
+    assert summary["mean"]["ours"] == {"accuracy": pytest.approx(0.5), "grpo_wall_s": 120.0, "peak_rss_mib": 3100.0}
+    assert summary["time_ratio"] == pytest.approx(120 / 400)
+    assert summary["rss_ratio"] == pytest.approx(3100 / 6200)
+    assert summary["accuracy_delta"] == pytest.approx(0.0)
+    assert summary["targets_met"] == {"accuracy_ours>=trl": True, "time_ratio<=0.5": True, "rss_ratio<=0.5": True}
+    assert "peak RSS 0.500" in capsys.readouterr().out
