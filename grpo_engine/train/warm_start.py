@@ -88,12 +88,17 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
         )
     eos = tokenizer.eos_token_ids[0]
     conversation = getattr(task, "reference_conversation", lambda ex: None)  # a teacher that calls tools
+
+    def target_ids(ex) -> list[int] | None:
+        turns = conversation(ex)
+        if turns is not None:
+            return conversation_ids(tokenizer, turns)
+        text = reference(ex)
+        return None if text is None else tokenizer.encode(text)
+
     pairs = []
     for ex in examples:
-        turns = conversation(ex)
-        target = reference(ex) if turns is None else None
-        ids = conversation_ids(tokenizer, turns) if turns is not None else \
-            tokenizer.encode(target) if target is not None else None
+        ids = target_ids(ex)
         if ids is not None:
             pairs.append((tokenizer.encode(render_prompt(task, tokenizer, ex)), ids + [eos]))
     if not pairs:
