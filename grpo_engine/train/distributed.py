@@ -19,6 +19,7 @@ Two strategies (distributed.strategy):
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -135,7 +136,11 @@ def auto_strategy(cfg: Config) -> str:
 
 
 def close_world(world: World) -> None:
+    """Destroy the process group once nothing refers to DDP / FSDP2 state any more: a gloo rank that still held
+    them at interpreter exit aborted now and then ("terminate called without an active exception") after a
+    completed run, failing it under torchrun."""
     if world.size > 1 and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

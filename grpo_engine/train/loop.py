@@ -86,8 +86,10 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, trus
             run.monitor.close()
             if run.lock is not None:
                 run.lock.release()
-            close_world(run.inputs.world)
-    return RunResult(done, run.last_checkpoint, stopped_by)
+            world, last = run.inputs.world, run.last_checkpoint
+            del run  # the wrapped model and its collectives' state go before the process group does
+            close_world(world)
+    return RunResult(done, last, stopped_by)
 
 
 def evaluate(run: Run) -> EvalResult:

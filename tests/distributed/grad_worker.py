@@ -2,6 +2,7 @@
 for ddp and fsdp2 and three loss aggregations; rank 0 writes the full gradients to OUT/<strategy>-<loss>.pt.
 tests/distributed/test_distributed.py compares them with one process on the whole batch."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -31,5 +32,7 @@ for strategy in ("ddp", "fsdp2"):
                  for n, p in model.named_parameters()}
         if rank == 0:
             torch.save(named, out / f"{strategy}-{loss}.pt")
+        del model, optimizer, named
+        gc.collect()  # no DDP/FSDP state (and its gloo work) left for interpreter teardown
         dist.barrier()
 dist.destroy_process_group()
