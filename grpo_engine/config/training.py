@@ -99,6 +99,9 @@ class MemorySection(MemoryConfig):
     share_prompt_forward: bool = option(True, "run each prompt once per group in the update forward, its "
                                               "completions attending to its keys/values (same numbers as false, "
                                               "less compute)")
+    cpu_update_mmap: bool = option(False, "CPU with glibc: during the update, allocations of 1 MiB and more are "
+                                          "mmapped and returned to the OS when freed (flat peak RSS over a long run "
+                                          "instead of heap fragmentation; costs page faults, ~10-20% update time)")
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")
 

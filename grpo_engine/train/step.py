@@ -26,7 +26,7 @@ from .advantage_batch import rollout_batch
 from .batching import RolloutBatch
 from .curriculum import Curriculum, PoolReport
 from .distributed import World, gathered
-from .memory import free_rollout_memory, peak_memory_mib, reset_peak_memory
+from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory
 from .metrics import merge_ranks, step_metrics, step_parts
 from .policy import Policy
 from .rollouts import PromptSampler, RolloutRound, collect_groups
@@ -101,9 +101,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     # 6. mu passes over the batch, each ending in one optimizer step; then the LR schedule and the reference
     t0 = time.perf_counter()
     lr = policy.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-    outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), state.micro_tokens,
-                            message, run.world, totals)
-    policy.after_update(step, updated=not outcome.skipped)
+    outcome = update_step(run, batch, state.micro_tokens, step, totals, message)
     state.micro_tokens = outcome.micro_tokens
     if outcome.nonfinite:
         state.nonfinite_in_row += 1
@@ -123,6 +121,18 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
     curriculum_metrics(m, pool)
     return StepRecord(step, m, parts.rollout, outcome)
+
+
+def update_step(run: StepInputs, batch, micro_tokens: int, step: int, totals, message) -> UpdateOutcome:
+    """update_policy (with memory.cpu_update_mmap's allocation rule on CPU), then the LR schedule and the
+    reference; then the gradients are freed, so the next rollout does not hold a copy of the weights' size."""
+    cfg, policy = run.cfg, run.policy
+    with mmapped_allocations(cfg.memory.cpu_update_mmap and policy.device.type == "cpu"):
+        outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), micro_tokens,
+                                message, run.world, totals)
+    policy.after_update(step, updated=not outcome.skipped)
+    policy.optimizer.zero_grad(set_to_none=True)
+    return outcome
 
 
 def rollout_fn(cfg: Config):

@@ -97,6 +97,60 @@ def test_cpu_peak_reader_sees_a_64mib_allocation():
     assert during - before >= 60
 
 
+MMAP_PROBE = """
+import ctypes, torch
+from grpo_engine.train.memory import mmapped_allocations
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+mapped = lambda: libc.mallinfo2().hblkhd  # bytes served by mmap
+size = 4 * 1024 * 1024
+with mmapped_allocations(True):
+    before = mapped(); inside = torch.empty(size, dtype=torch.uint8); grown = mapped() - before
+    del inside; shrunk = mapped() - before
+before = mapped(); outside = torch.empty(size, dtype=torch.uint8); grown_after = mapped() - before
+print(grown, shrunk, grown_after, size)
+"""
+
+
+def test_update_allocations_are_mmapped_inside_the_block_only():
+    """memory.cpu_update_mmap: in a fresh process (glibc serves a request from free heap chunks first, whatever
+    the threshold), a 4 MiB tensor made inside the block is an mmapped chunk, unmapped when freed; after the
+    block the threshold is glibc's 32 MiB maximum, so the same request comes from the heap."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc" or not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallopt, mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", MMAP_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    grown, shrunk, grown_after, size = map(int, out.stdout.split())
+    assert grown >= size and abs(shrunk) < size, (grown, shrunk)
+    assert grown_after < size, grown_after
+
+
+def test_step_frees_the_gradients_before_the_next_rollout(tiny_ckpt, monkeypatch):
+    """After a GRPO step (which did update the weights) no parameter holds a gradient: the rollout that follows
+    does not carry a copy of the weights' size."""
+    import grpo_engine.train.step as step_mod
+    from grpo_engine.bench.step import bench_step
+
+    seen, real = [], step_mod.grpo_step
+
+    def step(run, state, n, message=print):
+        record = real(run, state, n, message)
+        seen.append((record.update.grad_norm, [p.grad for p in run.policy.model.parameters()]))
+        return record
+
+    monkeypatch.setattr(step_mod, "grpo_step", step)
+    bench_step(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=1)
+    (grad_norm, grads), = seen
+    assert grad_norm > 0
+    assert all(g is None for g in grads)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_peak_reader():
     reset_peak_memory("cuda")
