@@ -137,6 +137,7 @@ def test_config_choices_are_the_library_tables():
     from grpo_engine.config import algorithm as A
     from grpo_engine.config import training as T
     from grpo_engine.model import lora
+    from grpo_engine.plan import memory as plan_memory
     from grpo_engine.rl import advantages, correction, losses
     from grpo_engine.train import memory, optim, reference, schedule
 
@@ -147,7 +148,8 @@ def test_config_choices_are_the_library_tables():
              (A.ROLLOUT_CORRECTIONS, correction.CORRECTIONS), (A.CORRECTION_LEVELS, correction.LEVELS),
              (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", *reference.UPDATES]),
              (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
-             (T.CHECKPOINTING, memory.CHECKPOINTING), (T.LORA_INITS, lora.LORA_A_INIT),
+             (tuple(c for c in T.CHECKPOINTING if c != "auto"), plan_memory.CHECKPOINT_MODES),
+             (T.LORA_INITS, lora.LORA_A_INIT),
              (T.NF4_BACKENDS, lora.NF4_BACKENDS), (T.LORA_TARGETS, lora.ALL_LINEAR),
              (tuple(p for p in T.PRECISIONS if p != "auto"), memory.PRECISIONS)]
     for names, table in pairs:

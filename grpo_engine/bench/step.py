@@ -134,13 +134,13 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
 def matmul_floor(inputs, *, prompt_len: int, max_new: int) -> dict:
     """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured here, now (CPU, fp32)."""
     from ..config import loss_config
+    from ..kernels import checkpointed_blocks
     from ..rl.losses import is_tokenwise
     from .floor import StepSizes, gemm_rates, step_flops
 
     cfg, model = inputs.cfg, inputs.policy.model
     mem, n_layers = cfg.memory, model.config.num_hidden_layers
-    every = {"none": 0, "all": 1, "every_k": mem.checkpoint_every}[mem.activation_checkpointing]
-    recompute = len(range(0, n_layers, every)) / n_layers if every else 0.0
+    recompute = len(checkpointed_blocks(model)) / n_layers  # "auto" resolved by build_policy
     sizes = StepSizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, prompt_len, max_new,
                       shared_prompt=mem.share_prompt_forward, fused_head=is_tokenwise(loss_config(cfg)),
                       recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)

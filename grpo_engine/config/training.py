@@ -10,7 +10,7 @@ from .fields import one_of, option, require, section
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
 LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
-CHECKPOINTING = ("none", "all", "every_k")
+CHECKPOINTING = ("auto", "none", "all", "every_k")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_INITS = ("kaiming", "gaussian")
 NF4_BACKENDS = ("torchao", "bitsandbytes")
@@ -74,7 +74,9 @@ class MemoryConfig:
     """How weights and activations are held during training."""
 
     precision: str = option("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
-    activation_checkpointing: str = option("none", "none | all (every block) | every_k (every k-th block)")
+    activation_checkpointing: str = option(
+        "auto", "auto (every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
+                "optimizer state, else none) | none | all (every block) | every_k (every k-th block)")
     checkpoint_every: int = option(2, "k for activation_checkpointing=every_k")
     empty_cache_between_phases: bool = option(True, "gc + torch.cuda.empty_cache() between rollout and training")
     allow_tf32: bool = option(True, "TF32 matmuls for fp32 weights on Ampere+ GPUs")

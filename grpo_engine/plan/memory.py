@@ -50,7 +50,7 @@ class PlanInput:
         default="adamw", metadata={"help": "adamw | adamw_fused | adamw_offload | adamw_8bit"}
     )
     master_weights: bool = field(default=True, metadata={"help": "fp32 master copy for bf16 params"})
-    activation_checkpointing: str = field(default="none", metadata={"help": "none | all | every_k"})
+    activation_checkpointing: str = field(default="none", metadata={"help": "auto | none | all | every_k"})
     checkpoint_every: int = field(default=2, metadata={"help": "k for every_k"})
     micro_batch_rows: int = field(default=4, metadata={"help": "completions per training micro-batch"})
     logprob_chunk: int = field(default=1024, metadata={"help": "tokens per log-prob chunk"})
@@ -64,7 +64,7 @@ class PlanInput:
             "mode": ("full", "lora", "qlora"),
             "precision": tuple(DTYPE_BYTES),
             "optimizer": ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit"),
-            "activation_checkpointing": ("none", "all", "every_k"),
+            "activation_checkpointing": ("auto", "none", "all", "every_k"),
             "reference": ("none", "gpu_copy", "cpu", "adapters"),
         }
         for name, allowed in choices.items():
@@ -212,10 +212,41 @@ def layer_transient_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> float:
     return mlp + dequant
 
 
+# activation_checkpointing=auto checkpoints every block when one micro-batch's saved activations would be at
+# least this share of the training state that is alive anyway (weights + gradients + optimizer state), and at
+# least AUTO_CHECKPOINT_MIN_BYTES (less is not worth a slower backward on any machine the engine targets).
+AUTO_CHECKPOINT_SHARE = 0.25
+AUTO_CHECKPOINT_MIN_BYTES = 256 * MIB
+
+
+def resolve_checkpointing(cfg: ModelConfig, k: PlanInput, tokens: int) -> str:
+    """The checkpointing a micro-batch of `tokens` runs with: the knob itself, or for "auto" "all" / "none" by
+    AUTO_CHECKPOINT_SHARE and AUTO_CHECKPOINT_MIN_BYTES. Why a share of the state: checkpointing costs one more
+    forward of the blocks, worth it where activations are a large part of the peak. SmolLM2-135M (30 blocks of
+    width 576, fp32, 1,024 tokens): 1.2 GB of activations against 2.1 GB of state -> "all"; the 100M Qwen2
+    shape with a 151,936 vocabulary (8 blocks of width 512): 0.3 GB against 1.6 GB -> "none" (its LM head, not
+    its blocks, dominates); the tiny demo model: 120 MiB against 10 MiB -> "none" (below the floor)."""
+    if k.activation_checkpointing != "auto":
+        return k.activation_checkpointing
+    saved = cfg.num_hidden_layers * saved_bytes_per_token_layer(cfg, k) * tokens
+    n, s = trainable(cfg, k)
+    state = weight_bytes(cfg, k) + n * s + optimizer_state_bytes(cfg, k)
+    worth_it = saved >= AUTO_CHECKPOINT_SHARE * state and saved >= AUTO_CHECKPOINT_MIN_BYTES
+    return "all" if worth_it else "none"
+
+
+CHECKPOINT_MODES = ("none", "all", "every_k")  # what "auto" resolves among (resolve_checkpointing)
+
+
+def checkpoint_every(mode: str, k: int) -> int:
+    """k of kernels.apply_activation_checkpointing for a resolved mode: 0 = off, 1 = every block."""
+    return {"none": 0, "all": 1, "every_k": k}[mode]
+
+
 def activation_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> tuple[float, float]:
     """(saved activations of all blocks, recompute buffer of one checkpointed block) for a micro-batch."""
     per_layer = saved_bytes_per_token_layer(cfg, k) * tokens
-    every = {"none": 0, "all": 1, "every_k": k.checkpoint_every}[k.activation_checkpointing]
+    every = checkpoint_every(resolve_checkpointing(cfg, k, tokens), k.checkpoint_every)
     layers = cfg.num_hidden_layers
     if every == 0:
         return layers * per_layer, 0.0

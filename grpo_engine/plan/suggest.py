@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .memory import GIB, MemoryPlan, PlanInput, fits, plan_memory, rollout_rows
+from .memory import GIB, MemoryPlan, PlanInput, fits, plan_memory, resolve_checkpointing, rollout_rows
 
 
 def _halve_micro_batch(k: PlanInput) -> PlanInput | None:
@@ -92,8 +92,11 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
 
 def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
     k = plan.knobs
+    ckpt = k.activation_checkpointing
+    if ckpt == "auto":
+        ckpt = f"auto -> {resolve_checkpointing(plan.model, k, k.micro_batch_rows * (k.prompt_len + k.completion_len))}"
     head = (f"model: {plan.n_params / 1e9:.2f}B params, {plan.n_trainable / 1e6:.1f}M trainable ({k.mode}, "
-            f"{k.precision}, {k.optimizer}, checkpointing={k.activation_checkpointing}); "
+            f"{k.precision}, {k.optimizer}, checkpointing={ckpt}); "
             f"P={k.prompts_per_step} G={k.group_size} prompt={k.prompt_len} completion={k.completion_len} "
             f"micro_batch_rows={k.micro_batch_rows}")
     lines = [head]

@@ -13,7 +13,7 @@ import ctypes
 import platform
 import resource
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,17 +21,12 @@ from torch import nn
 
 from ..config.training import MemoryConfig
 from ..kernels import apply_activation_checkpointing
+from ..plan.memory import checkpoint_every
 
 MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-# activation_checkpointing name -> k of kernels.apply_activation_checkpointing (0 = off; block i % k == 0 recomputed)
-CHECKPOINTING: dict[str, Callable[[MemoryConfig], int]] = {
-    "none": lambda cfg: 0,
-    "all": lambda cfg: 1,
-    "every_k": lambda cfg: cfg.checkpoint_every,
-}
 
 
 def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:
@@ -45,13 +40,16 @@ def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dty
 
 
 def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
-    """Cast floating weights to cfg.precision (LoRA adapters keep their own dtype) and set checkpointing."""
+    """Cast floating weights to cfg.precision (LoRA adapters keep their own dtype) and set checkpointing
+    (already resolved: "auto" needs the training config, train/policy.py checkpointing_for)."""
+    if cfg.activation_checkpointing == "auto":
+        raise ValueError('activation_checkpointing="auto" must be resolved first (train.policy.checkpointing_for)')
     dtype = torch_dtype(cfg.precision, next(model.parameters()).device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.is_floating_point() and "lora_" not in name and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-    apply_activation_checkpointing(model, CHECKPOINTING[cfg.activation_checkpointing](cfg))
+    apply_activation_checkpointing(model, checkpoint_every(cfg.activation_checkpointing, cfg.checkpoint_every))
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
     return model

@@ -10,7 +10,7 @@ same spec, so what is planned is what runs.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from ..config import Config
 from ..kernels import KernelPlan, apply_kernels, choose_plan, load_plan
 from ..model.hf_io import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
+from ..plan.memory import resolve_checkpointing
 from .batching import RolloutBatch
 from .distributed import World, shard_model
 from .memory import apply_memory_config, torch_dtype
@@ -127,7 +128,7 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
             load_adapter(model, resume_dir / "adapter")
     kernels = kernel_plan(model, resume_dir)
     apply_kernels(model, kernels)
-    apply_memory_config(model, cfg.memory)
+    apply_memory_config(model, replace(cfg.memory, activation_checkpointing=checkpointing_for(cfg, model, dtype)))
     reference = None
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
@@ -139,6 +140,16 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
                                min_ratio=s.min_lr_ratio)
     return Policy(model, optimizer, scheduler, reference, spec, kernels)
+
+
+def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
+    """memory.activation_checkpointing with "auto" resolved for this model (plan.memory.resolve_checkpointing:
+    every block when a full micro-batch's activations would be a large share of the training state). A pure
+    function of the config and the model's shape, so a resumed run resolves it the same way."""
+    from ..plan.from_config import plan_input_from_config  # plan.from_config imports this module
+
+    knobs = replace(plan_input_from_config(cfg), precision="bf16" if dtype == torch.bfloat16 else "fp32")
+    return resolve_checkpointing(model.config, knobs, cfg.memory.micro_batch_tokens)
 
 
 def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:

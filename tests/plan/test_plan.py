@@ -1,5 +1,6 @@
 """Memory planner: hand-checked terms, predicted vs measured CPU memory, fit verdicts and suggestions."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -213,3 +214,32 @@ def test_predicted_vs_measured_cpu(checkpointing, onednn):
 
 if __name__ == "__main__":
     print(json.dumps(measure(sys.argv[1])))
+
+
+def test_auto_checkpointing_hand_computed():
+    """auto -> "all" iff one micro-batch's saved activations are >= 1/4 of weights + grads + AdamW state and
+    >= 256 MiB; values from the formulas' docstrings, by hand, fp32, 1,024 tokens, fused AdamW."""
+    from grpo_engine.plan.memory import resolve_checkpointing
+
+    k = PlanInput(precision="fp32", optimizer="adamw_fused", activation_checkpointing="auto")
+    smollm = tiny_config("llama3", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    # per token per block: 4 x 576 + 2 x 576 + 2 x 192 + 4 x 1536 = 9,984 fp32 -> x 30 x 1,024 = 1,226,833,920 B;
+    # state: 134,515,008 params x 16 B = 2,152,240,128 B; share 0.57 -> all
+    assert param_counts(smollm)[0] == 134_515_008
+    assert resolve_checkpointing(smollm, k, 1024) == "all"
+    # 1/4 of the state is 538,060,032 B = 449.1 tokens' worth of 30 blocks (1,198,080 B per token): 449 -> none
+    assert resolve_checkpointing(smollm, k, 449) == "none"
+    assert resolve_checkpointing(smollm, k, 450) == "all"
+    # the 100M Qwen2 shape: 8 x 8,960 x 4 x 1,024 = 293,601,280 B against 100,352,512 x 16 B: share 0.18 -> none
+    small = tiny_config("qwen2-tied", vocab_size=151936, hidden_size=512, intermediate_size=1408,
+                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    assert resolve_checkpointing(small, k, 1024) == "none"
+    # a narrow, deep model with a huge micro-batch is over the share but under 256 MiB until enough tokens:
+    tiny = tiny_config("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+    per_token = 4 * (4 * 64 + 2 * 64 + 2 * 32 + 4 * 128) * 4  # 15,360 B over 4 blocks
+    floor_tokens = -(-256 * 1024**2 // per_token)  # 17,477
+    assert resolve_checkpointing(tiny, k, floor_tokens - 1) == "none"
+    assert resolve_checkpointing(tiny, k, floor_tokens) == "all"
+    for explicit in ("none", "all", "every_k"):  # never overridden
+        assert resolve_checkpointing(smollm, dataclasses.replace(k, activation_checkpointing=explicit), 1024) == explicit

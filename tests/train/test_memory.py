@@ -1,6 +1,7 @@
 """Memory knobs: checkpointing is exact, precision casts, peak readers measure real allocations."""
 
 import mmap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_checkpointing_with_lora_grads_match():
 
 def test_precision_casts_base_but_not_adapters():
     model = apply_lora(tiny_model(), LoRAConfig(rank=4))
-    apply_memory_config(model, MemoryConfig(precision="bf16"))
+    apply_memory_config(model, MemoryConfig(precision="bf16", activation_checkpointing="none"))
     assert model.layers[0].attn.q_proj.weight.dtype == torch.bfloat16
     assert model.embed.weight.dtype == torch.bfloat16
     assert model.layers[0].attn.q_proj.lora_A.dtype == torch.float32
@@ -158,3 +159,32 @@ def test_cuda_peak_reader():
     x = torch.ones(16 * 1024 * 1024, device="cuda")
     del x
     assert 63 <= peak_memory_mib("cuda") - base <= 65
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [1024, 400_000])
+def test_auto_checkpointing_resolved_by_the_trainer(tiny_ckpt, tmp_path, micro_batch_tokens):
+    """build_policy applies what the planner's rule says for this model and micro-batch (not a fixed choice):
+    the tiny model's 1,024-token activations are far under 256 MiB (none); 400k tokens are over it and over
+    1/4 of its state (all)."""
+    from pathlib import Path
+
+    from grpo_engine.config import load_config
+    from grpo_engine.plan.from_config import plan_input_from_config
+    from grpo_engine.plan.memory import resolve_checkpointing
+    from grpo_engine.train.policy import build_policy
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs/tiny_arithmetic.yaml"),
+                      [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "memory.precision=fp32",
+                       f"memory.micro_batch_tokens={micro_batch_tokens}"])
+    assert cfg.memory.activation_checkpointing == "auto"  # the default
+    policy = build_policy(cfg, torch.device("cpu"))
+    knobs = plan_input_from_config(cfg)
+    want = resolve_checkpointing(policy.model.config, replace(knobs, precision="fp32"), micro_batch_tokens)
+    assert want == ("none" if micro_batch_tokens == 1024 else "all")
+    n = len(policy.model.layers)
+    assert checkpointed_blocks(policy.model) == (list(range(n)) if want == "all" else [])
+
+
+def test_unresolved_auto_is_refused():
+    with pytest.raises(ValueError, match="resolved"):
+        apply_memory_config(tiny_model(), MemoryConfig(precision="fp32", activation_checkpointing="auto"))
