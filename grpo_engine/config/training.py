@@ -76,7 +76,7 @@ class MemoryConfig:
     precision: str = option("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
     activation_checkpointing: str = option(
         "auto", "auto (every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
-                "optimizer state, else none) | none | all (every block) | every_k (every k-th block)")
+                "optimizer state and >= 256 MiB, else none) | none | all (every block) | every_k (every k-th block)")
     checkpoint_every: int = option(2, "k for activation_checkpointing=every_k")
     empty_cache_between_phases: bool = option(True, "gc + torch.cuda.empty_cache() between rollout and training")
     allow_tf32: bool = option(True, "TF32 matmuls for fp32 weights on Ampere+ GPUs")

@@ -27,8 +27,6 @@ MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-
-
 def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:
     """The weights dtype; "auto" is bf16 on CUDA (half the memory, full speed) and fp32 on CPU (bf16 matmuls
     are slow there and tests compare numbers in fp32)."""

@@ -242,4 +242,5 @@ def test_auto_checkpointing_hand_computed():
     assert resolve_checkpointing(tiny, k, floor_tokens - 1) == "none"
     assert resolve_checkpointing(tiny, k, floor_tokens) == "all"
     for explicit in ("none", "all", "every_k"):  # never overridden
-        assert resolve_checkpointing(smollm, dataclasses.replace(k, activation_checkpointing=explicit), 1024) == explicit
+        pinned = dataclasses.replace(k, activation_checkpointing=explicit)
+        assert resolve_checkpointing(smollm, pinned, 1024) == explicit
