@@ -7,6 +7,7 @@ matmul-bound limit: FLOPs of our generation (2 x matmul params per token through
 plus attention scores) over the time, against a large fp32 matmul's FLOP rate measured here.
 
     PYTHONPATH=. python benchmarks/generate_vs_hf.py [--threads 2] [--repeats 1] [--skip-tiny]
+        [--models qwen2-100m tiny-demo smollm2-135m]
 
 The 100M checkpoint (Qwen2 shape, 151,936 vocab) is written once to $GRPO_BENCH_CACHE
 (default ~/.cache/grpo-engine/bench).
@@ -30,20 +31,26 @@ from grpo_engine.model.tokenizer import load_tokenizer
 from grpo_engine.rollout import SamplingParams, generate
 
 CACHE = Path(os.environ.get("GRPO_BENCH_CACHE", Path.home() / ".cache" / "grpo-engine" / "bench"))
-MODELS = {
-    "qwen2-100m": dict(
+MODELS = {  # name -> (make_tiny_checkpoint arch, shape)
+    "qwen2-100m": ("qwen2", dict(
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=1408, vocab_size=151936,
-    ),
-    "tiny-demo": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=256),
+    )),
+    "tiny-demo": ("qwen2", dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=256)),
+    # SmolLM2-135M-Instruct's exact config (Llama, tied, no RoPE scaling), random weights
+    "smollm2-135m": ("llama3", dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, rope_scaling=None,
+    )),
 }
 
 
 def checkpoint(name: str) -> Path:
     out = CACHE / name
     if not (out / "config.json").exists():
-        make_tiny_checkpoint(out, "qwen2", **MODELS[name])
+        arch, shape = MODELS[name]
+        make_tiny_checkpoint(out, arch, **shape)
     return out
 
 
@@ -144,10 +151,11 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine; the best is kept")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: qwen2-100m tiny-demo")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     peak = matmul_peak_flops()
-    names = ["qwen2-100m"] + ([] if args.skip_tiny else ["tiny-demo"])
+    names = args.models or ["qwen2-100m"] + ([] if args.skip_tiny else ["tiny-demo"])
     rows = [run(n, args.prompts, args.group, args.max_new, args.repeats, peak) for n in names]
     print(f"threads={args.threads}  matmul-bound limit {peak / 1e9:.1f} GFLOP/s "
           "(fp32 2048^3, best of torch.mm and oneDNN)")
