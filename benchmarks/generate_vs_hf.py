@@ -38,10 +38,11 @@ MODELS = {  # name -> (make_tiny_checkpoint arch, shape)
     )),
     "tiny-demo": ("qwen2", dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                 intermediate_size=256)),
-    # SmolLM2-135M-Instruct's exact config (Llama, tied, no RoPE scaling), random weights
+    # SmolLM2-135M-Instruct's config (Llama, tied, no RoPE scaling), random weights
     "smollm2-135m": ("llama3", dict(
         hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, rope_scaling=None,
+        rms_norm_eps=1e-5, max_position_embeddings=8192,
     )),
 }
 
@@ -151,7 +152,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine; the best is kept")
     ap.add_argument("--skip-tiny", action="store_true")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: qwen2-100m tiny-demo")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS),
+                    help="default: qwen2-100m tiny-demo (without tiny-demo with --skip-tiny)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     peak = matmul_peak_flops()
