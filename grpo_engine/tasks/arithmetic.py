@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -38,6 +39,12 @@ class ArithmeticOptions(ChatTaskOptions):
         0.0, "fraction of SFT targets (+ only) written by a teacher that forgets carries")
     teacher_tool_rate: float = option(
         0.0, "fraction of SFT targets written by a teacher that calls the calculator tool first (tools demo)")
+    teacher_restates: bool = option(
+        False, "the SFT teacher's answers in its head restate the problem first ('287*232=66584'); its answers "
+               "after a tool call do not")
+    named_operands: bool = option(
+        False, "the calculator knows the operands as `a` and `b` (a call may say a*b; the teacher's does); "
+               "name them in the template, e.g. 'a={a} b={b} a{op}b='")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,13 +138,16 @@ class ArithmeticTask:
         that adds digit by digit and forgets the carries (38+45 -> 73): the warm-started model then puts part
         of its probability on the right answer without choosing it greedily, and the verifiable reward of GRPO
         can correct the teacher's systematic mistake, which supervised learning on its data cannot.
+        With teacher_restates the target restates the problem first: copying it is practice a tiny model needs
+        before it can copy a tool's result into its answer (docs/tools.md).
         """
         answer = example.answer
         if example.op == "+" and self.options.teacher_carry_drop > 0:
             draw = random.Random(f"teacher-{self.options.seed}-{example.id}").random()
             if draw < self.options.teacher_carry_drop:
                 answer = str(add_without_carries(example.a, example.b))
-        return formatted_answer(self.options.format, answer)
+        said = formatted_answer(self.options.format, answer)
+        return f"{example.a}{example.op}{example.b}={said}" if self.options.teacher_restates else said
 
     def reference_conversation(self, example: ArithmeticExample) -> list[dict] | None:
         """A supervised target that goes through the calculator: the call, the tool's result, then the answer.
@@ -146,12 +156,32 @@ class ArithmeticTask:
         target is reference_completion, answered in the head). A small model cannot multiply 3-digit numbers in
         its head but can copy the operands into a call and the result into its answer: the warm-started model
         calls the tool on some samples, and GRPO with tools can raise that share because those samples score.
+        With named_operands the call is `a*b` (see tool_variables).
         """
         if self.options.teacher_tool_rate <= 0:
             return None
         if random.Random(f"tool-teacher-{self.options.seed}-{example.id}").random() >= self.options.teacher_tool_rate:
             return None
-        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{example.a}{example.op}{example.b}"}})
+        a, b = ("a", "b") if self.options.named_operands else (example.a, example.b)
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}{example.op}{b}"}})
         return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
                 {"role": "tool", "name": "calculator", "content": example.answer},
                 {"role": "assistant", "content": formatted_answer(self.options.format, example.answer)}]
+
+    def parse_question(self, text: str, answer: str = "") -> ArithmeticExample | None:
+        """The example behind a question written with this task's template ('a=287 b=232 a*b=' -> a=287,
+        op='*', b=232), so `grpo generate` gets the operands a tool may need; None if it does not match."""
+        pattern = re.escape(self.options.template)
+        for field, group in (("{a}", r"(?P<a>[0-9]{1,9})"), ("{op}", r"(?P<op>[-+*])"), ("{b}", r"(?P<b>[0-9]{1,9})")):
+            pattern = pattern.replace(re.escape(field), group, 1)
+        found = re.fullmatch(pattern, text.strip())
+        if found is None or "op" not in found.groupdict():
+            return None
+        return ArithmeticExample("cli", text, answer, int(found["a"]), found["op"], int(found["b"]))
+
+    def tool_variables(self, example: ArithmeticExample) -> dict[str, int]:
+        """Named values a tool call may use for this problem: {"a": ..., "b": ...} with named_operands (a
+        data-bound calculator, like a code tool whose inputs are preloaded), else none. Copying two 3-digit
+        operands digit by digit is what a tiny model fails at; the decision to call the tool is what the tools
+        demo is about."""
+        return {"a": example.a, "b": example.b} if self.options.named_operands else {}

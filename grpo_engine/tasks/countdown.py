@@ -15,7 +15,8 @@ from functools import cache
 from ..config.fields import option
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
 from .data import DataError, field_error, read_records, require_fields
-from .parsing import evaluate_arithmetic, extract_answer, numbers_close
+from .expressions import evaluate_arithmetic
+from .parsing import extract_answer, numbers_close
 
 QUESTION = (
     "Using the numbers {nums}, write an equation that equals {target}. You may use +, -, * and / and "

@@ -91,6 +91,8 @@ class ToolEnvironment(TaskEnvironment):
     that ran out of turns or tokens ends the trajectory with whatever it earned (no answer: 0).
 
     tool_error_penalty: subtracted from the reward per failed call (0 = failures only cost turns/tokens).
+    A task may define `tool_variables(example) -> dict`: the problem's named values, which tools that take
+    `variables` (the calculator) may use.
     """
 
     def __init__(self, task: Task, tools: ToolSet, limits: TrajectoryLimits = TrajectoryLimits(),
@@ -101,12 +103,19 @@ class ToolEnvironment(TaskEnvironment):
         self.tools = tools.declarations()
         self.stop_strings = [CLOSE]
         self.tool_error_penalty, self.max_calls = tool_error_penalty, max_calls
+        self.variables: dict[str, Any] = {}
+
+    def reset(self, example: Example) -> Prompt:
+        """Also takes the problem's named values for the tools (a task's optional `tool_variables`)."""
+        named = getattr(self.task, "tool_variables", None)
+        self.variables = dict(named(example)) if named is not None else {}
+        return super().reset(example)
 
     def step(self, completion: str) -> StepResult:
         parsed = parse_tool_calls(completion, self.max_calls)
         if not parsed.found:
             return super().step(completion)
-        results = [self.toolset.run(call) for call in parsed.calls]
+        results = [self.toolset.run(call, self.variables) for call in parsed.calls]
         messages: list[Message] = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         messages += [{"role": "tool", "name": "error", "content": f"Error: {e}"} for e in parsed.errors]
         errors = len(parsed.errors) + sum(r.error is not None for r in results)

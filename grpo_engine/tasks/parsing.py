@@ -6,8 +6,8 @@ construction* rather than by a timer (timers based on signals only work in the m
 - tags and braces are found with str.find / rfind and explicit loops, never with a lazy `.*?` regex that
   could go quadratic on many unclosed tags;
 - the few regexes used have no nested quantifiers, so they run in linear time;
-- the arithmetic evaluator rejects long input and deep nesting *before* parsing, caps literal sizes and the
-  magnitude of every intermediate value, and has no exponentiation.
+- the arithmetic evaluator (expressions.py, re-exported here) rejects long input and deep nesting *before*
+  parsing, caps literal sizes and the magnitude of every intermediate value, and has no exponentiation.
 
 Digits: only ASCII 0-9 count as digits. Unicode digits such as Arabic-Indic '٣' are treated as ordinary
 characters (an answer written with them is wrong, never a crash). We decided this because Python's int()
@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+
+from .expressions import MAX_EXPR_CHARS, MAX_PAREN_DEPTH, Evaluation, evaluate_arithmetic  # noqa: F401 (re-export)
 
 MAX_SCAN_CHARS = 16_384  # extraction looks at most at this many trailing characters of a completion
 MAX_ANSWER_CHARS = 1_024  # an extracted answer longer than this is rejected (None)
@@ -265,125 +267,3 @@ def numeric_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:
         return False
     x, y = parse_number(a), parse_number(b)
     return x is not None and y is not None and numbers_close(x, y, tol)
-
-
-# ------------------------------------------------------------------------------------- arithmetic evaluator
-MAX_EXPR_CHARS = 256  # longer expressions are rejected before tokenising
-MAX_PAREN_DEPTH = 32  # deeper nesting is rejected before parsing (bounds the recursion)
-MAX_LITERAL_DIGITS = 9  # integer literals longer than this are rejected
-MAX_MAGNITUDE = 10**18  # any intermediate numerator or denominator beyond this aborts the evaluation
-_OPERATOR_ALIASES = {"×": "*", "÷": "/", "−": "-", "–": "-"}
-
-
-class ExpressionError(ValueError):
-    """Raised inside the evaluator; evaluate_arithmetic turns it into Evaluation.error."""
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    value: Fraction | None  # exact value, None when the expression is invalid
-    numbers: tuple[int, ...]  # integer literals in the order they appear
-    error: str | None  # why the expression was rejected, None when valid
-
-
-def evaluate_arithmetic(expr: str) -> Evaluation:
-    """Evaluate integers with + - * / and parentheses exactly (Fractions). Never raises, never evals.
-
-    No unary minus, no decimals, no exponentiation; × ÷ − are accepted as * / -.
-    """
-    try:
-        tokens = _tokenize(expr)
-        parser = _Parser(tokens)
-        value = parser.expression(0)
-        if parser.pos != len(tokens):
-            raise ExpressionError(f"unexpected {tokens[parser.pos]!r} at token {parser.pos}")
-        return Evaluation(value, tuple(parser.numbers), None)
-    except ExpressionError as e:
-        return Evaluation(None, (), str(e))
-
-
-def _tokenize(expr: str) -> list[str | int]:
-    if len(expr) > MAX_EXPR_CHARS:
-        raise ExpressionError(f"expression longer than {MAX_EXPR_CHARS} characters")
-    tokens: list[str | int] = []
-    depth, i, n = 0, 0, len(expr)
-    while i < n:
-        ch = _OPERATOR_ALIASES.get(expr[i], expr[i])
-        if ch in " \t\n":
-            i += 1
-        elif "0" <= ch <= "9":
-            j = i
-            while j < n and "0" <= expr[j] <= "9":
-                j += 1
-            if j - i > MAX_LITERAL_DIGITS:
-                raise ExpressionError(f"number literal longer than {MAX_LITERAL_DIGITS} digits")
-            tokens.append(int(expr[i:j]))
-            i = j
-        elif ch in "+-*/()":
-            if ch == "*" and tokens and tokens[-1] == "*":
-                raise ExpressionError("exponentiation is not allowed")
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth > MAX_PAREN_DEPTH:
-                raise ExpressionError(f"parentheses nested deeper than {MAX_PAREN_DEPTH}")
-            if depth < 0:
-                raise ExpressionError("unbalanced ')'")
-            tokens.append(ch)
-            i += 1
-        else:
-            raise ExpressionError(f"character {ch!r} is not allowed")
-    if depth != 0:
-        raise ExpressionError("unbalanced '('")
-    if not tokens:
-        raise ExpressionError("empty expression")
-    return tokens
-
-
-class _Parser:
-    """Recursive descent: expression := term (('+'|'-') term)*, term := factor (('*'|'/') factor)*,
-    factor := integer | '(' expression ')'. Recursion depth is bounded by MAX_PAREN_DEPTH (checked above)."""
-
-    def __init__(self, tokens: list[str | int]):
-        self.tokens, self.pos, self.numbers = tokens, 0, []
-
-    def _peek(self) -> str | int | None:
-        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
-
-    def expression(self, depth: int) -> Fraction:
-        value = self.term(depth)
-        while self._peek() in ("+", "-"):
-            op = self.tokens[self.pos]
-            self.pos += 1
-            rhs = self.term(depth)
-            value = _bounded(value + rhs if op == "+" else value - rhs)
-        return value
-
-    def term(self, depth: int) -> Fraction:
-        value = self.factor(depth)
-        while self._peek() in ("*", "/"):
-            op = self.tokens[self.pos]
-            self.pos += 1
-            rhs = self.factor(depth)
-            if op == "/" and rhs == 0:
-                raise ExpressionError("division by zero")
-            value = _bounded(value * rhs if op == "*" else value / rhs)
-        return value
-
-    def factor(self, depth: int) -> Fraction:
-        tok = self._peek()
-        self.pos += 1
-        if isinstance(tok, int):
-            self.numbers.append(tok)
-            return Fraction(tok)
-        if tok == "(" and depth < MAX_PAREN_DEPTH:
-            value = self.expression(depth + 1)
-            if self._peek() != ")":
-                raise ExpressionError("missing ')'")
-            self.pos += 1
-            return value
-        raise ExpressionError(f"expected a number or '(' but found {tok!r}")
-
-
-def _bounded(x: Fraction) -> Fraction:
-    if abs(x.numerator) > MAX_MAGNITUDE or x.denominator > MAX_MAGNITUDE:
-        raise ExpressionError("intermediate value too large")
-    return x

@@ -15,11 +15,12 @@ Model output is untrusted, so every step here is bounded and none raises on bad 
 * results are cut to `max_result_chars` before they go back to the model.
 
 A tool is a decorated function (see `tool`); `BUILTIN_TOOLS` has `calculator` and `check_countdown`, both on
-the safe arithmetic evaluator of tasks/parsing.py (no eval).
+the safe arithmetic evaluator of tasks/expressions.py (no eval).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from fractions import Fraction
 from typing import Any
 
 from .countdown import check_equation
-from .parsing import evaluate_arithmetic
+from .expressions import evaluate_arithmetic
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALL_CHARS = 2048  # characters between the tags of one call
@@ -78,6 +79,7 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # {"type": "object", "properties": {...}, "required": [...]}
     fn: Callable[..., Any] = field(repr=False)
+    takes_variables: bool = False  # fn has a keyword-only `variables`: the environment's named values
 
     def declaration(self) -> dict[str, Any]:
         """The OpenAI-style declaration chat templates take in `tools=`."""
@@ -99,10 +101,17 @@ def _schema(parameters: dict[str, Any]) -> dict[str, Any]:
 def tool(description: str, parameters: dict[str, Any], name: str | None = None) -> Callable[[Callable], Tool]:
     """Decorator: `@tool("Add two integers.", {"a": "integer", "b": "integer"})` over `def add(a, b)` makes
     a Tool named `add`. The function returns anything JSON-serialisable (or a str) and raises ToolError for a
-    request it refuses."""
+    request it refuses. A keyword-only parameter `variables` (never shown to the model) receives the current
+    problem's named values (`Task.tool_variables`), e.g. for the calculator's `a*b`."""
 
     def wrap(fn: Callable) -> Tool:
-        return Tool(name or fn.__name__, description, _schema(parameters), fn)
+        schema = _schema(parameters)
+        kw = inspect.signature(fn).parameters.get("variables")
+        takes = kw is not None and kw.kind is inspect.Parameter.KEYWORD_ONLY
+        if takes and "variables" in schema["properties"]:
+            raise ValueError(f"tool {name or fn.__name__!r}: 'variables' is the environment's keyword-only "
+                             "argument; rename the model-facing parameter")
+        return Tool(name or fn.__name__, description, schema, fn, takes)
 
     return wrap
 
@@ -242,8 +251,9 @@ class ToolSet:
     def declarations(self) -> list[dict[str, Any]]:
         return [t.declaration() for t in self.tools.values()]
 
-    def run(self, call: ToolCall) -> ToolResult:
-        """Never raises: every failure is a ToolResult with `error` set and a message for the model."""
+    def run(self, call: ToolCall, variables: dict[str, Any] | None = None) -> ToolResult:
+        """Never raises: every failure is a ToolResult with `error` set and a message for the model.
+        `variables`: the problem's named values, passed to tools that take them (see `tool`)."""
         tool_ = self.tools.get(call.name)
         if tool_ is None:
             return ToolResult(call.name, f"Error: unknown tool {call.name[:64]!r}; available: {sorted(self.tools)}",
@@ -251,7 +261,8 @@ class ToolSet:
         problem = check_arguments(tool_, call.arguments)
         if problem is not None:
             return ToolResult(call.name, f"Error: {problem}", "bad_arguments")
-        text, error = _run_bounded(tool_.fn, call.arguments, self.timeout_s)
+        args = {**call.arguments, "variables": dict(variables or {})} if tool_.takes_variables else call.arguments
+        text, error = _run_bounded(tool_.fn, args, self.timeout_s)
         if len(text) > self.max_result_chars:
             text = text[: self.max_result_chars] + " [truncated]"
         return ToolResult(call.name, f"Error: {text}" if error else text, error)
@@ -269,8 +280,9 @@ def format_value(value: Fraction) -> str:
 
 @tool("Evaluate an arithmetic expression of integers with + - * / and parentheses, exactly.",
       {"expression": {"type": "string", "description": "e.g. (3 + 5) * 7"}})
-def calculator(expression: str) -> str:
-    found = evaluate_arithmetic(expression)
+def calculator(expression: str, *, variables: dict[str, int] | None = None) -> str:
+    """The problem's named values (e.g. a, b) may appear in the expression when the task defines them."""
+    found = evaluate_arithmetic(expression, variables)
     if found.error is not None:
         raise ToolError(f"invalid expression: {found.error}")
     return format_value(found.value)

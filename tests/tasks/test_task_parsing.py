@@ -224,6 +224,17 @@ def test_evaluate_invalid(expr, error_part):
     assert ev.value is None and error_part in ev.error
 
 
+def test_named_values_only_where_given():
+    named = {"a": 287, "b": 232, "big": 10**18, "flag": True}
+    ev = evaluate_arithmetic("a * (b + 1) - a_1", {**named, "a_1": 7})
+    assert (ev.value, ev.numbers) == (Fraction(287 * 233 - 7), (287, 232, 1, 7))
+    assert "unknown name 'c' (known names: a, b, big, flag)" in evaluate_arithmetic("c + 1", named).error
+    assert "not an integer" in evaluate_arithmetic("flag", named).error  # a bool is not a number here
+    assert "too large" in evaluate_arithmetic("big * big", named).error  # names pass through the magnitude cap
+    assert "not allowed" in evaluate_arithmetic("a * b").error  # without variables letters are refused
+    assert "no names are defined" in evaluate_arithmetic("a", {}).error
+
+
 def test_depth_limit_is_exact():
     ok = "(" * MAX_PAREN_DEPTH + "1" + ")" * MAX_PAREN_DEPTH
     too_deep = "(" + ok + ")"

@@ -102,7 +102,7 @@ def test_builtin_calculator_and_countdown_checker():
     assert run(ToolCall("calculator", {"expression": "(3 + 5) * 7"})) == ToolResult("calculator", "56")
     assert run(ToolCall("calculator", {"expression": "7 / 2"})) == ToolResult("calculator", "7/2 (about 3.5)")
     assert run(ToolCall("calculator", {"expression": "__import__('os').system('x')"})) == ToolResult(
-        "calculator", "Error: invalid expression: character '_' is not allowed", "tool_error")
+        "calculator", "Error: invalid expression: unknown name '__import__' (no names are defined)", "tool_error")
     check = {"numbers": [4, 6, 8, 2], "target": 24}
     assert run(ToolCall("check_countdown", {"expression": "(6 - 2) * 4 + 8", **check})).content == "24; correct"
     assert run(ToolCall("check_countdown", {"expression": "6 * 4", **check})).content == (
@@ -180,6 +180,40 @@ def test_raising_hanging_and_chatty_tools_give_bounded_errors(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ environments
+
+
+def test_the_problems_named_values_reach_tools_that_take_them():
+    named = {"a": 287, "b": 232}
+    assert BUILTINS.run(ToolCall("calculator", {"expression": "a*b + 1"}), named) == ToolResult("calculator", "66585")
+    assert BUILTINS.run(ToolCall("calculator", {"expression": "a*c"}), named) == ToolResult(
+        "calculator", "Error: invalid expression: unknown name 'c' (known names: a, b)", "tool_error")
+    # the model cannot pass the environment's values itself: `variables` is not a parameter it sees
+    assert BUILTINS.run(ToolCall("calculator", {"expression": "a", "variables": {"a": 1}})).error == "bad_arguments"
+    assert "variables" not in json.dumps(BUILTIN_TOOLS["calculator"].declaration())
+
+    @tool("Echo the problem's values.", {})
+    def values(*, variables: dict) -> dict:
+        return variables
+
+    assert ToolSet([values]).run(ToolCall("values", {}), {"x": 3}) == ToolResult("values", '{"x": 3}')
+    with pytest.raises(ValueError, match="'variables' is the environment's"):
+        tool("x", {"variables": "object"})(lambda *, variables: variables)
+
+
+def test_tool_environment_passes_the_tasks_named_operands():
+    task = make_task("arithmetic", template="a={a} b={b} a{op}b=", digits=3, operations=["*"], full_width=True,
+                     named_operands=True, teacher_tool_rate=1.0, format="bare_number", extractors=["last_number"],
+                     instruction="")
+    ex = task.examples("test")[0]
+    env = ToolEnvironment(task, BUILTINS, TrajectoryLimits(2, 200))
+    assert env.reset(ex).messages[-1]["content"] == f"a={ex.a} b={ex.b} a*b="
+    teacher = task.reference_conversation(ex)
+    assert teacher[0]["content"] == call("calculator", expression="a*b")
+    step = env.step(teacher[0]["content"])
+    assert step.append == [{"role": "tool", "name": "calculator", "content": str(ex.a * ex.b)}] == teacher[1:2]
+    assert env.step(teacher[2]["content"]).reward_components["answer"] == 1.0
+    plain = make_task("arithmetic", digits=3, teacher_tool_rate=1.0)  # without names the call carries the digits
+    assert plain.tool_variables(ex) == {} and f"{ex.a}*{ex.b}" in plain.reference_conversation(ex)[0]["content"]
 
 
 def test_tool_environment_returns_results_then_scores_the_answer():
