@@ -102,16 +102,28 @@ def conversation_ids(tokenizer, turns: list[dict[str, Any]]) -> list[int]:
     them: each assistant turn's text tokenized alone (it ends without a stop token, as a turn stopped at
     `</tool_call>` does), each run of other messages as its continuation. A teacher's multi-turn target for
     supervised training is then token-for-token what the policy sees when it behaves the same way."""
+    return conversation_ids_and_mask(tokenizer, turns)[0]
+
+
+def conversation_ids_and_mask(tokenizer, turns: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+    """conversation_ids, and per token whether the assistant wrote it (True) or the environment (False):
+    the rollout's loss mask, so supervised training on a teacher's conversation learns only its turns."""
     ids: list[int] = []
+    mask: list[bool] = []
     pending: list[dict[str, Any]] = []
+
+    def add(new: list[int], own: bool) -> None:
+        ids.extend(new)
+        mask.extend([own] * len(new))
+
     for m in turns:
         if m["role"] != "assistant":
             pending.append(m)
             continue
         if pending:
-            ids += continuation_ids(tokenizer, pending)
+            add(continuation_ids(tokenizer, pending), False)
             pending = []
-        ids += tokenizer.encode(m["content"])
+        add(tokenizer.encode(m["content"]), True)
     if pending:
-        ids += continuation_ids(tokenizer, pending)
-    return ids
+        add(continuation_ids(tokenizer, pending), False)
+    return ids, mask

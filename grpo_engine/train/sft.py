@@ -27,15 +27,17 @@ class SFTBatch:
     loss_mask: torch.Tensor  # [B, T-1] bool, True where input_ids[:, t+1] is a completion token
 
 
-def make_sft_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int, device) -> SFTBatch:
-    """pairs of (prompt ids, completion ids) -> one right-padded batch."""
-    rows = [p + c for p, c in pairs]
+def make_sft_batch(pairs: list[tuple], pad_id: int, device) -> SFTBatch:
+    """pairs of (prompt ids, completion ids) or (prompt ids, completion ids, per-completion-token target flags:
+    False for tokens that are context, e.g. a tool's response in a teacher's conversation) -> one batch."""
+    rows = [pair[0] + pair[1] for pair in pairs]
     T = max(len(r) for r in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), T - 1, dtype=torch.bool)
-    for i, ((p, _), r) in enumerate(zip(pairs, rows)):
+    for i, (pair, r) in enumerate(zip(pairs, rows)):
         ids[i, : len(r)] = torch.tensor(r)
-        mask[i, len(p) - 1 : len(r) - 1] = True
+        p = len(pair[0])
+        mask[i, p - 1 : len(r) - 1] = torch.tensor(pair[2]) if len(pair) > 2 else True
     return SFTBatch(ids.to(device), mask.to(device))
 
 

@@ -17,7 +17,7 @@ from ..config import Config, ConfigError
 from ..model.hf_io import load_model, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..model.tokenizer import load_tokenizer
-from ..rollout.chat_turns import conversation_ids
+from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
 from .sft import train_sft
 
@@ -65,21 +65,19 @@ def build_tiny_base(cfg: Config) -> Path:
     if not _complete(out, _settings(cfg, "base")):
         tmp = out.with_name("base.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(
-            tmp, t.arch, seed=t.seed, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-            intermediate_size=t.intermediate_size,
-        )
+        make_tiny_checkpoint(tmp, t.arch, seed=t.seed, **t.shape())
         _mark_complete(tmp, out, _settings(cfg, "base"))
     return out
 
 
-def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
+def sft_pairs(task, tokenizer, examples) -> list[tuple]:
     """(prompt ids, reference completion ids + EOS) for every example the task can complete; examples without
     a reference (e.g. loaded Countdown rows with no known solution) are left out. A task's
-    `reference_conversation` (a teacher that calls tools) takes precedence: the target is the whole conversation
-    as a tool rollout would tokenize it (tool results included in the target, the teacher's results being
-    exact)."""
+    `reference_conversation` (a teacher that calls tools) takes precedence: the completion is the whole
+    conversation as a tool rollout would tokenize it, with a third element, the per-token target flags: the
+    tool's responses (and turn markers) are context, not targets, as in the rollout's loss mask. Learning to
+    predict a product the tool computed only teaches a tiny model to guess it, which delays the copy of the
+    result into the answer (docs/tools.md)."""
     reference = getattr(task, "reference_completion", None)
     if reference is None:
         raise ConfigError(
@@ -89,18 +87,22 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple[list[int], list[int]]]:
     eos = tokenizer.eos_token_ids[0]
     conversation = getattr(task, "reference_conversation", lambda ex: None)  # a teacher that calls tools
 
-    def target_ids(ex) -> list[int] | None:
+    def target(ex) -> tuple[list[int], list[bool]] | None:
         turns = conversation(ex)
         if turns is not None:
-            return conversation_ids(tokenizer, turns)
+            return conversation_ids_and_mask(tokenizer, turns)
         text = reference(ex)
-        return None if text is None else tokenizer.encode(text)
+        return None if text is None else (tokenizer.encode(text), [])
 
     pairs = []
     for ex in examples:
-        ids = target_ids(ex)
-        if ids is not None:
-            pairs.append((tokenizer.encode(render_prompt(task, tokenizer, ex)), ids + [eos]))
+        found = target(ex)
+        if found is None:
+            continue
+        ids, own = found
+        prompt = tokenizer.encode(render_prompt(task, tokenizer, ex))
+        # a tool's response in the teacher's conversation is context, never a target (as in a rollout's loss)
+        pairs.append((prompt, ids + [eos], own + [True]) if own else (prompt, ids + [eos]))
     if not pairs:
         raise ConfigError(f"task {task.name!r} has no reference completion for any training example (e.g. data "
                           f"without solutions): the supervised warm start has nothing to learn; set "

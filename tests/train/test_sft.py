@@ -27,6 +27,19 @@ def test_loss_equals_manual_cross_entropy(tiny_ckpt):
         assert abs(sft_loss(model, batch).item() - expected.item()) < 1e-5
 
 
+def test_target_flags_leave_context_tokens_out_of_the_loss(tiny_ckpt):
+    """A third element marks completion tokens that are context (a tool's response): only the others count."""
+    model = load_model(tiny_ckpt)
+    batch = make_sft_batch([([10, 11], [12, 13, 14, 15], [True, False, False, True]), ([20], [21, 22])],
+                           pad_id=0, device="cpu")
+    assert batch.loss_mask.tolist() == [[False, True, False, False, True], [True, True, False, False, False]]
+    with torch.no_grad():
+        logits = model(batch.input_ids)
+        terms = [F.log_softmax(logits[0, t], -1)[batch.input_ids[0, t + 1]] for t in (1, 4)]
+        terms += [F.log_softmax(logits[1, t], -1)[batch.input_ids[1, t + 1]] for t in (0, 1)]
+        assert abs(sft_loss(model, batch).item() + torch.stack(terms).mean().item()) < 1e-5
+
+
 def test_schedule_warmup_then_cosine():
     cfg = SFTConfig(steps=110, lr=1.0, warmup_steps=10)
     assert lr_at(0, cfg) == 0.1 and lr_at(9, cfg) == 1.0
