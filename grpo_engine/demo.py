@@ -75,7 +75,8 @@ class DemoResult:
 
 
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
-    """Greedy accuracy / format rate / length on the first eval.max_examples of the eval split."""
+    """Greedy accuracy / format rate / length on the first eval.max_examples of the eval split (with the
+    recipe's tools when they are enabled: then also the tool-call rate)."""
     from .eval.evaluate import EvalConfig, evaluate
     from .kernels import apply_kernels
     from .model.hf_io import load_model
@@ -83,29 +84,10 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
     model, tok = apply_kernels(load_model(model_dir)), load_tokenizer(model_dir)
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
-    if cfg.tools.enabled:
-        return held_out_with_tools(model, tok, cfg, task, examples)
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=64)
-    s = evaluate(model, tok, task, examples, ecfg).summary
-    return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems)
-
-
-def held_out_with_tools(model, tok, cfg: Config, task, examples) -> HeldOut:
-    """Greedy held-out results of trajectories with the recipe's tools (the training rollout's code path,
-    temperature 0, one trajectory per problem); the length is the policy's own tokens per trajectory."""
-    import statistics
-
-    from .rollout import SamplingParams
-    from .train.evaluation import format_rate
-    from .train.tool_rollouts import generate_tool_groups
-
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
-                            stop_token_ids=list(tok.eos_token_ids), max_tokens_in_flight=None)
-    groups, _ = generate_tool_groups(model, tok, task, examples, params, cfg.seed, None, tools=cfg.tools)
-    results, trajs = [g.rewards[0] for g in groups], [g.trajectory_metrics[0] for g in groups]
-    return HeldOut(statistics.fmean(r.correct for r in results), format_rate(results),
-                   statistics.fmean(t.model_tokens for t in trajs), len(groups),
-                   statistics.fmean(t.tool_calls > 0 for t in trajs))
+    # with tools: greedy trajectories through the training rollout's code path; length = the policy's tokens
+    s = evaluate(model, tok, task, examples, ecfg, tools=cfg.tools if cfg.tools.enabled else None).summary
+    return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems, s.tool_call_rate)
 
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,

@@ -38,6 +38,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON report (with per-sample records) here")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout (table goes to stderr)")
+    _tools_arg(p)
     p.set_defaults(func=run_eval)
 
 
@@ -54,7 +55,14 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--max-new", type=int, default=256, help="max new tokens per completion")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show-prompt", action="store_true", help="print the rendered prompt first")
+    _tools_arg(p)
     p.set_defaults(func=run_generate)
+
+
+def _tools_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tools", default=None, metavar="NAMES|none",
+                   help="multi-turn with these built-in tools, comma-separated (e.g. calculator); none = single "
+                        "turn (default: the run's own tools section, for a run or checkpoint)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -83,14 +91,16 @@ def run_eval(args) -> int:
                          max_new_tokens=args.max_new, max_examples=args.max_examples, seed=args.seed,
                          prompts_per_batch=args.batch_prompts)
         name, task = task_for(args)
+        tools = tools_for(args)
         examples = task.examples(args.split)
         model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
     except INPUT_ERRORS as e:
         return fail("eval", e)
-    print(f"evaluating {model_dir} on {name}/{args.split}: "
+    with_tools = f" with tools {', '.join(tools.names)}" if tools else ""
+    print(f"evaluating {model_dir} on {name}/{args.split}{with_tools}: "
           f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
-    report = evaluate(model, tok, task, examples, cfg, progress=_progress)
+    report = evaluate(model, tok, task, examples, cfg, progress=_progress, tools=tools)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +136,25 @@ def task_for(args):
     return name, task
 
 
+def tools_for(args):
+    """The ToolsSection to sample with, or None for single-turn: --tools when given (none = off), else the
+    run's own tools section when the model is a run or checkpoint that trained with tools."""
+    from ..config import config_from_yaml_text
+    from ..config.tools import ToolsSection
+    from ..train.checkpoint import stored_config_text
+
+    text = stored_config_text(args.model) if Path(args.model).exists() else None
+    stored = config_from_yaml_text(text).tools if text else None
+    if args.tools is None:
+        return stored if stored is not None and stored.enabled else None
+    names = [n.strip() for n in args.tools.split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return None
+    base = stored if stored is not None else ToolsSection()
+    return ToolsSection(enabled=True, names=names, max_turns=base.max_turns, max_tokens=base.max_tokens,
+                        format=base.format, error_penalty=base.error_penalty)
+
+
 def _progress(done: int, total: int) -> None:
     print(f"  {done}/{total} problems", file=sys.stderr, flush=True)
 
@@ -147,15 +176,20 @@ def run_generate(args) -> int:
 
     try:
         _, task = task_for(args)
+        tools = tools_for(args)
         model, tok = load_model_and_tokenizer(model_source(args.model), args.tokenizer, args.device, args.dtype)
         params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new,
                                 stop_token_ids=tok.eos_token_ids)
     except INPUT_ERRORS as e:
         return fail("generate", e)
-    example = Example("cli", args.question, args.answer or "")
+    parse = getattr(task, "parse_question", None)  # a generated task's own example (e.g. its named operands)
+    example = (parse(args.question, args.answer or "") if parse else None) or \
+        Example("cli", args.question, args.answer or "")
     prompt = render_prompt(task, tok, example)
     if args.show_prompt:
         print(f"--- prompt ---\n{prompt}")
+    if tools is not None:
+        return _generate_with_tools(model, tok, task, example, params, args, tools)
     model.eval()
     with torch.no_grad():
         out = generate(model, [tok.encode(prompt)], params, seed=args.seed, tokenizer=tok)
@@ -163,6 +197,23 @@ def run_generate(args) -> int:
         text = tok.decode(ids, skip_special_tokens=True)
         print(f"--- sample {i + 1}/{len(out)} ({len(ids)} tokens, {reason}) ---\n{printable(text)}")
         print(reward_line(safe_reward(task, example, text), args.answer is not None))
+    return 0
+
+
+def _generate_with_tools(model, tok, task, example, params, args, tools) -> int:
+    """n trajectories with tools; each printed whole (turn markers and tool results included)."""
+    import torch
+
+    from ..train.tool_rollouts import generate_tool_groups
+
+    with torch.no_grad():
+        (group,), _ = generate_tool_groups(model, tok, task, [example], params, args.seed, None, tools=tools)
+    for i, (text, metrics, result, reason) in enumerate(zip(group.texts, group.trajectory_metrics, group.rewards,
+                                                            group.finish_reasons)):
+        print(f"--- trajectory {i + 1}/{len(group.texts)} ({metrics.model_tokens} model + {metrics.env_tokens} tool "
+              f"tokens, {metrics.turns} turns, {metrics.tool_calls} tool calls, {metrics.tool_errors} errors, "
+              f"{reason}) ---\n{printable(text)}")
+        print(reward_line(result, args.answer is not None))
     return 0
 
 

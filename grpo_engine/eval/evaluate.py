@@ -7,6 +7,9 @@ Each problem gets n samples from the generate-and-score path training uses (`tra
 - maj@k: 1 if the majority answer of the first k samples (clustered with task.equivalent) is correct.
 - format rate: fraction of samples with full format marks (RewardResult.formatted, as in training).
 - mean length: completion tokens, stop token included; truncation rate: fraction that hit max_new_tokens.
+- with tools (`evaluate(..., tools=ToolsSection(enabled=True, ...))`) every sample is a multi-turn trajectory
+  sampled as in training (train.tool_rollouts.generate_tool_groups): its length counts the policy's own
+  tokens, and the tool-call rate is the fraction of samples that called a tool at least once.
 
 Correctness rule, the same for every task and for training metrics (RewardResult.correct): a sample is
 correct iff its RewardResult has an "answer" component >= 1.0. Every built-in task scores "answer" as 0 or 1
@@ -22,6 +25,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..config.tools import ToolsSection
 from ..rollout import GenerationOutput, SamplingParams, generate
 from ..tasks.base import Example, RewardResult, Task
 from ..train.rollouts import Group, generate_groups
@@ -79,6 +83,8 @@ class SampleRecord:
     num_tokens: int  # completion tokens, stop token included
     truncated: bool  # finish_reason == "length"
     error: str | None  # "exception" / "timeout" when the reward failed (scored 0), else None
+    tool_calls: int | None = None  # with tools: calls the trajectory made (well-formed or not); else None
+    tool_errors: int | None = None  # with tools: of which failed
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class EvalSummary:
     truncation_rate: float  # fraction of all samples that hit max_new_tokens
     mean_reward: float  # mean RewardResult.total over all samples
     reward_errors: int  # samples whose reward raised or timed out (scored 0, counted incorrect)
+    tool_call_rate: float | None = None  # with tools: fraction of samples that called a tool at least once
+    tool_errors: int | None = None  # with tools: failed calls over all samples
 
 
 @dataclass(frozen=True)
@@ -120,11 +128,12 @@ class EvalReport:
 
 # ---------------------------------------------------------------------------------------------- evaluation
 def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: EvalConfig, *,
-             generate_fn: GenerateFn = generate, progress: Callable[[int, int], None] | None = None) -> EvalReport:
+             generate_fn: GenerateFn = generate, progress: Callable[[int, int], None] | None = None,
+             tools: ToolsSection | None = None) -> EvalReport:
     """Sample cfg.n completions per example with the model, score them with the task, aggregate.
 
     generate_fn is the rollout `generate` (injectable so tests can script completions); progress(done, total)
-    is called after each batch of prompts.
+    is called after each batch of prompts. tools: when enabled, each sample is a trajectory with those tools.
     """
     cfg, notes = cfg.resolved()
     examples = list(examples)[: cfg.max_examples]
@@ -135,8 +144,15 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
     problems: list[ProblemRecord] = []
     for b, start in enumerate(range(0, len(examples), cfg.prompts_per_batch)):
         batch = examples[start : start + cfg.prompts_per_batch]
-        groups, _ = generate_groups(model, tokenizer, task, batch, params, cfg.seed * 1_000_003 + b, None,
-                                    cfg.reward_timeout_s, generate_fn)
+        seed = cfg.seed * 1_000_003 + b
+        if tools is not None and tools.enabled:
+            from ..train.tool_rollouts import generate_tool_groups
+
+            groups, _ = generate_tool_groups(model, tokenizer, task, batch, params, seed, None,
+                                             cfg.reward_timeout_s, tools=tools)
+        else:
+            groups, _ = generate_groups(model, tokenizer, task, batch, params, seed, None, cfg.reward_timeout_s,
+                                        generate_fn)
         problems += [score_problem(task, g, cfg) for g in groups]
         if progress is not None:
             progress(len(problems), len(examples))
@@ -144,26 +160,25 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
     return EvalReport(task.name, cfg, summarize(problems, cfg), problems, notes)
 
 
-def sample_record(result: RewardResult, text: str, num_tokens: int, truncated: bool) -> SampleRecord:
-    """One scored sample under the correctness rule of the module docstring."""
-    return SampleRecord(
-        text=text,
-        answer=result.answer,
-        correct=result.correct,
-        formatted=result.formatted,
-        reward=result.total,
-        components=dict(result.components),
-        num_tokens=num_tokens,
-        truncated=truncated,
-        error=result.info.get("error"),
-    )
+def sample_record(result: RewardResult, text: str, num_tokens: int, truncated: bool,
+                  trajectory=None) -> SampleRecord:
+    """One scored sample under the correctness rule of the module docstring; `trajectory`: its
+    TrajectoryMetrics when it was sampled with tools (the length is then the policy's own tokens)."""
+    record = SampleRecord(text=text, answer=result.answer, correct=result.correct, formatted=result.formatted,
+                          reward=result.total, components=dict(result.components), num_tokens=num_tokens,
+                          truncated=truncated, error=result.info.get("error"))
+    if trajectory is None:
+        return record
+    return dataclasses.replace(record, num_tokens=trajectory.model_tokens, tool_calls=trajectory.tool_calls,
+                               tool_errors=trajectory.tool_errors)
 
 
 def score_problem(task: Task, group: Group, cfg: EvalConfig) -> ProblemRecord:
     """The n scored samples of one problem -> its pass@k / maj@k."""
     truncated = [r == "length" for r in group.finish_reasons]
     lengths = [len(c) for c in group.completion_ids]
-    samples = [sample_record(r, t, n, tr) for r, t, n, tr in zip(group.rewards, group.texts, lengths, truncated)]
+    trajs = group.trajectory_metrics or [None] * len(lengths)
+    samples = [sample_record(*row) for row in zip(group.rewards, group.texts, lengths, truncated, trajs)]
     answers = [s.answer for s in samples]
     equal = task.equivalent  # clustering treats an exception as 'not equivalent'
     c = sum(s.correct for s in samples)
@@ -198,7 +213,16 @@ def summarize(problems: list[ProblemRecord], cfg: EvalConfig) -> EvalSummary:
         truncation_rate=_mean([float(s.truncated) for s in samples]),
         mean_reward=_mean([s.reward for s in samples]),
         reward_errors=sum(s.error is not None for s in samples),
+        **_tool_summary(samples),
     )
+
+
+def _tool_summary(samples: list[SampleRecord]) -> dict:
+    """tool_call_rate / tool_errors when the samples were trajectories with tools, else nothing."""
+    if not samples or samples[0].tool_calls is None:
+        return {}
+    return {"tool_call_rate": _mean([float(s.tool_calls > 0) for s in samples]),
+            "tool_errors": sum(s.tool_errors for s in samples)}
 
 
 def _mean(xs: list[float]) -> float:
@@ -225,6 +249,8 @@ def report_json(report: EvalReport) -> dict:
     summary |= {f"pass@{k}": v for k, v in s.pass_at.items()} | {f"maj@{k}": v for k, v in s.maj_at.items()}
     summary |= {"format_rate": s.format_rate, "mean_length": s.mean_length, "truncation_rate": s.truncation_rate,
                 "mean_reward": s.mean_reward, "reward_errors": s.reward_errors}
+    if s.tool_call_rate is not None:
+        summary |= {"tool_call_rate": s.tool_call_rate, "tool_errors": s.tool_errors}
     problems = [
         {"id": p.example_id, "question": p.question, "reference": p.reference, "num_correct": p.num_correct,
          "majority": p.majority, **{f"pass@{k}": v for k, v in p.pass_at.items()},
@@ -243,6 +269,9 @@ def report_markdown(report: EvalReport) -> str:
     values = [report.task, str(s.num_problems), str(s.samples_per_problem)]
     values += [_pct(v) for v in s.pass_at.values()] + [_pct(v) for v in s.maj_at.values()]
     values += [_pct(s.format_rate), f"{s.mean_length:.1f}", _pct(s.truncation_rate), f"{s.mean_reward:.3f}"]
+    if s.tool_call_rate is not None:
+        columns += ["tool calls", "tool errors"]
+        values += [_pct(s.tool_call_rate), str(s.tool_errors)]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|",
              "| " + " | ".join(values) + " |"]
     if s.reward_errors:

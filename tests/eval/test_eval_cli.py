@@ -173,3 +173,34 @@ def test_eval_of_a_run_uses_its_task_and_options(tiny_ckpt, tmp_path, capsys):
     assert "pass@4" not in doc["summary"]
     want = make_task("arithmetic", template="Q {a}{op}{b}", digits=1, n_train=64, n_test=16).examples("test")[:2]
     assert [p["question"] for p in doc["problems"]] == [e.question for e in want]
+
+
+def test_eval_and_generate_with_tools(tiny_ckpt, tmp_path, capsys):
+    """A checkpoint whose run trained with tools is evaluated with them (the report gains tool columns);
+    --tools none turns them off, --tools NAMES turns them on for a plain model."""
+    step = tmp_path / "step-000001"
+    shutil.copytree(tiny_ckpt, step / "model")
+    (step / "config.yaml").write_text("tools:\n  enabled: true\n  names: [calculator]\n  max_turns: 2\n"
+                                      "  max_tokens: 24\n  format: undeclared\n")
+    assert main(["eval", str(step), *EVAL_FAST, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert 0.0 <= summary["tool_call_rate"] <= 1.0 and summary["tool_errors"] >= 0
+    assert main(["eval", str(step), *EVAL_FAST, "--json", "--tools", "none"]) == 0
+    assert "tool_call_rate" not in json.loads(capsys.readouterr().out)["summary"]
+
+    argv = ["generate", str(tiny_ckpt), "a=287 b=232 a*b=", "--tools", "calculator", "--max-new", "6", "--n", "2",
+            "--task-option", "template=a={a} b={b} a{op}b=", "--task-option", "named_operands=true"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- trajectory ") == 2 and "tool calls" in out
+    assert main(["generate", str(tiny_ckpt), "1+1=", "--tools", "shell"]) == 2  # refused before loading
+    assert "unknown tool 'shell'; choose one of ['calculator', 'check_countdown']" in capsys.readouterr().err
+
+
+def test_arithmetic_reads_its_own_questions_back():
+    task = make_task("arithmetic", template="a={a} b={b} a{op}b=", named_operands=True)
+    ex = task.parse_question(" a=287 b=232 a*b= ", "66584")
+    assert (ex.a, ex.op, ex.b, ex.answer) == (287, "*", 232, "66584")
+    assert task.tool_variables(ex) == {"a": 287, "b": 232}
+    assert task.parse_question("a=287 b=232 a/b=") is None  # not an operator of the task family
+    assert make_task("arithmetic").parse_question("What is 12 + 35?").b == 35
