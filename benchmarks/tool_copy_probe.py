@@ -1,9 +1,11 @@
-"""How well does the tools demo's warm start copy operands into its calculator calls, by SFT step?
+"""How well a tools-demo warm start copies operands into its calculator calls and results into its answers.
 
     python benchmarks/tool_copy_probe.py --steps 1200 --every 200 --heads 2 --rope-theta 1000
+    python benchmarks/tool_copy_probe.py --named --restate --rate 0.5 --steps 500 --every 100 --rope-theta 1000
 
 A tiny byte-level model is trained on the tools demo's supervised targets (3-digit multiplication, a teacher
-that calls the calculator on `--rate` of the problems: recipes/demo_tools.yaml's task options). Every
+that calls the calculator on `--rate` of the problems; `--named --restate` are the recipe's task options,
+without them the call copies the operands' digits). Every
 `--every` steps, 128 held-out problems written as tool conversations are scored teacher-forced (argmax at
 each target position): the characters of the call's expression, the whole expression, and the final answer copied
 whole from the tool's response. docs/tools.md records the results.
@@ -37,15 +39,23 @@ TASK = dict(template="{a}{op}{b}=", instruction="", system_prompt=None, prefill=
             format="bare_number", extractors=["last_number"], full_width=True, n_train=20000, n_test=200)
 
 
+def task_options(named: bool, restate: bool) -> dict:
+    """The task options; `named`: operands named a and b, so the call's expression is `a*b`; `restate`: the
+    in-head answers restate the problem first (both: recipes/demo_tools.yaml's)."""
+    named_options = {"named_operands": True, "template": "a={a} b={b} a{op}b="} if named else {}
+    return {**TASK, **named_options, "teacher_restates": restate}
+
+
 def probe_rows(task, tok, n: int):
     """(prompt ids, forced tool conversation ids + EOS, positions of the call's expression, of the answer)."""
-    forced = build_task("arithmetic", {**TASK, "teacher_tool_rate": 1.0})
+    forced = build_task("arithmetic", {**task.options.__dict__, "teacher_tool_rate": 1.0})
     rows = []
     for ex in task.examples("test")[:n]:
         turns = forced.reference_conversation(ex)
         prompt = tok.encode(render_prompt(task, tok, ex))
         ids = conversation_ids(tok, turns) + [tok.eos_token_ids[0]]
-        call, expr = turns[0]["content"], f"{ex.a}{ex.op}{ex.b}"
+        call = turns[0]["content"]
+        expr = f"a{ex.op}b" if task.options.named_operands else f"{ex.a}{ex.op}{ex.b}"
         start = len(prompt) + len(tok.encode(call[: call.index(expr)]))
         n_ans = len(tok.encode(str(ex.answer)))
         end = len(prompt) + len(ids) - 1  # the EOS
@@ -75,11 +85,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-seed", type=int, default=0, help="seed of the tiny model's random weights")
+    ap.add_argument("--named", action="store_true", help="named operands: the call is a*b (the recipe's)")
+    ap.add_argument("--restate", action="store_true", help="in-head answers restate the problem (the recipe's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    task = build_task("arithmetic", {**TASK, "teacher_tool_rate": args.rate})
+    task = build_task("arithmetic", {**task_options(args.named, args.restate), "teacher_tool_rate": args.rate})
     with tempfile.TemporaryDirectory() as tmp:
-        base = make_tiny_checkpoint(tmp, "qwen2", hidden_size=args.hidden, num_hidden_layers=args.layers,
+        base = make_tiny_checkpoint(tmp, "qwen2", seed=args.init_seed, hidden_size=args.hidden,
+                                    num_hidden_layers=args.layers,
                                     num_attention_heads=args.heads, num_key_value_heads=2,
                                     intermediate_size=2 * args.hidden, rope_theta=args.rope_theta)
         model, tok = load_model(base), load_tokenizer(base)

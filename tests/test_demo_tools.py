@@ -42,14 +42,21 @@ def test_teacher_conversation_is_the_rollout_tokens(tiny_ckpt):
     task = task_of(load_config(str(TOOLS_RECIPE), ["task.options.n_train=40"]))
     examples = task.examples("train")
     pairs = sft_pairs(task, tok, examples)
-    with_tool = [(ex, c) for ex, (_, c) in zip(examples, pairs) if task.reference_conversation(ex) is not None]
+    with_tool = [(ex, pair) for ex, pair in zip(examples, pairs) if task.reference_conversation(ex) is not None]
     assert 0 < len(with_tool) < len(examples)
-    ex, ids = with_tool[0]
-    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{ex.a}*{ex.b}"}}}}</tool_call>'
+    ex, (_, ids, own) = with_tool[0]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "a*b"}}</tool_call>'  # named operands
     assert tok.decode(ids) == (f"{call}<|im_end|>\n<|im_start|>user\n<tool_response>\n{ex.a * ex.b}\n"
                                f"</tool_response><|im_end|>\n<|im_start|>assistant\n{ex.a * ex.b}<|im_end|>")
-    direct = next(c for e, (_, c) in zip(examples, pairs) if task.reference_conversation(e) is None)
-    assert tok.decode(direct).endswith("<|im_end|>") and "<tool_call>" not in tok.decode(direct)
+    # only the teacher's own tokens are targets: the tool turn between the call and the answer is context
+    targets = "".join(tok.decode([t]) if keep else "_" for t, keep in zip(ids, own))
+    tool_turn = tok.encode(f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{ex.a * ex.b}\n</tool_response>"
+                           "<|im_end|>\n<|im_start|>assistant\n")
+    assert targets == f"{call}{'_' * len(tool_turn)}{ex.a * ex.b}<|im_end|>"
+    ex, direct = next((e, pair[1]) for e, pair in zip(examples, pairs)
+                      if task.reference_conversation(e) is None)
+    assert len(pairs[examples.index(ex)]) == 2  # no target flags: every token of an in-head answer is a target
+    assert tok.decode(direct) == f"{ex.a}*{ex.b}={ex.a * ex.b}<|im_end|>"  # in its head, the problem restated
 
 
 def test_full_width_operands_and_the_teachers_share():
@@ -76,3 +83,16 @@ def test_quick_tools_demo_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(1.0 <= r["turns"] <= 2.0 and "tool_calls" in r for r in rows)  # the recipe's max_turns is 2
+
+
+def test_tiny_rope_theta_reaches_the_built_model(tmp_path):
+    """warm_start.tiny.rope_theta is written into the tiny base's config; unset, the family's own stays."""
+    from grpo_engine.train.warm_start import build_tiny_base
+
+    def theta(*overrides):
+        cfg = load_config(None, ["warm_start.tiny.arch=llama3", "warm_start.tiny.hidden_size=32",
+                                 "warm_start.tiny.intermediate_size=64", f"run_dir={tmp_path / str(len(overrides))}",
+                                 *overrides])
+        return json.loads((build_tiny_base(cfg) / "config.json").read_text())["rope_theta"]
+
+    assert theta() == 500000.0 and theta("warm_start.tiny.rope_theta=1000") == 1000.0

@@ -173,7 +173,16 @@ class TinyModelSection:
     num_attention_heads: int = option(4, "tiny model attention heads")
     num_key_value_heads: int = option(2, "tiny model key/value heads (grouped-query attention)")
     intermediate_size: int = option(512, "tiny model SwiGLU width")
+    rope_theta: float | None = option(None, "tiny model RoPE base; None: the family's (lower: sharper relative "
+                                            "positions, which a tiny model copying numbers needs)")
     seed: int = option(0, "seed of the tiny model's random weights")
+
+    def shape(self) -> dict:
+        """The model-config overrides of tiny_config / make_tiny_checkpoint."""
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                "intermediate_size": self.intermediate_size,
+                **({"rope_theta": self.rope_theta} if self.rope_theta is not None else {})}
 
     def __post_init__(self) -> None:
         one_of("warm_start.tiny.arch", self.arch, TINY_ARCHS)

@@ -57,9 +57,7 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
     if t.arch:
         from ..model.tiny import tiny_config
 
-        return tiny_config(t.arch, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
-                           num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                           intermediate_size=t.intermediate_size)
+        return tiny_config(t.arch, **t.shape())
     path = Path(cfg.model.path)
     if cfg.model.path and (path / "config.json").is_file():
         return model_shape(str(path))
