@@ -117,12 +117,9 @@ def run_eval(args) -> int:
 def task_for(args):
     """(name, task): the run's own task, data and options when the model is a run or checkpoint and no --task
     is given (--task-option / --data still override them); else --task with the given options."""
-    from ..config import config_from_yaml_text
-    from ..train.checkpoint import stored_config_text
-
     options, data = parse_task_options(args.task_option), getattr(args, "data", None)
-    text = stored_config_text(args.model) if Path(args.model).exists() else None
-    stored = config_from_yaml_text(text).task if text else None
+    run = stored_run_config(args.model)
+    stored = run.task if run is not None else None
     if args.task is None and stored is not None:
         options = {**stored.options, **options}
         return stored.name, build_task(stored.name, options, data if data is not None else stored.data_path)
@@ -139,20 +136,27 @@ def task_for(args):
 def tools_for(args):
     """The ToolsSection to sample with, or None for single-turn: --tools when given (none = off), else the
     run's own tools section when the model is a run or checkpoint that trained with tools."""
-    from ..config import config_from_yaml_text
-    from ..config.tools import ToolsSection
-    from ..train.checkpoint import stored_config_text
+    import dataclasses
 
-    text = stored_config_text(args.model) if Path(args.model).exists() else None
-    stored = config_from_yaml_text(text).tools if text else None
+    from ..config.tools import ToolsSection
+
+    run = stored_run_config(args.model)
+    stored = run.tools if run is not None else None
     if args.tools is None:
         return stored if stored is not None and stored.enabled else None
     names = [n.strip() for n in args.tools.split(",") if n.strip()]
     if names in ([], ["none"]):
         return None
-    base = stored if stored is not None else ToolsSection()
-    return ToolsSection(enabled=True, names=names, max_turns=base.max_turns, max_tokens=base.max_tokens,
-                        format=base.format, error_penalty=base.error_penalty)
+    return dataclasses.replace(stored or ToolsSection(), enabled=True, names=names)  # re-validated
+
+
+def stored_run_config(model: str):
+    """The Config a run stored next to `model` (a run dir or checkpoint), or None for a plain model."""
+    from ..config import config_from_yaml_text
+    from ..train.checkpoint import stored_config_text
+
+    text = stored_config_text(model) if Path(model).exists() else None
+    return config_from_yaml_text(text) if text else None
 
 
 def _progress(done: int, total: int) -> None:
