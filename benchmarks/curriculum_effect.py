@@ -122,9 +122,9 @@ def print_table(summary: dict, target: float, seeds: list[int]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
-        import torch
+        from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
 
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
     base = [*(QUICK if args.quick else ()), *args.overrides]
     out = Path(args.out)
     runs = []

@@ -419,9 +419,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.threads:
-        import torch
+        from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
 
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
     if args.child:
         result = {"ours": ours_child, "trl": trl_child}[args.child](args)
         print(RESULT_TAG + json.dumps(result), flush=True)

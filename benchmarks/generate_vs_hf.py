@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODELS),
                     help="default: qwen2-100m tiny-demo (without tiny-demo with --skip-tiny)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
+
+    fix_threads(args.threads)
     peak = matmul_peak_flops()
     names = args.models or ["qwen2-100m"] + ([] if args.skip_tiny else ["tiny-demo"])
     rows = [run(n, args.prompts, args.group, args.max_new, args.repeats, peak) for n in names]

@@ -109,12 +109,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
-    import torch
 
+    from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
     from grpo_engine.monitor import Monitor
     from grpo_engine.train import loop
 
-    torch.set_num_threads(args.threads)
+    fix_threads(args.threads)
     timers = Timers()
     instrument(timers)
     real_log = Monitor.log_step

@@ -151,7 +151,9 @@ def trl_child(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
+
+        fix_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = templated_prompts(tok, args.prompts * args.steps, args.prompt_len)
     lengths: list[int] = []

@@ -89,7 +89,9 @@ def main() -> None:
     ap.add_argument("--named", action="store_true", help="named operands: the call is a*b (the recipe's)")
     ap.add_argument("--restate", action="store_true", help="in-head answers restate the problem (the recipe's)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
+
+    fix_threads(args.threads)
     task = build_task("arithmetic", {**task_options(args.named, args.restate), "teacher_tool_rate": args.rate})
     with tempfile.TemporaryDirectory() as tmp:
         base = make_tiny_checkpoint(tmp, "qwen2", seed=args.init_seed, hidden_size=args.hidden,

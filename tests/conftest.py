@@ -8,6 +8,9 @@ import torch
 
 # Kernel plans measured by the tests go to a throwaway cache, never the user's ~/.cache.
 os.environ.setdefault("GRPO_CACHE_DIR", tempfile.mkdtemp(prefix="grpo-test-cache-"))
+# One thread (below), fixed: the kernel plan must not measure and raise it (tests/model/test_kernel_plan.py
+# measures on purpose).
+os.environ.setdefault("GRPO_THREADS", "1")
 
 from grpo_engine.kernels import activate  # noqa: E402
 from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402

@@ -106,10 +106,11 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                threads: int = 0, overrides: list[str] | tuple[str, ...] = (), config: str | None = None) -> dict:
     import torch
 
+    from ..kernels.threads import fix_threads
     from ..train.step import grpo_step
 
     if threads:
-        torch.set_num_threads(threads)
+        fix_threads(threads)  # the kernel plan keeps this count instead of measuring one
     inputs, state = bench_inputs(model_dir, prompts=prompts, group=group, max_new=max_new, prompt_len=prompt_len,
                                  steps=steps, overrides=overrides, config=config)
     cfg, policy = inputs.cfg, inputs.policy

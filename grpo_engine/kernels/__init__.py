@@ -2,6 +2,7 @@
 architecture only): oneDNN GEMMs for fp32 CPU projections (`apply_kernels`), activation checkpointing
 (`apply_activation_checkpointing`), and the GEMM the LM-head code calls (`gemm.linear`)."""
 
+import torch
 from torch import nn
 
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
@@ -11,9 +12,13 @@ from .select import PLAN_FILE, KernelPlan, choose_plan, load_plan
 
 def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
     """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
-    weight shape, and turn the nn.Linear projections of every block into OneDNNLinear (same parameters and
-    names), which follows the plan; on CUDA or in bf16 OneDNNLinear is nn.Linear itself. Returns the model."""
-    activate(plan if plan is not None else choose_plan(model))
+    weight shape and how many threads torch uses, and turn the nn.Linear projections of every block into
+    OneDNNLinear (same parameters and names), which follows the plan; on CUDA or in bf16 OneDNNLinear is
+    nn.Linear itself. Returns the model."""
+    plan = plan if plan is not None else choose_plan(model)
+    activate(plan)
+    if plan.threads != torch.get_num_threads():
+        torch.set_num_threads(plan.threads)
     for block in model.layers:
         for module in block.modules():
             if type(module) is nn.Linear:

@@ -3,9 +3,10 @@
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on
 some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
 every distinct weight shape of the model, both are timed on a few representative products and the faster
-one is kept. The plan is cached in a JSON file keyed by (CPU model, torch version, thread count), written into
-the run folder and every checkpoint, and read back on --resume, so a resumed run uses the same kernels and
-repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch.
+one is kept. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan
+is cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and
+every checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
+uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from . import onednn
+from . import threads as thread_choice
 
 ROWS = (32, 512)  # products timed per weight: decode-sized and training-sized row counts
 PLAN_FILE = "kernels.json"
@@ -127,21 +129,60 @@ def _write_cache(path: Path, cache: dict) -> None:
         pass  # a read-only home: the plan is still used, just measured again next time
 
 
+def largest_block_shape(model: nn.Module) -> tuple[int, int] | None:
+    """The (out, in) shape of the biggest fp32 CPU projection inside the blocks (not the LM head), or None."""
+    layers = getattr(model, "layers", None)
+    shapes = weight_shapes(layers) if isinstance(layers, nn.Module) else []
+    return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
+
+
+def product_time(shape: tuple[int, int]) -> float:
+    """Seconds of a training-sized x @ W^T for this weight shape, on the faster GEMM at the current threads."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(shape, generator=g), torch.randn(thread_choice.ROWS, shape[1], generator=g)
+    seconds = best_time(lambda: x @ w.t())
+    if onednn.op_works():
+        seconds = min(seconds, best_time(lambda: onednn.onednn_linear(x, w)))
+    return seconds
+
+
+def choose_threads(model: nn.Module, cache: dict) -> int:
+    """The thread count: fixed by the user, cached for this CPU / torch / shape, or measured (into `cache`)."""
+    fixed = thread_choice.fixed_threads()
+    shape = largest_block_shape(model)
+    if fixed is not None or shape is None:  # told, or nothing runs on the CPU
+        return fixed or torch.get_num_threads()
+    available = thread_choice.AVAILABLE
+    key = f"threads | {cpu_model()} | torch {torch.__version__} | {available} available | {shape_key(shape)}"
+    if key not in cache:
+        times = thread_choice.measure(thread_choice.candidates(available), lambda: product_time(shape))
+        cache[key] = {"threads": thread_choice.pick(times), "seconds": {str(n): t for n, t in times.items()}}
+    return int(cache[key]["threads"])
+
+
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
-    """The kernel plan for `model` on this machine: from the cache when every shape is there, else measured
-    (only the missing shapes) and cached."""
-    threads = torch.get_num_threads()
+    """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape at
+    that count; from the cache when everything is there, else measured (only what is missing) and cached."""
     shapes = weight_shapes(model)
     if forced_torch() or not onednn.op_works():
+        threads = thread_choice.fixed_threads() or torch.get_num_threads()
         return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced")
     path = path or cache_path()
-    key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
     cache = _read_cache(path)
+    before = json.dumps(cache, sort_keys=True)
+    threads = choose_threads(model, cache)
+    key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
     known = cache.get(key, {})
     missing = [s for s in shapes if shape_key(s) not in known]
     if missing:
-        known.update(measure_plan(missing, threads).gemm)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the GEMMs are timed at the count the run will use
+        try:
+            known.update(measure_plan(missing, threads).gemm)
+        finally:
+            torch.set_num_threads(previous)
         cache[key] = known
+    if json.dumps(cache, sort_keys=True) != before:
         _write_cache(path, cache)
     gemm = {shape_key(s): known[shape_key(s)] for s in shapes}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if missing else "cache")

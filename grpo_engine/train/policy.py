@@ -156,8 +156,4 @@ def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
     """The checkpoint's kernel plan when resuming (same kernels and threads: the resumed run repeats the
     uninterrupted one bit for bit), else the one measured / cached for this model on this machine."""
     plan = load_plan(resume_dir) if resume_dir is not None else None
-    if plan is None:
-        return choose_plan(model)
-    if plan.threads != torch.get_num_threads():
-        torch.set_num_threads(plan.threads)
-    return plan
+    return plan if plan is not None else choose_plan(model)  # apply_kernels sets its thread count

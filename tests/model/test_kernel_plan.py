@@ -3,6 +3,7 @@ environment variable, recorded in the run folder and checkpoints, and reused on 
 
 import json
 
+import pytest
 import torch
 
 from grpo_engine.kernels import KernelPlan, activate, onednn, select
@@ -71,3 +72,70 @@ def test_run_folder_and_checkpoint_record_the_plan_and_resume_reuses_it(tiny_ckp
                         lambda *a, **k: seen.append(real_build(*a, **k)) or seen[-1])
     train(cfg(), resume="latest")
     assert seen[0].kernels.source == "checkpoint" and seen[0].kernels.gemm == recorded.gemm
+
+
+# ------------------------------------------------------------------------------------------ thread count
+def test_thread_candidates_and_the_pick_rule():
+    from grpo_engine.kernels.threads import candidates, pick
+
+    assert [candidates(n) for n in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
+    assert pick({1: 1.0, 2: 0.6, 4: 0.5}) == 4  # more threads, faster: all of them
+    assert pick({1: 0.5, 2: 0.9}) == 1  # 0.5 < 0.95 x 0.9: fewer threads win
+    assert pick({1: 0.88, 2: 0.9}) == 2  # within 5% of the largest count: keep it
+    assert pick({1: 0.9, 2: 0.4, 4: 0.8}) == 2
+
+
+def test_user_fixed_thread_count(monkeypatch):
+    from grpo_engine.kernels.threads import fixed_threads
+
+    monkeypatch.setenv("GRPO_THREADS", "3")
+    assert fixed_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("GRPO_THREADS", bad)
+        with pytest.raises(ValueError, match="GRPO_THREADS"):
+            fixed_threads()
+    monkeypatch.delenv("GRPO_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert fixed_threads() == torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert fixed_threads() is None
+
+
+def test_plan_measures_threads_first_times_gemms_at_that_count_and_applies_it(tiny_ckpt, tmp_path, monkeypatch):
+    from grpo_engine.kernels import apply_kernels, threads
+
+    model = load_model(tiny_ckpt)
+    monkeypatch.delenv("GRPO_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "AVAILABLE", 4)
+    timed_counts = []
+    monkeypatch.setattr(threads, "measure", lambda counts, fn: timed_counts.append(counts) or {1: 1.0, 2: 1.5, 4: 2.0})
+    gemm_threads = []
+    monkeypatch.setattr(select, "measure_shape",
+                        lambda o, i: gemm_threads.append(torch.get_num_threads()) or {"torch": 1.0, "onednn": 2.0})
+    monkeypatch.setattr(onednn, "op_works", lambda: True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plan = choose_plan(model, tmp_path / "k.json")
+        assert timed_counts == [[1, 2, 4]] and plan.threads == 1
+        assert set(gemm_threads) == {1} and torch.get_num_threads() == 2  # timed at 1, restored after
+        stored = json.loads((tmp_path / "k.json").read_text())
+        (threads_key,) = [k for k in stored if k.startswith("threads |")]
+        assert stored[threads_key]["threads"] == 1 and "4 available" in threads_key
+        assert shape_key(select.largest_block_shape(model)) in threads_key
+        again = choose_plan(model, tmp_path / "k.json")
+        assert (again.threads, again.source, len(timed_counts)) == (1, "cache", 1)  # nothing re-measured
+        apply_kernels(model, again)
+        assert torch.get_num_threads() == 1
+    finally:
+        activate(None)
+        torch.set_num_threads(before)
+
+
+def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    c = model.config
+    out_features, in_features = select.largest_block_shape(model)
+    assert c.vocab_size not in (out_features, in_features)  # the head is the biggest weight; it is not timed
+    assert out_features * in_features == max(c.intermediate_size, c.num_attention_heads * c.head_dim) * c.hidden_size
