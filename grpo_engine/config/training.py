@@ -101,6 +101,10 @@ class MemorySection(MemoryConfig):
     share_prompt_forward: bool = option(True, "run each prompt once per group in the update forward, its "
                                               "completions attending to its keys/values (same numbers as false, "
                                               "less compute)")
+    skip_zero_advantage: bool = option(True, "leave rows whose advantage is 0 out of the update when the loss gives "
+                                             "them no gradient (beta = 0, entropy_coef = 0, no top-entropy mask): the "
+                                             "same update, less compute; the update's metrics then cover the rows "
+                                             "trained")
     cpu_update_mmap: bool = option(False, "CPU with glibc: during the update, allocations of 1 MiB and more are "
                                           "mmapped and returned to the OS when freed (flat peak RSS over a long run "
                                           "instead of heap fragmentation; costs page faults, ~10-20% update time)")

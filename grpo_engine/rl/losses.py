@@ -105,6 +105,16 @@ def is_tokenwise(cfg: LossConfig) -> bool:
     return resolve(cfg).ratio_level == "token" and cfg.entropy_top_quantile >= 1 and not sequence_correction
 
 
+def zero_advantage_is_inert(cfg: LossConfig) -> bool:
+    """True when a token with advantage 0 gets exactly zero gradient, so rows with A = 0 can be left out of the update.
+
+    Every surrogate is A times a function of the ratio (clip, dual clip, CISPO, SAPO, GSPO's sequence ratio, any
+    rollout correction weight), and the aggregations divide by the step's totals, not the call's. Not so with a KL
+    or entropy term (they act on every token) or top-entropy masking (its quantile is taken over the call's tokens).
+    """
+    return cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.entropy_top_quantile >= 1
+
+
 # ---- importance ratio: [B, T] log-probs -> [B, T] ratio ------------------------------------------------
 
 

@@ -68,6 +68,21 @@ class RolloutBatch:
         )
 
 
+def rows_with_signal(batch: RolloutBatch) -> RolloutBatch | None:
+    """The rows with a nonzero advantage and at least one active token; None when there are none.
+
+    For a loss where zero advantage means zero gradient (rl.losses.zero_advantage_is_inert) the other rows add
+    exactly nothing to the update, only compute (in a zero-variance group: all G rows and the prompt). The step's
+    loss normalisers must be counted before (train.step.step_totals), so the kept rows' gradients are unchanged.
+    """
+    keep = (batch.advantages != 0) & (batch.completion_mask.sum(1) > 0)  # [B]
+    if bool(keep.all()):
+        return batch
+    if not bool(keep.any()):
+        return None
+    return batch.select(torch.nonzero(keep).flatten())
+
+
 def build_rollout_batch(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],

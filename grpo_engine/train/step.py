@@ -20,10 +20,11 @@ from functools import partial
 
 from ..config import Config, loss_config
 from ..monitor import StepMetrics
+from ..rl.losses import zero_advantage_is_inert
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from .advantage_batch import rollout_batch
-from .batching import RolloutBatch
+from .batching import RolloutBatch, rows_with_signal
 from .curriculum import Curriculum, PoolReport
 from .distributed import World, gathered
 from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory
@@ -87,6 +88,8 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     #    loss normalisers are the step's token and sequence counts over all ranks
     batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id)
     totals = step_totals(batch, run.world)
+    if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(loss_config(cfg)):
+        batch = rows_with_signal(batch)  # rows with advantage 0 add nothing to this loss's gradient: not run
 
     # 5. old-policy (mu > 1) and reference (beta > 0) log-probs, only when the loss needs them
     t0 = time.perf_counter()

@@ -191,6 +191,14 @@ def _fused_micro_batch(model, sub: RolloutBatch, cfg: LossConfig, totals: tuple[
     return metrics
 
 
+def zero_grads(model) -> None:
+    """A zero .grad for every trainable parameter without one: an optimizer step then moves the weights as with a
+    zero gradient (Adam's momentum, weight decay) instead of skipping them."""
+    for p in model.parameters():
+        if p.requires_grad:
+            _dense_grad(p)
+
+
 def _dense_grad(param: torch.Tensor) -> torch.Tensor:
     """param.grad, created as zeros when missing (a dense tensor that gradients are accumulated into)."""
     if param.grad is None:
@@ -308,6 +316,9 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
         with accumulating(model, world):
             if batch is not None:
                 stats, micro_tokens = run_pass(model, batch, s, micro_tokens, message, totals, world.size == 1)
+            elif world.size == 1:  # no row carries gradient (every advantage 0): the loss is 0 and the optimizer
+                zero_grads(model)  # steps all the same
+                stats = UpdateStats(0.0, {}, 0)
         sum_gradients(model, world)
         grad_norm = clip_and_check(model, s.grad_clip)
         loss = world.sum([stats.loss if stats is not None else 0.0])[0]  # each rank's share of the step's loss

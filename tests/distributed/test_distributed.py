@@ -99,7 +99,8 @@ def test_torchrun_two_ranks_repeat_one_process_and_resume(tiny_ckpt, tmp_path, s
     one, one_ckpt = _train(config, args, 1, tmp_path, "one")
     two, two_ckpt = _train(config, args, 2, tmp_path, "two")
     assert [r["reward_mean"] for r in two] == pytest.approx([r["reward_mean"] for r in one], rel=1e-5)
-    assert [r["rows"] for r in two] == [r["rows"] for r in one] == [16, 16, 16]
+    assert [r["rows"] for r in two] == [r["rows"] for r in one]  # rows trained: advantage 0 is left out
+    assert all(0 < r["rows"] <= 16 for r in one) and sum(r["rows"] for r in one) > 3 * 12
     _close(_weights(two_ckpt / "step-000003"), _weights(one_ckpt / "step-000003"), 1e-5)
     _train(config, args + ["schedule.steps=2"], 2, tmp_path, "resumed")
     resumed, resumed_ckpt = _train(config, args + ["--resume"], 2, tmp_path, "resumed")

@@ -192,3 +192,22 @@ def test_mismatch_metrics_and_rollout_correction_in_the_loop(tmp_path, tiny_ckpt
         assert 0 < r["mismatch_mean_abs"] <= r["mismatch_max_abs"] < 1e-4, r
         assert 0 <= r["mismatch_k3"] < 1e-8 and r["rollout_correction_frac"] == 0.0
     assert plot_run(run).stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_skipping_zero_advantage_rows_trains_the_same_weights(tmp_path, tiny_ckpt, monkeypatch):
+    """memory.skip_zero_advantage on / off: the same rewards every step and the same weights after 3 steps (to fp32
+    summation order), with fewer rows run when some advantage is exactly 0."""
+    custom = custom_task_config(tmp_path, monkeypatch)
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=6", "checkpoint.every=3", "logging.samples_every=0"]
+    rows, weights = {}, {}
+    for skip in ("true", "false"):
+        train(load_config(custom, over + [f"run_dir={tmp_path / skip}", f"memory.skip_zero_advantage={skip}"]))
+        rows[skip] = _metrics(tmp_path / skip)
+        weights[skip] = load_model(tmp_path / skip / "checkpoints/step-000003/model").state_dict()
+    assert [r["reward_mean"] for r in rows["true"]] == [r["reward_mean"] for r in rows["false"]]
+    assert [r["rows"] for r in rows["false"]] == [16, 16, 16] and sum(r["rows"] for r in rows["true"]) < 48
+    for name, w in weights["false"].items():
+        err = float((weights["true"][name].double() - w.double()).norm() / w.double().norm().clamp_min(1e-12))
+        assert err < 1e-5, (name, err)

@@ -85,6 +85,11 @@ def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, tiny_ckpt, sig):
     assert latest_checkpoint(run / "checkpoints").name == f"step-{last:06d}"
 
 
+# The random tiny model scores 0 on every sample, so every advantage is 0 and by default no row would reach the
+# update these tests break into: they train every row.
+UPDATE_EVERY_ROW = ["memory.skip_zero_advantage=false"]
+
+
 def _poison_gradients_from(call: int, monkeypatch):
     """accumulate_gradients, but from its `call`-th call on every gradient is NaN (one call per step, mu=1)."""
     real, calls = update_mod.accumulate_gradients, []
@@ -106,7 +111,7 @@ def test_nonfinite_updates_skipped_then_stop_with_last_good_checkpoint(tmp_path,
     run = tmp_path / "run"
     _poison_gradients_from(2, monkeypatch)
     rc = main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=6",
-               "optimizer.max_nonfinite_steps=2", "checkpoint.keep_last=5"])
+               "optimizer.max_nonfinite_steps=2", "checkpoint.keep_last=5", *UPDATE_EVERY_ROW])
     err = capsys.readouterr().err
     assert rc == 1
     assert "step 2: non-finite" in err and "update skipped (1 in a row)" in err
@@ -135,7 +140,7 @@ def _oom_above(budget: int, monkeypatch):
 
 def test_oom_message_names_the_knobs(tmp_path, tiny_ckpt, monkeypatch, capsys):
     _oom_above(100, monkeypatch)
-    rc = main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "schedule.steps=1"])
+    rc = main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "schedule.steps=1", *UPDATE_EVERY_ROW])
     err = capsys.readouterr().err
     assert rc == 1
     for knob in ("memory.micro_batch_tokens=256", "rollout.max_tokens_in_flight", "rollout.group_size",
@@ -146,7 +151,7 @@ def test_oom_message_names_the_knobs(tmp_path, tiny_ckpt, monkeypatch, capsys):
 def test_oom_auto_halves_micro_batch(tmp_path, tiny_ckpt, monkeypatch):
     _oom_above(100, monkeypatch)  # 256 -> 128 -> 64 fits (rows of tiny arithmetic are < 64 tokens)
     cfg = load_config(CFG, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "schedule.steps=2",
-                            "memory.auto_halve_micro_batch=true"])
+                            "memory.auto_halve_micro_batch=true", *UPDATE_EVERY_ROW])
     assert train(cfg).stopped_by == "completed"
     assert [r["micro_batch_tokens"] for r in _metrics(tmp_path)] == [64, 64]  # the halved budget is kept
 

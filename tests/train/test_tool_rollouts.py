@@ -77,7 +77,8 @@ def test_one_step_with_tools_trains_only_policy_tokens(tiny_ckpt, tmp_path, monk
         return scripted_envs
 
     monkeypatch.setattr(tool_rollouts, "tool_environments", scripted)
-    run = _inputs(tiny_ckpt, tmp_path, [f"memory.share_prompt_forward={str(share).lower()}"])
+    run = _inputs(tiny_ckpt, tmp_path, [f"memory.share_prompt_forward={str(share).lower()}",
+                                        "memory.skip_zero_advantage=false"])  # train every row, even at A = 0
     record = grpo_step(run, StepState(micro_tokens=256), 1, message=lambda _: None)
     groups = record.rollout.groups
     trajs = [t for g in groups for t in g.trajectory_metrics]

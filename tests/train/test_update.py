@@ -159,3 +159,76 @@ def test_combine_metrics_mismatch_mean_weighted_and_max_of_maxima():
     out = combine_metrics(parts)
     assert out["mismatch_mean_abs"] == pytest.approx(0.25) and out["mismatch_max_abs"] == 0.5
     assert out["mismatch_k3"] == pytest.approx(0.05) and out["active_tokens"] == 8.0
+
+
+def _zero_group_batch(vocab: int):
+    """_grouped_batch with the second prompt's group at advantage 0 (a zero-variance group) and one more row at 0."""
+    batch = _grouped_batch(vocab, share=True)
+    batch.advantages[3:6] = 0.0
+    batch.advantages[0] = 0.0
+    return batch
+
+
+@pytest.mark.parametrize("cfg,inert", [
+    (LossConfig(loss="grpo"), True),
+    (LossConfig(loss="gspo", rollout_correction="mis", rollout_correction_level="sequence"), True),
+    (LossConfig(loss="cispo", dual_clip_c=3.0), True),
+    (LossConfig(loss="sapo"), True),
+    (LossConfig(loss="grpo", beta=0.04), False),  # KL acts on every token
+    (LossConfig(loss="dapo", entropy_coef=0.01), False),  # so does the entropy bonus
+    (LossConfig(loss="grpo", entropy_top_quantile=0.5), False),  # the quantile is over the call's tokens
+], ids=["grpo", "gspo-mis", "cispo-dual", "sapo", "kl", "entropy", "top-entropy"])
+def test_rows_without_advantage_leave_the_gradient_unchanged_float64(tiny_ckpt_factory, cfg, inert):
+    """The update over rows_with_signal(batch), normalised by the whole batch's totals, has the whole batch's
+    gradient to 1e-12 exactly when zero_advantage_is_inert says so (and differs when it says not)."""
+    from grpo_engine.rl.losses import zero_advantage_is_inert
+    from grpo_engine.train.batching import rows_with_signal
+
+    assert zero_advantage_is_inert(cfg) is inert
+    model = load_model(tiny_ckpt_factory("qwen2-tied"), dtype=torch.float64)
+    batch = _zero_group_batch(model.config.vocab_size)
+    batch.old_logp, batch.ref_logp = _old_and_ref(model, batch)
+    kept = rows_with_signal(batch)
+    assert kept.advantages.tolist() == [batch.advantages[i].item() for i in (1, 2, 6, 7)]  # not 0, 3-5 or masked 8
+    totals = (batch.active_tokens(), batch.active_rows())
+    grads = {}
+    for name, b in (("all", batch), ("kept", kept)):
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, b, cfg, 10_000, temperature=0.8, chunk_size=3, totals=totals)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    gap = max(float((grads["all"][n] - grads["kept"][n]).abs().max()) for n in grads["all"])
+    assert (gap < 1e-12) is inert, gap
+
+
+def test_rows_with_signal_keeps_a_full_batch_and_drops_an_empty_one():
+    from grpo_engine.train.batching import rows_with_signal
+
+    batch = _grouped_batch(32, share=True)
+    batch.advantages[4] = 0.5  # linspace(-1, 1, 9) has a 0 at row 4
+    batch.completion_mask[8] = 1.0  # the masked row trains too
+    batch.completion_mask[8, : int(batch.prompt_lengths[8])] = 0.0
+    assert rows_with_signal(batch) is batch
+    batch.advantages.zero_()
+    assert rows_with_signal(batch) is None
+
+
+def test_an_update_without_rows_still_steps_the_optimizer(tiny_ckpt):
+    """All advantages 0 and every row left out: AdamW moves the weights exactly as it does with the zero gradient
+    of the full batch (momentum from the step before), instead of skipping the step."""
+    from grpo_engine.train.update import UpdateSettings, update_policy
+
+    weights = {}
+    for drop in (False, True):
+        model = load_model(tiny_ckpt)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+        s = UpdateSettings(LossConfig(loss="grpo"), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4,
+                           auto_halve=False)
+        update_policy(model, opt, _batch(model.config.vocab_size), s, 10_000)  # momentum from a real step
+        zero = _batch(model.config.vocab_size)
+        zero.advantages.zero_()
+        totals = (zero.active_tokens(), zero.active_rows())
+        out = update_policy(model, opt, None if drop else zero, s, 10_000, totals=totals)
+        assert not out.skipped
+        weights[drop] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, w in weights[False].items():
+        torch.testing.assert_close(weights[True][name], w, rtol=0, atol=0)
