@@ -9,7 +9,9 @@ Supported architectures: llama, qwen2, qwen3.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +59,36 @@ def reader(path: str | Path):
         return gguf.GGUFReader(str(path))
     except (ValueError, OSError, KeyError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
+
+
+@dataclass(frozen=True)
+class GGUFContents:
+    """What the engine reads from a GGUF file: its metadata, and its tensors (memory-mapped until dequantized)."""
+
+    meta: dict  # every metadata key with its value, plus "_has_output_weight" (False: tied embeddings)
+    tensors: list  # the gguf package's ReaderTensor records, in file order
+
+
+def read_gguf(path: str | Path) -> GGUFContents:
+    """The metadata and tensors of a GGUF file, parsed once per process and version of the file.
+
+    Why cached: the gguf package decodes every metadata string into its own array views, seconds for a
+    tokenizer's ~100,000 tokens and merges (8 s for SmolLM2's on a 2-core CPU), and one run reads the same file
+    for its tokenizer, its model and its evaluation. Callers get their own copy of `meta`.
+    """
+    if not Path(path).is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    stat = Path(path).stat()
+    cached = _read_gguf(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    return GGUFContents(dict(cached.meta), cached.tensors)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFContents:
+    r = reader(path)
+    meta = metadata(r)
+    meta["_has_output_weight"] = any(t.name == "output.weight" for t in r.tensors)
+    return GGUFContents(meta, list(r.tensors))
 
 
 def metadata(r) -> dict:
@@ -124,11 +156,12 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_tensors(r, cfg: ModelConfig, dtype: torch.dtype, source: str) -> dict[str, torch.Tensor]:
-    """Every tensor of an open file, dequantized to `dtype`, under its HF name (q/k un-permuted for Llama)."""
+def read_tensors(records: list, cfg: ModelConfig, dtype: torch.dtype, source: str) -> dict[str, torch.Tensor]:
+    """Every tensor record of a file (GGUFContents.tensors), dequantized to `dtype`, under its HF name (q/k
+    un-permuted for Llama)."""
     gguf = gguf_module()
     tensors = {}
-    for t in r.tensors:
+    for t in records:
         name = hf_name(t.name)
         if t.name == "rope_freqs.weight":
             raise CheckpointError(f"{source}: Llama-3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
@@ -146,11 +179,9 @@ def read_tensors(r, cfg: ModelConfig, dtype: torch.dtype, source: str) -> dict[s
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> Transformer:
     """A Transformer from a GGUF file, dequantized to `dtype` on `device`."""
-    r = reader(path)
-    meta = metadata(r)
-    meta["_has_output_weight"] = any(t.name == "output.weight" for t in r.tensors)
-    cfg = config_from_gguf(meta, str(path))
-    tensors = {k: v.to(device) for k, v in read_tensors(r, cfg, dtype, str(path)).items()}
+    contents = read_gguf(path)
+    cfg = config_from_gguf(contents.meta, str(path))
+    tensors = {k: v.to(device) for k, v in read_tensors(contents.tensors, cfg, dtype, str(path)).items()}
     with torch.device("meta"):
         model = Transformer(cfg)
     load_state_dict_hf(model, tensors, source=str(path))

@@ -139,10 +139,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tokenizer inside a .gguf file (model/gguf_tokenizer.py)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from .gguf_io import metadata, reader
+        from .gguf_io import read_gguf
         from .gguf_tokenizer import build_tokenizer
 
-        return build_tokenizer(metadata(reader(path)), str(path))
+        return build_tokenizer(read_gguf(path).meta, str(path))
     tok_file = path / "tokenizer.json"
     if not tok_file.exists():
         raise CheckpointError(
