@@ -84,7 +84,7 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
     model, tok = apply_kernels(load_model(model_dir)), load_tokenizer(model_dir)
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
-    ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=64)
+    ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=256)
     # with tools: greedy trajectories through the training rollout's code path; length = the policy's tokens
     s = evaluate(model, tok, task, examples, ecfg, tools=cfg.tools if cfg.tools.enabled else None).summary
     return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems, s.tool_call_rate)

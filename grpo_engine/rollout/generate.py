@@ -3,7 +3,8 @@
 One call runs in waves (so rows x max length stays under `max_tokens_in_flight`). Within a wave:
 
 1. prefill: the wave's P prompts, left-padded to length L, go through the model once into a [P, ., L, .]
-   cache; the LM head is applied to the last position only ([P, V], not [P, L, V]);
+   cache; the LM head is applied to the last position only ([P, V], not [P, L, V]). A prefix common to all P
+   prompts (a chat template's system prompt) runs once and is copied to every row;
 2. share: each prompt's keys/values are copied to its G rows of the decode cache [P*G, ., L+T, .] — the
    prompt is never recomputed per sample;
 3. decode: all rows advance one token per step with a key-padding mask; rows that finish (stop token,
@@ -182,17 +183,56 @@ def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Ten
     return ids.to(device), mask.to(device)
 
 
+MIN_SHARED_PREFIX = 8  # tokens: a shorter common prefix is not worth its own forward call
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens at the start of every prompt (a chat template's system prompt and turn header), leaving each prompt
+    at least one token of its own; 0 for a single prompt."""
+    if len(prompts) < 2:
+        return 0
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    c = 0
+    while c < limit and all(p[c] == first[c] for p in prompts):
+        c += 1
+    return c
+
+
+def _prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    """The P prompts' keys/values -> (cache [P, L slots], key mask [P, L], last-position logits [P, V]).
+
+    A prefix that every prompt shares (shared_prefix_length >= MIN_SHARED_PREFIX) runs once: its c slots are
+    copied to every row, the rest of each prompt is left-padded after them ([prefix][pad][own tokens]) and attends
+    to them. Positions count valid slots, so every token keeps its position; the keys/values equal those of the
+    plain prefill up to float rounding. A system prompt is often most of a chat prompt.
+    """
+    device, dtype = model.device, model.embed.weight.dtype
+    c = shared_prefix_length(prompts)
+    if c < MIN_SHARED_PREFIX:
+        ids, mask = _left_pad(prompts, device)  # [P, L]
+        cache = KVCache.allocate(model.config, len(prompts), ids.shape[1], dtype, device)
+        hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L, hidden]
+        return cache, mask, model.lm_head(hidden[:, -1])  # the LM head at the last position only
+    shared = KVCache.allocate(model.config, 1, c, dtype, device)
+    model(torch.tensor([prompts[0][:c]], device=device), torch.ones(1, c, dtype=torch.bool, device=device),
+          cache=shared, return_hidden=True)  # [1, c]
+    ids, own_mask = _left_pad([p[c:] for p in prompts], device)  # [P, L - c]
+    P, L = ids.shape[0], c + ids.shape[1]
+    cache = KVCache.allocate(model.config, P, L, dtype, device)
+    cache.copy_prefix_from(shared, torch.zeros(P, dtype=torch.long, device=device))  # slots [0, c), start = c
+    mask = torch.cat([torch.ones(P, c, dtype=torch.bool, device=device), own_mask], dim=1)  # [P, L]
+    hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L - c, hidden]
+    return cache, mask, model.lm_head(hidden[:, -1])
+
+
 def _prefill(model: Transformer, prompts: list[list[int]], n: int, max_new: int):
     """Prefill the P prompts once, then share them with their n rows.
 
     -> decode cache [P*n rows, L+T slots], key mask [P*n, L+T] (True = valid slot), logits [P*n, V].
     """
     device, dtype = model.device, model.embed.weight.dtype
-    ids, mask = _left_pad(prompts, device)  # [P, L]
-    P, L = ids.shape
-    prefix = KVCache.allocate(model.config, P, L, dtype, device)
-    hidden = model(ids, mask, cache=prefix, return_hidden=True)  # [P, L, hidden]
-    logits = model.lm_head(hidden[:, -1])  # [P, V]: the LM head at the last position only
+    prefix, mask, logits = _prefill_prompts(model, prompts)  # [P, L] cache and mask, [P, V]
+    P, L = mask.shape
     share = torch.arange(P, device=device).repeat_interleave(n)  # [P*n]: row -> its prompt
     cache = KVCache.allocate(model.config, P * n, L + max_new, dtype, device)
     cache.copy_prefix_from(prefix, share)

@@ -213,3 +213,41 @@ def test_per_prompt_seeds_make_a_prompts_samples_independent_of_the_batch(tiny_d
     assert len({f for f in together.finish_reason}) == 2  # both stops and length caps happened
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         generate(model, mixed_prompts, params, seed=[1, 2])
+
+
+def test_shared_prefix_length():
+    from grpo_engine.rollout.generate import shared_prefix_length
+
+    assert shared_prefix_length([[1, 2, 3, 4]]) == 0  # one prompt: nothing to share
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # each prompt keeps a token of its own
+    assert shared_prefix_length([[7, 1], [8, 1]]) == 0
+
+
+def test_a_shared_prefix_runs_once_with_the_same_results(tiny_dir, tiny_tok, monkeypatch):
+    """Prompts behind one chat-template header: the header's forward runs once (a [1, c] call), and greedy
+    tokens and log-probs equal the plain prefill's (float64: to 1e-10) and a full forward's argmax."""
+    import importlib
+
+    from grpo_engine.model.hf_io import load_model
+
+    gen_module = importlib.import_module("grpo_engine.rollout.generate")
+    model = load_model(tiny_dir, dtype=torch.float64)
+    header = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+    prompts = [tiny_tok.encode(header + q) for q in ("What is 2+2?", "Hi", "Name a colour, any colour.")]
+    c = gen_module.shared_prefix_length(prompts)
+    assert c >= len(tiny_tok.encode(header)) - 1 and c >= gen_module.MIN_SHARED_PREFIX
+    calls = []
+    real_forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, *a, **k: calls.append(tuple(ids.shape)) or
+                        real_forward(self, ids, *a, **k))
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+    shared = generate(model, prompts, params)
+    assert calls[0] == (1, c) and calls[1] == (3, max(len(p) for p in prompts) - c)
+    monkeypatch.setattr(gen_module, "MIN_SHARED_PREFIX", 10_000)  # the plain prefill
+    plain = generate(model, prompts, params)
+    assert shared.completion_ids == plain.completion_ids
+    for a, b in zip(shared.logprobs, plain.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-10)
+    for i, prompt in enumerate(prompts):
+        assert shared.completion_ids[2 * i] == greedy_reference(model, prompt, 8)

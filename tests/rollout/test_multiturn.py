@@ -86,7 +86,9 @@ def script_policy(tok, scripts: dict[str, list[str]]):
     def policy(history: list[int]) -> int:
         starts = [i + len(header) for i in range(len(history)) if history[i : i + len(header)] == header]
         text = tok.decode(history)
-        turns = next(s for q, s in scripts.items() if q in text)
+        turns = next((s for q, s in scripts.items() if q in text), None)
+        if turns is None or not starts:  # a prefix shared by every prompt (prefilled once): no answer asked yet
+            return eos
         target = tok.encode(turns[len(starts) - 1])
         produced = len(history) - starts[-1]
         return target[produced] if produced < len(target) else eos
