@@ -1,10 +1,12 @@
 """CPU/GPU kernel choices and memory transforms, applied to a model from outside (the model file is
-architecture only): oneDNN GEMMs for fp32 CPU projections (`apply_kernels`), activation checkpointing
-(`apply_activation_checkpointing`), and the GEMM the LM-head code calls (`gemm.linear`)."""
+architecture only): oneDNN GEMMs for fp32 CPU projections and the decode-step attention (`apply_kernels`),
+activation checkpointing (`apply_activation_checkpointing`), and the GEMM the LM-head code calls (`gemm.linear`)."""
 
 import torch
 from torch import nn
 
+from .attention import KERNELS as ATTENTION_KERNELS
+from .attention import shape_key as attention_shape_key
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from .onednn import OneDNNLinear, activate
 from .select import PLAN_FILE, KernelPlan, choose_plan, load_plan
@@ -12,9 +14,9 @@ from .select import PLAN_FILE, KernelPlan, choose_plan, load_plan
 
 def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
     """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
-    weight shape and how many threads torch uses, and turn the nn.Linear projections of every block into
-    OneDNNLinear (same parameters and names), which follows the plan; on CUDA or in bf16 OneDNNLinear is
-    nn.Linear itself. Returns the model."""
+    weight shape, which attention a decode step uses and how many threads torch uses, and turn the nn.Linear
+    projections of every block into OneDNNLinear (same parameters and names), which follows the plan; on CUDA
+    or in bf16 OneDNNLinear is nn.Linear itself. Returns the model."""
     plan = plan if plan is not None else choose_plan(model)
     activate(plan)
     if plan.threads != torch.get_num_threads():
@@ -23,6 +25,8 @@ def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module
         for module in block.modules():
             if type(module) is nn.Linear:
                 module.__class__ = OneDNNLinear
+        key = attention_shape_key(block.attn.n_heads, block.attn.n_kv, block.attn.head_dim)
+        block.attn.decode_attention = ATTENTION_KERNELS.get(plan.attention.get(key, "sdpa"))
     return model
 
 

@@ -1,4 +1,5 @@
-"""Which GEMM runs each weight shape, and how many threads: chosen by measuring on the machine that runs them.
+"""Which GEMM runs each weight shape, which attention a decode step uses, and how many threads: chosen by measuring
+on the machine that runs them.
 
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on
 some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import attention as attention_kernels
 from . import onednn
 from . import threads as thread_choice
 
@@ -37,6 +39,7 @@ class KernelPlan:
     threads: int
     gemm: dict[str, str] = field(default_factory=dict)  # "out x in" of a weight -> "onednn" | "torch"
     source: str = "measured"  # measured | cache | checkpoint | forced
+    attention: dict[str, str] = field(default_factory=dict)  # "H/Hkv/D" -> decode attention "sdpa" | "grouped"
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
@@ -48,7 +51,8 @@ class KernelPlan:
     def from_json(cls, text: str, source: str) -> KernelPlan:
         data = json.loads(text)
         return cls(str(data["cpu"]), str(data["torch"]), int(data["threads"]),
-                   {str(k): str(v) for k, v in data["gemm"].items()}, source)
+                   {str(k): str(v) for k, v in data["gemm"].items()}, source,
+                   {str(k): str(v) for k, v in data.get("attention", {}).items()})  # (older plans: SDPA)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -160,32 +164,55 @@ def choose_threads(model: nn.Module, cache: dict) -> int:
     return int(cache[key]["threads"])
 
 
+def attention_shape(model: nn.Module) -> str | None:
+    """The model's decode-attention shape key ("H/Hkv/D"), or None when its weights are not fp32 on the CPU."""
+    if not weight_shapes(model) or not hasattr(model, "config"):
+        return None
+    c = model.config
+    return attention_kernels.shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+
+def measure_attention(key: str) -> str:
+    n_heads, n_kv, head_dim = (int(x) for x in key.split("/"))
+    times = attention_kernels.measure(n_heads, n_kv, head_dim, best_time)
+    return min(times, key=times.get)
+
+
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
-    """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape at
-    that count; from the cache when everything is there, else measured (only what is missing) and cached."""
-    shapes = weight_shapes(model)
+    """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape and the
+    decode attention at that count; from the cache when everything is there, else measured (only what is
+    missing) and cached."""
+    shapes, attention = weight_shapes(model), attention_shape(model)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
-        return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced")
+        return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced",
+                          {attention: "sdpa"} if attention else {})
     path = path or cache_path()
     cache = _read_cache(path)
     before = json.dumps(cache, sort_keys=True)
     threads = choose_threads(model, cache)
     key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
-    known = cache.get(key, {})
+    known, known_attention = cache.get(key, {}), cache.get(f"decode attention | {key}", {})
     missing = [s for s in shapes if shape_key(s) not in known]
-    if missing:
+    attention_missing = attention is not None and attention not in known_attention
+    if missing or attention_missing:
         previous = torch.get_num_threads()
-        torch.set_num_threads(threads)  # the GEMMs are timed at the count the run will use
+        torch.set_num_threads(threads)  # timed at the count the run will use
         try:
             known.update(measure_plan(missing, threads).gemm)
+            if attention_missing:
+                known_attention[attention] = measure_attention(attention)
         finally:
             torch.set_num_threads(previous)
         cache[key] = known
+        if attention is not None:
+            cache[f"decode attention | {key}"] = known_attention
     if json.dumps(cache, sort_keys=True) != before:
         _write_cache(path, cache)
     gemm = {shape_key(s): known[shape_key(s)] for s in shapes}
-    return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if missing else "cache")
+    chosen = {attention: known_attention[attention]} if attention else {}
+    measured = missing or attention_missing
+    return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

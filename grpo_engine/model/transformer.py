@@ -18,6 +18,7 @@ This file imports nothing from training code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -111,6 +112,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S]) -> [B, H, 1, D] for a decode step, or None for
+        # SDPA; set from outside by kernels.apply_kernels when it measured faster on this machine
+        self.decode_attention: Callable | None = None
 
     def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -123,7 +127,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
-        if mask is None:  # plain causal self-attention over the T tokens
+        if T == 1 and mask is not None and self.decode_attention is not None:  # a decode step
+            out = self.decode_attention(q, k, v, mask)
+        elif mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

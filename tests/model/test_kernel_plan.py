@@ -25,18 +25,24 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     shapes = weight_shapes(model)
     assert len(shapes) >= 3
     faster = {shape_key(shapes[0]): "onednn"}
-    calls = []
+    calls, attention_calls = [], []
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, calls))
+    monkeypatch.setattr(select, "measure_attention", lambda key: attention_calls.append(key) or "grouped")
     monkeypatch.setattr(onednn, "op_works", lambda: True)
     cache = tmp_path / "kernels.json"
     plan = choose_plan(model, cache)
     assert plan.source == "measured" and sorted(calls) == shapes
     assert plan.gemm == {shape_key(s): faster.get(shape_key(s), "torch") for s in shapes}
+    c = model.config
+    heads = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
+    assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
     stored = json.loads(cache.read_text())
-    (key,) = stored
+    key, attention_key = sorted(stored)
     assert select.cpu_model() in key and torch.__version__ in key and stored[key] == plan.gemm
+    assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
     again = choose_plan(model, cache)
-    assert (again.source, again.gemm, len(calls)) == ("cache", plan.gemm, len(shapes))  # nothing re-measured
+    assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
+    assert (len(calls), len(attention_calls)) == (len(shapes), 1)  # nothing re-measured
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
