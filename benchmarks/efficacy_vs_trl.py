@@ -139,6 +139,17 @@ def grpo_settings(args) -> dict:
             "weight_decay": o.weight_decay, "grad_clip": o.grad_clip, "loss_type": "grpo"}
 
 
+def ours_only(args) -> list[str]:
+    """The recipe's settings that TRL's GRPOTrainer has no counterpart for (our engine runs them, TRL does not)."""
+    if not args.real:
+        return []
+    g = real_config(args, ours=True).algorithm.group_filter
+    if not g.enabled:
+        return []
+    return [f"algorithm.group_filter (DAPO dynamic sampling: groups whose rewards are all equal are dropped and "
+            f"fresh prompts drawn, up to {g.max_rounds} generation rounds per step)"]
+
+
 def task_for(args):
     """The task both engines train on and are evaluated on."""
     if not args.real:
@@ -360,8 +371,11 @@ def report(args, sft_info: dict, sft_acc: float, results: dict[str, dict]) -> di
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    for note in ours_only(args):
+        print(f"ours only (TRL has no counterpart): {note}")
     summary = {"benchmark": "efficacy_vs_trl", "settings": {k: v for k, v in vars(args).items()
                                                               if k not in ("child", "sft_dir", "out")},
+               "ours_only": ours_only(args),
                "sft": sft_info, "sft_accuracy": sft_acc,
                "results": {k: {kk: vv for kk, vv in v.items() if kk != "model_dir"} for k, v in results.items()}}
     if "ours" in results and "trl" in results:

@@ -51,3 +51,12 @@ def test_ratios_and_seed_means(bench, capsys):
     assert summary["accuracy_delta"] == pytest.approx(0.0)
     assert summary["targets_met"] == {"accuracy_ours>=trl": True, "time_ratio<=0.5": True, "rss_ratio<=0.5": True}
     assert "peak RSS 0.500" in capsys.readouterr().out
+
+
+def test_settings_trl_lacks_are_named(bench):
+    """Dynamic sampling has no TRL counterpart: the report names it whenever our run uses it."""
+    on = bench.ours_only(bench.parse_args(["--real", "--recipe-set", "algorithm.group_filter.enabled=true",
+                                           "--recipe-set", "algorithm.group_filter.max_rounds=2"]))
+    off = bench.ours_only(bench.parse_args(["--real", "--ours-set", "algorithm.group_filter.enabled=false"]))
+    assert len(on) == 1 and "dynamic sampling" in on[0] and "up to 2 generation rounds" in on[0]
+    assert off == [] and bench.ours_only(bench.parse_args([])) == []
