@@ -7,7 +7,7 @@ matmul-bound limit: FLOPs of our generation (2 x matmul params per token through
 plus attention scores) over the time, against a large fp32 matmul's FLOP rate measured here.
 
     PYTHONPATH=. python benchmarks/generate_vs_hf.py [--threads 2] [--repeats 1] [--skip-tiny]
-        [--models qwen2-100m tiny-demo smollm2-135m]
+        [--models qwen2-100m qwen2-100m-tied tiny-demo smollm2-135m]
 
 The 100M checkpoint (Qwen2 shape, 151,936 vocab) is written once to $GRPO_BENCH_CACHE
 (default ~/.cache/grpo-engine/bench).
@@ -35,6 +35,11 @@ MODELS = {  # name -> (make_tiny_checkpoint arch, shape)
     "qwen2-100m": ("qwen2", dict(
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         intermediate_size=1408, vocab_size=151936,
+    )),
+    # the SMALL shape of the speed targets: the same, with the LM head tied to the embedding (100.3M params)
+    "qwen2-100m-tied": ("qwen2", dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1408, vocab_size=151936, tie_word_embeddings=True,
     )),
     "tiny-demo": ("qwen2", dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                 intermediate_size=256)),
