@@ -8,8 +8,8 @@ Both engines get the same checkpoint (written here with make_tiny_checkpoint, or
 the same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours
 never stops on it, TRL has the EOS/pad ids suppressed), fp32, beta = 0 (no reference model), one update
 per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same learning rate, and the
-same reward (fraction of even token ids: cheap, and it varies within each group so advantages are non-zero
-and no engine can skip the update).
+same kind of reward (a seeded pseudo-random number per completion: it varies within each group, so every
+advantage is non-zero and neither engine can skip a row of the update).
 
 Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
   * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench_step.py: the trainer's phases);
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -158,10 +159,12 @@ def trl_child(args) -> dict:
     prompts = templated_prompts(tok, args.prompts * args.steps, args.prompt_len)
     lengths: list[int] = []
 
-    def even_token_fraction(completion_ids, **_) -> list[float]:
-        """Same reward as bench_step: share of even token ids (varies within a group)."""
+    rng = random.Random(0)
+
+    def random_reward(completion_ids, **_) -> list[float]:
+        """The reward of bench_step: a seeded pseudo-random number per completion (varies within a group)."""
         lengths.extend(len(c) for c in completion_ids)
-        return [sum(t % 2 == 0 for t in c) / max(1, len(c)) for c in completion_ids]
+        return [rng.random() for _ in completion_ids]
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -185,7 +188,7 @@ def trl_child(args) -> dict:
             save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
         )
         timer = StepTimer()
-        trainer = GRPOTrainer(model=args.model, reward_funcs=even_token_fraction, args=config,
+        trainer = GRPOTrainer(model=args.model, reward_funcs=random_reward, args=config,
                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                               callbacks=[timer])
         trainer.train()

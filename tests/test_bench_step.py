@@ -31,3 +31,21 @@ def test_bench_step_runs_the_trainers_step(tiny_ckpt, monkeypatch):
     defaults = load_config()
     assert (result["micro_batch_tokens"], result["chunk_size"], result["optimizer"]) == (
         defaults.memory.micro_batch_tokens, defaults.memory.logprob_chunk_size, defaults.optimizer.name)
+
+
+def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp_path, monkeypatch):
+    """A random model whose vocabulary is larger than its byte tokenizer samples ids that decode to '', so a
+    reward of the text would be equal within each group and skip_zero_advantage would drop every row: the
+    benchmark would time no update. Its reward differs within every group, so all P x G rows train."""
+    import grpo_engine.train.step as step_mod
+    from grpo_engine.bench.step import bench_step
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "wide", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, intermediate_size=64, vocab_size=4096)
+    records, real = [], step_mod.grpo_step
+    monkeypatch.setattr(step_mod, "grpo_step", lambda *a, **k: records.append(real(*a, **k)) or records[-1])
+    bench_step(str(ckpt), prompts=2, group=3, max_new=4, prompt_len=24, steps=2)
+    texts = [t for r in records for g in r.rollout.groups for t in g.texts]
+    assert sum(t == "" for t in texts) >= len(texts) // 2  # the situation this guards against
+    assert [r.metrics.rows for r in records] == [6, 6] and [r.metrics.train_tokens for r in records] == [24, 24]
