@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from grpo_engine.cli import main
 
 
@@ -16,15 +18,23 @@ def test_bench_step_json(tiny_ckpt, capsys):
     assert result["peak_rss_mib"] > 10 and result["max_new_tokens"] == 4 and result["group"] == 2
 
 
-def test_bench_step_runs_the_trainers_step(tiny_ckpt, monkeypatch):
-    """The benchmark times train.step.grpo_step itself (not a hand-assembled copy) with the config's defaults,
-    and every completion has exactly --max-new tokens."""
+@pytest.fixture
+def recorded_steps(monkeypatch) -> list:
+    """The StepRecords of every train.step.grpo_step call the test makes (the real function runs)."""
     import grpo_engine.train.step as step_mod
-    from grpo_engine.bench.step import bench_step
-    from grpo_engine.config import load_config
 
     records, real = [], step_mod.grpo_step
     monkeypatch.setattr(step_mod, "grpo_step", lambda *a, **k: records.append(real(*a, **k)) or records[-1])
+    return records
+
+
+def test_bench_step_runs_the_trainers_step(tiny_ckpt, recorded_steps):
+    """The benchmark times train.step.grpo_step itself (not a hand-assembled copy) with the config's defaults,
+    and every completion has exactly --max-new tokens."""
+    from grpo_engine.bench.step import bench_step
+    from grpo_engine.config import load_config
+
+    records = recorded_steps
     result = bench_step(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2)
     assert len(records) == 2 and result["step_times"] == [r.metrics.time_step_s for r in records]
     assert all(len(c) == 5 for r in records for g in r.rollout.groups for c in g.completion_ids)
@@ -33,18 +43,16 @@ def test_bench_step_runs_the_trainers_step(tiny_ckpt, monkeypatch):
         defaults.memory.micro_batch_tokens, defaults.memory.logprob_chunk_size, defaults.optimizer.name)
 
 
-def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp_path, monkeypatch):
+def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp_path, recorded_steps):
     """A random model whose vocabulary is larger than its byte tokenizer samples ids that decode to '', so a
     reward of the text would be equal within each group and skip_zero_advantage would drop every row: the
     benchmark would time no update. Its reward differs within every group, so all P x G rows train."""
-    import grpo_engine.train.step as step_mod
     from grpo_engine.bench.step import bench_step
     from grpo_engine.model.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "wide", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                 num_key_value_heads=1, intermediate_size=64, vocab_size=4096)
-    records, real = [], step_mod.grpo_step
-    monkeypatch.setattr(step_mod, "grpo_step", lambda *a, **k: records.append(real(*a, **k)) or records[-1])
+    records = recorded_steps
     bench_step(str(ckpt), prompts=2, group=3, max_new=4, prompt_len=24, steps=2)
     texts = [t for r in records for g in r.rollout.groups for t in g.texts]
     assert sum(t == "" for t in texts) >= len(texts) // 2  # the situation this guards against
