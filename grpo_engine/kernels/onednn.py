@@ -11,6 +11,10 @@ torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. 
 
 Which weights use it is decided per weight shape by a measured `KernelPlan` (kernels/select.py) once one is
 active; before that, by a size threshold.
+
+`pack` reorders a weight into oneDNN's blocked layout once, so that the products of a decode loop (same weights,
+a few dozen rows, every step) skip the reorder oneDNN otherwise does on every call; kernels/packing.py decides
+when that pays.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and op_works() and chosen_for(weight))
 
 
+def active_plan():
+    """The kernels.select.KernelPlan that `activate` made active, or None (the size threshold decides)."""
+    return _active.get("plan")
+
+
 def activate(plan) -> None:
     """Make `plan` (a kernels.select.KernelPlan, or None for the size threshold) decide every product."""
     _active["plan"] = plan
@@ -68,6 +77,33 @@ def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T on oneDNN, unconditionally (for measuring it)."""
     return _op(x, weight)
+
+
+def pack_works() -> bool:
+    """One-time check that weights can be packed (`pack`) and their products match torch.mm."""
+    if "pack" not in _state:
+        ok = op_works()
+        if ok:
+            try:
+                g = torch.Generator().manual_seed(0)
+                x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
+                ok = bool(torch.allclose(packed_linear(x, pack(w, 3)), x @ w.t(), rtol=1e-5, atol=1e-5))
+            except (RuntimeError, AttributeError):
+                ok = False
+        _state["pack"] = ok
+    return _state["pack"]
+
+
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [N, K] (fp32 CPU) -> the same values in oneDNN's blocked layout for products of about `rows` rows:
+    a new opaque tensor of about the weight's size, valid only for `packed_linear` and only while the weight is
+    unchanged."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) for a weight packed by `pack` -> a new [M, N] tensor. No autograd."""
+    return _op(x, packed, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -99,10 +135,15 @@ class _LinearFn(torch.autograd.Function):
 class OneDNNLinear(torch.nn.Linear):
     """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
     weight is big enough to gain; anything else (CUDA, bf16, tiny weights, no oneDNN) is nn.Linear itself.
-    `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place."""
+    `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place. Inside a decode loop
+    `packed` holds the weight packed by `pack` (kernels/packing.py sets and clears it), used without gradients."""
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
+        if self.packed is not None and not torch.is_grad_enabled():
+            return packed_linear(x2, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
         if not applies(x2, self.weight):
             return super().forward(x)
         return _LinearFn.apply(x2, self.weight, self.bias).view(*x.shape[:-1], self.out_features)

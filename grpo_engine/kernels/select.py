@@ -4,7 +4,8 @@ on the machine that runs them.
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on
 some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
 every distinct weight shape of the model, both are timed on a few representative products and the faster
-one is kept. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan
+one is kept; for the oneDNN weights, whether packing them for a decode loop pays and from how many decode steps
+(packing.py). The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan
 is cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and
 every checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
 uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
@@ -13,6 +14,7 @@ uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plai
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -40,6 +42,9 @@ class KernelPlan:
     gemm: dict[str, str] = field(default_factory=dict)  # "out x in" of a weight -> "onednn" | "torch"
     source: str = "measured"  # measured | cache | checkpoint | forced
     attention: dict[str, str] = field(default_factory=dict)  # "H/Hkv/D" -> decode attention "sdpa" | "grouped"
+    # "out x in" of a oneDNN weight -> decode steps from which packing it for a decode loop pays (packing.py);
+    # shapes not listed are never packed
+    decode_packing: dict[str, int] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
@@ -52,7 +57,8 @@ class KernelPlan:
         data = json.loads(text)
         return cls(str(data["cpu"]), str(data["torch"]), int(data["threads"]),
                    {str(k): str(v) for k, v in data["gemm"].items()}, source,
-                   {str(k): str(v) for k, v in data.get("attention", {}).items()})  # (older plans: SDPA)
+                   {str(k): str(v) for k, v in data.get("attention", {}).items()},  # (older plans: SDPA)
+                   {str(k): int(v) for k, v in data.get("decode_packing", {}).items()})  # (older: no packing)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -178,10 +184,52 @@ def measure_attention(key: str) -> str:
     return min(times, key=times.get)
 
 
+def measure_packing(out_features: int, in_features: int) -> int:
+    """Decode steps from which packing this weight for a decode loop pays (kernels/packing.py): the seconds
+    `onednn.pack` takes over the seconds it saves on each decode-sized (ROWS[0] rows) product; 0 when the packed
+    product is not at least PACK_GAIN faster (then packing never pays)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
+    plain = best_time(lambda: onednn.onednn_linear(x, w), 5)
+    pack_seconds = best_time(lambda: onednn.pack(w, ROWS[0]), 1)
+    packed = onednn.pack(w, ROWS[0])
+    saved = plain - best_time(lambda: onednn.packed_linear(x, packed), 5)
+    return math.ceil(pack_seconds / saved) if saved > (1 - 1 / PACK_GAIN) * plain else 0
+
+
+PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
+
+
+def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
+                     threads: int) -> bool:
+    """Measure into `cache` what its entries under `key` lack for these shapes and this attention, at `threads`.
+    Returns whether anything was measured."""
+    known = cache.setdefault(key, {})
+    missing = [s for s in shapes if shape_key(s) not in known]
+    known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
+    attention_missing = attention is not None and attention not in known_attention
+    packing = cache.setdefault(f"decode packing | {key}", {}) if onednn.pack_works() else {}
+    if not (missing or attention_missing or any(shape_key(s) not in packing for s in shapes)):
+        return False
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # timed at the count the run will use
+    try:
+        known.update(measure_plan(missing, threads).gemm)
+        if attention_missing:
+            known_attention[attention] = measure_attention(attention)
+        if onednn.pack_works():
+            for s in shapes:  # only oneDNN weights can be packed; the others are recorded as never
+                if shape_key(s) not in packing:
+                    packing[shape_key(s)] = measure_packing(*s) if known[shape_key(s)] == "onednn" else 0
+    finally:
+        torch.set_num_threads(previous)
+    return True
+
+
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
-    """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape and the
-    decode attention at that count; from the cache when everything is there, else measured (only what is
-    missing) and cached."""
+    """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
+    decode attention and which weights a decode loop packs, at that count; from the cache when everything is
+    there, else measured (only what is missing) and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
@@ -192,27 +240,16 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     before = json.dumps(cache, sort_keys=True)
     threads = choose_threads(model, cache)
     key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
-    known, known_attention = cache.get(key, {}), cache.get(f"decode attention | {key}", {})
-    missing = [s for s in shapes if shape_key(s) not in known]
-    attention_missing = attention is not None and attention not in known_attention
-    if missing or attention_missing:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)  # timed at the count the run will use
-        try:
-            known.update(measure_plan(missing, threads).gemm)
-            if attention_missing:
-                known_attention[attention] = measure_attention(attention)
-        finally:
-            torch.set_num_threads(previous)
-        cache[key] = known
-        if attention is not None:
-            cache[f"decode attention | {key}"] = known_attention
+    measured = _measure_missing(cache, key, shapes, attention, threads)
     if json.dumps(cache, sort_keys=True) != before:
         _write_cache(path, cache)
-    gemm = {shape_key(s): known[shape_key(s)] for s in shapes}
-    chosen = {attention: known_attention[attention]} if attention else {}
-    measured = missing or attention_missing
-    return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen)
+    keys = [shape_key(s) for s in shapes]
+    gemm = {k: cache[key][k] for k in keys}
+    chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
+    steps = cache.get(f"decode packing | {key}", {})
+    packing = {k: int(steps[k]) for k in keys if steps.get(k)}
+    return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
+                      packing)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import onednn
+from ..kernels.packing import packed_for_decode
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
@@ -250,13 +251,14 @@ def _run_wave(
     stop_strings: StopStrings,
     decode_step: Callable,
     prompt_ids: list[int],
+    packed_head: torch.Tensor | None,
 ) -> list[_Row]:
     """Generate n completions for each prompt of the wave (their indices in the call: prompt_ids); rows in
     (prompt, sample) order."""
     n, T = params.n, params.max_new_tokens
     cache, key_mask, logits = _prefill(model, prompts, n, T)
     R = cache.batch
-    head = _DecodeHead(model, R)
+    head = _DecodeHead(model, R, packed_head)
     stop_ids = set(params.stop_token_ids)
     tokens: list[list[int]] = [[] for _ in range(R)]
     logps: list[list[float]] = [[] for _ in range(R)]
@@ -302,21 +304,24 @@ def _eager_step(model: Transformer) -> Callable:
 
 
 class _DecodeHead:
-    """The LM head at decode: oneDNN on fp32 CPU (kernels/onednn.py), else one reused [rows, V] logits buffer.
+    """The LM head at decode: its packed weight when the loop packed it (kernels/packing.py), oneDNN on fp32 CPU
+    (kernels/onednn.py), else one reused [rows, V] logits buffer.
 
     Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
     mmap and page-faulted in on every step; on the 2-core CPU machine that halved torch.mm's throughput.
     oneDNN allocates its own output and is still about 2x faster than torch.mm into a buffer there.
     """
 
-    def __init__(self, model: Transformer, rows: int):
-        self.weight = model.lm_head.weight  # [V, hidden]
+    def __init__(self, model: Transformer, rows: int, packed: torch.Tensor | None = None):
+        self.weight, self.packed = model.lm_head.weight, packed  # [V, hidden]
         probe = self.weight[:1]
-        self.buf = None if onednn.applies(probe, self.weight) else torch.empty(
+        self.buf = None if packed is not None or onednn.applies(probe, self.weight) else torch.empty(
             rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call)."""
+        if self.packed is not None:
+            return onednn.packed_linear(hidden, self.packed)
         if self.buf is None:
             return onednn.linear(hidden, self.weight)
         return torch.mm(hidden, self.weight.t(), out=self.buf[: hidden.shape[0]])
@@ -354,9 +359,12 @@ def generate(
     step = _eager_step(model)
     if compile:
         step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
-    with torch.inference_mode():
-        for wave in plan_waves([len(p) for p in prompt_ids], params):
-            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave)
+    waves = plan_waves([len(p) for p in prompt_ids], params)
+    rows_in_flight = max(len(w) for w in waves) * n
+    pack_steps = 0 if compile else params.max_new_tokens  # a compiled step keeps the plain weights
+    with torch.inference_mode(), packed_for_decode(model, rows_in_flight, pack_steps) as head:
+        for wave in waves:
+            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, head)
             for j, i in enumerate(wave):
                 rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
     return GenerationOutput(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.packing import packed_for_decode
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
 from .generate import StopStrings, _DecodeHead, _Draws, _left_pad, _prefill
@@ -204,11 +205,12 @@ def _feed(model: Transformer, head: _DecodeHead, cache: KVCache, key_mask: torch
     return head(hidden), key_mask
 
 
-def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: _Draws, tokenizer) -> None:
+def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: _Draws, tokenizer,
+            packed_head: torch.Tensor | None) -> None:
     """Run every row to its end (see the module docstring); fills the rows in place."""
     sample = Sampler(params)
     cache, key_mask, logits = _prefill_rows(model, [r.tokens for r in rows], params.max_new_tokens)
-    head = _DecodeHead(model, len(rows))
+    head = _DecodeHead(model, len(rows), packed_head)
     active = list(range(len(rows)))  # the row of each batch position
     while True:
         draw = sample(logits, draws.shared, draws.uniforms(active, [rows[r].finish is None for r in active]))
@@ -256,6 +258,6 @@ def run_multiturn(
     rows = [_start_row(env, ex, tokenizer, params) for env, ex in zip(envs, examples)]
     _validate(model, rows, params)
     if rows:
-        with torch.inference_mode():
-            _decode(model, rows, params, _Draws(seed, model.device), tokenizer)
+        with torch.inference_mode(), packed_for_decode(model, len(rows), params.max_new_tokens) as head:
+            _decode(model, rows, params, _Draws(seed, model.device), tokenizer, head)
     return [Trajectory(r.tokens, r.mask, r.logps, r.reward, r.components, r.finish or DONE, r.metrics) for r in rows]

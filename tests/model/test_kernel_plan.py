@@ -28,7 +28,10 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     calls, attention_calls = [], []
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, calls))
     monkeypatch.setattr(select, "measure_attention", lambda key: attention_calls.append(key) or "grouped")
+    packing_calls = []
+    monkeypatch.setattr(select, "measure_packing", lambda *shape: packing_calls.append(shape) or 7)
     monkeypatch.setattr(onednn, "op_works", lambda: True)
+    monkeypatch.setattr(onednn, "pack_works", lambda: True)
     cache = tmp_path / "kernels.json"
     plan = choose_plan(model, cache)
     assert plan.source == "measured" and sorted(calls) == shapes
@@ -36,13 +39,18 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     c = model.config
     heads = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
     assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
+    assert packing_calls == [shapes[0]] and plan.decode_packing == {shape_key(shapes[0]): 7}  # oneDNN weights only
     stored = json.loads(cache.read_text())
-    key, attention_key = sorted(stored)
+    key = next(k for k in stored if not k.startswith("decode "))
+    attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
     assert select.cpu_model() in key and torch.__version__ in key and stored[key] == plan.gemm
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
+    assert packing_key == f"decode packing | {key}"  # torch weights recorded as never packed (0)
+    assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
-    assert (len(calls), len(attention_calls)) == (len(shapes), 1)  # nothing re-measured
+    assert again.decode_packing == plan.decode_packing
+    assert (len(calls), len(attention_calls), len(packing_calls)) == (len(shapes), 1, 1)  # nothing re-measured
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
@@ -145,3 +153,12 @@ def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
     out_features, in_features = select.largest_block_shape(model)
     assert c.vocab_size not in (out_features, in_features)  # the head is the biggest weight; it is not timed
     assert out_features * in_features == max(c.intermediate_size, c.num_attention_heads * c.head_dim) * c.hidden_size
+
+
+@pytest.mark.parametrize("seconds,steps", [((1.0, 10.0, 0.5), 20), ((1.0, 0.25, 0.9), 3), ((1.0, 10.0, 0.99), 0),
+                                           ((1.0, 10.0, 1.2), 0)])
+def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(seconds, steps, monkeypatch):
+    """measure_packing times (plain product, packing, packed product); a gain under PACK_GAIN is noise: never."""
+    timed = iter(seconds)
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+    assert select.measure_packing(48, 32) == steps

@@ -1,0 +1,91 @@
+"""kernels/packing.py: weights packed once per decode loop, only where the plan says it pays, only trainable ones,
+never left behind -- and the same numbers as the plain products."""
+
+import pytest
+import torch
+
+from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
+from grpo_engine.kernels.select import shape_key, weight_shapes
+from grpo_engine.model.hf_io import load_model
+from grpo_engine.rollout import SamplingParams, generate
+
+pytestmark = pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
+
+
+@pytest.mark.parametrize("rows,shape", [(1, (301, 24)), (32, (64, 48)), (7, (48, 64))])
+def test_packed_products_match_float64(rows, shape):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, shape[1], generator=g), torch.randn(shape, generator=g)
+    bias = torch.randn(shape[0], generator=g)
+    packed = onednn.pack(w, 32)
+    ref = x.double() @ w.double().t()  # [rows, out]
+    torch.testing.assert_close(onednn.packed_linear(x, packed).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(onednn.packed_linear(x, packed, bias).double(), ref + bias.double(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _planned_model(path, packing_after: int):
+    """The tiny model with every weight on oneDNN and every shape packed from `packing_after` decode steps."""
+    model = load_model(path)
+    shapes = [shape_key(s) for s in weight_shapes(model)]
+    plan = KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+                      decode_packing=dict.fromkeys(shapes, packing_after))
+    return apply_kernels(model, plan)
+
+
+def _generate(model, new: int):
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=new, stop_token_ids=[])
+    return generate(model, [[1, 5, 9, 2], [3, 4]], params, seed=11)
+
+
+def _record_packs(monkeypatch) -> list[tuple[int, ...]]:
+    packed_shapes = []
+    real_pack = onednn.pack
+    monkeypatch.setattr(onednn, "pack", lambda w, rows: packed_shapes.append(tuple(w.shape)) or real_pack(w, rows))
+    return packed_shapes
+
+
+def test_long_enough_loops_pack_every_trainable_weight_once_and_unpack_after(tiny_ckpt, monkeypatch):
+    model = _planned_model(tiny_ckpt, packing_after=5)
+    packed_shapes = _record_packs(monkeypatch)
+    _generate(model, new=4)  # shorter than the plan's 5 steps: nothing packed
+    assert packed_shapes == []
+    _generate(model, new=6)
+    projections = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear)]
+    assert len(packed_shapes) == len(projections) + 1  # every block projection, then the LM head
+    assert packed_shapes[-1] == tuple(model.lm_head.weight.shape)
+    assert all(m.packed is None for m in projections)  # nothing outlives the loop
+
+
+def test_frozen_weights_are_never_packed(tiny_ckpt, monkeypatch):
+    model = _planned_model(tiny_ckpt, packing_after=1)
+    frozen = model.layers[0].mlp.up_proj
+    frozen.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)
+    packed_shapes = _record_packs(monkeypatch)
+    _generate(model, new=3)
+    trainable = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear) and m.weight.requires_grad]
+    assert len(packed_shapes) == len(trainable)  # neither the frozen projection nor the frozen head
+
+
+def test_packed_decoding_samples_what_the_plain_weights_sample(tiny_ckpt):
+    packed = _generate(_planned_model(tiny_ckpt, packing_after=1), new=8)
+    plain = _generate(_planned_model(tiny_ckpt, packing_after=0), new=8)  # 0: never packed
+    assert packed.completion_ids == plain.completion_ids
+    for a, b in zip(packed.logprobs, plain.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_packed_weights_are_not_used_with_gradients_on(tiny_ckpt):
+    """A projection holding a packed weight still trains through its Parameter (autograd path)."""
+    model = _planned_model(tiny_ckpt, packing_after=1)
+    layer = model.layers[0].mlp.up_proj
+    layer.packed = onednn.pack(torch.zeros_like(layer.weight), 8)  # a stale packing: must be ignored
+    x = torch.randn(2, 3, layer.in_features)
+    y = layer(x)
+    torch.testing.assert_close(y, x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert layer.weight.grad is not None
+    with torch.no_grad():
+        assert torch.count_nonzero(layer(x)) == 0  # without gradients the packed weight is what runs
+    layer.packed = None
