@@ -2,9 +2,10 @@
 
 Both engines get the same P chat-templated prompts (~100-150 tokens), G samples each, exactly T new tokens
 (EOS ignored: no stop ids for ours, min_new_tokens=T for HF), pure sampling (temperature 1, top_k 0,
-top_p 1), fp32 on CPU. We print tokens/s for both and the ratio, and how close ours gets to this machine's
-matmul-bound limit: FLOPs of our generation (2 x matmul params per token through the layers and LM head,
-plus attention scores) over the time, against a large fp32 matmul's FLOP rate measured here.
+top_p 1), fp32 on CPU; ours with the kernel plan the trainer uses (kernels/select.py). We print tokens/s for
+both and the ratio, and how close ours gets to this machine's matmul-bound limit: FLOPs of our generation
+(2 x matmul params per token through the layers and LM head, plus attention scores) over the time, against a
+large fp32 matmul's FLOP rate measured here.
 
     PYTHONPATH=. python benchmarks/generate_vs_hf.py [--threads 2] [--repeats 1] [--skip-tiny]
         [--models qwen2-100m qwen2-100m-tied tiny-demo smollm2-135m]
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_engine.bench.generate import bench_prompts
+from grpo_engine.kernels import apply_kernels
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.model.tiny import make_tiny_checkpoint
 from grpo_engine.model.tokenizer import load_tokenizer
@@ -90,7 +92,7 @@ def generation_flops(model, prompt_lens: list[int], group: int, new: int) -> flo
 
 
 def time_ours(path: Path, prompts, group: int, new: int) -> tuple[float, int, object]:
-    model = load_model(path, dtype=torch.float32)
+    model = apply_kernels(load_model(path, dtype=torch.float32))  # the kernel plan the trainer runs with
     params = SamplingParams(n=group, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
                             stop_token_ids=[], max_tokens_in_flight=None)
     generate(model, prompts, SamplingParams(n=group, max_new_tokens=2, max_tokens_in_flight=None))  # warm-up
