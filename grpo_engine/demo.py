@@ -82,7 +82,7 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
     from .model.hf_io import load_model
     from .model.tokenizer import load_tokenizer
 
-    model, tok = apply_kernels(load_model(model_dir)), load_tokenizer(model_dir)
+    model, tok = apply_kernels(load_model(model_dir).requires_grad_(False)), load_tokenizer(model_dir)  # inference only
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=256)
     # with tools: greedy trajectories through the training rollout's code path; length = the policy's tokens

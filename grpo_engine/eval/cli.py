@@ -275,4 +275,5 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
         raise CheckpointError(f"{e}{hint}") from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return apply_kernels(load_model(model_dir, dtype=getattr(torch, dtype), device=device)), tok
+    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device).requires_grad_(False)
+    return apply_kernels(model), tok  # frozen: inference only, and decode keeps one copy of the weights

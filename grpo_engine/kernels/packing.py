@@ -7,9 +7,10 @@ products of 32 rows of a 135M model and its LM head (docs/benchmarks.md). Packin
 time and memory, so the kernel plan (select.py) measures, per weight shape, from how many decode steps it pays,
 and a weight is packed only for loops at least that long.
 
-Memory: the packed copies live only during generation, and only weights that train are packed: their gradients,
-freed before the rollout, are at least as large as the copies, so packing does not raise a step's peak. Frozen
-weights (LoRA bases, a reference model) are never packed.
+Memory: the packed copies live only during generation, and only weights that require gradients are packed: in
+training their gradients, freed before the rollout, are at least as large as the copies, so packing does not
+raise a step's peak. Frozen weights (LoRA bases, a reference model, a model loaded for `grpo eval`) are never
+packed, so an inference-only process keeps one copy of its weights.
 """
 
 from __future__ import annotations

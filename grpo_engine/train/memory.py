@@ -83,14 +83,16 @@ def mmapped_allocations(enabled: bool) -> Iterator[None]:
     the update's changing shapes leave freed holes that later requests do not fit; the heap's resident size
     then grows step after step (~0.5 GB over 20 steps of the real-model recipe) while live tensors stay the
     same. Inside, what free heap chunks cannot serve is mmapped rather than grown into the heap; mmapped
-    blocks cost page faults instead (memory.cpu_update_mmap). Outside the block the threshold is fixed at
-    glibc's own maximum and freed heap pages are released (malloc_trim).
+    blocks cost page faults instead (memory.cpu_update_mmap). Freed heap pages are released on entry (the
+    rollout's freed holes: decode's packed weights, kernels/packing.py, are ~one weight copy) and on exit, where
+    the threshold is also fixed at glibc's own maximum (malloc_trim).
     No-op when disabled or when the C library is not glibc.
     """
     libc = _glibc() if enabled else None
     if libc is None:
         yield
         return
+    libc.malloc_trim(0)
     libc.mallopt(M_MMAP_THRESHOLD, MIB)
     try:
         yield

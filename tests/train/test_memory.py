@@ -132,6 +132,36 @@ def test_update_allocations_are_mmapped_inside_the_block_only():
     assert grown_after < size, grown_after
 
 
+TRIM_PROBE = """
+import ctypes, os, torch
+from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, mmapped_allocations
+libc = ctypes.CDLL("libc.so.6")
+libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)  # as after an update: a few MB come from the heap
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+held = [torch.ones(2 * 1024 * 1024, dtype=torch.uint8) for _ in range(40)]  # 80 MiB of heap, touched
+pin = torch.ones(2 * 1024 * 1024, dtype=torch.uint8)  # above them: the heap top cannot shrink on its own
+del held
+before = rss()
+with mmapped_allocations(True):
+    inside = rss()
+print(before - inside)
+"""
+
+
+def test_update_block_releases_the_freed_heap_pages_of_the_rollout():
+    """memory.cpu_update_mmap: the heap chunks the rollout freed (decode's packed weights) are given back to the
+    OS when the update starts, instead of staying resident under the update's own (mmapped) allocations."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("needs glibc (mallopt, malloc_trim)")
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    released = int(out.stdout.split()[-1])
+    assert released >= 60 * 1024 * 1024, released
+
+
 def test_step_frees_the_gradients_before_the_next_rollout(tiny_ckpt, monkeypatch):
     """After a GRPO step (which did update the weights) no parameter holds a gradient: the rollout that follows
     does not carry a copy of the weights' size."""
