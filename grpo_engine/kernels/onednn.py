@@ -48,7 +48,7 @@ MIN_WEIGHT_NUMEL = 1 << 18  # without a plan: below ~1 MB of weight the call ove
 
 def chosen_for(weight: torch.Tensor) -> bool:
     """The active plan's choice for this weight's shape; without a plan, a size threshold."""
-    plan = _active.get("plan")
+    plan = active_plan()
     if plan is None:
         return weight.numel() >= MIN_WEIGHT_NUMEL
     return plan.backend(tuple(weight.shape)) == "onednn"
