@@ -71,16 +71,22 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, D] (computed in fp32, cast like HF does)."""
+    """positions [B, T] -> cos, sin [B, T, 1, D] (computed in fp32, cast like HF does), with the first half of
+    sin negated: apply_rope folds rotate_half's sign into it."""
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    c, s = freqs.cos(), freqs.sin()
+    cos, sin = torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)  # [B, T, D]
+    return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; rotate-half convention of the HF checkpoints."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x [B, T, H, D] -> x * cos + rotate_half(x) * sin_hf, the rotate-half convention of the HF checkpoints.
+
+    rotate_half(x) = cat(-x2, x1) is roll(x, D/2) = cat(x2, x1) with the first half's sign flipped, and that sign
+    is already in `sin` (rope_cos_sin): one roll and a fused multiply-add instead of a negation, a concatenation
+    and two products, in the projections' own contiguous [B, T, H, D] layout (fewer passes forward and backward).
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -118,12 +124,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # [B, T, Hkv, D]
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
