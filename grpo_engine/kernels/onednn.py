@@ -15,16 +15,22 @@ active; before that, by a size threshold.
 `pack` reorders a weight into oneDNN's blocked layout once, so that the products of a decode loop (same weights,
 a few dozen rows, every step) skip the reorder oneDNN otherwise does on every call; kernels/packing.py decides
 when that pays.
+
+Inside `weight_grads_in_place`, the weight gradient of a shape the plan marks "inplace" is added straight into
+weight.grad by one GEMM with accumulation (torch's addmm_) instead of being returned to autograd, which would
+allocate a fresh [out, in] gradient per micro-batch (page-faulted in on the CPU) and add it in a second pass.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 _state: dict[str, bool] = {}
-_active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran
+_active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
 
 
 def op_works() -> bool:
@@ -113,13 +119,53 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
 
+@contextmanager
+def weight_grads_in_place(enabled: bool = True) -> Iterator[None]:
+    """Inside (when enabled): the weight gradients of OneDNNLinear products whose shape the active plan marks
+    "inplace" accumulate directly into weight.grad and autograd sees none for them.
+
+    For the trainer's gradient-accumulation passes only: autograd hooks on those weights do not fire and
+    torch.autograd.grad gets no weight gradient, so sharded training (FSDP2), which reduces gradients from
+    hooks, must not enable it; the engine's own data parallelism sums .grad after the pass and may."""
+    before = _active.get("in_place", False)
+    _active["in_place"] = enabled
+    try:
+        yield
+    finally:
+        _active["in_place"] = before
+
+
+def _grad_in_place(weight: torch.Tensor | None) -> bool:
+    """Whether this weight's gradient goes straight into weight.grad (see weight_grads_in_place); None: not a
+    trainable parameter."""
+    plan = active_plan()
+    if not _active.get("in_place") or plan is None or weight is None:
+        return False
+    if not plan.grad_in_place(tuple(weight.shape)):
+        return False
+    g = weight.grad
+    return g is None or (g.layout == torch.strided and g.dtype == weight.dtype and g.is_contiguous())
+
+
+def _accumulate_weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
+    """weight.grad += grad_y^T x ([N, M] @ [M, K]), or = when there is none yet."""
+    if weight.grad is None:
+        weight.grad = torch.mm(grad_y.t(), x)
+    else:
+        weight.grad.addmm_(grad_y.t(), x)
+
+
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN."""
+    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN; the weight gradient
+    straight into weight.grad instead where `weight_grads_in_place` and the plan say so."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # x [M, K], weight [N, K], bias [N] | None -> [M, N]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        # the parameter itself: what saved_tensors gives back under activation checkpointing is a detached
+        # recomputed alias, whose .grad is not the parameter's
+        ctx.param = weight if weight.is_leaf and weight.requires_grad else None
         return _op(x, weight, bias)
 
     @staticmethod
@@ -127,7 +173,11 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         grad_x = _op(grad_y, weight.t()) if need_x else None  # [M, N] @ [N, K]
-        grad_w = _op(grad_y.t(), x.t()) if need_w else None  # [N, M] @ [M, K]
+        grad_w = None
+        if need_w and _grad_in_place(ctx.param):
+            _accumulate_weight_grad(ctx.param, grad_y, x)
+        elif need_w:
+            grad_w = _op(grad_y.t(), x.t())  # [N, M] @ [M, K]
         grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b
 

@@ -5,10 +5,12 @@ Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on s
 some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
 every distinct weight shape of the model, both are timed on a few representative products and the faster
 one is kept; for the oneDNN weights, whether packing them for a decode loop pays and from how many decode steps
-(packing.py). The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan
-is cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and
-every checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
-uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
+(packing.py), and whether their training gradient is faster accumulated in place (onednn.weight_grads_in_place)
+than made by oneDNN and added. The thread count is measured first (threads.py) and the GEMMs are timed at that
+count. The plan is cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run
+folder and every checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and
+repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its
+thread count.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ class KernelPlan:
     # "out x in" of a oneDNN weight -> decode steps from which packing it for a decode loop pays (packing.py);
     # shapes not listed are never packed
     decode_packing: dict[str, int] = field(default_factory=dict)
+    # "out x in" of a oneDNN weight -> how its gradient is summed over micro-batches: "inplace" (one GEMM that
+    # accumulates into .grad) or "onednn" (a oneDNN product handed to autograd, which adds it)
+    weight_grad: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
+
+    def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
+        return self.weight_grad.get(shape_key(weight_shape)) == "inplace"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -58,7 +66,8 @@ class KernelPlan:
         return cls(str(data["cpu"]), str(data["torch"]), int(data["threads"]),
                    {str(k): str(v) for k, v in data["gemm"].items()}, source,
                    {str(k): str(v) for k, v in data.get("attention", {}).items()},  # (older plans: SDPA)
-                   {str(k): int(v) for k, v in data.get("decode_packing", {}).items()})  # (older: no packing)
+                   {str(k): int(v) for k, v in data.get("decode_packing", {}).items()},  # (older: no packing)
+                   {str(k): str(v) for k, v in data.get("weight_grad", {}).items()})  # (older: via autograd)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -200,6 +209,17 @@ def measure_packing(out_features: int, in_features: int) -> int:
 PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
 
 
+def measure_weight_grad(out_features: int, in_features: int) -> str:
+    """How a oneDNN weight's gradient is best summed over micro-batches of ROWS[1] tokens: "inplace" (torch's
+    addmm_ into the gradient) when it is at least as fast as "onednn" (oneDNN's product, then an add)."""
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(ROWS[1], in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
+    acc = torch.zeros(out_features, in_features)
+    in_place = best_time(lambda: acc.addmm_(gy.t(), x), 5)
+    separate = best_time(lambda: acc.add_(onednn.onednn_linear(gy.t(), x.t())), 5)
+    return "inplace" if in_place <= separate else "onednn"
+
+
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
                      threads: int) -> bool:
     """Measure into `cache` what its entries under `key` lack for these shapes and this attention, at `threads`.
@@ -209,7 +229,10 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
     attention_missing = attention is not None and attention not in known_attention
     packing = cache.setdefault(f"decode packing | {key}", {}) if onednn.pack_works() else {}
-    if not (missing or attention_missing or any(shape_key(s) not in packing for s in shapes)):
+    grads = cache.setdefault(f"weight grad | {key}", {})
+    per_weight = [(packing, measure_packing, 0)] if onednn.pack_works() else []
+    per_weight.append((grads, measure_weight_grad, "torch"))
+    if not (missing or attention_missing or any(shape_key(s) not in d for d, _, _ in per_weight for s in shapes)):
         return False
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
@@ -217,10 +240,10 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
         known.update(measure_plan(missing, threads).gemm)
         if attention_missing:
             known_attention[attention] = measure_attention(attention)
-        if onednn.pack_works():
-            for s in shapes:  # only oneDNN weights can be packed; the others are recorded as never
-                if shape_key(s) not in packing:
-                    packing[shape_key(s)] = measure_packing(*s) if known[shape_key(s)] == "onednn" else 0
+        for entries, measure, for_torch in per_weight:  # what only oneDNN weights have; the others get for_torch
+            for s in shapes:
+                if shape_key(s) not in entries:
+                    entries[shape_key(s)] = measure(*s) if known[shape_key(s)] == "onednn" else for_torch
     finally:
         torch.set_num_threads(previous)
     return True
@@ -228,8 +251,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
-    decode attention and which weights a decode loop packs, at that count; from the cache when everything is
-    there, else measured (only what is missing) and cached."""
+    decode attention, which weights a decode loop packs and how weight gradients are summed, at that count; from
+    the cache when everything is there, else measured (only what is missing) and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
@@ -248,8 +271,9 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
     steps = cache.get(f"decode packing | {key}", {})
     packing = {k: int(steps[k]) for k in keys if steps.get(k)}
+    grads = {k: cache[f"weight grad | {key}"][k] for k in keys if gemm[k] == "onednn"}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing)
+                      packing, grads)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

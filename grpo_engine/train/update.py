@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.onednn import weight_grads_in_place
 from ..rl.logprobs import token_logprobs, token_logprobs_with_grads
 from ..rl.losses import LossConfig, is_tokenwise, policy_loss
 from .batching import RolloutBatch, plan_micro_batches
@@ -313,7 +314,8 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
     stats, grad_norm = None, math.nan
     for _ in range(s.mu):
         optimizer.zero_grad(set_to_none=True)
-        with accumulating(model, world):
+        # fsdp2 reduces gradients from autograd hooks, which a gradient written straight into .grad would bypass
+        with accumulating(model, world), weight_grads_in_place(world.strategy != "fsdp2"):
             if batch is not None:
                 stats, micro_tokens = run_pass(model, batch, s, micro_tokens, message, totals, world.size == 1)
             elif world.size == 1:  # no row carries gradient (every advantage 0): the loss is 0 and the optimizer

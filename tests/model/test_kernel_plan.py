@@ -30,6 +30,8 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_attention", lambda key: attention_calls.append(key) or "grouped")
     packing_calls = []
     monkeypatch.setattr(select, "measure_packing", lambda *shape: packing_calls.append(shape) or 7)
+    grad_calls = []
+    monkeypatch.setattr(select, "measure_weight_grad", lambda *shape: grad_calls.append(shape) or "inplace")
     monkeypatch.setattr(onednn, "op_works", lambda: True)
     monkeypatch.setattr(onednn, "pack_works", lambda: True)
     cache = tmp_path / "kernels.json"
@@ -40,17 +42,20 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     heads = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
     assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
     assert packing_calls == [shapes[0]] and plan.decode_packing == {shape_key(shapes[0]): 7}  # oneDNN weights only
+    assert grad_calls == [shapes[0]] and plan.weight_grad == {shape_key(shapes[0]): "inplace"}
+    assert plan.grad_in_place(shapes[0]) and not plan.grad_in_place(shapes[1])
     stored = json.loads(cache.read_text())
-    key = next(k for k in stored if not k.startswith("decode "))
+    key = next(k for k in stored if not k.startswith(("decode ", "weight ")))
     attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
     assert select.cpu_model() in key and torch.__version__ in key and stored[key] == plan.gemm
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
     assert packing_key == f"decode packing | {key}"  # torch weights recorded as never packed (0)
     assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
+    assert stored[f"weight grad | {key}"] == {shape_key(s): "inplace" if s == shapes[0] else "torch" for s in shapes}
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
-    assert again.decode_packing == plan.decode_packing
-    assert (len(calls), len(attention_calls), len(packing_calls)) == (len(shapes), 1, 1)  # nothing re-measured
+    assert (again.decode_packing, again.weight_grad) == (plan.decode_packing, plan.weight_grad)
+    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (len(shapes), 1, 1, 1)
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
@@ -162,3 +167,18 @@ def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(secon
     timed = iter(seconds)
     monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
     assert select.measure_packing(48, 32) == steps
+
+
+@pytest.mark.parametrize("seconds,choice", [((1.0, 1.2), "inplace"), ((1.0, 1.0), "inplace"), ((1.3, 1.0), "onednn")])
+def test_weight_gradients_accumulate_in_place_when_that_is_at_least_as_fast(seconds, choice, monkeypatch):
+    """measure_weight_grad times (addmm_ into the gradient, oneDNN's product then an add)."""
+    timed = iter(seconds)
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+    assert select.measure_weight_grad(48, 32) == choice
+
+
+def test_plans_written_before_weight_gradients_were_planned_accumulate_through_autograd():
+    older = {"cpu": "c", "torch": "t", "threads": 2, "gemm": {"48x32": "onednn"}, "decode_packing": {"48x32": 9}}
+    plan = KernelPlan.from_json(json.dumps(older), "checkpoint")
+    assert plan.weight_grad == {} and not plan.grad_in_place((48, 32)) and plan.decode_packing == {"48x32": 9}
+    assert KernelPlan.from_json(plan.to_json(), "checkpoint") == plan

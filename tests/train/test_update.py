@@ -232,3 +232,36 @@ def test_an_update_without_rows_still_steps_the_optimizer(tiny_ckpt):
         weights[drop] = {n: p.detach().clone() for n, p in model.named_parameters()}
     for name, w in weights[False].items():
         torch.testing.assert_close(weights[True][name], w, rtol=0, atol=0)
+
+
+def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_weight_as_float64(tiny_ckpt_factory,
+                                                                                              monkeypatch):
+    """The trainer's update accumulates the planned oneDNN weights' gradients in place (onednn.weight_grads_in_place);
+    with shared prompts, several micro-batches and activation checkpointing, one SGD step (lr 1, w - grad) moves
+    every weight as float64 autograd's gradient says."""
+    import copy
+
+    from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, apply_kernels, onednn
+    from grpo_engine.kernels.select import shape_key, weight_shapes
+    from grpo_engine.train.update import UpdateSettings, update_policy
+
+    if not onednn.op_works():
+        pytest.skip("this torch build has no oneDNN linear op")
+    model = load_model(tiny_ckpt_factory("qwen2-tied"))
+    reference = copy.deepcopy(model).double()
+    batch = _grouped_batch(model.config.vocab_size, share=True)
+    cfg = LossConfig(loss="dapo")
+    accumulate_gradients(reference, batch, cfg, 16, temperature=1.0, chunk_size=3)
+    shapes = [shape_key(s) for s in weight_shapes(model)]
+    apply_kernels(model, KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+                                    weight_grad=dict.fromkeys(shapes, "inplace")))
+    apply_activation_checkpointing(model, every=1).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    in_place, real = [], onednn._accumulate_weight_grad
+    monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *a: in_place.append(w) or real(w, *a))
+    settings = UpdateSettings(cfg, mu=1, grad_clip=0.0, temperature=1.0, chunk_size=3, auto_halve=False)
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, settings, 16)
+    assert len({id(w) for w in in_place}) == 7 * model.config.num_hidden_layers  # every projection, in place
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close((before[name] - dict(model.named_parameters())[name]).double(), p.grad,
+                                   rtol=1e-4, atol=1e-6, msg=name)

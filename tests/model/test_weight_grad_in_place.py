@@ -1,0 +1,75 @@
+"""onednn.weight_grads_in_place: weight gradients summed over micro-batches by one accumulating GEMM straight into
+.grad -- the same gradients as autograd's, only for the weights the plan marks, only inside the context."""
+
+import copy
+
+import pytest
+import torch
+
+from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, apply_kernels, onednn
+from grpo_engine.kernels.select import shape_key, weight_shapes
+from grpo_engine.model.hf_io import load_model
+
+pytestmark = pytest.mark.skipif(not onednn.op_works(), reason="this torch build has no oneDNN linear op")
+
+
+def _planned(model, in_place: set[str]):
+    """Every weight on oneDNN; the gradients of the shapes in `in_place` accumulated in place."""
+    shapes = [shape_key(s) for s in weight_shapes(model)]
+    grads = {k: "inplace" if k in in_place else "onednn" for k in shapes}
+    return apply_kernels(model, KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+                                           weight_grad=grads))
+
+
+def _two_micro_batches(model):
+    """Gradient accumulation over two micro-batches of different lengths (one loss each)."""
+    g = torch.Generator().manual_seed(3)
+    for rows, length in ((3, 9), (2, 6)):
+        ids = torch.randint(0, 256, (rows, length), generator=g)
+        logits = model(ids)  # [rows, length, V]
+        torch.log_softmax(logits.double(), -1)[..., :7].sum().backward()
+
+
+@pytest.mark.parametrize("arch,checkpointing", [("qwen2", 0), ("llama3", 0), ("qwen2", 1)])  # qwen2: q/k/v biases
+def test_in_place_gradients_match_float64_autograd(tiny_ckpt_factory, arch, checkpointing):
+    """With activation checkpointing the backward's saved weight is a recomputed alias: the gradient must still
+    land in the parameter's .grad."""
+    model = load_model(tiny_ckpt_factory(arch))
+    reference = copy.deepcopy(model).double()  # float64: nn.Linear products, autograd's accumulation
+    _two_micro_batches(reference)
+    model = apply_activation_checkpointing(_planned(model, {shape_key(s) for s in weight_shapes(model)}),
+                                           every=checkpointing).train()  # checkpointing acts in training mode
+    with onednn.weight_grads_in_place():
+        _two_micro_batches(model)
+    got = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert got[name].grad is not None, name
+        torch.testing.assert_close(got[name].grad.double(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_only_planned_weights_inside_the_context_accumulate_in_place(tiny_ckpt, monkeypatch):
+    model = load_model(tiny_ckpt)
+    up, q = model.layers[0].mlp.up_proj.weight, model.layers[0].attn.q_proj.weight
+    assert up.shape != q.shape
+    model = _planned(model, {shape_key(tuple(up.shape))})
+    in_place = []
+    real = onednn._accumulate_weight_grad
+    monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *a: in_place.append(w) or real(w, *a))
+    _two_micro_batches(model)  # outside: autograd sums every weight's gradient
+    assert in_place == []
+    with onednn.weight_grads_in_place():
+        _two_micro_batches(model)
+    assert sum(w is up for w in in_place) == 2 and not any(w is q for w in in_place)
+    assert {tuple(w.shape) for w in in_place} == {tuple(up.shape)}
+    in_place.clear()
+    with onednn.weight_grads_in_place(enabled=False):  # the trainer's switch under fsdp2
+        _two_micro_batches(model)
+    assert in_place == []
+
+
+def test_autograd_grad_outside_the_context_still_returns_weight_gradients(tiny_ckpt):
+    model = _planned(load_model(tiny_ckpt), {shape_key(s) for s in weight_shapes(load_model(tiny_ckpt))})
+    w = model.layers[0].mlp.down_proj.weight
+    loss = model(torch.tensor([[1, 2, 3, 4]])).square().mean()
+    (grad,) = torch.autograd.grad(loss, [w])
+    assert grad is not None and grad.shape == w.shape and w.grad is None
