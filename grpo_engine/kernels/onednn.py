@@ -155,36 +155,42 @@ def _accumulate_weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch
         weight.grad.addmm_(grad_y.t(), x)
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, on_onednn: bool) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T on oneDNN or torch's GEMM (either may be a transposed view)."""
+    return _op(x, weight) if on_onednn else torch.mm(x, weight.t())
+
+
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN; the weight gradient
-    straight into weight.grad instead where `weight_grads_in_place` and the plan say so."""
+    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN (on_onednn) or torch's
+    GEMM; the weight gradient straight into weight.grad instead where `weight_grads_in_place` and the plan say so."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):  # x [M, K], weight [N, K], bias [N] | None -> [M, N]
+    def forward(ctx, x, weight, bias, on_onednn):  # x [M, K], weight [N, K], bias [N] | None -> [M, N]
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.on_onednn = bias is not None, on_onednn
         # the parameter itself: what saved_tensors gives back under activation checkpointing is a detached
         # recomputed alias, whose .grad is not the parameter's
         ctx.param = weight if weight.is_leaf and weight.requires_grad else None
-        return _op(x, weight, bias)
+        return _op(x, weight, bias) if on_onednn else torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):  # [M, N]
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
-        grad_x = _op(grad_y, weight.t()) if need_x else None  # [M, N] @ [N, K]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = _product(grad_y, weight.t(), ctx.on_onednn) if need_x else None  # [M, N] @ [N, K]
         grad_w = None
         if need_w and _grad_in_place(ctx.param):
             _accumulate_weight_grad(ctx.param, grad_y, x)
         elif need_w:
-            grad_w = _op(grad_y.t(), x.t())  # [N, M] @ [M, K]
+            grad_w = _product(grad_y.t(), x.t(), ctx.on_onednn)  # [N, M] @ [M, K]
         grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 class OneDNNLinear(torch.nn.Linear):
     """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
-    weight is big enough to gain; anything else (CUDA, bf16, tiny weights, no oneDNN) is nn.Linear itself.
+    plan chooses it, and whose training weight gradient accumulates in place where the plan says so (on either
+    GEMM); anything else (CUDA, bf16, no oneDNN) is nn.Linear itself.
     `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place. Inside a decode loop
     `packed` holds the weight packed by `pack` (kernels/packing.py sets and clears it), used without gradients."""
 
@@ -194,6 +200,13 @@ class OneDNNLinear(torch.nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if self.packed is not None and not torch.is_grad_enabled():
             return packed_linear(x2, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
-        if not applies(x2, self.weight):
+        on_onednn = applies(x2, self.weight)
+        if not (on_onednn or self._torch_grad_in_place(x2)):
             return super().forward(x)
-        return _LinearFn.apply(x2, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+        return _LinearFn.apply(x2, self.weight, self.bias, on_onednn).view(*x.shape[:-1], self.out_features)
+
+    def _torch_grad_in_place(self, x2: torch.Tensor) -> bool:
+        """A product on torch's GEMM whose weight gradient is to be accumulated in place (fp32 CPU training)."""
+        w = self.weight
+        return (torch.is_grad_enabled() and w.requires_grad and x2.device.type == "cpu"
+                and x2.dtype == w.dtype == torch.float32 and _grad_in_place(w))

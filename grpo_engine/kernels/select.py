@@ -1,16 +1,15 @@
 """Which GEMM runs each weight shape, which attention a decode step uses, and how many threads: chosen by measuring
 on the machine that runs them.
 
-Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on
-some Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for
-every distinct weight shape of the model, both are timed on a few representative products and the faster
-one is kept; for the oneDNN weights, whether packing them for a decode loop pays and from how many decode steps
-(packing.py), and whether their training gradient is faster accumulated in place (onednn.weight_grads_in_place)
-than made by oneDNN and added. The thread count is measured first (threads.py) and the GEMMs are timed at that
-count. The plan is cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run
-folder and every checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and
-repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its
-thread count.
+Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
+Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
+weight shape of the model, both are timed on a few representative products and the faster one is kept; for the
+oneDNN weights, whether packing them for a decode loop pays and from how many decode steps (packing.py); for every
+weight, whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
+GEMM and added. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan is
+cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and every
+checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
+uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ class KernelPlan:
     # "out x in" of a oneDNN weight -> decode steps from which packing it for a decode loop pays (packing.py);
     # shapes not listed are never packed
     decode_packing: dict[str, int] = field(default_factory=dict)
-    # "out x in" of a oneDNN weight -> how its gradient is summed over micro-batches: "inplace" (one GEMM that
-    # accumulates into .grad) or "onednn" (a oneDNN product handed to autograd, which adds it)
+    # "out x in" -> how a weight's gradient is summed over micro-batches: "inplace" (one GEMM that accumulates
+    # into .grad) or its `gemm` backend's name (that product handed to autograd, which adds it)
     weight_grad: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
@@ -209,15 +208,16 @@ def measure_packing(out_features: int, in_features: int) -> int:
 PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
 
 
-def measure_weight_grad(out_features: int, in_features: int) -> str:
-    """How a oneDNN weight's gradient is best summed over micro-batches of ROWS[1] tokens: "inplace" (torch's
-    addmm_ into the gradient) when it is at least as fast as "onednn" (oneDNN's product, then an add)."""
+def measure_weight_grad(out_features: int, in_features: int, backend: str) -> str:
+    """How a weight's gradient is best summed over micro-batches of ROWS[1] tokens: "inplace" (torch's addmm_ into
+    the gradient) when it is at least as fast as `backend`'s product ("onednn" | "torch") followed by an add."""
     g = torch.Generator().manual_seed(0)
     x, gy = torch.randn(ROWS[1], in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
     acc = torch.zeros(out_features, in_features)
     in_place = best_time(lambda: acc.addmm_(gy.t(), x), 5)
-    separate = best_time(lambda: acc.add_(onednn.onednn_linear(gy.t(), x.t())), 5)
-    return "inplace" if in_place <= separate else "onednn"
+    product = (lambda: onednn.onednn_linear(gy.t(), x.t())) if backend == "onednn" else (lambda: gy.t() @ x)
+    separate = best_time(lambda: acc.add_(product()), 5)
+    return "inplace" if in_place <= separate else backend
 
 
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
@@ -230,9 +230,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     attention_missing = attention is not None and attention not in known_attention
     packing = cache.setdefault(f"decode packing | {key}", {}) if onednn.pack_works() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
-    per_weight = [(packing, measure_packing, 0)] if onednn.pack_works() else []
-    per_weight.append((grads, measure_weight_grad, "torch"))
-    if not (missing or attention_missing or any(shape_key(s) not in d for d, _, _ in per_weight for s in shapes)):
+    lacking = lambda entries: [s for s in shapes if shape_key(s) not in entries]  # noqa: E731
+    if not (missing or attention_missing or lacking(grads) or (onednn.pack_works() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
@@ -240,10 +239,10 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
         known.update(measure_plan(missing, threads).gemm)
         if attention_missing:
             known_attention[attention] = measure_attention(attention)
-        for entries, measure, for_torch in per_weight:  # what only oneDNN weights have; the others get for_torch
-            for s in shapes:
-                if shape_key(s) not in entries:
-                    entries[shape_key(s)] = measure(*s) if known[shape_key(s)] == "onednn" else for_torch
+        for s in lacking(grads):
+            grads[shape_key(s)] = measure_weight_grad(*s, known[shape_key(s)])
+        for s in lacking(packing) if onednn.pack_works() else []:  # only oneDNN weights pack; the others: never
+            packing[shape_key(s)] = measure_packing(*s) if known[shape_key(s)] == "onednn" else 0
     finally:
         torch.set_num_threads(previous)
     return True
@@ -271,7 +270,7 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
     steps = cache.get(f"decode packing | {key}", {})
     packing = {k: int(steps[k]) for k in keys if steps.get(k)}
-    grads = {k: cache[f"weight grad | {key}"][k] for k in keys if gemm[k] == "onednn"}
+    grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
                       packing, grads)
 

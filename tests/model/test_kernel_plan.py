@@ -31,7 +31,9 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     packing_calls = []
     monkeypatch.setattr(select, "measure_packing", lambda *shape: packing_calls.append(shape) or 7)
     grad_calls = []
-    monkeypatch.setattr(select, "measure_weight_grad", lambda *shape: grad_calls.append(shape) or "inplace")
+    monkeypatch.setattr(select, "measure_weight_grad",  # in place for the torch weights, not for the oneDNN one
+                        lambda o, i, backend: grad_calls.append((o, i, backend)) or ("inplace" if backend == "torch"
+                                                                                       else backend))
     monkeypatch.setattr(onednn, "op_works", lambda: True)
     monkeypatch.setattr(onednn, "pack_works", lambda: True)
     cache = tmp_path / "kernels.json"
@@ -42,8 +44,9 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     heads = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
     assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
     assert packing_calls == [shapes[0]] and plan.decode_packing == {shape_key(shapes[0]): 7}  # oneDNN weights only
-    assert grad_calls == [shapes[0]] and plan.weight_grad == {shape_key(shapes[0]): "inplace"}
-    assert plan.grad_in_place(shapes[0]) and not plan.grad_in_place(shapes[1])
+    assert sorted(grad_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # each on its own GEMM
+    assert plan.weight_grad == {shape_key(s): "onednn" if s == shapes[0] else "inplace" for s in shapes}
+    assert not plan.grad_in_place(shapes[0]) and plan.grad_in_place(shapes[1])
     stored = json.loads(cache.read_text())
     key = next(k for k in stored if not k.startswith(("decode ", "weight ")))
     attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
@@ -51,11 +54,11 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
     assert packing_key == f"decode packing | {key}"  # torch weights recorded as never packed (0)
     assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
-    assert stored[f"weight grad | {key}"] == {shape_key(s): "inplace" if s == shapes[0] else "torch" for s in shapes}
+    assert stored[f"weight grad | {key}"] == plan.weight_grad
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
     assert (again.decode_packing, again.weight_grad) == (plan.decode_packing, plan.weight_grad)
-    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (len(shapes), 1, 1, 1)
+    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (len(shapes), 1, 1, len(shapes))
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
@@ -169,12 +172,13 @@ def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(secon
     assert select.measure_packing(48, 32) == steps
 
 
-@pytest.mark.parametrize("seconds,choice", [((1.0, 1.2), "inplace"), ((1.0, 1.0), "inplace"), ((1.3, 1.0), "onednn")])
-def test_weight_gradients_accumulate_in_place_when_that_is_at_least_as_fast(seconds, choice, monkeypatch):
-    """measure_weight_grad times (addmm_ into the gradient, oneDNN's product then an add)."""
+@pytest.mark.parametrize("seconds,in_place", [((1.0, 1.2), True), ((1.0, 1.0), True), ((1.3, 1.0), False)])
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_weight_gradients_accumulate_in_place_when_that_is_at_least_as_fast(seconds, in_place, backend, monkeypatch):
+    """measure_weight_grad times (addmm_ into the gradient, the weight's own GEMM then an add)."""
     timed = iter(seconds)
     monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
-    assert select.measure_weight_grad(48, 32) == choice
+    assert select.measure_weight_grad(48, 32, backend) == ("inplace" if in_place else backend)
 
 
 def test_plans_written_before_weight_gradients_were_planned_accumulate_through_autograd():

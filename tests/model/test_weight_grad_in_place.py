@@ -10,14 +10,12 @@ from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, appl
 from grpo_engine.kernels.select import shape_key, weight_shapes
 from grpo_engine.model.hf_io import load_model
 
-pytestmark = pytest.mark.skipif(not onednn.op_works(), reason="this torch build has no oneDNN linear op")
 
-
-def _planned(model, in_place: set[str]):
-    """Every weight on oneDNN; the gradients of the shapes in `in_place` accumulated in place."""
+def _planned(model, in_place: set[str], backend: str = "onednn"):
+    """Every weight on `backend`'s GEMM; the gradients of the shapes in `in_place` accumulated in place."""
     shapes = [shape_key(s) for s in weight_shapes(model)]
-    grads = {k: "inplace" if k in in_place else "onednn" for k in shapes}
-    return apply_kernels(model, KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+    grads = {k: "inplace" if k in in_place else backend for k in shapes}
+    return apply_kernels(model, KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, backend),
                                            weight_grad=grads))
 
 
@@ -30,17 +28,21 @@ def _two_micro_batches(model):
         torch.log_softmax(logits.double(), -1)[..., :7].sum().backward()
 
 
-@pytest.mark.parametrize("arch,checkpointing", [("qwen2", 0), ("llama3", 0), ("qwen2", 1)])  # qwen2: q/k/v biases
-def test_in_place_gradients_match_float64_autograd(tiny_ckpt_factory, arch, checkpointing):
-    """With activation checkpointing the backward's saved weight is a recomputed alias: the gradient must still
-    land in the parameter's .grad."""
+@pytest.mark.parametrize("arch,checkpointing,backend", [("qwen2", 0, "onednn"), ("llama3", 0, "onednn"),
+                                                         ("qwen2", 1, "onednn"), ("llama3", 1, "torch")])
+def test_in_place_gradients_match_float64_autograd(tiny_ckpt_factory, arch, checkpointing, backend, monkeypatch):
+    """On either GEMM (qwen2: q/k/v biases). With activation checkpointing the backward's saved weight is a
+    recomputed alias: the gradient must still land in the parameter's .grad."""
     model = load_model(tiny_ckpt_factory(arch))
     reference = copy.deepcopy(model).double()  # float64: nn.Linear products, autograd's accumulation
     _two_micro_batches(reference)
-    model = apply_activation_checkpointing(_planned(model, {shape_key(s) for s in weight_shapes(model)}),
+    model = apply_activation_checkpointing(_planned(model, {shape_key(s) for s in weight_shapes(model)}, backend),
                                            every=checkpointing).train()  # checkpointing acts in training mode
+    in_place, real = [], onednn._accumulate_weight_grad
+    monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *a: in_place.append(w) or real(w, *a))
     with onednn.weight_grads_in_place():
         _two_micro_batches(model)
+    assert len({id(w) for w in in_place}) == 7 * model.config.num_hidden_layers  # every projection
     got = dict(model.named_parameters())
     for name, p in reference.named_parameters():
         assert got[name].grad is not None, name
