@@ -210,7 +210,11 @@ PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer no
 
 def measure_weight_grad(out_features: int, in_features: int, backend: str) -> str:
     """How a weight's gradient is best summed over micro-batches of ROWS[1] tokens: "inplace" (torch's addmm_ into
-    the gradient) when it is at least as fast as `backend`'s product ("onednn" | "torch") followed by an add."""
+    the gradient) when it is at least as fast as `backend`'s product ("onednn" | "torch") followed by an add.
+    Small torch weights keep autograd's own path: their gradient temporary is under a megabyte, and in place they
+    would leave nn.Linear's native autograd for a Python-level autograd function, whose overhead is not timed here."""
+    if backend == "torch" and out_features * in_features < onednn.MIN_WEIGHT_NUMEL:
+        return backend
     g = torch.Generator().manual_seed(0)
     x, gy = torch.randn(ROWS[1], in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
     acc = torch.zeros(out_features, in_features)
