@@ -12,6 +12,9 @@ rope scaling, tied embeddings), never by subclasses. Attention goes through
   keys/values, then lets each completion attend to its prompt's (autograd sums the gradients back);
 * parity tests: HF-style `attention_mask` [B, T] for left- or right-padded batches.
 
+RMSNorm and SwiGLU run through two small autograd functions when gradients are taken: the same math, but they
+keep less for backward than autograd's graph of the same expressions (plan/memory.py counts what they keep).
+
 This file imports nothing from training code.
 """
 
@@ -93,6 +96,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Blocks
 
 
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * x / rms(x), 1 / rms(x) [..., 1]) as the HF reference computes it: normalised in (at least) fp32 and
+    cast back before the weight; float64 stays float64, so exactness tests in float64 keep their precision."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+    return weight * (xf * rstd).to(x.dtype), rstd
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm keeping only x and 1/rms for backward (autograd's graph of the same expression also keeps the
+    normalised x, in fp32 for bf16 inputs): one [tokens, d] tensor less per norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # x [..., d], weight [d]
+        y, rstd = _rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # [..., d]; in-place steps keep at most three [..., d] temporaries alive
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd  # [..., d], recomputed
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_y * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g = (grad_y * weight).to(rstd.dtype)  # d loss / d xhat
+            # d xhat_i / d x_j = rstd (delta_ij - xhat_i xhat_j / d)
+            m = (g * xhat).mean(-1, keepdim=True)  # [..., 1]
+            grad_x = g.sub_(xhat.mul_(m)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x); through _RMSNormFn only when a gradient is to be taken."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps)
+    return _rms_norm_forward(x, weight, eps)[0]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -100,11 +144,35 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in (at least) fp32 and cast back before the weight, as the HF reference does; float64
-        # stays float64 so that exactness tests in float64 are not limited by an fp32 round trip.
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for backward (autograd's graph keeps silu(gate) too): one
+    [tokens, intermediate] tensor less per block; backward recomputes silu(gate), one cheap pass."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate).mul_(up)  # one [..., inter] allocation, not two
+
+    @staticmethod
+    def backward(ctx, grad):  # [..., inter]
+        gate, up = ctx.saved_tensors
+        grad_gate = grad_up = None
+        if ctx.needs_input_grad[0]:
+            grad_gate = grad * up
+            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)  # in place, elementwise
+        if ctx.needs_input_grad[1]:
+            grad_up = F.silu(gate).mul_(grad)
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; through _SwiGLUFn only when a gradient is to be taken."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLUFn.apply(gate, up)
+    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -151,7 +219,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # SwiGLU
 
 
 class Block(nn.Module):

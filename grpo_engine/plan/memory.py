@@ -191,16 +191,18 @@ def optimizer_temp_bytes(cfg: ModelConfig, k: PlanInput) -> float:
 
 def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
     """Bytes autograd keeps per token per transformer block (no checkpointing), from transformer.py:
-    2 RMSNorms x (input, normed) = 4d; q, k, v after RoPE (saved by SDPA) + SDPA output + o_proj input
-    = 2 q + 2 kv; MLP: gate out, silu out, up out, product = 4 inter; bf16 norms also keep an fp32 copy of
-    their input (2 x d x 4 bytes, vs d x 2 counted); LoRA keeps its rank-r intermediate per target."""
+    2 RMSNorms x (input, output) = 4d (the norm's own backward keeps only its input and 1/rms); q, k, v after
+    RoPE and the SDPA output (saved by SDPA; o_proj's input is a view of that output, which SDPA lays out like q,
+    [B, T, H, D]) = 2 q + 2 kv;
+    MLP: gate out, up out (kept by the SwiGLU function) and their product (down_proj's input) = 3 inter; q/k
+    RMSNorms (Qwen3) keep their inputs, q + kv; LoRA keeps its rank-r intermediate per target. Small [T, 1]-like
+    tensors (1/rms, SDPA's log-sum-exp, the RoPE tables) are left out."""
     s = DTYPE_BYTES[k.precision]
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    elements = 4 * d + 2 * q + 2 * kv + 4 * i
-    fp32_norm_copies = 2 * d * (4 - s)
+    elements = 4 * d + 2 * q + 2 * kv + 3 * i + (q + kv if cfg.qk_norm else 0)
     lora = 4 * k.lora_rank * len(k.lora_targets) if k.mode != "full" else 0
-    return elements * s + fp32_norm_copies + lora
+    return elements * s + lora
 
 
 def layer_transient_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> float:
@@ -223,9 +225,9 @@ def resolve_checkpointing(cfg: ModelConfig, k: PlanInput, tokens: int) -> str:
     """The checkpointing a micro-batch of `tokens` runs with: the knob itself, or for "auto" "all" / "none" by
     AUTO_CHECKPOINT_SHARE and AUTO_CHECKPOINT_MIN_BYTES. Why a share of the state: checkpointing costs one more
     forward of the blocks, worth it where activations are a large part of the peak. SmolLM2-135M (30 blocks of
-    width 576, fp32, 1,024 tokens): 1.2 GB of activations against 2.1 GB of state -> "all"; the 100M Qwen2
-    shape with a 151,936 vocabulary (8 blocks of width 512): 0.3 GB against 1.6 GB -> "none" (its LM head, not
-    its blocks, dominates); the tiny demo model: 120 MiB against 10 MiB -> "none" (below the floor)."""
+    width 576, fp32, 1,024 tokens): 1.0 GB of activations against 2.1 GB of state -> "all"; the 100M Qwen2
+    shape with a 151,936 vocabulary (8 blocks of width 512): 0.25 GB against 1.6 GB -> "none" (its LM head, not
+    its blocks, dominates); the tiny demo model: 104 MiB against 10 MiB -> "none" (below the floor)."""
     if k.activation_checkpointing != "auto":
         return k.activation_checkpointing
     saved = cfg.num_hidden_layers * saved_bytes_per_token_layer(cfg, k) * tokens

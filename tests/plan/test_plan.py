@@ -216,6 +216,40 @@ if __name__ == "__main__":
     print(json.dumps(measure(sys.argv[1])))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
+def test_saved_bytes_per_token_equal_what_autograd_keeps(arch):
+    """saved_bytes_per_token_layer against the tensors autograd keeps for one block's backward (parameters and the
+    shared RoPE tables aside): the per-token tensors sum to the formula exactly; what it leaves out are [T, 1]-like
+    tensors (1/rms, SDPA's log-sum-exp) of at most 4 x (2 + 2 H + H_kv) bytes per token."""
+    import torch
+
+    from grpo_engine.model.tiny import init_weights
+    from grpo_engine.model.transformer import Transformer, rope_cos_sin, rope_inv_freq
+    from grpo_engine.plan.memory import saved_bytes_per_token_layer
+
+    cfg = tiny_config(arch, hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2)
+    model = Transformer(cfg)
+    init_weights(model, seed=0)
+    B, T = 2, 24
+    x = torch.randn(B, T, cfg.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg), torch.arange(T).expand(B, T), torch.float32)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[0](x, cos, sin, None, None, 0)
+    tokens, small = B * T, 4 * (2 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
+    per_token = [n for n in kept.values() if n > small * tokens]
+    assert sum(per_token) == saved_bytes_per_token_layer(cfg, PlanInput(precision="fp32")) * tokens
+    assert sum(kept.values()) - sum(per_token) <= small * tokens
+
+
 def test_auto_checkpointing_hand_computed():
     """auto -> "all" iff one micro-batch's saved activations are >= 1/4 of weights + grads + AdamW state and
     >= 256 MiB; values from the formulas' docstrings, by hand, fp32, 1,024 tokens, fused AdamW."""
@@ -224,21 +258,21 @@ def test_auto_checkpointing_hand_computed():
     k = PlanInput(precision="fp32", optimizer="adamw_fused", activation_checkpointing="auto")
     smollm = tiny_config("llama3", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
-    # per token per block: 4 x 576 + 2 x 576 + 2 x 192 + 4 x 1536 = 9,984 fp32 -> x 30 x 1,024 = 1,226,833,920 B;
-    # state: 134,515,008 params x 16 B = 2,152,240,128 B; share 0.57 -> all
+    # per token per block: 4 x 576 + 2 x 576 + 2 x 192 + 3 x 1536 = 8,448 fp32 -> x 30 x 1,024 = 1,038,090,240 B;
+    # state: 134,515,008 params x 16 B = 2,152,240,128 B; share 0.48 -> all
     assert param_counts(smollm)[0] == 134_515_008
     assert resolve_checkpointing(smollm, k, 1024) == "all"
-    # 1/4 of the state is 538,060,032 B = 449.1 tokens' worth of 30 blocks (1,198,080 B per token): 449 -> none
-    assert resolve_checkpointing(smollm, k, 449) == "none"
-    assert resolve_checkpointing(smollm, k, 450) == "all"
-    # the 100M Qwen2 shape: 8 x 8,960 x 4 x 1,024 = 293,601,280 B against 100,352,512 x 16 B: share 0.18 -> none
+    # 1/4 of the state is 538,060,032 B = 530.8 tokens' worth of 30 blocks (1,013,760 B per token): 530 -> none
+    assert resolve_checkpointing(smollm, k, 530) == "none"
+    assert resolve_checkpointing(smollm, k, 531) == "all"
+    # the 100M Qwen2 shape: 8 x 7,552 x 4 x 1,024 = 247,463,936 B against 100,352,512 x 16 B: share 0.15 -> none
     small = tiny_config("qwen2-tied", vocab_size=151936, hidden_size=512, intermediate_size=1408,
                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
     assert resolve_checkpointing(small, k, 1024) == "none"
     # a narrow, deep model with a huge micro-batch is over the share but under 256 MiB until enough tokens:
     tiny = tiny_config("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4)
-    per_token = 4 * (4 * 64 + 2 * 64 + 2 * 32 + 4 * 128) * 4  # 15,360 B over 4 blocks
-    floor_tokens = -(-256 * 1024**2 // per_token)  # 17,477
+    per_token = 4 * (4 * 64 + 2 * 64 + 2 * 32 + 3 * 128) * 4  # 13,312 B over 4 blocks
+    floor_tokens = -(-256 * 1024**2 // per_token)  # 20,165
     assert resolve_checkpointing(tiny, k, floor_tokens - 1) == "none"
     assert resolve_checkpointing(tiny, k, floor_tokens) == "all"
     for explicit in ("none", "all", "every_k"):  # never overridden

@@ -161,7 +161,7 @@ def test_preflight_through_grpo_train(tmp_path, monkeypatch, capsys):
                f"run_dir={tmp_path / 'run'}", f"task.data_path={tmp_path}", "memory.gpu_memory_gib=6"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert re.match(r"grpo: error: memory.gpu_memory_gib=6: the planned peak of one step is 8.85 GiB "
+    assert re.match(r"grpo: error: memory.gpu_memory_gib=6: the planned peak of one step is 8.14 GiB "
                     r"\(training phase\), more than the 6 GiB card", err), err
 
 
