@@ -22,6 +22,20 @@ def test_grouped_decode_attention_equals_sdpa(heads, kv_heads):
     torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
 
 
+def test_grouped_decode_attention_on_cache_slices():
+    """k and v as the rollout cache hands them over: the first S slots of a longer [B, H_kv, S_max, D] buffer."""
+    g = torch.Generator().manual_seed(3)
+    B, H, n_kv, S, D = 4, 6, 2, 9, 8
+    q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
+    k_buf, v_buf = (torch.randn(B, n_kv, S + 5, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
+    mask = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    mask[..., -1] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
+
+
 def test_measure_times_both_kernels():
     times = measure(4, 2, 8, lambda fn, reps: (fn(), 0.5)[1])
     assert times == {"sdpa": 1.0, "grouped": 1.0}  # two (rows, slots) shapes each
