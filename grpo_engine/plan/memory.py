@@ -193,10 +193,10 @@ def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
     """Bytes autograd keeps per token per transformer block (no checkpointing), from transformer.py:
     2 RMSNorms x (input, output) = 4d (the norm's own backward keeps only its input and 1/rms); q, k, v after
     RoPE and the SDPA output (saved by SDPA; o_proj's input is a view of that output, which SDPA lays out like q,
-    [B, T, H, D]) = 2 q + 2 kv;
-    MLP: gate out, up out (kept by the SwiGLU function) and their product (down_proj's input) = 3 inter; q/k
-    RMSNorms (Qwen3) keep their inputs, q + kv; LoRA keeps its rank-r intermediate per target. Small [T, 1]-like
-    tensors (1/rms, SDPA's log-sum-exp, the RoPE tables) are left out."""
+    [B, T, H, D]) = 2 q + 2 kv; MLP: gate out, up out (kept by the SwiGLU function) and their product
+    (down_proj's input) = 3 inter; q/k RMSNorms (Qwen3) keep their inputs, q + kv; LoRA keeps its rank-r
+    intermediate per target. Small [T, 1]-like tensors (1/rms, SDPA's log-sum-exp, the RoPE tables) are left
+    out. tests/plan/test_plan.py checks the count against what autograd keeps."""
     s = DTYPE_BYTES[k.precision]
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
