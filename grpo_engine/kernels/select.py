@@ -234,7 +234,10 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     attention_missing = attention is not None and attention not in known_attention
     packing = cache.setdefault(f"decode packing | {key}", {}) if onednn.pack_works() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
-    lacking = lambda entries: [s for s in shapes if shape_key(s) not in entries]  # noqa: E731
+
+    def lacking(entries: dict) -> list[tuple[int, int]]:
+        return [s for s in shapes if shape_key(s) not in entries]
+
     if not (missing or attention_missing or lacking(grads) or (onednn.pack_works() and lacking(packing))):
         return False
     previous = torch.get_num_threads()

@@ -57,7 +57,7 @@ def test_rms_norm_keeps_only_its_input_and_inverse_rms():
     w = torch.ones(32, requires_grad=True)
     kept = saved_storages(rms_norm, x, w, 1e-6)
     assert sorted(tuple(t.shape) for t in kept) == [(4, 7, 1), (4, 7, 32), (32,)]  # 1/rms, x, weight
-    assert len(saved_storages(composite_rms_norm, x, w, 1e-6)) > len(kept)  # autograd's graph keeps more
+    assert x.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in kept}  # x itself, no copy
 
 
 def test_rms_norm_without_gradients_is_the_same_function():
@@ -87,4 +87,3 @@ def test_swiglu_keeps_gate_and_up_only():
     kept = saved_storages(swiglu, gate, up)
     ptrs = {t.untyped_storage().data_ptr() for t in kept}
     assert ptrs == {gate.untyped_storage().data_ptr(), up.untyped_storage().data_ptr()}
-    assert len(saved_storages(lambda a, b: F.silu(a) * b, gate, up)) == 3  # gate, silu(gate), up
