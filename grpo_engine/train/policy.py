@@ -10,6 +10,7 @@ same spec, so what is planned is what runs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,8 +92,14 @@ class Policy:
             self.reference.after_pass()
 
     def after_update(self, step: int, updated: bool) -> None:
-        """Advance the LR schedule; a moving reference follows the policy on its schedule when it was updated."""
-        self.scheduler.step()
+        """Advance the LR schedule; a moving reference follows the policy on its schedule when it was updated.
+
+        The schedule counts steps, updated or not (a step whose groups were all filtered still uses up its
+        learning rate), so the first step may advance it before any optimizer.step(): torch's warning about that
+        order is expected here and silenced."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
         if updated and self.reference is not None:
             self.reference.on_step(step, self.model)
 

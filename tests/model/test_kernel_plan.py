@@ -11,6 +11,15 @@ from grpo_engine.kernels.select import choose_plan, shape_key, weight_shapes
 from grpo_engine.model.hf_io import load_model
 
 
+@pytest.fixture(autouse=True)
+def _measurement_not_forced_off(monkeypatch):
+    """These tests drive the measurement themselves: a GRPO_KERNELS=torch or GRPO_ONEDNN=0 in the environment that
+    runs the suite (to test the plain-torch path everywhere else) must not force their plans; each test that wants
+    a forced plan sets the variable itself."""
+    for name in ("GRPO_KERNELS", "GRPO_ONEDNN", "GRPO_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _fake_times(faster: dict[str, str], calls: list):
     """measure_shape stand-in: the backend named in `faster` (by shape key) is the quicker one."""
     def measure(out_features, in_features):

@@ -156,3 +156,24 @@ def test_fused_adamw_runs_on_cpu_and_matches_foreach():
         plain.step()
     for pa, pb in zip(a, b):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_a_skipped_first_step_advances_the_schedule_without_a_warning(tiny_ckpt, tmp_path):
+    """A first step whose groups were all filtered advances the LR schedule before any optimizer.step(): the
+    schedule counts steps, so the second step uses the second learning rate, and torch's order warning is not
+    shown to the user."""
+    from pathlib import Path
+
+    from grpo_engine.config import load_config
+    from grpo_engine.train.policy import build_policy
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs/tiny_arithmetic.yaml"),
+                      [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "memory.precision=fp32",
+                       "optimizer.lr=1e-3", "schedule.warmup_steps=4", "schedule.steps=8"])
+    policy = build_policy(cfg, torch.device("cpu"))
+    lrs = [policy.optimizer.param_groups[0]["lr"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy.after_update(1, updated=False)
+    lrs.append(policy.optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([1e-3 * 1 / 4, 1e-3 * 2 / 4])
