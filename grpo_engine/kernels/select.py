@@ -3,9 +3,9 @@ on the machine that runs them.
 
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
-weight shape of the model, both are timed on a few representative products and the faster one is kept; for the
-oneDNN weights, whether packing them for a decode loop pays and from how many decode steps (packing.py); for every
-weight, whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
+weight shape of the model, both are timed on a few representative products and the faster one is kept; for each
+weight, whether packing it for a decode loop pays against that GEMM and from how many decode steps (packing.py) and
+whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
 GEMM and added. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan is
 cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and every
 checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
@@ -43,8 +43,8 @@ class KernelPlan:
     gemm: dict[str, str] = field(default_factory=dict)  # "out x in" of a weight -> "onednn" | "torch"
     source: str = "measured"  # measured | cache | checkpoint | forced
     attention: dict[str, str] = field(default_factory=dict)  # "H/Hkv/D" -> decode attention "sdpa" | "grouped"
-    # "out x in" of a oneDNN weight -> decode steps from which packing it for a decode loop pays (packing.py);
-    # shapes not listed are never packed
+    # "out x in" -> decode steps from which packing the weight for a decode loop pays (packing.py), whichever
+    # GEMM its other products use; shapes not listed are never packed
     decode_packing: dict[str, int] = field(default_factory=dict)
     # "out x in" -> how a weight's gradient is summed over micro-batches: "inplace" (one GEMM that accumulates
     # into .grad) or its `gemm` backend's name (that product handed to autograd, which adds it)
@@ -192,19 +192,25 @@ def measure_attention(key: str) -> str:
     return min(times, key=times.get)
 
 
-def measure_packing(out_features: int, in_features: int) -> int:
+def measure_packing(out_features: int, in_features: int, backend: str) -> int:
     """Decode steps from which packing this weight for a decode loop pays (kernels/packing.py): the seconds
-    `onednn.pack` takes over the seconds it saves on each decode-sized (ROWS[0] rows) product; 0 when the packed
-    product is not at least PACK_GAIN faster (then packing never pays)."""
+    `onednn.pack` takes over the seconds it saves on each decode-sized (ROWS[0] rows) product against the
+    weight's own GEMM (`backend`: "onednn" | "torch"); 0 when the packed product is not at least PACK_GAIN faster
+    (then packing never pays). A torch weight may pack too: oneDNN level with torch on training-sized products can
+    still win at decode once it skips its per-call reorder."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
-    plain = best_time(lambda: onednn.onednn_linear(x, w), 5)
+    product = (lambda: onednn.onednn_linear(x, w)) if backend == "onednn" else (lambda: x @ w.t())
+    plain = best_time(product, 5)
     pack_seconds = best_time(lambda: onednn.pack(w, ROWS[0]), 1)
     packed = onednn.pack(w, ROWS[0])
     saved = plain - best_time(lambda: onednn.packed_linear(x, packed), 5)
     return math.ceil(pack_seconds / saved) if saved > (1 - 1 / PACK_GAIN) * plain else 0
 
 
+# the cache entry of decode-packing steps; its name changed when torch weights began to be timed against packing,
+# so that older caches (which recorded every torch weight as never packed) are measured again
+PACKING_ENTRY = "decode packing per weight"
 PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
 
 
@@ -232,7 +238,7 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     missing = [s for s in shapes if shape_key(s) not in known]
     known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
     attention_missing = attention is not None and attention not in known_attention
-    packing = cache.setdefault(f"decode packing | {key}", {}) if onednn.pack_works() else {}
+    packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if onednn.pack_works() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
 
     def lacking(entries: dict) -> list[tuple[int, int]]:
@@ -248,8 +254,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             known_attention[attention] = measure_attention(attention)
         for s in lacking(grads):
             grads[shape_key(s)] = measure_weight_grad(*s, known[shape_key(s)])
-        for s in lacking(packing) if onednn.pack_works() else []:  # only oneDNN weights pack; the others: never
-            packing[shape_key(s)] = measure_packing(*s) if known[shape_key(s)] == "onednn" else 0
+        for s in lacking(packing) if onednn.pack_works() else []:
+            packing[shape_key(s)] = measure_packing(*s, known[shape_key(s)])
     finally:
         torch.set_num_threads(previous)
     return True
@@ -275,7 +281,7 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     keys = [shape_key(s) for s in shapes]
     gemm = {k: cache[key][k] for k in keys}
     chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
-    steps = cache.get(f"decode packing | {key}", {})
+    steps = cache.get(f"{PACKING_ENTRY} | {key}", {})
     packing = {k: int(steps[k]) for k in keys if steps.get(k)}
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,

@@ -24,11 +24,11 @@ def test_packed_products_match_float64(rows, shape):
                                rtol=1e-5, atol=1e-5)
 
 
-def _planned_model(path, packing_after: int):
-    """The tiny model with every weight on oneDNN and every shape packed from `packing_after` decode steps."""
+def _planned_model(path, packing_after: int, gemm: str = "onednn"):
+    """The tiny model with every weight on `gemm` and every shape packed from `packing_after` decode steps."""
     model = load_model(path)
     shapes = [shape_key(s) for s in weight_shapes(model)]
-    plan = KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+    plan = KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, gemm),
                       decode_packing=dict.fromkeys(shapes, packing_after))
     return apply_kernels(model, plan)
 
@@ -45,8 +45,9 @@ def _record_packs(monkeypatch) -> list[tuple[int, ...]]:
     return packed_shapes
 
 
-def test_long_enough_loops_pack_every_trainable_weight_once_and_unpack_after(tiny_ckpt, monkeypatch):
-    model = _planned_model(tiny_ckpt, packing_after=5)
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])  # packing is planned whichever GEMM trains the weight
+def test_long_enough_loops_pack_every_trainable_weight_once_and_unpack_after(tiny_ckpt, monkeypatch, gemm):
+    model = _planned_model(tiny_ckpt, packing_after=5, gemm=gemm)
     packed_shapes = _record_packs(monkeypatch)
     _generate(model, new=4)  # shorter than the plan's 5 steps: nothing packed
     assert packed_shapes == []
@@ -68,9 +69,10 @@ def test_frozen_weights_are_never_packed(tiny_ckpt, monkeypatch):
     assert len(packed_shapes) == len(trainable)  # neither the frozen projection nor the frozen head
 
 
-def test_packed_decoding_samples_what_the_plain_weights_sample(tiny_ckpt):
-    packed = _generate(_planned_model(tiny_ckpt, packing_after=1), new=8)
-    plain = _generate(_planned_model(tiny_ckpt, packing_after=0), new=8)  # 0: never packed
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_packed_decoding_samples_what_the_plain_weights_sample(tiny_ckpt, gemm):
+    packed = _generate(_planned_model(tiny_ckpt, packing_after=1, gemm=gemm), new=8)
+    plain = _generate(_planned_model(tiny_ckpt, packing_after=0, gemm=gemm), new=8)  # 0: never packed
     assert packed.completion_ids == plain.completion_ids
     for a, b in zip(packed.logprobs, plain.logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)

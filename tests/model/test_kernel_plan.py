@@ -38,7 +38,8 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, calls))
     monkeypatch.setattr(select, "measure_attention", lambda key: attention_calls.append(key) or "grouped")
     packing_calls = []
-    monkeypatch.setattr(select, "measure_packing", lambda *shape: packing_calls.append(shape) or 7)
+    monkeypatch.setattr(select, "measure_packing",  # packing pays against oneDNN's plain product, not torch's
+                        lambda o, i, gemm: packing_calls.append((o, i, gemm)) or (7 if gemm == "onednn" else 0))
     grad_calls = []
     monkeypatch.setattr(select, "measure_weight_grad",  # in place for the torch weights, not for the oneDNN one
                         lambda o, i, backend: grad_calls.append((o, i, backend)) or ("inplace" if backend == "torch"
@@ -52,7 +53,8 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     c = model.config
     heads = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
     assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
-    assert packing_calls == [shapes[0]] and plan.decode_packing == {shape_key(shapes[0]): 7}  # oneDNN weights only
+    assert sorted(packing_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # against its own GEMM
+    assert plan.decode_packing == {shape_key(shapes[0]): 7}  # weights it never pays for are not listed
     assert sorted(grad_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # each on its own GEMM
     assert plan.weight_grad == {shape_key(s): "onednn" if s == shapes[0] else "inplace" for s in shapes}
     assert not plan.grad_in_place(shapes[0]) and plan.grad_in_place(shapes[1])
@@ -61,13 +63,14 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
     assert select.cpu_model() in key and torch.__version__ in key and stored[key] == plan.gemm
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
-    assert packing_key == f"decode packing | {key}"  # torch weights recorded as never packed (0)
+    assert packing_key == f"decode packing per weight | {key}"  # never paying recorded as 0
     assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
     assert stored[f"weight grad | {key}"] == plan.weight_grad
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
     assert (again.decode_packing, again.weight_grad) == (plan.decode_packing, plan.weight_grad)
-    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (len(shapes), 1, 1, len(shapes))
+    n = len(shapes)  # nothing measured again
+    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (n, 1, n, n)
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
@@ -175,10 +178,24 @@ def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
 @pytest.mark.parametrize("seconds,steps", [((1.0, 10.0, 0.5), 20), ((1.0, 0.25, 0.9), 3), ((1.0, 10.0, 0.99), 0),
                                            ((1.0, 10.0, 1.2), 0)])
 def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(seconds, steps, monkeypatch):
-    """measure_packing times (plain product, packing, packed product); a gain under PACK_GAIN is noise: never."""
-    timed = iter(seconds)
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
-    assert select.measure_packing(48, 32) == steps
+    """measure_packing times (the weight's own product, packing, packed product); a gain under PACK_GAIN is noise:
+    never. The same rule whichever GEMM the weight's own product runs on."""
+    for backend in ("onednn", "torch"):
+        timed = iter(seconds)
+        monkeypatch.setattr(select, "best_time", lambda fn, reps=3, timed=timed: next(timed))
+        assert select.measure_packing(48, 32, backend) == steps
+
+
+@pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_packing_is_timed_against_the_weights_own_gemm(backend, monkeypatch):
+    plain_onednn_products = []
+    real = onednn.onednn_linear
+    monkeypatch.setattr(onednn, "onednn_linear", lambda x, w: plain_onednn_products.append(x.shape) or real(x, w))
+    timed = iter((1.0, 10.0, 0.5))
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: fn() is None or next(timed))
+    assert select.measure_packing(48, 32, backend) == 20
+    assert plain_onednn_products == ([(select.ROWS[0], 32)] if backend == "onednn" else [])
 
 
 @pytest.mark.parametrize("seconds,in_place", [((1.0, 1.2), True), ((1.0, 1.0), True), ((1.3, 1.0), False)])
