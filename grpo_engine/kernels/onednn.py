@@ -81,7 +81,9 @@ def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T on oneDNN, unconditionally (for measuring it)."""
+    """x [M, K] @ weight [N, K]^T on oneDNN, unconditionally (weight may be a transposed view): for measuring it,
+    and for products whose caller checked `applies` on the weight as the plan knows it (a head's grad-input
+    product gz @ W runs on W's backend, not on that of W^T's shape)."""
     return _op(x, weight)
 
 

@@ -71,6 +71,30 @@ def test_fp32_head_through_onednn_matches_float64(chunk):
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_head_products_follow_the_plan_for_the_head_weight(backend, monkeypatch):
+    """The plan's choice for the [V, D] head weight decides its forward product and its grad-input product
+    gz [n, V] @ W [V, D] alike (not the choice for a [D, V] shape, which no plan holds)."""
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
+    t = torch.randint(0, 500, (40,), generator=g)
+    hd = h.double().requires_grad_()
+    gh_ref, = torch.autograd.grad(naive_token_logprobs(hd, w.double(), t)[0].sum(), (hd,))
+    calls = []
+    real = onednn._op
+    monkeypatch.setattr(onednn, "_op", lambda x, weight, bias=None: calls.append(tuple(weight.shape))
+                        or real(x, weight, bias))
+    onednn.activate(KernelPlan("cpu", torch.__version__, 1, {"500x16": backend}))
+    try:
+        hh = h.clone().requires_grad_()
+        token_logprobs(hh, w, t, chunk_size=16)[0].sum().backward()
+    finally:
+        onednn.activate(None)
+    assert sorted(set(calls)) == ([(16, 500), (500, 16)] if backend == "onednn" else [])
+    torch.testing.assert_close(hh.grad.double(), gh_ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])  # qwen2: q/k/v biases
 def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arch):
     """The transformer's projections (onednn.OneDNNLinear) give nn.Linear's loss and gradients, fp32 rounding apart."""
