@@ -208,8 +208,8 @@ def measure_packing(out_features: int, in_features: int, backend: str) -> int:
     return math.ceil(pack_seconds / saved) if saved > (1 - 1 / PACK_GAIN) * plain else 0
 
 
-# the cache entry of decode-packing steps; its name changed when torch weights began to be timed against packing,
-# so that older caches (which recorded every torch weight as never packed) are measured again
+# the cache entry of decode-packing steps, named apart from the older "decode packing" entry (which recorded every
+# torch-GEMM weight as never packed without timing it), so that caches holding only that one are measured again
 PACKING_ENTRY = "decode packing per weight"
 PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
 
