@@ -6,10 +6,9 @@ import torch
 from torch import nn
 
 from .attention import KERNELS as ATTENTION_KERNELS
-from .attention import shape_key as attention_shape_key
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from .onednn import OneDNNLinear, activate
-from .select import PLAN_FILE, KernelPlan, choose_plan, load_plan
+from .select import PLAN_FILE, KernelPlan, attention_shape, choose_plan, load_plan
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
@@ -21,11 +20,11 @@ def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module
     activate(plan)
     if plan.threads != torch.get_num_threads():
         torch.set_num_threads(plan.threads)
+    key = attention_shape(model)  # the head shape and dtype the plan's decode attention was timed at
     for block in model.layers:
         for module in block.modules():
             if type(module) is nn.Linear:
                 module.__class__ = OneDNNLinear
-        key = attention_shape_key(block.attn.n_heads, block.attn.n_kv, block.attn.head_dim)
         block.attn.decode_attention = ATTENTION_KERNELS.get(plan.attention.get(key, "sdpa"))
     return model
 

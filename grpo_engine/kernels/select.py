@@ -179,16 +179,18 @@ def choose_threads(model: nn.Module, cache: dict) -> int:
 
 
 def attention_shape(model: nn.Module) -> str | None:
-    """The model's decode-attention shape key ("H/Hkv/D"), or None when its weights are not fp32 on the CPU."""
-    if not weight_shapes(model) or not hasattr(model, "config"):
+    """The model's decode-attention key ("H/Hkv/D", with its dtype when not fp32: attention.shape_key), or None
+    when the model is not on the CPU."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or not p.is_floating_point() or not hasattr(model, "config"):
         return None
     c = model.config
-    return attention_kernels.shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    return attention_kernels.shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim, p.dtype)
 
 
 def measure_attention(key: str) -> str:
-    n_heads, n_kv, head_dim = (int(x) for x in key.split("/"))
-    times = attention_kernels.measure(n_heads, n_kv, head_dim, best_time)
+    n_heads, n_kv, head_dim, dtype = attention_kernels.parse_key(key)
+    times = attention_kernels.measure(n_heads, n_kv, head_dim, best_time, dtype)
     return min(times, key=times.get)
 
 

@@ -4,8 +4,8 @@ decode through either gives the same tokens."""
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, activate, apply_kernels
-from grpo_engine.kernels.attention import grouped_decode_attention, measure
+from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
+from grpo_engine.kernels.attention import grouped_decode_attention, measure, parse_key, shape_key
 from grpo_engine.model.hf_io import load_model
 
 
@@ -36,9 +36,41 @@ def test_grouped_decode_attention_on_cache_slices():
     torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
 
 
-def test_measure_times_both_kernels():
-    times = measure(4, 2, 8, lambda fn, reps: (fn(), 0.5)[1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measure_times_both_kernels_in_the_models_dtype(dtype):
+    out_dtypes = []
+    times = measure(4, 2, 8, lambda fn, reps: (out_dtypes.append(fn().dtype), 0.5)[1], dtype)
     assert times == {"sdpa": 1.0, "grouped": 1.0}  # two (rows, slots) shapes each
+    assert out_dtypes == [dtype] * 4
+
+
+def test_keys_name_the_dtype_except_fp32():
+    assert shape_key(9, 3, 64) == "9/3/64"  # the keys of plans measured before dtypes were keyed
+    assert shape_key(9, 3, 64, torch.bfloat16) == "9/3/64 bfloat16"
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        assert parse_key(shape_key(14, 2, 64, dtype)) == (14, 2, 64, dtype)
+
+
+def test_a_bf16_model_gets_the_decode_attention_timed_in_bf16(tiny_ckpt, tmp_path, monkeypatch):
+    """The plan of a bf16 CPU model times the decode attention at its dtype (SDPA's bf16 decode path is far slower
+    than the grouped matmuls on some CPUs) and apply_kernels sets the winner on every block."""
+    for name in ("GRPO_KERNELS", "GRPO_ONEDNN"):
+        monkeypatch.delenv(name, raising=False)
+    timed = []
+    monkeypatch.setattr(select, "measure_attention", lambda key: timed.append(key) or "grouped")
+    model = load_model(tiny_ckpt, dtype=torch.bfloat16)
+    c = model.config
+    try:
+        plan = select.choose_plan(model, tmp_path / "kernels.json")
+        apply_kernels(model, plan)
+    finally:
+        activate(None)
+    key = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim} bfloat16"
+    if not plan.attention:  # no oneDNN in this torch build: the plan is forced to plain torch (SDPA)
+        assert plan.source == "forced"
+        return
+    assert timed == [key] and plan.attention == {key: "grouped"} and plan.gemm == {}  # no fp32 weights to time
+    assert {block.attn.decode_attention for block in model.layers} == {grouped_decode_attention}
 
 
 def test_the_plan_sets_the_decode_attention_of_every_block(tiny_ckpt):
@@ -46,7 +78,7 @@ def test_the_plan_sets_the_decode_attention_of_every_block(tiny_ckpt):
 
     model = load_model(tiny_ckpt, dtype=torch.float64)
     c = model.config
-    key = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim}"
+    key = shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim, torch.float64)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
     outs = {}
     try:
