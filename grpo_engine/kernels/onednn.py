@@ -157,8 +157,9 @@ def _accumulate_weight_grad(weight: torch.Tensor, grad_y: torch.Tensor, x: torch
         weight.grad.addmm_(grad_y.t(), x)
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, on_onednn: bool) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T on oneDNN or torch's GEMM (either may be a transposed view)."""
+def product(x: torch.Tensor, weight: torch.Tensor, on_onednn: bool) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T on oneDNN or torch's GEMM (either may be a transposed view): the products of a
+    weight on the backend chosen for it (also how kernels/select.py times them)."""
     return _op(x, weight) if on_onednn else torch.mm(x, weight.t())
 
 
@@ -179,12 +180,12 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, grad_y):  # [M, N]
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = _product(grad_y, weight.t(), ctx.on_onednn) if need_x else None  # [M, N] @ [N, K]
+        grad_x = product(grad_y, weight.t(), ctx.on_onednn) if need_x else None  # [M, N] @ [N, K]
         grad_w = None
         if need_w and _grad_in_place(ctx.param):
             _accumulate_weight_grad(ctx.param, grad_y, x)
         elif need_w:
-            grad_w = _product(grad_y.t(), x.t(), ctx.on_onednn)  # [N, M] @ [M, K]
+            grad_w = product(grad_y.t(), x.t(), ctx.on_onednn)  # [N, M] @ [M, K]
         grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
         return grad_x, grad_w, grad_b, None
 

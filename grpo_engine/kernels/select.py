@@ -202,8 +202,7 @@ def measure_packing(out_features: int, in_features: int, backend: str) -> int:
     still win at decode once it skips its per-call reorder."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
-    product = (lambda: onednn.onednn_linear(x, w)) if backend == "onednn" else (lambda: x @ w.t())
-    plain = best_time(product, 5)
+    plain = best_time(lambda: onednn.product(x, w, backend == "onednn"), 5)
     pack_seconds = best_time(lambda: onednn.pack(w, ROWS[0]), 1)
     packed = onednn.pack(w, ROWS[0])
     saved = plain - best_time(lambda: onednn.packed_linear(x, packed), 5)
@@ -227,8 +226,7 @@ def measure_weight_grad(out_features: int, in_features: int, backend: str) -> st
     x, gy = torch.randn(ROWS[1], in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
     acc = torch.zeros(out_features, in_features)
     in_place = best_time(lambda: acc.addmm_(gy.t(), x), 5)
-    product = (lambda: onednn.onednn_linear(gy.t(), x.t())) if backend == "onednn" else (lambda: gy.t() @ x)
-    separate = best_time(lambda: acc.add_(product()), 5)
+    separate = best_time(lambda: acc.add_(onednn.product(gy.t(), x.t(), backend == "onednn")), 5)  # [N, M] @ [M, K]
     return "inplace" if in_place <= separate else backend
 
 

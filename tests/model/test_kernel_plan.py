@@ -189,13 +189,14 @@ def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(secon
 @pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
 @pytest.mark.parametrize("backend", ["onednn", "torch"])
 def test_packing_is_timed_against_the_weights_own_gemm(backend, monkeypatch):
-    plain_onednn_products = []
-    real = onednn.onednn_linear
-    monkeypatch.setattr(onednn, "onednn_linear", lambda x, w: plain_onednn_products.append(x.shape) or real(x, w))
+    plain_products = []  # (rows, on oneDNN) of each unpacked product timed
+    real = onednn.product
+    monkeypatch.setattr(onednn, "product", lambda x, w, on_onednn: plain_products.append((x.shape[0], on_onednn))
+                        or real(x, w, on_onednn))
     timed = iter((1.0, 10.0, 0.5))
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: fn() is None or next(timed))
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (fn(), next(timed))[1])  # runs fn, fakes its time
     assert select.measure_packing(48, 32, backend) == 20
-    assert plain_onednn_products == ([(select.ROWS[0], 32)] if backend == "onednn" else [])
+    assert plain_products == [(select.ROWS[0], backend == "onednn")]
 
 
 @pytest.mark.parametrize("seconds,in_place", [((1.0, 1.2), True), ((1.0, 1.0), True), ((1.3, 1.0), False)])

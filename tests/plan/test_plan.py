@@ -212,10 +212,6 @@ def test_predicted_vs_measured_cpu(checkpointing, onednn):
         assert abs(got[key] - want[key]) <= 0.15 * want[key] + 6, (key, got, want)
 
 
-if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1])))
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
 def test_saved_bytes_per_token_equal_what_autograd_keeps(arch):
     """saved_bytes_per_token_layer against the tensors autograd keeps for one block's backward (parameters and the
@@ -278,3 +274,7 @@ def test_auto_checkpointing_hand_computed():
     for explicit in ("none", "all", "every_k"):  # never overridden
         pinned = dataclasses.replace(k, activation_checkpointing=explicit)
         assert resolve_checkpointing(smollm, pinned, 1024) == explicit
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1])))
