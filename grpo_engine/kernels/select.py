@@ -7,9 +7,9 @@ weight shape of the model, both are timed on a few representative products and t
 weight, whether packing it for a decode loop pays against that GEMM and from how many decode steps (packing.py) and
 whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
 GEMM and added. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan is
-cached in a JSON file keyed by (CPU model, torch version, thread count), written into the run folder and every
-checkpoint, and read back on --resume, so a resumed run uses the same kernels and threads and repeats the
-uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
+cached in a JSON file keyed by (CPU, torch version, thread count), written into the run folder and every
+checkpoint, and read back on --resume on the same CPU and torch, so a resumed run uses the same kernels and
+threads and repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
 """
 
 from __future__ import annotations
@@ -73,15 +73,41 @@ def shape_key(weight_shape: tuple[int, ...]) -> str:
     return "x".join(str(int(d)) for d in weight_shape)
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags that change which kernels win
+
+
 def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo; platform otherwise)."""
+    """The CPU as the cache keys name it (describe_cpu of /proc/cpuinfo; platform's name elsewhere)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return describe_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """The model name of the first processor in /proc/cpuinfo text, then its family / model / stepping and the
+    vector extensions that change which kernels win. The model name alone is not enough: a virtual machine may
+    show "AMD EPYC" for parts as different as an AVX2-only one and one with AVX-512 and bf16 dot products, whose
+    plans differ."""
+    fields = _first_cpu_fields(cpuinfo)
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    ids = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if fields.get(k))
+    isa = " ".join(f for f in ISA_FLAGS if f in fields.get("flags", "").split())
+    detail = "; ".join(x for x in (ids, isa) if x)
+    return f"{name} ({detail})" if detail else name
+
+
+def _first_cpu_fields(cpuinfo: str) -> dict[str, str]:
+    """The "key: value" fields of the first processor in /proc/cpuinfo text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the end of the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 def forced_torch() -> bool:
@@ -292,3 +318,11 @@ def load_plan(directory: Path) -> KernelPlan | None:
     """The plan recorded in a run folder or checkpoint, or None when it has none (older runs)."""
     f = Path(directory) / PLAN_FILE
     return KernelPlan.from_json(f.read_text(), "checkpoint") if f.is_file() else None
+
+
+def measured_here(plan: KernelPlan) -> bool:
+    """Whether `plan` was measured on this CPU with this torch: only then can reusing it repeat a run bit for bit,
+    and only then is it the fast plan here (a checkpoint moved to another machine would keep the old one's
+    thread count and GEMMs). Plans recorded before the CPU was described in full name only the model name."""
+    here = cpu_model()
+    return plan.torch == torch.__version__ and (plan.cpu == here or here.startswith(f"{plan.cpu} ("))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..kernels import KernelPlan, apply_kernels, choose_plan, load_plan
+from ..kernels import KernelPlan, apply_kernels, choose_plan, cpu_model, load_plan, measured_here
 from ..model.hf_io import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from ..plan.memory import resolve_checkpointing
@@ -163,4 +163,9 @@ def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
     """The checkpoint's kernel plan when resuming (same kernels and threads: the resumed run repeats the
     uninterrupted one bit for bit), else the one measured / cached for this model on this machine."""
     plan = load_plan(resume_dir) if resume_dir is not None else None
+    if plan is not None and not measured_here(plan):
+        warnings.warn(f"the checkpoint's kernel plan was measured on {plan.cpu} with torch {plan.torch}; this is "
+                      f"{cpu_model()} with torch {torch.__version__}: measuring this machine's plan instead (the "
+                      "resumed run will not repeat the uninterrupted one bit for bit)", stacklevel=2)
+        plan = None
     return plan if plan is not None else choose_plan(model)  # apply_kernels sets its thread count

@@ -108,6 +108,29 @@ def test_run_folder_and_checkpoint_record_the_plan_and_resume_reuses_it(tiny_ckp
     assert seen[0].kernels.source == "checkpoint" and seen[0].kernels.gemm == recorded.gemm
 
 
+
+def test_resume_measures_again_on_another_cpu_or_torch(tiny_ckpt, tmp_path, monkeypatch):
+    """A checkpoint's plan is reused only where it was measured: elsewhere it is not the fast plan (another
+    machine's threads and GEMMs) and cannot repeat the run bit for bit anyway, so it is measured again, loudly."""
+    from grpo_engine.train import policy as policy_mod
+
+    model = load_model(tiny_ckpt)
+    measured = KernelPlan("here", torch.__version__, 1, {"1x1": "torch"}, "measured")
+    monkeypatch.setattr(policy_mod, "choose_plan", lambda m: measured)
+    monkeypatch.setattr(select, "cpu_model", lambda: "AMD EPYC (cpu family 25, model 1, stepping 1; avx2)")
+    monkeypatch.setattr(policy_mod, "cpu_model", select.cpu_model)
+
+    def resumed(cpu: str, torch_version: str = torch.__version__) -> KernelPlan:
+        (tmp_path / "kernels.json").write_text(KernelPlan(cpu, torch_version, 2, {"1x1": "onednn"}).to_json())
+        return policy_mod.kernel_plan(model, tmp_path)
+
+    assert resumed(select.cpu_model()).source == "checkpoint"
+    assert resumed("AMD EPYC").source == "checkpoint"  # recorded before CPUs were described in full
+    for cpu, version in (("AMD EPYC (cpu family 25, model 17, stepping 1; avx2 avx512f)", torch.__version__),
+                         ("AMD EPYC", "0.0.0")):
+        with pytest.warns(UserWarning, match="measuring this machine's plan"):
+            assert resumed(cpu, version) is measured
+
 # ------------------------------------------------------------------------------------------ thread count
 def test_thread_candidates_and_the_pick_rule():
     from grpo_engine.kernels.threads import candidates, pick
@@ -214,3 +237,18 @@ def test_plans_written_before_weight_gradients_were_planned_accumulate_through_a
     plan = KernelPlan.from_json(json.dumps(older), "checkpoint")
     assert plan.weight_grad == {} and not plan.grad_in_place((48, 32)) and plan.decode_packing == {"48x32": 9}
     assert KernelPlan.from_json(plan.to_json(), "checkpoint") == plan
+
+
+def _cpuinfo(model: int, flags: str) -> str:
+    block = (f"processor\t: {{n}}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\n"
+             f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu sse2 {flags}\n")
+    return block.format(n=0) + "\n" + block.format(n=1).replace("AMD EPYC", "another name")
+
+
+def test_cpu_identity_tells_apart_parts_that_share_a_model_name():
+    """A plan measured on one part must not be read back on another that a VM also calls "AMD EPYC"."""
+    zen3 = select.describe_cpu(_cpuinfo(1, "fma avx2"))
+    zen4 = select.describe_cpu(_cpuinfo(17, "fma avx2 avx512f avx512_bf16"))
+    assert zen3 == "AMD EPYC (cpu family 25, model 1, stepping 1; avx2)"  # the first processor's fields
+    assert zen4 == "AMD EPYC (cpu family 25, model 17, stepping 1; avx2 avx512f avx512_bf16)"
+    assert select.describe_cpu("model name\t: Some CPU\n") == "Some CPU"  # nothing else known: the name alone
