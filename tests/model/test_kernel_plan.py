@@ -131,6 +131,14 @@ def test_resume_measures_again_on_another_cpu_or_torch(tiny_ckpt, tmp_path, monk
         with pytest.warns(UserWarning, match="measuring this machine's plan"):
             assert resumed(cpu, version) is measured
 
+
+def test_onednn_is_chosen_only_when_measurably_faster():
+    """Level timings (an Intel Xeon's MKL, a noisy host) must give plain torch, not a coin flip per shape."""
+    assert select.faster_gemm({"torch": 1.0, "onednn": 0.99}) == "torch"  # 1% is within timer noise
+    assert select.faster_gemm({"torch": 1.0, "onednn": 1.01}) == "torch"
+    assert select.faster_gemm({"torch": 1.0, "onednn": 0.9}) == "onednn"
+    assert select.faster_gemm({"torch": 1.0}) == "torch"  # no working oneDNN op: nothing else timed
+
 # ------------------------------------------------------------------------------------------ thread count
 def test_thread_candidates_and_the_pick_rule():
     from grpo_engine.kernels.threads import candidates, pick
