@@ -160,8 +160,9 @@ def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
 
 
 def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
-    """The checkpoint's kernel plan when resuming (same kernels and threads: the resumed run repeats the
-    uninterrupted one bit for bit), else the one measured / cached for this model on this machine."""
+    """The checkpoint's kernel plan when resuming on the CPU and torch that measured it (same kernels and threads:
+    the resumed run repeats the uninterrupted one bit for bit), else the one measured / cached for this model on
+    this machine."""
     plan = load_plan(resume_dir) if resume_dir is not None else None
     if plan is not None and not measured_here(plan):
         warnings.warn(f"the checkpoint's kernel plan was measured on {plan.cpu} with torch {plan.torch}; this is "
