@@ -168,7 +168,9 @@ def main() -> None:
     peak = matmul_peak_flops()
     names = args.models or ["qwen2-100m"] + ([] if args.skip_tiny else ["tiny-demo"])
     rows = [run(n, args.prompts, args.group, args.max_new, args.repeats, peak) for n in names]
-    print(f"threads={args.threads}  matmul-bound limit {peak / 1e9:.1f} GFLOP/s "
+    from grpo_engine.kernels import cpu_model
+
+    print(f"{cpu_model()}  threads={args.threads}  matmul-bound limit {peak / 1e9:.1f} GFLOP/s "
           "(fp32 2048^3, best of torch.mm and oneDNN)")
     header = ["model", "params", "ours tok/s", "HF tok/s", "ratio", "ours GFLOP/s", "of limit"]
     print(f"{header[0]:<12} " + " ".join(f"{h:>12}" for h in header[1:]))
@@ -176,7 +178,7 @@ def main() -> None:
         cells = [f"{r['params_M']:.1f}M", f"{r['ours_tokens_per_s']:.1f}", f"{r['hf_tokens_per_s']:.1f}",
                  f"{r['ratio']:.2f}x", f"{r['ours_gflops']:.1f}", f"{r['fraction_of_matmul_limit']:.1%}"]
         print(f"{r['model']:<12} " + " ".join(f"{c:>12}" for c in cells))
-    print(json.dumps({"threads": args.threads, "results": rows}))
+    print(json.dumps({"cpu": cpu_model(), "threads": args.threads, "results": rows}))
 
 
 if __name__ == "__main__":

@@ -213,6 +213,9 @@ def _eos_ids(model_dir: str, tok) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ report
 def report(args, results: dict[str, dict]) -> dict:
+    from grpo_engine.kernels import cpu_model
+
+    print(f"CPU: {cpu_model()}")
     rows = [("engine", "params", "s/step (median)", "s/step (min)", "step times (s)", "peak RSS (MiB)",
              "mean compl. len", "threads")]
     for name, r in results.items():
@@ -222,8 +225,8 @@ def report(args, results: dict[str, dict]) -> dict:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
-    summary = {"benchmark": "step_vs_trl", "prompts": args.prompts, "group": args.group, "max_new": args.max_new,
-               "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
+    summary = {"benchmark": "step_vs_trl", "cpu": cpu_model(), "prompts": args.prompts, "group": args.group,
+               "max_new": args.max_new, "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
                "dtype": "float32", "beta": 0.0, "mu": 1, "lr": LR,
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
     if "ours" in results and "trl" in results:

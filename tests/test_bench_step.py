@@ -5,6 +5,7 @@ import json
 import pytest
 
 from grpo_engine.cli import main
+from grpo_engine.kernels import cpu_model
 
 
 def test_bench_step_json(tiny_ckpt, capsys):
@@ -16,6 +17,7 @@ def test_bench_step_json(tiny_ckpt, capsys):
     times = result["step_times"]
     assert len(times) == 3 and result["sec_per_step"] == (times[1] + times[2]) / 2  # median after the first
     assert result["peak_rss_mib"] > 10 and result["max_new_tokens"] == 4 and result["group"] == 2
+    assert result["cpu"] == cpu_model()  # recorded figures name the CPU they were measured on
 
 
 @pytest.fixture

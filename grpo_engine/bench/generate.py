@@ -49,6 +49,7 @@ class GenerateBench:
     device: str
     dtype: str
     peak_memory_mb: float | None
+    cpu: str  # kernels.cpu_model(): the figures depend on it even on a GPU (the host's Python and sampler)
 
 
 def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -80,7 +81,7 @@ def bench_generate(args: argparse.Namespace) -> dict:
     """Warm up once with a short run, then time one full generate() call."""
     import torch
 
-    from ..kernels import apply_kernels
+    from ..kernels import apply_kernels, cpu_model
     from ..model.hf_io import load_model
     from ..model.tokenizer import load_tokenizer
     from ..rollout import SamplingParams, generate
@@ -118,5 +119,6 @@ def bench_generate(args: argparse.Namespace) -> dict:
             device=str(args.device),
             dtype=dtype_name,
             peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            cpu=cpu_model(),
         )
     )

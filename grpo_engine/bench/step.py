@@ -112,6 +112,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                threads: int = 0, overrides: list[str] | tuple[str, ...] = (), config: str | None = None) -> dict:
     import torch
 
+    from ..kernels import cpu_model
     from ..kernels.threads import fix_threads
     from ..train.step import grpo_step
 
@@ -126,7 +127,8 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     if floor:
         floor["sec_per_step_over_floor"] = statistics.median(times[1:] or times) / floor["floor_s"]
     return {
-        "engine": "grpo-engine", "sec_per_step": statistics.median(times[1:] or times), "step_times": times,
+        "engine": "grpo-engine", "cpu": cpu_model(), "sec_per_step": statistics.median(times[1:] or times),
+        "step_times": times,
         "phases": {k: [getattr(r.metrics, f"time_{k}_s") for r in records] for k in ("generate", "logprobs",
                                                                                      "update")},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

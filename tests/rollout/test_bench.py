@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from grpo_engine.cli import main
+from grpo_engine.kernels import cpu_model
 
 
 def test_bench_generate_json_line(tiny_dir, capsys):
@@ -14,3 +15,4 @@ def test_bench_generate_json_line(tiny_dir, capsys):
     assert "\n" not in line
     result = json.loads(line)
     assert result["tokens_per_s"] > 0 and result["new_tokens"] == 2 * 2 * 5
+    assert result["cpu"] == cpu_model()  # recorded figures name the CPU they were measured on
