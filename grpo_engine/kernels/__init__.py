@@ -8,7 +8,16 @@ from torch import nn
 from .attention import KERNELS as ATTENTION_KERNELS
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from .onednn import OneDNNLinear, activate
-from .select import PLAN_FILE, KernelPlan, attention_shape, choose_plan, cpu_model, load_plan, measured_here
+from .select import (
+    PLAN_FILE,
+    KernelPlan,
+    attention_shape,
+    bf16_slowdown,
+    choose_plan,
+    cpu_model,
+    load_plan,
+    measured_here,
+)
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
@@ -30,4 +39,4 @@ def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module
 
 
 __all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "activate", "apply_activation_checkpointing", "apply_kernels",
-           "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here"]
+           "bf16_slowdown", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here"]

@@ -212,6 +212,17 @@ def choose_threads(model: nn.Module, cache: dict) -> int:
     return int(cache[key]["threads"])
 
 
+def bf16_slowdown(hidden: int, intermediate: int) -> float:
+    """Seconds of a training-sized bf16 product of a [intermediate, hidden] weight over those of the same product
+    in fp32, at the current thread count: about 0.5 on a CPU with native bf16 dot products (AVX512_BF16, AMX),
+    several times 1 on one without, where bf16 is converted in software."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(intermediate, hidden, generator=g), torch.randn(ROWS[1], hidden, generator=g)
+    fp32 = best_time(lambda: x @ w.t())
+    wb, xb = w.bfloat16(), x.bfloat16()
+    return best_time(lambda: xb @ wb.t()) / fp32
+
+
 def attention_shape(model: nn.Module) -> str | None:
     """The model's decode-attention key ("H/Hkv/D", with its dtype when not fp32: attention.shape_key), or None
     when the model is not on the CPU."""

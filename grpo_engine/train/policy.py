@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..kernels import KernelPlan, apply_kernels, choose_plan, cpu_model, load_plan, measured_here
+from ..kernels import KernelPlan, apply_kernels, bf16_slowdown, choose_plan, cpu_model, load_plan, measured_here
 from ..model.hf_io import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from ..plan.memory import resolve_checkpointing
@@ -133,6 +133,8 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
         apply_lora(model, cfg.lora)
         if resume_dir is not None:
             load_adapter(model, resume_dir / "adapter")
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        warn_if_bf16_is_slow(model.config)
     kernels = kernel_plan(model, resume_dir)
     apply_kernels(model, kernels)
     apply_memory_config(model, replace(cfg.memory, activation_checkpointing=checkpointing_for(cfg, model, dtype)))
@@ -157,6 +159,19 @@ def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
 
     knobs = replace(plan_input_from_config(cfg), precision="bf16" if dtype == torch.bfloat16 else "fp32")
     return resolve_checkpointing(model.config, knobs, cfg.memory.micro_batch_tokens)
+
+
+BF16_SLOWDOWN_WARN = 1.5  # bf16 products this much slower than fp32: say so
+
+
+def warn_if_bf16_is_slow(config) -> None:
+    """memory.precision=bf16 on a CPU: warn when this CPU's bf16 products are slower than fp32 ones (no native bf16
+    dot products: a step can take many times as long as in fp32, with nothing else to show why)."""
+    slowdown = bf16_slowdown(config.hidden_size, config.intermediate_size)
+    if slowdown > BF16_SLOWDOWN_WARN:
+        warnings.warn(f"memory.precision=bf16 on {cpu_model()}: a bf16 product takes {slowdown:.1f}x as long as "
+                      "in fp32 on this CPU (no native bf16 dot products); memory.precision=fp32 (the CPU default) "
+                      "will train faster here", stacklevel=3)
 
 
 def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:

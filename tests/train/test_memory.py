@@ -1,6 +1,7 @@
 """Memory knobs: checkpointing is exact, precision casts, peak readers measure real allocations."""
 
 import mmap
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -218,3 +219,30 @@ def test_auto_checkpointing_resolved_by_the_trainer(tiny_ckpt, tmp_path, micro_b
 def test_unresolved_auto_is_refused():
     with pytest.raises(ValueError, match="resolved"):
         apply_memory_config(tiny_model(), MemoryConfig(precision="fp32", activation_checkpointing="auto"))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch, tiny_ckpt, tmp_path):
+    """memory.precision=bf16 on a CPU whose bf16 products are slower than fp32 (no AVX512_BF16 / AMX: a step many
+    times as long) is said up front, with the fix; where bf16 is fast nothing is said."""
+    from grpo_engine.config import load_config
+    from grpo_engine.kernels import bf16_slowdown
+    from grpo_engine.train import policy as policy_mod
+
+    asked = []
+    monkeypatch.setattr(policy_mod, "warn_if_bf16_is_slow", lambda config: asked.append(config.hidden_size))
+    for precision in ("bf16", "fp32"):
+        cfg = load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", f"memory.precision={precision}"])
+        policy_mod.build_policy(cfg, torch.device("cpu"))
+    assert asked == [policy_mod.load_model(tiny_ckpt).config.hidden_size]  # bf16 on the CPU only
+    monkeypatch.undo()
+
+    ratio = bf16_slowdown(64, 128)  # the real measurement: a finite positive ratio of two timings
+    assert 0 < ratio < float("inf")
+    config = tiny_config()
+    monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 4.0)
+    with pytest.warns(UserWarning, match=r"4\.0x as long as in fp32.*memory.precision=fp32"):
+        policy_mod.warn_if_bf16_is_slow(config)
+    monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy_mod.warn_if_bf16_is_slow(config)
