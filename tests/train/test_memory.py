@@ -221,11 +221,8 @@ def test_unresolved_auto_is_refused():
         apply_memory_config(tiny_model(), MemoryConfig(precision="fp32", activation_checkpointing="auto"))
 
 
-def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch, tiny_ckpt, tmp_path):
-    """memory.precision=bf16 on a CPU whose bf16 products are slower than fp32 (no AVX512_BF16 / AMX: a step many
-    times as long) is said up front, with the fix; where bf16 is fast nothing is said."""
+def test_build_policy_asks_about_bf16_only_for_bf16_on_the_cpu(monkeypatch, tiny_ckpt, tmp_path):
     from grpo_engine.config import load_config
-    from grpo_engine.kernels import bf16_slowdown
     from grpo_engine.train import policy as policy_mod
 
     asked = []
@@ -233,10 +230,16 @@ def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch, tiny_ckpt, tmp_
     for precision in ("bf16", "fp32"):
         cfg = load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", f"memory.precision={precision}"])
         policy_mod.build_policy(cfg, torch.device("cpu"))
-    assert asked == [policy_mod.load_model(tiny_ckpt).config.hidden_size]  # bf16 on the CPU only
-    monkeypatch.undo()
+    assert asked == [policy_mod.load_model(tiny_ckpt).config.hidden_size]  # once, for the bf16 run
 
-    ratio = bf16_slowdown(64, 128)  # the real measurement: a finite positive ratio of two timings
+
+def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch):
+    """memory.precision=bf16 on a CPU whose bf16 products are slower than fp32 (no AVX512_BF16 / AMX: a step many
+    times as long) is said up front, with the fix; where bf16 is fast nothing is said."""
+    from grpo_engine.kernels import bf16_slowdown
+    from grpo_engine.train import policy as policy_mod
+
+    ratio = bf16_slowdown(64, 128)  # the real measurement runs: a finite positive ratio of two timings
     assert 0 < ratio < float("inf")
     config = tiny_config()
     monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 4.0)
