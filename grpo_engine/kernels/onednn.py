@@ -10,7 +10,8 @@ public API, so `linear` probes it once (same result as torch.mm on a small probl
 torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. GRPO_ONEDNN=0 turns it off.
 
 Which weights use it is decided per weight shape by a measured `KernelPlan` (kernels/select.py) once one is
-active; before that, by a size threshold.
+active, for the forward and weight-gradient products and, apart, for the input gradient (the product with the
+transposed weight, which can favour the other GEMM); before that, by a size threshold.
 
 `pack` reorders a weight into oneDNN's blocked layout once, so that the products of a decode loop (same weights,
 a few dozen rows, every step) skip the reorder oneDNN otherwise does on every call; kernels/packing.py decides
@@ -64,6 +65,18 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the shape."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
             and op_works() and chosen_for(weight))
+
+
+def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the gradient with respect to the input, grad_y [M, N] @ weight [N, K], is to run on oneDNN: fp32
+    CPU matrices, a working op, and the plan's `grad_input` choice for the weight's shape (without one: the
+    forward's, as `applies`)."""
+    plan = active_plan()
+    if plan is None:
+        return applies(grad_y, weight)
+    fp32_cpu = grad_y.device.type == "cpu" and grad_y.dtype == weight.dtype == torch.float32
+    return (fp32_cpu and grad_y.dim() == weight.dim() == 2 and op_works()
+            and plan.grad_input_backend(tuple(weight.shape)) == "onednn")
 
 
 def active_plan():
@@ -164,30 +177,31 @@ def product(x: torch.Tensor, weight: torch.Tensor, on_onednn: bool) -> torch.Ten
 
 
 class _LinearFn(torch.autograd.Function):
-    """y = x W^T + b with all three products (forward, grad-input, grad-weight) on oneDNN (on_onednn) or torch's
-    GEMM; the weight gradient straight into weight.grad instead where `weight_grads_in_place` and the plan say so."""
+    """y = x W^T + b with the forward and weight-gradient products on oneDNN (on_onednn) or torch's GEMM, the
+    input-gradient product on the one `grad_input_applies` names; the weight gradient straight into weight.grad
+    instead where `weight_grads_in_place` and the plan say so."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, on_onednn):  # x [M, K], weight [N, K], bias [N] | None -> [M, N]
+    def forward(ctx, x, weight, bias, on_onednn, grad_input_on_onednn):  # x [M, K], weight [N, K], bias [N] | None
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.on_onednn = bias is not None, on_onednn
+        ctx.has_bias, ctx.on_onednn, ctx.grad_input_on_onednn = bias is not None, on_onednn, grad_input_on_onednn
         # the parameter itself: what saved_tensors gives back under activation checkpointing is a detached
         # recomputed alias, whose .grad is not the parameter's
         ctx.param = weight if weight.is_leaf and weight.requires_grad else None
-        return _op(x, weight, bias) if on_onednn else torch.nn.functional.linear(x, weight, bias)
+        return _op(x, weight, bias) if on_onednn else torch.nn.functional.linear(x, weight, bias)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_y):  # [M, N]
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = product(grad_y, weight.t(), ctx.on_onednn) if need_x else None  # [M, N] @ [N, K]
+        grad_x = product(grad_y, weight.t(), ctx.grad_input_on_onednn) if need_x else None  # [M, N] @ [N, K]
         grad_w = None
         if need_w and _grad_in_place(ctx.param):
             _accumulate_weight_grad(ctx.param, grad_y, x)
         elif need_w:
             grad_w = product(grad_y.t(), x.t(), ctx.on_onednn)  # [N, M] @ [M, K]
         grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class OneDNNLinear(torch.nn.Linear):
@@ -204,9 +218,11 @@ class OneDNNLinear(torch.nn.Linear):
         if self.packed is not None and not torch.is_grad_enabled():
             return packed_linear(x2, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
         on_onednn = applies(x2, self.weight)
-        if not (on_onednn or self._torch_grad_in_place(x2)):
-            return super().forward(x)
-        return _LinearFn.apply(x2, self.weight, self.bias, on_onednn).view(*x.shape[:-1], self.out_features)
+        grad_input_on_onednn = torch.is_grad_enabled() and grad_input_applies(x2, self.weight)
+        if not (on_onednn or grad_input_on_onednn or self._torch_grad_in_place(x2)):
+            return super().forward(x)  # every product on torch's GEMM: nn.Linear's own autograd
+        y = _LinearFn.apply(x2, self.weight, self.bias, on_onednn, grad_input_on_onednn)  # [M, out]
+        return y.view(*x.shape[:-1], self.out_features)
 
     def _torch_grad_in_place(self, x2: torch.Tensor) -> bool:
         """A product on torch's GEMM whose weight gradient is to be accumulated in place (fp32 CPU training)."""

@@ -4,13 +4,15 @@ on the machine that runs them.
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
 weight shape of the model, both are timed on a few representative products and the faster one is kept; for each
-weight, whether packing it for a decode loop pays against that GEMM and from how many decode steps (packing.py) and
+weight, whether packing it for a decode loop pays against that GEMM and from how many decode steps (packing.py),
 whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
-GEMM and added. The thread count is measured first (threads.py) and the GEMMs are timed at that count. The plan is
-cached in a JSON file keyed by (CPU, torch version, thread count), written into the run folder and every
-checkpoint, and read back on --resume on the same CPU and torch, so a resumed run uses the same kernels and
-threads and repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch
-and its thread count.
+GEMM and added, and which GEMM runs the gradient with respect to its input (a product with the weight transposed,
+which need not favour the forward's GEMM: on an AVX2-only EPYC oneDNN wins the decode-sized forward of some
+weights and loses their input gradient to torch's). The thread count is measured first (threads.py) and the
+GEMMs are timed at that count. The plan is cached in a JSON file keyed by (CPU, torch version, thread count),
+written into the run folder and every checkpoint, and read back on --resume on the same CPU and torch, so a
+resumed run uses the same kernels and threads and repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch
+(or GRPO_ONEDNN=0) forces plain torch and its thread count.
 """
 
 from __future__ import annotations
@@ -50,9 +52,15 @@ class KernelPlan:
     # "out x in" -> how a weight's gradient is summed over micro-batches: "inplace" (one GEMM that accumulates
     # into .grad) or its `gemm` backend's name (that product handed to autograd, which adds it)
     weight_grad: dict[str, str] = field(default_factory=dict)
+    # "out x in" -> the GEMM of the gradient with respect to the input, grad_y [M, out] @ W [out, in]: "onednn" |
+    # "torch"; shapes not listed (plans recorded before it was measured) use their `gemm` backend
+    grad_input: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
+
+    def grad_input_backend(self, weight_shape: tuple[int, ...]) -> str:
+        return self.grad_input.get(shape_key(weight_shape)) or self.backend(weight_shape)
 
     def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
         return self.weight_grad.get(shape_key(weight_shape)) == "inplace"
@@ -67,7 +75,8 @@ class KernelPlan:
                    {str(k): str(v) for k, v in data["gemm"].items()}, source,
                    {str(k): str(v) for k, v in data.get("attention", {}).items()},  # (older plans: SDPA)
                    {str(k): int(v) for k, v in data.get("decode_packing", {}).items()},  # (older: no packing)
-                   {str(k): str(v) for k, v in data.get("weight_grad", {}).items()})  # (older: via autograd)
+                   {str(k): str(v) for k, v in data.get("weight_grad", {}).items()},  # (older: via autograd)
+                   {str(k): str(v) for k, v in data.get("grad_input", {}).items()})  # (older: the forward's GEMM)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -275,6 +284,18 @@ def measure_weight_grad(out_features: int, in_features: int, backend: str) -> st
     return "inplace" if in_place <= separate else backend
 
 
+def measure_grad_input(out_features: int, in_features: int, backend: str) -> str:
+    """The GEMM of the gradient with respect to the input, grad_y [ROWS[1], out] @ W [out, in]: oneDNN (on the
+    transposed weight) or torch's, by faster_gemm. Small torch weights keep autograd's own path, as in
+    measure_weight_grad: their products are short and nothing is timed."""
+    if backend == "torch" and out_features * in_features < onednn.MIN_WEIGHT_NUMEL:
+        return backend
+    g = torch.Generator().manual_seed(0)
+    w, gy = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
+    return faster_gemm({"torch": best_time(lambda: onednn.product(gy, w.t(), False), 5),
+                        "onednn": best_time(lambda: onednn.product(gy, w.t(), True), 5)})
+
+
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
                      threads: int) -> bool:
     """Measure into `cache` what its entries under `key` lack for these shapes and this attention, at `threads`.
@@ -285,11 +306,13 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     attention_missing = attention is not None and attention not in known_attention
     packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if onednn.pack_works() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
+    inputs = cache.setdefault(f"grad input | {key}", {})
 
     def lacking(entries: dict) -> list[tuple[int, int]]:
         return [s for s in shapes if shape_key(s) not in entries]
 
-    if not (missing or attention_missing or lacking(grads) or (onednn.pack_works() and lacking(packing))):
+    if not (missing or attention_missing or lacking(grads) or lacking(inputs)
+            or (onednn.pack_works() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
@@ -299,6 +322,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             known_attention[attention] = measure_attention(attention)
         for s in lacking(grads):
             grads[shape_key(s)] = measure_weight_grad(*s, known[shape_key(s)])
+        for s in lacking(inputs):
+            inputs[shape_key(s)] = measure_grad_input(*s, known[shape_key(s)])
         for s in lacking(packing) if onednn.pack_works() else []:
             packing[shape_key(s)] = measure_packing(*s, known[shape_key(s)])
     finally:
@@ -308,7 +333,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
-    decode attention, which weights a decode loop packs and how weight gradients are summed, at that count; from
+    decode attention, which weights a decode loop packs, how weight gradients are summed and which GEMM runs each
+    input gradient, at that count; from
     the cache when everything is there, else measured (only what is missing) and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     if forced_torch() or not onednn.op_works():
@@ -329,8 +355,9 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     steps = cache.get(f"{PACKING_ENTRY} | {key}", {})
     packing = {k: int(steps[k]) for k in keys if steps.get(k)}
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
+    inputs = {k: cache[f"grad input | {key}"][k] for k in keys}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing, grads)
+                      packing, grads, inputs)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

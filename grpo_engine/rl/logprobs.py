@@ -144,7 +144,7 @@ def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w) -> None:
     """grad_h_rows [n, D] = gz @ W and grad_w [V, D] += gz^T h (skipping either when it is None)."""
     gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
     if grad_h_rows is not None:
-        if onednn.applies(gz, weight):  # the backend the plan chose for this weight's products
+        if onednn.grad_input_applies(gz, weight):  # the GEMM the plan chose for this weight's input gradient
             grad_h_rows.copy_(onednn.onednn_linear(gz, weight.t()))  # [n, V] @ [V, D]
         else:
             torch.mm(gz, weight, out=grad_h_rows)

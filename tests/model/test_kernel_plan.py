@@ -44,6 +44,9 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_weight_grad",  # in place for the torch weights, not for the oneDNN one
                         lambda o, i, backend: grad_calls.append((o, i, backend)) or ("inplace" if backend == "torch"
                                                                                        else backend))
+    input_calls = []
+    monkeypatch.setattr(select, "measure_grad_input",  # the oneDNN weight's input gradient measured on torch
+                        lambda o, i, backend: input_calls.append((o, i, backend)) or "torch")
     monkeypatch.setattr(onednn, "op_works", lambda: True)
     monkeypatch.setattr(onednn, "pack_works", lambda: True)
     cache = tmp_path / "kernels.json"
@@ -58,6 +61,9 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     assert sorted(grad_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # each on its own GEMM
     assert plan.weight_grad == {shape_key(s): "onednn" if s == shapes[0] else "inplace" for s in shapes}
     assert not plan.grad_in_place(shapes[0]) and plan.grad_in_place(shapes[1])
+    assert sorted(input_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)
+    assert plan.grad_input == {shape_key(s): "torch" for s in shapes}
+    assert plan.backend(shapes[0]) == "onednn" and plan.grad_input_backend(shapes[0]) == "torch"
     stored = json.loads(cache.read_text())
     key = next(k for k in stored if not k.startswith(("decode ", "weight ")))
     attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
@@ -65,12 +71,18 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
     assert packing_key == f"decode packing per weight | {key}"  # never paying recorded as 0
     assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
-    assert stored[f"weight grad | {key}"] == plan.weight_grad
+    assert stored[f"weight grad | {key}"] == plan.weight_grad and stored[f"grad input | {key}"] == plan.grad_input
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
     assert (again.decode_packing, again.weight_grad) == (plan.decode_packing, plan.weight_grad)
+    assert again.grad_input == plan.grad_input
     n = len(shapes)  # nothing measured again
-    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls)) == (n, 1, n, n)
+    assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls), len(input_calls)) == (n, 1, n, n, n)
+
+    del stored[f"grad input | {key}"]  # a cache written before input gradients were planned: only they are measured
+    cache.write_text(json.dumps(stored))
+    assert choose_plan(model, cache).grad_input == plan.grad_input
+    assert (len(calls), len(grad_calls), len(input_calls)) == (n, n, 2 * n)
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
@@ -241,10 +253,31 @@ def test_weight_gradients_accumulate_in_place_when_that_is_at_least_as_fast(seco
 
 
 def test_plans_written_before_weight_gradients_were_planned_accumulate_through_autograd():
+    """...and run their input gradients on the forward's GEMM, as they did when they were recorded."""
     older = {"cpu": "c", "torch": "t", "threads": 2, "gemm": {"48x32": "onednn"}, "decode_packing": {"48x32": 9}}
     plan = KernelPlan.from_json(json.dumps(older), "checkpoint")
     assert plan.weight_grad == {} and not plan.grad_in_place((48, 32)) and plan.decode_packing == {"48x32": 9}
+    assert plan.grad_input == {} and plan.grad_input_backend((48, 32)) == "onednn"
+    assert plan.grad_input_backend((32, 48)) == "torch"  # a shape the plan does not hold: torch, as its forward
     assert KernelPlan.from_json(plan.to_json(), "checkpoint") == plan
+
+
+@pytest.mark.parametrize("seconds,choice", [((1.0, 0.5), "onednn"), ((1.0, 0.99), "torch"), ((0.5, 1.0), "torch")])
+def test_input_gradient_gemm_is_measured_on_the_transposed_weight(seconds, choice, monkeypatch):
+    """measure_grad_input times grad_y [ROWS[1], out] @ W on torch's GEMM, then on oneDNN (given W transposed), and
+    keeps oneDNN only where it is ONEDNN_GAIN faster; small torch weights keep autograd's path, untimed."""
+    products = []
+    real = onednn.product
+    monkeypatch.setattr(onednn, "product", lambda a, w, on: products.append((tuple(a.shape), tuple(w.shape), on))
+                        or real(a, w, on))
+    timed = iter(seconds)
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (fn(), next(timed))[1])  # runs fn, fakes its time
+    big = onednn.MIN_WEIGHT_NUMEL // 512  # out x in = the smallest weight that is timed
+    assert select.measure_grad_input(big, 512, "onednn") == choice
+    rows = select.ROWS[1]
+    assert products == [((rows, big), (512, big), False), ((rows, big), (512, big), True)]
+    products.clear()
+    assert select.measure_grad_input(48, 32, "torch") == "torch" and products == []
 
 
 def _cpuinfo(model: int, flags: str) -> str:

@@ -72,10 +72,12 @@ def test_fp32_head_through_onednn_matches_float64(chunk):
 
 
 @pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
-@pytest.mark.parametrize("backend", ["onednn", "torch"])
-def test_head_products_follow_the_plan_for_the_head_weight(backend, monkeypatch):
-    """The plan's choice for the [V, D] head weight decides its forward product and its grad-input product
-    gz [n, V] @ W [V, D] alike (not the choice for a [D, V] shape, which no plan holds)."""
+@pytest.mark.parametrize("backend,grad_input", [("onednn", None), ("torch", None), ("onednn", "torch"),
+                                                ("torch", "onednn")])
+def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, monkeypatch):
+    """The plan's choices for the [V, D] head weight decide its forward product and its grad-input product
+    gz [n, V] @ W [V, D] (not the choice for a [D, V] shape, which no plan holds): the input gradient on its own
+    measured GEMM where the plan has one, else on the forward's."""
     g = torch.Generator().manual_seed(3)
     h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
     t = torch.randint(0, 500, (40,), generator=g)
@@ -85,13 +87,17 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, monkeypatch)
     real = onednn._op
     monkeypatch.setattr(onednn, "_op", lambda x, weight, bias=None: calls.append(tuple(weight.shape))
                         or real(x, weight, bias))
-    onednn.activate(KernelPlan("cpu", torch.__version__, 1, {"500x16": backend}))
+    plan = KernelPlan("cpu", torch.__version__, 1, {"500x16": backend})
+    if grad_input:
+        plan.grad_input = {"500x16": grad_input}
+    onednn.activate(plan)
     try:
         hh = h.clone().requires_grad_()
         token_logprobs(hh, w, t, chunk_size=16)[0].sum().backward()
     finally:
         onednn.activate(None)
-    assert sorted(set(calls)) == ([(16, 500), (500, 16)] if backend == "onednn" else [])
+    on_onednn = {(500, 16): backend == "onednn", (16, 500): (grad_input or backend) == "onednn"}  # forward, grad
+    assert sorted(set(calls)) == sorted(shape for shape, on in on_onednn.items() if on)
     torch.testing.assert_close(hh.grad.double(), gh_ref, rtol=1e-4, atol=1e-5)
 
 
@@ -120,3 +126,37 @@ def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arc
         torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-5)
     if works:  # 7 projections x 2 layers, forward + 2 gradients each, in the oneDNN pass only
         assert len(calls) == 7 * 2 * 3
+
+
+@pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
+@pytest.mark.parametrize("forward,grad_input", [("onednn", "torch"), ("torch", "onednn")])
+def test_projection_input_gradient_runs_on_its_own_planned_gemm(forward, grad_input, monkeypatch):
+    """A projection whose plan names one GEMM for the forward and another for the input gradient: the forward and
+    weight-gradient products on the first, grad_y @ W on the second, and nn.Linear's numbers either way."""
+    g = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(24, 40, bias=True)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(6, 24, generator=g)
+    y_grad = torch.randn(6, 40, generator=g)
+    ref_x = x.clone().requires_grad_()
+    layer(ref_x).backward(y_grad)
+    ref = (ref_x.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+
+    layer.zero_grad(set_to_none=True)
+    layer.__class__ = onednn.OneDNNLinear
+    calls, real = [], onednn._op
+    monkeypatch.setattr(onednn, "_op", lambda a, w, b=None: calls.append((tuple(a.shape), tuple(w.shape)))
+                        or real(a, w, b))
+    onednn.activate(KernelPlan("cpu", torch.__version__, 1, {"40x24": forward}, grad_input={"40x24": grad_input}))
+    try:
+        xx = x.clone().requires_grad_()
+        layer(xx).backward(y_grad)
+    finally:
+        onednn.activate(None)
+    products = {((6, 24), (40, 24)): forward, ((40, 6), (24, 6)): forward,  # forward x W^T; weight grad gy^T x
+                ((6, 40), (24, 40)): grad_input}  # input gradient gy @ W, W given to oneDNN as a transposed view
+    assert sorted(calls) == sorted(k for k, backend in products.items() if backend == "onednn")
+    for got, want in zip((xx.grad, layer.weight.grad, layer.bias.grad), ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
