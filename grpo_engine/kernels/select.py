@@ -334,8 +334,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
     decode attention, which weights a decode loop packs, how weight gradients are summed and which GEMM runs each
-    input gradient, at that count; from
-    the cache when everything is there, else measured (only what is missing) and cached."""
+    input gradient, at that count; from the cache when everything is there, else measured (only what is missing)
+    and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
