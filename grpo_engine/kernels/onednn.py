@@ -61,21 +61,22 @@ def chosen_for(weight: torch.Tensor) -> bool:
     return plan.backend(tuple(weight.shape)) == "onednn"
 
 
+def _fp32_cpu_matrices(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the shape."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
-            and op_works() and chosen_for(weight))
+    return _fp32_cpu_matrices(x, weight) and op_works() and chosen_for(weight)
 
 
 def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the gradient with respect to the input, grad_y [M, N] @ weight [N, K], is to run on oneDNN: fp32
-    CPU matrices, a working op, and the plan's `grad_input` choice for the weight's shape (without one: the
-    forward's, as `applies`)."""
+    """True when the gradient with respect to the input, grad_y [M, N] @ weight [N, K], is to run on oneDNN: as
+    `applies`, with the plan's `grad_input` choice for the weight's shape (which defaults to the forward's)."""
     plan = active_plan()
     if plan is None:
         return applies(grad_y, weight)
-    fp32_cpu = grad_y.device.type == "cpu" and grad_y.dtype == weight.dtype == torch.float32
-    return (fp32_cpu and grad_y.dim() == weight.dim() == 2 and op_works()
+    return (_fp32_cpu_matrices(grad_y, weight) and op_works()
             and plan.grad_input_backend(tuple(weight.shape)) == "onednn")
 
 

@@ -236,11 +236,14 @@ def test_build_policy_asks_about_bf16_only_for_bf16_on_the_cpu(monkeypatch, tiny
 def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch):
     """memory.precision=bf16 on a CPU whose bf16 products are slower than fp32 (no AVX512_BF16 / AMX: a step many
     times as long) is said up front, with the fix; where bf16 is fast nothing is said."""
-    from grpo_engine.kernels import bf16_slowdown
+    from grpo_engine.kernels import bf16_slowdown, select
     from grpo_engine.train import policy as policy_mod
 
-    ratio = bf16_slowdown(64, 128)  # the real measurement runs: a finite positive ratio of two timings
-    assert 0 < ratio < float("inf")
+    products, timed = [], iter((2.0, 5.0))  # seconds of the fp32 product, then of the bf16 one
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (products.append(fn()), next(timed))[1])
+    assert bf16_slowdown(64, 128) == 2.5  # bf16 seconds over fp32 seconds
+    assert [(p.dtype, tuple(p.shape)) for p in products] == [(torch.float32, (select.ROWS[1], 128)),
+                                                            (torch.bfloat16, (select.ROWS[1], 128))]
     config = tiny_config()
     monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 4.0)
     with pytest.warns(UserWarning, match=r"4\.0x as long as in fp32.*memory.precision=fp32"):
