@@ -12,7 +12,7 @@ Design:
   merge) would random-walk the frozen base weights over thousands of steps. Low-precision bases therefore
   park a copy of the original weight on the CPU at merge time and copy it back at unmerge (bit-exact); fp32
   bases subtract (error ~1e-7 relative, no extra memory).
-* QLoRA: the base weight is stored in NF4 (torchao or bitsandbytes, CUDA only, imported lazily). An NF4
+* QLoRA: the base weight is stored in NF4 (model/nf4.py: torchao or bitsandbytes, CUDA only). An NF4
   base is never merged (re-quantising would change it); rollout runs the adapter path instead.
 * The reference policy for KL is the base model: `adapters_disabled(model)` switches every adapter off
   for the duration of a `with` block. No second copy of the weights.
@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config.training import LoRAConfig
 from .hf_io import hf_name_table
+from .nf4 import NF4_BACKENDS, choose_nf4_backend
 from .transformer import Transformer
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,60 +57,6 @@ LORA_A_INIT: dict[str, Callable[[torch.Tensor], None]] = {
     "kaiming": _init_kaiming,
     "gaussian": _init_gaussian,
 }
-
-
-# ----------------------------------------------------------------------------------------------------
-# NF4 backends (lazy imports; CUDA only). Each returns (quantized weight, forward fn, dequantize fn).
-
-
-def _nf4_torchao(w: torch.Tensor):
-    try:  # torchao >= 0.15 keeps NF4 under quantization/
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
-    except ImportError:
-        from torchao.dtypes.nf4tensor import linear_nf4, to_nf4
-
-    q = to_nf4(w.detach().to(torch.bfloat16), block_size=64, scaler_block_size=256)
-    return q, lambda x, qw: linear_nf4(x, qw), lambda qw: qw.get_original_weight()
-
-
-def _nf4_bitsandbytes(w: torch.Tensor):
-    import bitsandbytes as bnb
-    import bitsandbytes.functional as bnbf
-
-    q, state = bnbf.quantize_4bit(w.detach().to(torch.bfloat16), blocksize=64, quant_type="nf4",
-                                  compress_statistics=True)
-    return (
-        q,
-        lambda x, qw: bnb.matmul_4bit(x, qw.t(), quant_state=state),
-        lambda qw: bnbf.dequantize_4bit(qw, state),
-    )
-
-
-NF4_BACKENDS: dict[str, Callable] = {"torchao": _nf4_torchao, "bitsandbytes": _nf4_bitsandbytes}
-
-
-def nf4_unavailable_reason(backend: str, device: torch.device) -> str | None:
-    """None when `backend` can quantize on `device`; otherwise why not (names the missing piece)."""
-    if device.type != "cuda":
-        return f"NF4 needs a CUDA device, the model is on {device.type}"
-    module = {"torchao": "torchao", "bitsandbytes": "bitsandbytes"}[backend]
-    try:
-        __import__(module)
-    except ImportError:
-        return f"{module} is not installed (pip install {module})"
-    return None
-
-
-def choose_nf4_backend(cfg: LoRAConfig, device: torch.device) -> tuple[str | None, str]:
-    """(backend name or None, reasons it could not be used) for cfg.quant_backend on `device`."""
-    names = list(NF4_BACKENDS) if cfg.quant_backend == "auto" else [cfg.quant_backend]
-    reasons = []
-    for name in names:
-        why = nf4_unavailable_reason(name, device)
-        if why is None:
-            return name, ""
-        reasons.append(f"{name}: {why}")
-    return None, "; ".join(reasons)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -207,6 +207,19 @@ def test_bad_config_is_rejected():
         LoRAConfig(rank=0)
 
 
+def test_nf4_scale_groups_divide_every_weight_s_block_count():
+    """torchao needs the group of double-quantized scales to divide the weight's 64-value block count: QLoRA's 256
+    for real shapes, the largest power of two that divides it otherwise; a partial block is a clear error."""
+    from grpo_engine.model.nf4 import nf4_scaler_block
+
+    assert nf4_scaler_block(1536 * 8960) == 256  # 215,040 blocks
+    assert nf4_scaler_block(64 * 64) == 64  # a tiny model's projection: 64 blocks
+    assert nf4_scaler_block(64 * 96) == 32  # 96 blocks
+    assert nf4_scaler_block(64 * 3) == 1
+    with pytest.raises(ValueError, match="quantize_base=none"):
+        nf4_scaler_block(100)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NF4 needs CUDA")
 def test_nf4_on_cuda_close_to_dequantized_base(ckpt):
     try:
