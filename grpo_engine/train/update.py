@@ -32,11 +32,14 @@ class NonFiniteError(RuntimeError):
 
 
 def weights_finite(model, world: World) -> bool:
-    """Every parameter finite (one fused reduction, one host sync); under fsdp2 each rank checks its shards."""
-    params = [p.detach() for p in model.parameters()]
+    """Every trainable parameter finite (one fused reduction, one host sync); under fsdp2 each rank checks its shards.
+
+    Frozen weights are not checked: no update changes them, and a quantized base (NF4) has no norm kernel.
+    """
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    total = torch.stack([n.float() for n in torch._foreach_norm(local)]).sum()
-    return world.sum([float(not torch.isfinite(total))])[0] == 0
+    bad = bool(local) and not torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(local)]).sum())
+    return world.sum([float(bad)])[0] == 0
 
 
 def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -263,3 +263,24 @@ def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_wei
     for name, p in reference.named_parameters():
         torch.testing.assert_close((before[name] - dict(model.named_parameters())[name]).double(), p.grad,
                                    rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_weights_finite_checks_the_trainable_weights_only(tiny_ckpt):
+    """The post-update guard looks at what an update can change: a NaN in a trainable weight is caught, one in a
+    frozen weight (a LoRA base, an NF4 base that has no norm kernel) is not looked at."""
+    from grpo_engine.train.distributed import World
+    from grpo_engine.train.update import weights_finite
+
+    model = load_model(tiny_ckpt)
+    world = World()
+    assert weights_finite(model, world)
+    frozen, trained = model.layers[0].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    with torch.no_grad():
+        frozen[0, 0] = float("nan")
+    assert weights_finite(model, world)
+    with torch.no_grad():
+        trained[0, 0] = float("inf")
+    assert not weights_finite(model, world)
+    model.requires_grad_(False)
+    assert weights_finite(model, world)  # nothing trainable: nothing an update could break
