@@ -207,8 +207,30 @@ class Attention(nn.Module):
         elif mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            if gqa and T > 1 and q.is_cuda:  # CUDA's fused kernels take no mask with GQA: SDPA falls back to math
+                k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)  # [B, H, S, D]
+                gqa = False
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype) if mask.is_floating_point()
+                                                 else mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, heads, S, D], query head h reading key/value head h // (heads / Hkv) (as enable_gqa)."""
+    B, Hkv, S, D = x.shape
+    return x[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D)
+
+
+def cuda_attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask [B, 1, T, S] -> additive bias [B, 1, T, S] (0 / -inf) in dtype, rows 16-element aligned.
+
+    SDPA's memory-efficient CUDA kernel takes a float bias with aligned rows; given a bool or unaligned mask it
+    converts and pads it in every layer, and autograd keeps each layer's copy for backward. Built once per
+    forward, every layer reads (and saves) this one tensor.
+    """
+    B, _, T, S = mask.shape
+    bias = torch.zeros(B, 1, T, -(-S // 16) * 16, dtype=dtype, device=mask.device)[..., :S]
+    return bias.masked_fill_(~mask, float("-inf"))
 
 
 class MLP(nn.Module):
@@ -290,6 +312,8 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.embed(input_ids)  # [B, T, hidden]
+        if mask is not None and T > 1 and mask.is_cuda:
+            mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype)
         cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, cache, i)

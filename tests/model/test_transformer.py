@@ -58,3 +58,51 @@ def test_heads_must_group():
     with pytest.raises(ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"):
         ModelConfig(vocab_size=8, hidden_size=12, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=6, num_key_value_heads=4)
+
+
+def test_repeated_kv_heads_attend_like_sdpa_gqa():
+    """repeat_kv (taken on CUDA when a mask rules out the fused GQA kernels) gives query head h the key/value
+    head h // (H / Hkv), as enable_gqa does: the same attention output."""
+    from grpo_engine.model.transformer import repeat_kv
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 8, generator=g)  # [B, H, T, D]
+    k, v = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)  # [B, Hkv, S, D]
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    F = torch.nn.functional
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = F.scaled_dot_product_attention(q, repeat_kv(k, 6), repeat_kv(v, 6), attn_mask=mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(repeat_kv(k, 6)[:, 3], k[:, 1], rtol=0, atol=0)  # heads 3, 4, 5 read kv head 1
+
+
+def test_cuda_attention_bias_is_the_bool_mask_with_aligned_rows():
+    """The additive bias built once per forward: 0 where the bool mask keeps a key, -inf where it drops one,
+    rows 16-element aligned (SDPA's memory-efficient kernel would otherwise pad a copy in every layer)."""
+    from grpo_engine.model.transformer import cuda_attention_bias
+
+    mask = torch.rand(3, 1, 4, 21, generator=torch.Generator().manual_seed(1)) > 0.5
+    bias = cuda_attention_bias(mask, torch.bfloat16)
+    assert bias.shape == (3, 1, 4, 21) and bias.dtype == torch.bfloat16
+    assert all(s % 16 == 0 for s in bias.stride()[:-1]) and bias.stride(-1) == 1
+    assert torch.equal(bias == 0, mask) and torch.equal(torch.isneginf(bias), ~mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masked_gqa_forward_and_backward_avoid_the_math_kernel(tiny_ckpt):
+    """With a key mask (left padding, the shared-prompt update) and grouped KV heads, SDPA on CUDA falls back to
+    the math kernel, which materializes [B, H, T, S] scores; the model must reach a fused kernel instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda").train()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.randint(0, model.config.vocab_size, (4, 37), device="cuda")
+    key_mask = torch.ones(4, 37, dtype=torch.long, device="cuda")
+    key_mask[0, :5] = 0  # one left-padded row
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        fused = model(ids, key_mask)
+        fused.float().square().mean().backward()
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = model(ids, key_mask)
+    torch.testing.assert_close(fused.float(), math.float(), rtol=2e-2, atol=2e-2)
