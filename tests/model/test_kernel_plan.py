@@ -105,7 +105,8 @@ def test_run_folder_and_checkpoint_record_the_plan_and_resume_reuses_it(tiny_ckp
 
     cfg = lambda: load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'run'}",  # noqa: E731
                                      "schedule.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                                     "rollout.max_new_tokens=4", "task.options.n_train=8"])
+                                     "rollout.max_new_tokens=4", "task.options.n_train=8",
+                                     "model.device=cpu"])  # kernel plans are CPU plans
     result = train(cfg(), stop_after=1)
     recorded = KernelPlan.from_json((tmp_path / "run" / "kernels.json").read_text(), "run")
     in_checkpoint = KernelPlan.from_json((result.checkpoint / "kernels.json").read_text(), "ckpt")
