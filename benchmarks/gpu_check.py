@@ -252,6 +252,9 @@ def one_preset(config: str, smoke: bool, sizes: Sizes, profile_last: bool = Fals
     from grpo_engine.train.step import grpo_step
 
     path = checkpoint(PRESETS[config], smoke)
+    if torch.cuda.is_available():  # drawing a missing checkpoint on the GPU is not part of the preset's peaks
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     extra = [] if torch.cuda.is_available() else ["memory.precision=fp32", "model.device=cpu"]
     if not torch.cuda.is_available() and "offload" in (ROOT / config).read_text():
         extra.append("optimizer.name=adamw")
