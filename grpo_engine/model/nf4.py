@@ -43,7 +43,7 @@ def _nf4_bitsandbytes(w: torch.Tensor):
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    q, state = bnbf.quantize_4bit(w.detach().to(torch.bfloat16), blocksize=64, quant_type="nf4",
+    q, state = bnbf.quantize_4bit(w.detach().to(torch.bfloat16), blocksize=NF4_BLOCK, quant_type="nf4",
                                   compress_statistics=True)
     return (
         q,
