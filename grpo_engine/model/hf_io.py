@@ -45,16 +45,21 @@ def read_json(path: Path) -> dict:
 
 
 def _rope_fields(raw: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either the 4.x or the 5.x layout of config.json."""
-    params = raw.get("rope_parameters")
+    """(rope_theta, rope_scaling) from either the 4.x or the 5.x layout of config.json.
+
+    A non-empty `rope_scaling` wins over `rope_parameters`, as in transformers 5: a 5.x-saved config that
+    someone then gave a `rope_scaling` (Qwen's recipe for YaRN) runs with that scaling there, so reading
+    `rope_parameters` here would load it silently with other frequencies. The theta then comes, as there,
+    from the scaling dict or the top-level `rope_theta`.
+    """
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
         params = params["full_attention"]
-    if params:
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        kind = params.get("rope_type", params.get("type", "default"))
-        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-        return float(theta), scaling
-    return float(raw.get("rope_theta", 10000.0)), raw.get("rope_scaling") or None
+    params = params or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
 
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -68,15 +73,21 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     if raw.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={raw['hidden_act']!r} (only silu)")
     if raw.get("use_sliding_window"):
-        unsupported.append("use_sliding_window=true")
+        unsupported.append("use_sliding_window=true (only full attention)")
     if raw.get("mlp_bias"):
         unsupported.append("mlp_bias=true")
-    if model_type == "llama" and raw.get("attention_bias"):
-        unsupported.append("attention_bias=true for llama (bias on o_proj)")
+    if model_type != "qwen2" and raw.get("attention_bias"):  # llama and qwen3 then put a bias on o_proj too
+        unsupported.append(f"attention_bias=true for {model_type} (bias on o_proj; only qwen2's q/k/v bias)")
     theta, scaling = _rope_fields(raw)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind not in ("default", "linear", "llama3"):
         unsupported.append(f"rope type {kind!r} (supported: default, linear, llama3)")
+    elif kind == "llama3":  # transformers' default when absent; rope_inv_freq needs it
+        scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 32768))
+    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(kind, [])
+    lacking = [k for k in needed if k not in scaling]  # else a KeyError at the first forward, not here
+    if lacking:
+        unsupported.append(f"rope type {kind!r} without {', '.join(lacking)}")
     if unsupported:
         raise CheckpointError(f"{source}: unsupported feature(s): {'; '.join(unsupported)}")
     try:
@@ -210,7 +221,8 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
     cfg = model.config
     table = hf_name_table(cfg)
     wanted = set(table.values())
-    present = set(tensors)
+    # RoPE buffers that transformers < 4.31 saved: derived from config.json, and transformers skips them too
+    present = {name for name in tensors if not name.endswith(".rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints carry a redundant copy
     unexpected, missing = sorted(present - wanted), sorted(wanted - present)
@@ -220,6 +232,13 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
         raise CheckpointError(
             f"{source}: unexpected tensor(s) {unexpected[:8]}{' …' if len(unexpected) > 8 else ''} "
             f"(does config.json match the weights?)"
+        )
+    head = tensors.get("lm_head.weight") if cfg.tie_word_embeddings else None
+    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        # not a redundant copy: transformers 5 then unties and uses it, vLLM and transformers 4 the embedding
+        raise CheckpointError(
+            f"{source}: config.json has tie_word_embeddings=true but lm_head.weight differs from "
+            f"model.embed_tokens.weight; set it to false to use that lm_head, or delete the tensor to tie"
         )
     params = dict(model.named_parameters(remove_duplicate=False))
     state = {}

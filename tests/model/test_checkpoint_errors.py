@@ -133,3 +133,61 @@ def test_config_reads_both_rope_layouts():
     assert v5.rope_scaling["rope_type"] == "llama3"
     plain = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+def test_rope_scaling_wins_over_rope_parameters():
+    """A 5.x config (rope_parameters) later given a rope_scaling, as Qwen's YaRN recipe does: transformers runs
+    the rope_scaling, so we must read it too (and refuse yarn) instead of silently using rope_parameters."""
+    base = dict(
+        model_type="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    linear = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert linear.rope_scaling == {"type": "linear", "factor": 4.0} and linear.rope_theta == 5e5
+    with pytest.raises(CheckpointError, match="rope type 'yarn'"):
+        config_from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 32768}})
+    assert config_from_hf({**base, "rope_scaling": None}).rope_theta == 1e6
+
+
+def test_llama3_rope_fields_checked_at_load():
+    """original_max_position_embeddings defaults to max_position_embeddings (as in transformers); a missing
+    factor fails at load, not as a KeyError in the first forward."""
+    base = dict(
+        model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+    )
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cfg = config_from_hf({**base, "rope_parameters": rope})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 256
+    no_low = {k: v for k, v in rope.items() if k != "low_freq_factor"}
+    with pytest.raises(CheckpointError, match="rope type 'llama3' without low_freq_factor"):
+        config_from_hf({**base, "rope_parameters": no_low})
+
+
+def test_qwen3_attention_bias_refused_by_name():
+    """Qwen3 with attention_bias also has an o_proj bias, which the model lacks: name the field, not a tensor."""
+    raw = dict(
+        model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_bias=True,
+    )
+    with pytest.raises(CheckpointError, match="attention_bias=true for qwen3"):
+        config_from_hf(raw)
+
+
+def test_tied_checkpoint_with_distinct_lm_head(tiny_ckpt_factory, tmp_path):
+    """An equal lm_head copy is dropped; a different one is refused (transformers 5 would use it, untied)."""
+    dst = tmp_path / "tied"
+    shutil.copytree(tiny_ckpt_factory("qwen2-tied"), dst)
+    edit_tensors(dst, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    model = load_model(dst)
+    assert model.lm_head.weight is model.embed.weight
+    edit_tensors(dst, lambda t: t["lm_head.weight"].add_(1.0))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings=true but lm_head.weight differs"):
+        load_model(dst)
+
+
+def test_old_rotary_inv_freq_buffers_are_skipped(ckpt):
+    """transformers < 4.31 saved rotary_emb.inv_freq; transformers ignores them on load, so do we."""
+    edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    load_model(ckpt)

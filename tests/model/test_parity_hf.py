@@ -112,3 +112,17 @@ def test_load_dtype_and_tied_weights(tiny_ckpt_factory):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.lm_head.weight is model.embed.weight
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_rope_scaling_added_to_a_transformers_5_config(tiny_ckpt_factory, tmp_path):
+    """save_pretrained writes rope_parameters; a rope_scaling added afterwards is what transformers runs."""
+    theirs = hf_load(tiny_ckpt_factory("llama3"))
+    theirs.save_pretrained(tmp_path / "hf")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.update(rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    ours, theirs = load_model(tmp_path / "hf"), hf_load(tmp_path / "hf")
+    assert ours.config.rope_scaling["rope_type"] == "linear"
+    ids = torch.randint(0, ours.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4
