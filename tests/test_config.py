@@ -75,6 +75,21 @@ def test_wrong_type_names_field(tmp_path):
         load_config(None, ["optimizer.lr=fast"])
 
 
+def test_a_list_or_number_where_a_section_belongs_names_the_key(tmp_path):
+    """`task: {options: [1, 2]}` was a TypeError traceback; `rollout: 5` named the key '?'."""
+    with pytest.raises(ConfigError, match=r"c\.yaml: 'task\.options' must be a mapping .*got list \[1, 2\]"):
+        load_config(write(tmp_path, "task:\n  options: [1, 2]\n"))
+    with pytest.raises(ConfigError, match=r"override 'rollout=5': 'rollout' must be a mapping"):
+        load_config(None, ["rollout=5"])
+    with pytest.raises(ConfigError, match=r"'rollout\.stop_strings' must be a list"):
+        load_config(None, ["rollout.stop_strings={a: 1}"])
+
+
+def test_a_section_with_every_line_commented_out_is_its_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "rollout:\n#  group_size: 4\ntask:\n  options:\nseed: 3\n"))
+    assert (cfg.rollout.group_size, cfg.task.options, cfg.seed) == (8, {}, 3)
+
+
 def test_malformed_yaml_names_line(tmp_path):
     p = write(tmp_path, "rollout:\n  group_size: 4\n bad: [1, 2\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:3:\d+: malformed YAML"):
@@ -102,6 +117,18 @@ def test_missing_model_dir_reported_before_loading(tmp_path, tiny_ckpt):
     with pytest.raises(ConfigError, match=r"task\.data_path=.*does not exist"):
         check_paths(cfg)
     check_paths(load_config(None, [f"model.path={tiny_ckpt}"]))
+
+
+def test_model_path_to_a_file_or_a_training_checkpoint_says_which_dir(tmp_path, tiny_ckpt):
+    """A file was reported as a directory that does not exist; a step-N checkpoint as lacking config.json."""
+    cfg = load_config(None, [f"model.path={tiny_ckpt / 'config.json'}"])
+    with pytest.raises(ConfigError, match=r"config\.json' is a file: give the checkpoint directory that holds it"):
+        check_paths(cfg)
+    (tmp_path / "step-000002" / "model").mkdir(parents=True)
+    (tmp_path / "step-000002" / "model" / "config.json").write_text("{}")
+    cfg = load_config(None, [f"model.path={tmp_path / 'step-000002'}"])
+    with pytest.raises(ConfigError, match=r"is a `grpo train` checkpoint: its weights are in .*step-000002/model"):
+        check_paths(cfg)
 
 
 def test_yaml_round_trip():

@@ -12,7 +12,7 @@ import difflib
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from .fields import ConfigError
@@ -64,6 +64,48 @@ def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
     raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
 
 
+def _merge(merged: DictConfig, data: dict, source: str) -> DictConfig:
+    """OmegaConf.merge with its errors as ConfigErrors. A list or a number where a section or mapping belongs
+    is named by its dotted key: OmegaConf reports it without the key, or as a bare TypeError (a traceback)."""
+    try:
+        return OmegaConf.merge(merged, data)
+    except (OmegaConfBaseException, TypeError) as e:
+        misplaced = _misplaced(merged, data)
+        if misplaced is not None:
+            raise ConfigError(f"{source}: {misplaced}") from None
+        if not isinstance(e, OmegaConfBaseException):
+            raise ConfigError(f"{source}: {e}") from None
+        _raise_from_omegaconf(e, source)
+    raise AssertionError("unreachable")
+
+
+def _misplaced(schema: DictConfig, data: dict, prefix: str = "") -> str | None:
+    """'KEY must be a mapping ...' for the first key of `data` whose kind (mapping / list) is not the schema's."""
+    for key, value in data.items():
+        node, name = schema.get(key, None), f"{prefix}{key}"
+        if isinstance(node, DictConfig) and not isinstance(value, dict):
+            return f"{name!r} must be a mapping (key: value lines under it), got {type(value).__name__} {value!r}"
+        if isinstance(node, ListConfig) and isinstance(value, dict):
+            return f"{name!r} must be a list (e.g. [a, b]), got a mapping"
+        found = _misplaced(node, value, name + ".") if isinstance(node, DictConfig) else None
+        if found is not None:
+            return found
+    return None
+
+
+def _empty_sections_dropped(schema: DictConfig, data: dict) -> dict:
+    """`rollout:` with every line under it commented out is YAML null: in a file that means the section's
+    defaults (OmegaConf calls it "not Optional"), as an empty `rollout: {}` does."""
+    out = {}
+    for key, value in data.items():
+        node = schema.get(key, None)
+        if isinstance(node, DictConfig) and value is None:
+            continue
+        out[key] = _empty_sections_dropped(node, value) if isinstance(node, DictConfig) and isinstance(value, dict) \
+            else value
+    return out
+
+
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise ConfigError(f"config path {path} is a directory; give the YAML file (e.g. configs/demo.yaml)")
@@ -89,12 +131,12 @@ def _override(merged: DictConfig, item: str) -> DictConfig:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. rollout.group_size=16)")
     try:
-        return OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        data = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
     except OmegaConfBaseException as e:
         _raise_from_omegaconf(e, f"override {item!r}")
     except (yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"override {item!r}: malformed value ({str(e).splitlines()[0]})") from None
-    raise AssertionError("unreachable")
+    return _merge(merged, data, f"override {item!r}")
 
 
 def _build(merged: DictConfig, source: str) -> Config:
@@ -115,10 +157,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by every section."""
     merged: DictConfig = OmegaConf.structured(Config)
     if path is not None:
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.create(_read_yaml(Path(path))))
-        except OmegaConfBaseException as e:
-            _raise_from_omegaconf(e, str(path))
+        merged = _merge(merged, _empty_sections_dropped(merged, _read_yaml(Path(path))), str(path))
     for item in overrides:
         merged = _override(merged, item)
     return _build(merged, str(path or "config"))

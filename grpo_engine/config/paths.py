@@ -24,8 +24,14 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(f"model.path={cfg.model.path!r}: GGUF file does not exist")
         if cfg.tokenizer.path is None:
             return  # the GGUF file carries its tokenizer
+    elif model.is_file():  # e.g. .../config.json or .../model.safetensors: "does not exist" would be wrong
+        raise ConfigError(f"model.path={cfg.model.path!r} is a file: give the checkpoint directory that holds it "
+                          f"({str(model.parent)!r}?)")
     elif not model.is_dir():
         raise ConfigError(f"model.path={cfg.model.path!r}: directory does not exist")
+    elif (model / "model" / "config.json").is_file() and not (model / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path!r} is a `grpo train` checkpoint: its weights are in "
+                          f"{str(model / 'model')!r}")
     elif not (model / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: is it a Hugging Face checkpoint dir?")
     elif not any(model.glob("*.safetensors")):
