@@ -12,6 +12,8 @@ rejects unknown option names with the list of valid ones. The trainer's config e
 from __future__ import annotations
 
 import dataclasses
+import os
+import typing
 from typing import NamedTuple
 
 from .arithmetic import ArithmeticOptions, ArithmeticTask
@@ -58,7 +60,31 @@ def task_options(name: str, **options) -> ChatTaskOptions:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for task {name!r}; valid options: {valid}")
-    return cls(**options)
+    hints = typing.get_type_hints(cls)
+    return cls(**{key: _typed(key, value, hints[key]) for key, value in options.items()})
+
+
+def _typed(key: str, value, hint):
+    """`value` as the scalar type `hint` names (YAML's 3 for a float, its 42 for a str), or a ValueError that
+    names the option: the options dataclasses do not check types, so `digits: x` would otherwise crash deep in
+    a task and `format_weight: abc` would fail every reward silently. Containers are left to the tasks."""
+    optional = type(None) in typing.get_args(hint)
+    if value is None and optional:
+        return value
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if optional else hint
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and number and float(value).is_integer():
+        return int(value)
+    if base is float and number:
+        return float(value)
+    if base is str and (isinstance(value, (str, os.PathLike)) or number):
+        return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if base in (bool, int, float, str):
+        wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
+        raise ValueError(f"task option {key}={value!r} must be {wanted}" + (" or null" if optional else ""))
+    return value
 
 
 def make_task(name: str, **options) -> Task:

@@ -137,6 +137,21 @@ def test_registry_builds_every_task_and_rejects_unknown_names(tmp_path):
         make_task("gsm8k", extractors=["answer_tag", "magic"])
 
 
+def test_option_types_are_checked_and_yaml_scalars_coerced():
+    """`digits: x` once crashed with a TypeError inside the task; `format_weight: abc` failed every reward."""
+    with pytest.raises(ValueError, match=r"task option digits='x' must be an integer"):
+        make_task("arithmetic", digits="x")
+    with pytest.raises(ValueError, match=r"task option format_weight='abc' must be a number"):
+        make_task("countdown", format_weight="abc")
+    with pytest.raises(ValueError, match=r"task option full_width='yes' must be true or false"):
+        make_task("arithmetic", full_width="yes")
+    with pytest.raises(ValueError, match=r"task option system_prompt=\['a'\] must be a string or null"):
+        make_task("arithmetic", system_prompt=["a"])
+    task = make_task("arithmetic", digits=2.0, format_weight=1, instruction=5, system_prompt=None)
+    assert (task.options.digits, task.options.format_weight, task.options.instruction) == (2, 1.0, "5")
+    assert isinstance(task.options.format_weight, float)
+
+
 # -------------------------------------------------------------------------------------- guarded scoring
 class ScriptedTask:
     """A task whose reward does whatever the completion says: the failure modes safe_reward must absorb."""
