@@ -193,8 +193,8 @@ def _resolve_quantization(model: Transformer, cfg: LoRAConfig) -> str | None:
         return backend
     dtype = str(model.embed.weight.dtype).removeprefix("torch.")
     msg = f"QLoRA NF4 base unavailable ({reasons})"
-    if cfg.strict:
-        raise RuntimeError(f"{msg}; lora.strict=true forbids falling back. Run on CUDA with torchao or "
+    if cfg.strict:  # a config error (ValueError): the CLI prints this one line, not a traceback
+        raise ValueError(f"{msg}; lora.strict=true forbids falling back. Run on CUDA with torchao or "
                            f"bitsandbytes installed, or set lora.quantize_base=none")
     warnings.warn(f"{msg}: fell back to plain LoRA on the unquantized {dtype} base weights", stacklevel=3)
     return None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..config.fields import ConfigError
 from ..config.training import OptimizerConfig
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,8 +191,8 @@ def build_adamw_8bit(params, cfg, device):
 
 
 def _fallback(cfg: OptimizerConfig, why: str, what: str) -> None:
-    if cfg.strict:
-        raise RuntimeError(f"optimizer.name={cfg.name!r} unavailable: {why}; optimizer.strict=true forbids "
+    if cfg.strict:  # a ConfigError (ValueError): the CLI prints this one line, not a traceback
+        raise ConfigError(f"optimizer.name={cfg.name!r} unavailable: {why}; optimizer.strict=true forbids "
                            f"falling back. Choose another optimizer.name or set strict=false")
     warnings.warn(f"optimizer {cfg.name!r} unavailable ({why}): fell back to {what}", stacklevel=3)
 

@@ -76,6 +76,18 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
         run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
                                newest_step=checkpoint_step(latest_checkpoint(ckpt_root)), overwrite=overwrite)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
+    try:
+        return _load_run(cfg, world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes,
+                         run_dir, lock)
+    except BaseException:  # a failed load (weights, tokenizer, optimizer, Ctrl-C) leaves no stale lock behind
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _load_run(cfg: Config, world, task, train_examples, eval_examples, ckpt_root: Path, resume_dir, saved, changes,
+              run_dir: RunDirPlan, lock: RunLock | None) -> Run:
+    """setup_run's second half, under the run lock: the warm start, model, tokenizer, optimizer and resumed state."""
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
         take_run_dir(run_dir, lock)
         cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))

@@ -109,7 +109,7 @@ def test_cpu_fallbacks_warn_and_strict_fails(name, fell_back_to):
     assert isinstance(opt, torch.optim.AdamW)
     msgs = [str(w.message) for w in caught]
     assert any(f"fell back to {fell_back_to}" in m for m in msgs), msgs
-    with pytest.raises(RuntimeError, match="strict"):
+    with pytest.raises(ValueError, match="strict"):  # a config error: one line from the CLI, no traceback
         build_optimizer(make_params(), OptimizerConfig(name=name, strict=True))
 
 

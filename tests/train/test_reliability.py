@@ -178,6 +178,18 @@ def test_a_second_process_is_kept_out_and_a_stale_lock_taken_over(tmp_path, caps
     lock.release()
 
 
+def test_a_load_that_fails_is_one_line_and_leaves_no_lock(base, tmp_path, capsys):
+    """optimizer.strict with an optimizer the CPU cannot run was a RuntimeError traceback, and the failed load
+    left RUN_DIR/.lock behind: the next run warned of a stale lock."""
+    if torch.cuda.is_available():
+        pytest.skip("8-bit AdamW may run here")
+    run = tmp_path / "r"
+    code, err = grpo("train", CFG, *base, f"run_dir={run}", "optimizer.name=adamw_8bit", "optimizer.strict=true",
+                     capsys=capsys)
+    assert code == 2 and err.startswith("grpo: error: optimizer.name='adamw_8bit' unavailable")
+    assert "Traceback" not in err and not (run / ".lock").exists()
+
+
 # 7. inputs that used to arrive as tracebacks ------------------------------------------------------------------
 @pytest.mark.parametrize("override,message", [
     ("seed=-1", "seed=-1 must be >= 0"),
@@ -189,6 +201,7 @@ def test_a_second_process_is_kept_out_and_a_stale_lock_taken_over(tmp_path, caps
     ("reference.mixin_alpha=2", "mixin_alpha must be in (0, 1]"),
     ("algorithm.advantage.component_weights={answer: .nan}", "must be finite"),
     ("task.options.n_train=0", "has no examples"),
+    ("task.options.digits=x", "task option digits='x' must be an integer"),
 ])
 def test_bad_values_are_one_line_errors(base, tmp_path, capsys, override, message):
     if override.startswith("model.device") and torch.cuda.is_available():
