@@ -23,14 +23,25 @@ def add_train_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint of run_dir, or from the given checkpoint dir")
-    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after N steps")
+    p.add_argument("--stop-after", type=_at_least_one, default=None, help="stop (with a checkpoint) after N steps")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a run_dir that holds a run: the old run is renamed RUN_DIR.prev-<time>")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow resuming a checkpoint whose trainer state is a pickle (written by earlier versions)")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=_at_least_one, default=None,
                    help="data-parallel ranks on this machine: relaunches itself under torchrun --nproc_per_node N")
     p.set_defaults(func=_train)
+
+
+def _at_least_one(text: str) -> int:
+    """A count flag's value: --stop-after 0 (or -1) once ran a step all the same and stopped after it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _train(args) -> int:

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo_engine.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +23,15 @@ def test_train_reports_config_errors(tmp_path, capsys):
     assert "did you mean 'rollout.group_size'" in capsys.readouterr().err
     assert main(["train", cfg, f"model.path={tmp_path / 'absent'}"]) == 2
     assert "directory does not exist" in capsys.readouterr().err
+
+
+def test_train_count_flags_must_be_positive(capsys):
+    """--stop-after 0 ran a step and checkpointed it; --nproc 0 was ignored."""
+    cfg = str(REPO / "configs/tiny_arithmetic.yaml")
+    for flag, value, message in [("--stop-after", "0", "0 must be >= 1"), ("--nproc", "x", "'x' is not a whole")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["train", cfg, flag, value])
+        assert exc.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
 
 
 def test_console_script_entry(tmp_path):

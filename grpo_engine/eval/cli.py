@@ -273,7 +273,25 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
     except CheckpointError as e:
         hint = "" if tokenizer_dir else "; or pass --tokenizer BASE_MODEL_DIR to use the base model's tokenizer"
         raise CheckpointError(f"{e}{hint}") from None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = load_model(model_dir, dtype=getattr(torch, dtype), device=device).requires_grad_(False)
     return apply_kernels(model), tok  # frozen: inference only, and decode keeps one copy of the weights
+
+
+def check_device(device: str) -> str:
+    """`device` if this machine has it. Left to torch, `--device cuda` without a GPU was a traceback from the
+    weight loader and `--device tpu` was reported as a truncated safetensors file to re-download."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r} is not a device name; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but no CUDA device is visible; use --device cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return "cpu" if dev.type == "cpu" else device  # the weight loader takes cpu, not cpu:0

@@ -32,12 +32,19 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         if isinstance(value, list):
             p.add_argument(flag, nargs="+", default=None, help=f.metadata["help"])
         elif isinstance(value, bool):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
-                           help=f.metadata["help"])
+            p.add_argument(flag, type=_yes_no, default=None, help=f.metadata["help"])
         else:
             p.add_argument(flag, type=type(value), default=None, help=f.metadata["help"])
     p.set_defaults(func=run_plan)
     return p
+
+
+def _yes_no(text: str) -> bool:
+    """A boolean flag's value; anything else is an error ("maybe" once read as false, silently)."""
+    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a boolean: use true or false")
+    return value
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -47,6 +54,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from .from_config import plan_config  # imports the trainer's policy decision (torch): only when run
 
     try:
+        if card is not None and not card > 0:  # a -1 GiB card once got a verdict ("DOES NOT FIT") and exit 1
+            raise ValueError(f"--card {card:g}: give the card's GPU memory in GiB (> 0)")
         if args.config is not None:
             cfg = load_config(args.config, args.overrides)
             plan = plan_config(cfg, args.model, **knobs)

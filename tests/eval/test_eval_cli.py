@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_engine.cli import main
 from grpo_engine.eval.cli import parse_task_options, printable
@@ -97,6 +98,19 @@ def test_bad_inputs_name_the_file_and_the_fix(tiny_ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["eval", str(tiny_ckpt), "--task", "gsm9k"])
     assert exc.value.code == 2 and "invalid choice: 'gsm9k'" in capsys.readouterr().err
+
+
+def test_bad_device_and_option_types_are_one_line_errors(tiny_ckpt, capsys):
+    """--device tpu was blamed on a truncated safetensors file, --device cuda without a GPU and
+    --task-option digits=x were tracebacks."""
+    err = run_error(["generate", str(tiny_ckpt), "1+1=", "--device", "tpu"], capsys)
+    assert "--device 'tpu' is not a device name; use cpu, cuda or cuda:N" in err and "truncated" not in err
+    if not torch.cuda.is_available():
+        err = run_error(["eval", str(tiny_ckpt), "--task", "arithmetic", "--device", "cuda"], capsys)
+        assert "--device cuda but no CUDA device is visible; use --device cpu" in err
+    err = run_error(["generate", str(tiny_ckpt), "1+1=", "--task-option", "digits=x"], capsys)
+    assert "task option digits='x' must be an integer" in err
+    assert main(["generate", str(tiny_ckpt), "1+1=", "--device", "cpu:0", "--max-new", "2"]) == 0
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch: ~3 s alone, more on a loaded machine

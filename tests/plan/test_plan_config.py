@@ -133,6 +133,16 @@ def test_plan_cli_errors(capsys, tmp_path):
                  "--activation-checkpointing", "all"]) == 0
 
 
+def test_plan_cli_rejects_a_card_without_memory_and_a_non_boolean(capsys):
+    """--card -1 got a "DOES NOT FIT" verdict, and --master-weights maybe was read as false."""
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--card", "-1"]) == 2
+    assert "--card -1: give the card's GPU memory in GiB (> 0)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "qwen2.5-0.5b", "--master-weights", "maybe"])
+    assert exc.value.code == 2 and "'maybe' is not a boolean" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen2.5-0.5b", "--master-weights", "No"]) == 0
+
+
 def _no_load(*a, **k):
     raise AssertionError("load_model called")
 
