@@ -105,6 +105,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(f"grpo-engine run: {run_dir.name}")
     fig.tight_layout()
     out = Path(out) if out else run_dir / "curves.png"
+    if out.is_dir():  # --out a folder: the default name inside it (not a sibling FOLDER.png)
+        out = out / "curves.png"
+    elif not out.suffix:  # matplotlib appends .png itself: return the path it really writes
+        out = out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -36,6 +36,19 @@ def test_plot_writes_png_with_panels_for_logged_metrics(tmp_path):
     assert {"reward_mean", "completion_len_mean", "eval/accuracy"} <= keys
 
 
+def test_out_path_returned_is_the_file_written(tmp_path):
+    """--out DIR wrote a sibling DIR.png and --out NAME wrote NAME.png, each printing a path that was not the
+    file; --out into a missing folder failed."""
+    (tmp_path / "run").mkdir()
+    run = write_run(tmp_path / "run", [{"step": 1, "reward_mean": 0.5}])
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    assert plot_run(run, folder) == folder / "curves.png" and (folder / "curves.png").is_file()
+    assert plot_run(run, tmp_path / "curves") == tmp_path / "curves.png" and (tmp_path / "curves.png").is_file()
+    nested = tmp_path / "new" / "dir" / "c.png"
+    assert plot_run(run, nested) == nested and nested.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_missing_metrics_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl not found"):
         plot_run(tmp_path)

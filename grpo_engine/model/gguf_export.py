@@ -110,6 +110,9 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     if kind not in TYPES:
         raise CheckpointError(f"--type {kind!r} is not supported; choose one of {', '.join(TYPES)}")
     out_path = Path(out)
+    if out_path.is_dir():
+        raise CheckpointError(f"{out_path} is a directory; give the .gguf file to write "
+                              f"(e.g. {out_path / 'model.gguf'})")
     if out_path.exists() and not overwrite:
         raise CheckpointError(f"{out_path} exists; remove it or pass --overwrite")
     from ..train.checkpoint import model_source
@@ -122,17 +125,21 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     if model.config.rope_scaling:
         raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
                               f"(llama.cpp stores it as a rope_freqs tensor); convert with llama.cpp's converter")
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), ARCH_OF[model.config.model_type])
-    write_metadata(w, model, kind, src.parent.name if src.name == "model" else src.stem)
-    write_tokenizer(w, tok, model.config.vocab_size)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    write_tensors(w, model, kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")  # written whole, then renamed: no half-written .gguf
+    try:
+        w = gguf.GGUFWriter(str(tmp), ARCH_OF[model.config.model_type])
+        write_metadata(w, model, kind, src.parent.name if src.name == "model" else src.stem)
+        write_tokenizer(w, tok, model.config.vocab_size)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_tensors(w, model, kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out_path
 
 

@@ -102,3 +102,11 @@ def test_bad_inputs_are_clear_errors(tmp_path, tiny_ckpt):
         export_gguf(str(tiny_ckpt), str(tmp_path / "exists.gguf"))
     with pytest.raises(CheckpointError, match="is not a model directory"):
         export_gguf(str(tmp_path), str(tmp_path / "y.gguf"))
+    with pytest.raises(CheckpointError, match="is a directory; give the .gguf file to write"):
+        export_gguf(str(tiny_ckpt), str(tmp_path))
+
+
+def test_export_creates_the_output_folder(tmp_path, tiny_ckpt):
+    """A missing output folder was an error naming the temporary file (x.gguf.tmp)."""
+    out = export_gguf(str(tiny_ckpt), str(tmp_path / "new" / "dir" / "x.gguf"))
+    assert out.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in out.parent.iterdir()) == ["x.gguf"]
