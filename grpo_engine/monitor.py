@@ -173,19 +173,22 @@ class Monitor:
         self.wandb = _open_wandb(wandb_project, config, self.run_dir) if wandb else None
 
     def _truncate_metrics_after(self, step: int) -> None:
-        """Keep the lines of steps up to `step` (a resumed run rewrites the rest identically); a torn last line
-        (a crash or a full disk mid-write) is dropped with one warning instead of blocking the run."""
-        from .train.run_dir import parse_line
+        """Keep the lines of steps up to `step`; later ones (a run stopped between checkpoints: the resumed run
+        writes those steps again) move to RUN_DIR/superseded-<UTC time>/, since a config changed on resume makes
+        the new lines differ. A torn last line (a crash or a full disk mid-write) is dropped with one warning
+        instead of blocking the run."""
+        from .train.run_dir import parse_line, split_jsonl, utc_stamp
 
+        dest = self.run_dir / f"superseded-{utc_stamp()}"
         for path in (self.metrics_path, self.samples_path):
             if not path.exists():
                 continue
             lines = path.read_text(errors="replace").splitlines()
-            kept = [ln for ln in lines if (r := parse_line(ln)) is not None and r.get("step", 0) <= step]
             torn = sum(1 for ln in lines if ln.strip() and parse_line(ln) is None)
             if torn:
                 print(f"warning: {path}: dropped {torn} unreadable (torn) line(s)", file=sys.stderr)
-            path.write_text("".join(ln + "\n" for ln in kept))
+            if split_jsonl(path, dest / path.name, step):
+                print(f"resuming after step {step}: {path.name}'s later lines moved to {dest}", file=sys.stderr)
 
     def log_step(self, m: StepMetrics) -> None:
         with self.metrics_path.open("a") as f:

@@ -82,18 +82,21 @@ def supersede(run_dir: Path, step: int, message=print) -> Path:
     return dest
 
 
-def split_jsonl(path: Path, later_to: Path, step: int) -> None:
-    """Keep the lines of `path` up to `step`; the later ones go to `later_to` (a torn line is dropped)."""
+def split_jsonl(path: Path, later_to: Path, step: int) -> int:
+    """Keep the lines of `path` up to `step`; the later ones go to `later_to` (a torn line is dropped). Returns
+    how many lines moved."""
     if not path.is_file():
-        return
+        return 0
     keep, later = [], []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # a torn multi-byte character: not an error
         record = parse_line(line)
         if record is not None:
             (keep if record.get("step", 0) <= step else later).append(line)
     if later:
+        later_to.parent.mkdir(parents=True, exist_ok=True)
         later_to.write_text("".join(ln + "\n" for ln in later))
     path.write_text("".join(ln + "\n" for ln in keep))
+    return len(later)
 
 
 def parse_line(line: str) -> dict | None:

@@ -83,6 +83,28 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(base, tmp_path, capsys
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
 
 
+def test_log_lines_after_the_resumed_checkpoint_move_aside(tmp_path, capsys):
+    """A run killed between checkpoints logged steps the resumed run writes again (with a changed config, other
+    numbers): those lines move to superseded-<time>/, they were deleted."""
+    from grpo_engine.monitor import Monitor
+
+    run = tmp_path / "r"
+    run.mkdir()
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (run / name).write_text("".join(json.dumps({"step": s, "x": s * 0.5}) + "\n" for s in (1, 2, 3, 4)))
+    Monitor(run, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+            config={})
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    (aside,) = run.glob("superseded-*")
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        assert [json.loads(ln) for ln in (aside / name).read_text().splitlines()] == [
+            {"step": 3, "x": 1.5}, {"step": 4, "x": 2.0}]
+    assert "later lines moved to" in capsys.readouterr().err
+    Monitor(run, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+            config={})
+    assert len(list(run.glob("superseded-*"))) == 1  # nothing later: nothing moved, no empty folder
+
+
 # 3. non-finite weights ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_update_that_makes_weights_nonfinite_stops_and_is_never_saved(base, tmp_path, capsys, monkeypatch):
