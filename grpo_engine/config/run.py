@@ -83,6 +83,7 @@ class LoggingSection:
 
     def __post_init__(self) -> None:
         require(self.samples_every >= 0, "logging.samples_every must be >= 0")
+        require(self.samples_per_log >= 0, "logging.samples_per_log must be >= 0")
         require(self.no_signal_warn_steps >= 1, "logging.no_signal_warn_steps must be >= 1")
 
 

@@ -65,8 +65,8 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     task = task_of(cfg)
-    train_examples = nonempty(task.examples(cfg.task.train_split), cfg, "train_split")
-    eval_examples = list(task.examples(cfg.task.eval_split))[: cfg.eval.max_examples] if cfg.eval.every else []
+    train_examples = nonempty(split_examples(task, cfg, "train_split"), cfg, "train_split")
+    eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root)
     saved = load_trainer_state(resume_dir, trust_checkpoint) if resume_dir else None
@@ -125,6 +125,15 @@ def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
 
 def to_stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def split_examples(task, cfg: Config, split_field: str) -> list:
+    """The examples of the split that cfg.task.<split_field> names; a split the task lacks is a config error that
+    names the key (the task's own message says only "split must be 'train' or 'test'")."""
+    try:
+        return list(task.examples(getattr(cfg.task, split_field)))
+    except ValueError as e:
+        raise ConfigError(f"task.{split_field}={getattr(cfg.task, split_field)!r}: {e}") from None
 
 
 def nonempty(examples, cfg: Config, split_field: str) -> list:

@@ -224,6 +224,8 @@ def test_a_load_that_fails_is_one_line_and_leaves_no_lock(base, tmp_path, capsys
     ("algorithm.advantage.component_weights={answer: .nan}", "must be finite"),
     ("task.options.n_train=0", "has no examples"),
     ("task.options.digits=x", "task option digits='x' must be an integer"),
+    ("task.train_split=validation", "task.train_split='validation': split must be 'train' or 'test'"),
+    ("logging.samples_per_log=-1", "logging.samples_per_log must be >= 0"),
 ])
 def test_bad_values_are_one_line_errors(base, tmp_path, capsys, override, message):
     if override.startswith("model.device") and torch.cuda.is_available():
