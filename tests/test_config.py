@@ -181,3 +181,16 @@ def test_config_choices_are_the_library_tables():
              (tuple(p for p in T.PRECISIONS if p != "auto"), memory.PRECISIONS)]
     for names, table in pairs:
         assert sorted(names) == sorted(table), (names, sorted(table))
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `rollout:` section silently dropped the first one's."""
+    text = "rollout:\n  group_size: 4\nseed: 1\nrollout:\n  max_new_tokens: 8\n"
+    with pytest.raises(ConfigError, match=r"c\.yaml:4:1: .*key 'rollout' appears twice \(first on line 1\)"):
+        load_config(write(tmp_path, text))
+    nested = "rollout:\n  group_size: 4\n  group_size: 8\n"
+    with pytest.raises(ConfigError, match=r"key 'group_size' appears twice \(first on line 2\)"):
+        load_config(write(tmp_path, nested))
+    anchors = "base: &b {group_size: 4}\n"  # an anchor merged and then overridden is not a duplicate
+    with pytest.raises(ConfigError, match="unknown"):  # (base is no config section, but it parsed)
+        load_config(write(tmp_path, anchors + "rollout:\n  <<: *b\n  group_size: 6\n"))
