@@ -194,3 +194,14 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     anchors = "base: &b {group_size: 4}\n"  # an anchor merged and then overridden is not a duplicate
     with pytest.raises(ConfigError, match="unknown"):  # (base is no config section, but it parsed)
         load_config(write(tmp_path, anchors + "rollout:\n  <<: *b\n  group_size: 6\n"))
+
+
+def test_null_empties_a_free_mapping_but_not_a_section(tmp_path):
+    """Overrides merge into task.options, so switching task.name on the command line kept the file's options of
+    the old task (an "unknown option" error for the new one): `task.options=null` empties them first."""
+    path = write(tmp_path, "task:\n  name: arithmetic\n  options: {digits: 2, n_train: 64}\n")
+    cfg = load_config(path, ["task.name=countdown", "task.options=null", "task.options.n_train=5"])
+    assert (cfg.task.name, cfg.task.options) == ("countdown", {"n_train": 5})
+    assert load_config(path, ["task.options.n_test=3"]).task.options == {"digits": 2, "n_train": 64, "n_test": 3}
+    with pytest.raises(ConfigError, match="'rollout' must be a mapping"):
+        load_config(path, ["rollout=null"])

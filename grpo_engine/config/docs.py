@@ -32,6 +32,8 @@ def config_docs_markdown() -> str:
         "Generated from the config tree's field docs (`python -m grpo_engine.config > docs/configuration.md`);",
         "a test fails when this file and grpo_engine/config/ disagree. YAML keys map 1:1 onto these dotted",
         "names, and any of them can be overridden on the command line: `grpo train CONFIG rollout.group_size=16`.",
+        "An override merges into a mapping such as `task.options`; `task.options=null` empties it first (switching",
+        "`task.name` on the command line: `task.name=countdown task.options=null task.options.n_train=500`).",
         "",
         "| field | type | default | meaning |",
         "| --- | --- | --- | --- |",

@@ -157,7 +157,19 @@ def _override(merged: DictConfig, item: str) -> DictConfig:
         _raise_from_omegaconf(e, f"override {item!r}")
     except (yaml.YAMLError, ValueError) as e:
         raise ConfigError(f"override {item!r}: malformed value ({str(e).splitlines()[0]})") from None
+    key, _, value = item.partition("=")
+    if value.strip() == "null" and _free_mapping(merged, key):  # e.g. task.options=null: drop the file's entries
+        OmegaConf.update(merged, key, {}, merge=False)
+        return merged
     return _merge(merged, data, f"override {item!r}")
+
+
+def _free_mapping(merged: DictConfig, key: str) -> bool:
+    """Whether `key` is a free-form mapping (task.options, a weights table), not a config section. Overrides merge
+    into a mapping, so `key=null` is the way to empty one: switching task.name on the command line would
+    otherwise keep the YAML's options of the old task."""
+    node = OmegaConf.select(merged, key.strip(), default=None)
+    return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
 
 
 def _build(merged: DictConfig, source: str) -> Config:
