@@ -303,8 +303,8 @@ def policy_loss(
 class _PolicyGradient:
     """The policy-gradient term before aggregation."""
 
-    loss: torch.Tensor  # [B, T] per-token loss, rollout correction applied
-    mask: torch.Tensor  # [B, T] float: the tokens it is aggregated over (top-entropy ones, or all active)
+    loss: torch.Tensor  # [B, T] per-token loss, rollout correction applied, 0 off the top-entropy tokens
+    mask: torch.Tensor  # [B, T] float: the tokens it is aggregated over (all active: the normalisers)
     ratio: torch.Tensor  # [B, T] importance ratio pi / pi_old
     surr: _Surrogate
     metrics: dict[str, float]  # mismatch and correction metrics (empty without sampler log-probs)
@@ -315,10 +315,12 @@ def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: Reso
     c, m = r.cfg, m_bool.to(logp.dtype)  # [B, T]
     ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
     surr = SURROGATES[r.surrogate](ratio, logp, adv, r)
-    pg_mask = m
-    if c.entropy_top_quantile < 1:
-        pg_mask = _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
     per_token, metrics = surr.loss, {}
+    if c.entropy_top_quantile < 1:
+        # The low-entropy tokens' terms are zeroed, not dropped from the mask: the aggregation must still divide
+        # by every active token (Wang et al. 2025; docs/algorithms.md). Aggregating over the top-entropy mask
+        # made seq-mean-token-mean divide by each sequence's kept tokens, scaling its gradient by 1/q.
+        per_token = per_token * _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
     if sampler_logp is not None:
         metrics = mismatch_metrics(old, sampler_logp, m_bool)
         hit = 0.0
@@ -327,7 +329,7 @@ def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: Reso
             per_token = per_token * fix.weight
             hit = float(fix.hit.sum() / m_bool.sum().clamp_min(1))
         metrics["rollout_correction_frac"] = hit
-    return _PolicyGradient(per_token, pg_mask, ratio, surr, metrics)
+    return _PolicyGradient(per_token, m, ratio, surr, metrics)
 
 
 def _add_kl_and_entropy(loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r: ResolvedLoss):

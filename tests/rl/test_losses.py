@@ -190,6 +190,22 @@ def test_entropy_bonus_and_top_quantile():
     torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 0.0, -0.2, 0.0]], dtype=torch.float64))
 
 
+def test_top_entropy_keeps_every_active_token_in_the_per_sequence_normaliser():
+    # Active entropies (8 tokens) 0.1 .5 .9 2.0 .3 | 1.5 .2 .4: top 25% (threshold 1.05) keeps 2.0 and 1.5.
+    # seq-mean-token-mean divides each sequence by ALL its tokens (5 and 3), not by its kept ones (1 and 1):
+    # loss = (-1 / 5 + 2 / 3) / 2, grads -1 / (5 * 2) and 2 / (3 * 2) (they were -1/2 and 1 before the fix).
+    ent = torch.tensor([[0.1, 0.5, 0.9, 2.0, 0.3], [1.5, 0.2, 0.4, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)  # the 9.0s are padding
+    logp = torch.full((2, 5), -1.0, dtype=torch.float64, requires_grad=True)
+    cfg = LossConfig(loss="grpo", entropy_top_quantile=0.25)
+    loss, _ = policy_loss(logp, None, None, torch.tensor([1.0, -2.0]), mask, cfg, entropy=ent)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx((-1 / 5 + 2 / 3) / 2)
+    expect = torch.zeros(2, 5, dtype=torch.float64)
+    expect[0, 3], expect[1, 0] = -1 / 10, 1 / 3
+    torch.testing.assert_close(grad, expect)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [

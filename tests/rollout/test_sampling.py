@@ -90,6 +90,36 @@ def test_top_k_then_top_p_on_the_renormalised_top_k():
     check(SamplingParams(top_k=3, top_p=0.75), renorm(range(2)))
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.5, min_p=0.2),  # min-p on the temperature-scaled distribution
+        SamplingParams(temperature=1.7, top_k=40, top_p=0.8, min_p=0.05),  # top_k > V: a no-op
+        SamplingParams(temperature=0.8, top_k=7, top_p=1.0, min_p=0.3),
+        SamplingParams(temperature=1.3, top_k=5, top_p=0.6),
+    ],
+)
+def test_filters_keep_what_transformers_warpers_keep(params):
+    """The support after temperature -> top-k -> top-p -> min-p is transformers' (its warpers in its order), and the
+    filtered log-prob is log softmax of the kept scaled logits. Continuous random logits: no boundary ties."""
+    warp = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.randn(64, 30, generator=torch.Generator().manual_seed(0)) * 3  # [R, V]
+    ref = warp.TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    for on, warper in [(params.top_k > 0, warp.TopKLogitsWarper(max(params.top_k, 1))),
+                       (params.top_p < 1, warp.TopPLogitsWarper(params.top_p)),
+                       (params.min_p > 0, warp.MinPLogitsWarper(max(params.min_p, 1e-9)))]:
+        ref = warper(None, ref) if on else ref
+    sampler = Sampler(params)
+    draw = sampler(logits, torch.Generator().manual_seed(1))
+    assert torch.isfinite(ref).gather(-1, draw.tokens[:, None]).all()
+    scaled = logits / params.temperature
+    for f in sampler.filters:
+        scaled = f(scaled)
+    assert torch.equal(torch.isfinite(scaled), torch.isfinite(ref))
+    expect = torch.log_softmax(ref.double(), -1).gather(-1, draw.tokens[:, None])[:, 0]
+    torch.testing.assert_close(draw.filtered_logp.double(), expect, atol=1e-5, rtol=0)
+
+
 def test_greedy_is_argmax_with_unscaled_logprob():
     tokens, logp, filtered = draw(SamplingParams(temperature=0.0), rows=3)
     assert tokens.tolist() == [0, 0, 0]
