@@ -125,11 +125,13 @@ class ArithmeticTask:
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
         value = parse_number(found) if found is not None else None
         answer = None if value is None else (str(value.numerator) if value.denominator == 1 else str(value))
-        correct = numeric_equal(answer, example.answer)
+        # exact: the answers are integers, and the default relative tolerance (1e-6) accepted a 4-digit
+        # product that was off by up to 100, or a non-integer next to it
+        correct = numeric_equal(answer, example.answer, tol=0.0)
         return weighted_reward(self.options, completion, float(correct), answer)
 
     def equivalent(self, a: str, b: str) -> bool:
-        return numeric_equal(a, b) or a.strip() == b.strip()
+        return numeric_equal(a, b, tol=0.0) or a.strip() == b.strip()
 
     def reference_completion(self, example: ArithmeticExample) -> str:
         """The supervised warm start's target (without EOS) in the configured format.

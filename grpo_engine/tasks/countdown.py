@@ -129,15 +129,22 @@ class CountdownCheck:
 def check_equation(
     expression: str, nums: tuple[int, ...], target: int, tolerance: float = 1e-6
 ) -> CountdownCheck:
-    """Whether `expression` (optionally 'lhs = rhs'; only lhs counts) uses exactly `nums` and hits target."""
-    lhs = expression.split("=", 1)[0]
+    """Whether `expression` uses exactly `nums` and hits target. In 'lhs = rhs [= ...]' the lhs is the
+    equation; a right-hand side that evaluates must equal the target too ('6*8/(4-2) = 25' states a wrong
+    result, and scored as right when only the lhs was read); one that does not evaluate (text) is ignored."""
+    lhs, *rhs = expression.split("=", 16)  # bounded work; a 17th side keeps its '=' and does not evaluate
     ev = evaluate_arithmetic(lhs)
     if ev.error is not None:
         return CountdownCheck(False, f"invalid expression: {ev.error}")
     if sorted(ev.numbers) != sorted(nums):
         return CountdownCheck(False, f"uses {sorted(ev.numbers)}, must use each of {sorted(nums)} once")
-    if not numbers_close(ev.value, Fraction(target), tolerance):
-        return CountdownCheck(False, f"equals {float(ev.value):.6g}, not {target}")
+    # absolute, as the option documents: numbers_close's relative bound let 2000001 / 2 hit the target 1000000
+    if abs(ev.value - target) > Fraction(tolerance):
+        return CountdownCheck(False, f"equals {ev.value}, not {target}")  # exact: 2000001/2, not 1e+06
+    for side in rhs:
+        stated = evaluate_arithmetic(side).value
+        if stated is not None and abs(stated - target) > Fraction(tolerance):
+            return CountdownCheck(False, f"states {stated}, not {target}")
     return CountdownCheck(True, "ok")
 
 
@@ -188,8 +195,13 @@ class CountdownTask:
         return formatted_answer(self.options.format, example.solution)
 
     def equivalent(self, a: str, b: str) -> bool:
-        """Same value (within tolerance) when both evaluate; otherwise identical text."""
+        """Same value (within tolerance) from the same numbers when both evaluate; otherwise identical text.
+
+        The numbers matter: every attempt aims at the target, so by value alone '24' (the target written
+        alone) and '(6-2)*4+8' were one answer, and maj@k judged that mixed cluster by whichever came first.
+        """
         va, vb = evaluate_arithmetic(a.split("=", 1)[0]), evaluate_arithmetic(b.split("=", 1)[0])
         if va.value is None or vb.value is None:
             return "".join(a.split()) == "".join(b.split())
-        return numbers_close(va.value, vb.value, self.options.tolerance)
+        same_numbers = sorted(va.numbers) == sorted(vb.numbers)
+        return same_numbers and numbers_close(va.value, vb.value, self.options.tolerance)

@@ -105,7 +105,9 @@ class CustomTask:
         return weighted_reward(self.options, completion, float(correct), found)
 
     def equivalent(self, a: str, b: str) -> bool:
-        return self._equal(a, b)
+        """The verifier's equivalence, and identical answers always: `numeric` alone says two copies of a
+        non-number differ, so maj@k split ['12', 'x', 'x'] into three single votes and '12' won the tie."""
+        return exact_match(a, b) or self._equal(a, b)
 
 
 def _checked(value: object, spec: str | None) -> RewardResult:

@@ -17,6 +17,9 @@ MAX_PAREN_DEPTH = 32  # deeper nesting is rejected before parsing (bounds the re
 MAX_LITERAL_DIGITS = 9  # integer literals longer than this are rejected
 MAX_MAGNITUDE = 10**18  # any intermediate numerator or denominator beyond this aborts the evaluation
 _OPERATOR_ALIASES = {"×": "*", "÷": "/", "−": "-", "–": "-"}
+# LaTeX spellings (an answer in \boxed{} or \(...\) writes '(6 - 2) \times 4 + 8'); \left and \right only size
+# the bracket that follows them
+_LATEX_COMMANDS = {"times": "*", "cdot": "*", "div": "/", "left": "", "right": ""}
 
 
 class ExpressionError(ValueError):
@@ -33,9 +36,9 @@ class Evaluation:
 def evaluate_arithmetic(expr: str, variables: Mapping[str, int] | None = None) -> Evaluation:
     """Evaluate integers with + - * / and parentheses exactly (Fractions). Never raises, never evals.
 
-    No unary minus, no decimals, no exponentiation; × ÷ − are accepted as * / -. `variables` names integers
-    the expression may use (`a*b` with {"a": 287, "b": 232}); any other name is an error. Without
-    `variables` (None) letters are not allowed at all.
+    No unary minus, no decimals, no exponentiation; × ÷ − and LaTeX's \\times \\cdot \\div are accepted as
+    * / -. `variables` names integers the expression may use (`a*b` with {"a": 287, "b": 232}); any other name
+    is an error. Without `variables` (None) letters are not allowed at all.
     """
     try:
         tokens = _tokenize(expr, variables)
@@ -51,6 +54,8 @@ def evaluate_arithmetic(expr: str, variables: Mapping[str, int] | None = None) -
 def _tokenize(expr: str, variables: Mapping[str, int] | None) -> list[str | int]:
     if len(expr) > MAX_EXPR_CHARS:
         raise ExpressionError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    for name, op in _LATEX_COMMANDS.items():  # bounded: at most MAX_EXPR_CHARS characters, and it only shrinks
+        expr = expr.replace("\\" + name, op)
     tokens: list[str | int] = []
     depth, i, n = 0, 0, len(expr)
     while i < n:

@@ -121,7 +121,10 @@ class MathTask:
     def _parse(self, answer: str) -> list:
         if len(answer) > self.options.max_answer_chars or nesting_depth(answer) > self.options.max_nesting:
             return []
-        text = answer if "\\boxed" in answer or "$" in answer else f"${answer}$"
+        # math-verify finds LaTeX only between delimiters; an escaped dollar ('\$18.90', a MATH gold answer) is
+        # not one: left unwrapped it parsed to nothing, and no answer could match it
+        delimited = "\\boxed" in answer or "$" in answer.replace("\\$", "")
+        text = answer if delimited else f"${answer}$"
         return self._mv.parse(text, parsing_timeout=self._timeout())
 
     def _timeout(self) -> int | None:

@@ -30,11 +30,16 @@ MAX_NUMBER_DIGITS = 64  # a numeric literal with more digits is not a number we 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
-# ASCII-only number: optional sign, digits with optional thousands separators, decimals, a /denominator.
+# ASCII-only number: optional sign (an ASCII hyphen or the Unicode minus U+2212, which models and LaTeX
+# renderings emit: read as a digit-less character, "−5" was the number 5), digits with optional thousands
+# separators, decimals (".5" too: read from its digits alone it was 5), a /denominator.
 # No nested quantifiers: each part is deterministic given the next character, so matching is linear.
-_NUMBER_RE = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?")
+_NUMBER_RE = re.compile(r"[-\u2212]?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
 _ANSWER_IS_RE = re.compile(r"the\s{1,5}(?:final\s{1,5})?answer\s{1,5}is\s{0,5}:?", re.IGNORECASE)
-_FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{(-?[0-9]{1,64})\}\{(-?[0-9]{1,64})\}")
+# \frac{a}{b}, and the brace-less single-digit forms \frac12, \dfrac1{2}, \frac{1}2 that LaTeX accepts (read
+# as a plain number, \frac12 was twelve)
+_FRAC_ARG = r"(?:\{([-\u2212]?[0-9]{1,64})\}|([0-9]))"  # {digits} or one bare digit
+_FRAC_RE = re.compile(r"([-\u2212]?)\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG)
 # "Answer: X" / "Final answer: X" at the start of a line (markdown bold and a leading '#' tolerated)
 _ANSWER_LINE_RE = re.compile(r"^[ \t#*]{0,8}(?:final\s{1,5})?answer\s{0,3}\**\s{0,3}:\**", re.IGNORECASE | re.MULTILINE)
 _TRAILER = " \t\r\n.!*$)]}\"'`"  # what may follow a final number: punctuation, markdown, closing brackets
@@ -100,10 +105,13 @@ def extract_answer_is(text: str) -> str | None:
 
 
 def extract_last_number(text: str) -> str | None:
-    """The last ASCII number in the text (thousands separators, decimals and a/b fractions allowed)."""
-    t = _tail(text)
-    found = _NUMBER_RE.findall(t)
-    return found[-1] if found else None
+    """The last ASCII number in the text (thousands separators, decimals and a/b fractions allowed); None when
+    it is only the tail of a longer token ('2^{10}', '1e3', '12-7': see parse_number)."""
+    t = _tail(text).replace("{,}", ",")  # LaTeX's 1{,}000
+    last = None
+    for last in _NUMBER_RE.finditer(t):  # noqa: B007 - the last number of the text
+        pass
+    return last.group(0) if last is not None and not _glued(t, last.start()) else None
 
 
 def extract_answer_line(text: str) -> str | None:
@@ -127,7 +135,9 @@ def extract_final_number(text: str) -> str | None:
     last = None
     for last in _NUMBER_RE.finditer(tail):  # noqa: B007 - the last number of the tail
         pass
-    return last.group(0) if last is not None and last.end() == len(tail) else None
+    if last is None or last.end() != len(tail) or _glued(tail, last.start()):
+        return None  # no number at the very end, or only the tail of one ('2^{10}', '1e3': not 10 or 3)
+    return last.group(0)
 
 
 EXTRACTORS: dict[str, Callable[[str], str | None]] = {
@@ -233,21 +243,50 @@ FORMAT_REWARDS: dict[str, Callable[[str], float]] = {
 # ------------------------------------------------------------------------------------------------- numbers
 def parse_number(text: str) -> Fraction | None:
     r"""The number an answer string denotes, tolerant of '$', commas, units, '%', trailing '.0', 'a/b' and
-    \frac{a}{b}; the last number wins ('x = 5 apples' -> 5). None when there is none or it is too big."""
-    s = text[:MAX_ANSWER_CHARS].replace("\\!", "").replace("\\,", ",")
+    \frac{a}{b}; the last number wins ('x = 5 apples' -> 5). None when there is none or it is too big, and
+    when the last number is glued to what precedes it: an exponent ('2^{10}', '1e3'), a malformed number
+    ('10,00', '1.2.3') or a difference ('12-7'). Read alone, such a tail is a different number (10, 3, 0, -7)
+    and scored a wrong answer as right whenever it happened to equal the reference."""
+    s = text[:MAX_ANSWER_CHARS].replace("\\!", "").replace("\\,", ",").replace("{,}", ",")
     frac = number = None
     for frac in _FRAC_RE.finditer(s):  # noqa: B007 - the last \frac wins
         pass
     for number in _NUMBER_RE.finditer(s):  # noqa: B007 - the last number wins
         pass
     if frac is not None and (number is None or number.start() < frac.end()):
-        sign, den = (-1 if frac.group(1) else 1), int(frac.group(3))
-        return sign * Fraction(int(frac.group(2)), den) if den else None
-    return _to_fraction(number.group()) if number is not None else None
+        if _glued(s, frac.start()):
+            return None
+        sign = -1 if frac.group(1) else 1
+        num, den = (_to_fraction(frac.group(i) or frac.group(i + 1)) for i in (2, 4))
+        return sign * num / den if num is not None and den else None
+    if number is None or _glued(s, number.start()):
+        return None
+    return _to_fraction(number.group())
+
+
+# wrappers that only style their argument: \text{5} is just 5 (a longer name first where one ends another)
+_PLAIN_COMMANDS = ("text", "textbf", "textit", "textrm", "texttt", "mathbf", "mathrm", "mathit", "mathsf", "mathtt",
+                   "boldsymbol", "bm", "emph", "underline", "boxed", "fbox", "mbox")
+
+
+def _glued(s: str, start: int) -> bool:
+    r"""Whether the number at s[start] continues the token before it instead of standing alone: it follows an
+    ASCII digit ('12-7') or letter ('x2', '\frac12', '\sqrt2'), a ',' or 'e' right after a digit ('10,00',
+    '1e3'), '^' or '_', or the '{' of an exponent, a second argument or a command ('2^{10}', '\frac{1}{2}' cut
+    short, '\sqrt{2}') other than a plain wrapper such as \text{} or \boxed{}."""
+    prev, prev2 = s[start - 1 : start], s[max(0, start - 2) : max(0, start - 1)]
+    if prev == "{":
+        if prev2.isascii() and prev2.isalpha():
+            head = s[max(0, start - 12) : start - 1]
+            return not any(head.endswith("\\" + name) for name in _PLAIN_COMMANDS)
+        return prev2 in ("^", "_", "}")
+    if prev.isascii() and prev.isalnum() or prev in ("^", "_"):
+        return True
+    return prev in (",", "e", "E") and "0" <= prev2 <= "9"
 
 
 def _to_fraction(token: str) -> Fraction | None:
-    token = token.replace(",", "")
+    token = token.replace(",", "").replace("\u2212", "-")
     if sum(ch.isdigit() for ch in token) > MAX_NUMBER_DIGITS:
         return None
     if "/" in token:
@@ -257,8 +296,13 @@ def _to_fraction(token: str) -> Fraction | None:
 
 
 def numbers_close(a: Fraction, b: Fraction, tol: float = 1e-6) -> bool:
-    """|a - b| <= tol * max(1, |b|): absolute near zero, relative for large values."""
-    return abs(a - b) <= Fraction(tol) * max(1, abs(b))
+    """|a - b| <= tol * max(1, |b|): absolute near zero, relative for large values, which absorbs a rounded
+    decimal ('0.333333' for 1/3). Next to an integer the gap must also be under 1/2: the relative bound alone
+    reaches 1 at a million, and 2,000,001 or 2000000.5 are not 2,000,000."""
+    gap = abs(a - b)
+    if (a.denominator == 1 or b.denominator == 1) and gap >= Fraction(1, 2):
+        return False
+    return gap <= Fraction(tol) * max(1, abs(b))
 
 
 def numeric_equal(a: str | None, b: str | None, tol: float = 1e-6) -> bool:

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from references import R1_COUNTDOWN
 
 from grpo_engine.tasks import DataError, make_task
-from grpo_engine.tasks.countdown import CountdownExample, CountdownOptions, CountdownTask, generate_countdown
+from grpo_engine.tasks.countdown import (
+    CountdownExample,
+    CountdownOptions,
+    CountdownTask,
+    check_equation,
+    generate_countdown,
+)
 
 # Linear-time parsing takes a few ms on these inputs, catastrophic backtracking seconds or more: a generous
 # bound keeps that meaning on a loaded or slow CPU.
@@ -80,6 +86,33 @@ def test_equivalent_compares_values():
     assert TASK.equivalent("(6-2)*4+8", "6*8/(4-2)")
     assert not TASK.equivalent("(6-2)*4+8", "6*8/4")
     assert TASK.equivalent("garbage", "garbage") and not TASK.equivalent("1/0", "2/0")
+
+
+def test_equivalent_needs_the_same_numbers():
+    """By value alone every attempt at 24 was one answer: maj@k then took a cluster of one valid and two invalid
+    equations as right because the valid one came first."""
+    assert not TASK.equivalent("24", "(6-2)*4+8") and not TASK.equivalent("8*3", "(6-2)*4+8")
+    assert TASK.equivalent("8*3", "3*8") and TASK.equivalent("(6 - 2) * 4 + 8", "8+4*(6-2)")
+    from grpo_engine.eval.metrics import majority_answer
+
+    assert majority_answer(["(6-2)*4+8", "8*3", "3*8"], TASK.equivalent) == "8*3"
+
+
+@pytest.mark.parametrize(
+    "expression, nums, target, correct, reason_part",
+    [
+        (r"(6 - 2) \times 4 + 8", (4, 6, 8, 2), 24, True, "ok"),  # LaTeX operators, as in \boxed{} answers
+        (r"6 \cdot 8 \div \left(4 - 2\right)", (4, 6, 8, 2), 24, True, "ok"),
+        ("6*8/(4-2) = 25", (4, 6, 8, 2), 24, False, "states 25, not 24"),  # the stated result is wrong
+        ("(6-2)*4+8 = 16 + 9 = 24", (4, 6, 8, 2), 24, False, "states 25"),
+        ("(6-2)*4+8 = 16 + 8 = 24", (4, 6, 8, 2), 24, True, "ok"),
+        ("(6-2)*4+8 = 24 (done)", (4, 6, 8, 2), 24, True, "ok"),  # a side that is text is not read
+        ("2000001 / 2", (2000001, 2), 1000000, False, "equals 2000001/2, not 1000000"),  # tolerance is absolute
+    ],
+)
+def test_check_equation_reads_latex_and_the_stated_result(expression, nums, target, correct, reason_part):
+    check = check_equation(expression, nums, target)
+    assert check.correct is correct and reason_part in check.reason
 
 
 def test_prompt_has_system_user_and_prefill():

@@ -62,6 +62,10 @@ def done(answer: str) -> str:
         (" I think 1000 then 1250", 1.0, "1250"),  # no tags: last number
         (" no number at all", 0.0, None),
         (done("5") + " <answer>1250</answer>", 1.0, "1250"),  # several answer tags: the last
+        (done("1,250e3"), 0.0, None),  # only the tail of a number: not 3 or 1250
+        (done("−1250"), 0.0, "-1250"),  # Unicode minus: not 1250
+        (done(".1250"), 0.0, "1/8"),  # not 1250
+        (" so it is 5^{1250}", 0.0, None),  # an exponent ends the reply: not the answer 1250
         ("x" * 1_000_000 + done("1250"), 1.0, "1250"),  # 1 MB completion
     ],
     ids=lambda v: repr(v)[:30] if isinstance(v, str) else None,
@@ -71,6 +75,13 @@ def test_reward_table(task, completion, answer_score, answer):
     assert result.components["answer"] == answer_score
     assert result.answer == answer
     assert result.total == pytest.approx(0.1 * result.components["format"] + answer_score)
+
+
+def test_large_answers_are_not_within_the_tolerance(task):
+    """1e-6 relative is 2 at two million: an answer off by one scored as right."""
+    big = Example("b", "q", "2000000")
+    scores = [task.reward(big, done(a)).components["answer"] for a in ("2,000,000", "2,000,001", "2000000.5")]
+    assert scores == [1.0, 0.0, 0.0]
 
 
 def test_format_component(task):

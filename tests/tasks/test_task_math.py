@@ -59,6 +59,14 @@ def test_equivalent(task):
     assert not task.equivalent("", "")
 
 
+def test_escaped_dollar_answers_are_parsed(task):
+    r"""'\$18.90' (a MATH gold answer) held a '$' and was passed to math-verify without delimiters: it parsed to
+    nothing and no answer could match it."""
+    assert task.reward(Example("m", "q", r"\$18.90"), r" so \boxed{18.90}").components["answer"] == 1.0
+    assert task.reward(Example("m", "q", "18.90"), r" so \boxed{\$18.90}").components["answer"] == 1.0
+    assert task.reward(Example("m", "q", r"\$18.90"), r" so \boxed{18.80}").components["answer"] == 0.0
+
+
 def test_nesting_depth():
     assert nesting_depth("a(b[c{d}])") == 3 and nesting_depth(")))(") == 1
 

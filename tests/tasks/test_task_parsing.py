@@ -21,6 +21,7 @@ from grpo_engine.tasks.parsing import (
     extract_answer_is,
     extract_answer_tag,
     extract_boxed,
+    extract_final_number,
     extract_last_number,
     numeric_equal,
     parse_number,
@@ -94,6 +95,8 @@ def test_extract_answer_is(text, expected):
         ("we get 3 then 1,234.5", "1,234.5"),
         ("ratio 3/4", "3/4"),
         ("minus -7", "-7"),
+        ("a total of 1{,}000", "1,000"),  # LaTeX's thousands separator
+        (r"so \underline{42}", "42"),  # a styling wrapper, unlike the exponent of 2^{42}
         ("٣ and ٤", None),  # unicode digits are not digits here (documented in parsing.py)
         ("none", None),
     ],
@@ -167,6 +170,48 @@ def test_parse_number(text, value):
 
 
 @pytest.mark.parametrize(
+    "text, value",
+    [
+        # forms whose digits alone read as another number: each scored a wrong answer as right
+        (".5", Fraction(1, 2)),  # was 5
+        ("$.75", Fraction(3, 4)),
+        ("−5", Fraction(-5)),  # Unicode minus, was 5
+        (r"\dfrac12", Fraction(1, 2)),  # brace-less \frac, was 12
+        (r"\frac1{4}", Fraction(1, 4)),
+        (r"−\frac{3}{4}", Fraction(-3, 4)),
+        ("1{,}000", Fraction(1000)),  # LaTeX thousands separator, was 0
+        ("2^{10}", None),  # an exponent, was 10
+        ("10^6", None),
+        ("1e3", None),  # was 3
+        ("1.5e-3", None),  # was -3
+        ("12-7", None),  # a difference, was -7
+        ("10,00", None),  # malformed separator, was 0
+        ("(1,2)", None),  # a pair, was 2
+        ("1.2.3", None),
+        (r"2\frac{1}{2}", None),  # a mixed number, was 1/2
+        (r"\sqrt{2}", None),  # was 2
+        ("x2", None),
+        # still read as before
+        ("x = -3", Fraction(-3)),
+        (r"\text{5}", Fraction(5)),
+        ("5 - 3", Fraction(3)),
+        ("1, 2, 3", Fraction(3)),
+    ],
+)
+def test_parse_number_refuses_the_tail_of_another_token(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("so it is 2^{10}", None), ("that is 1e3.", None), (r"half: \frac12", None), (r"= \frac{1}{2}", None),
+     (r"= \sqrt{2}", None), ("it costs .5", ".5"), ("so −5.", "−5"), ("2 + 3 = 5.", "5"), (r"\text{7}", "7")],
+)
+def test_final_number_is_not_the_tail_of_another_token(text, expected):
+    assert extract_final_number(text) == expected
+
+
+@pytest.mark.parametrize(
     "a, b, equal",
     [
         ("1,000", "1000", True),
@@ -174,6 +219,10 @@ def test_parse_number(text, value):
         ("0.5", "1/2", True),
         ("3", "4", False),
         ("x", "x", False),
+        ("0.333333", "1/3", True),  # a rounded decimal is within the tolerance
+        ("2,000,001", "2000000", False),  # distinct integers never are (1e-6 relative is 2 at two million)
+        ("2000000.5", "2000000", False),  # nor is a half next to an integer
+        ("1999999.9999", "2000000", True),  # but a rounded decimal next to one is
     ],
 )
 def test_numeric_equal(a, b, equal):

@@ -53,6 +53,16 @@ def test_arithmetic_reward_table(completion, total, answer):
     assert result.total == pytest.approx(total) and result.answer == answer
 
 
+def test_arithmetic_answers_are_exact_for_large_products():
+    """The relative tolerance (1e-6) accepted 4-digit products off by up to 100 as right."""
+    task = make_task("arithmetic", digits=4, operations=("*",), n_train=1, n_test=1)
+    ex = ArithmeticExample("a", "q", "28558235", 6991, "*", 4085)
+    assert task.reward(ex, "28558235").components["answer"] == 1.0
+    for wrong in ("28558242", "28558235.4", "28,558,234"):
+        assert task.reward(ex, wrong).components["answer"] == 0.0, wrong
+    assert not task.equivalent("28558242", "28558235")
+
+
 def test_arithmetic_splits_are_seeded_disjoint_and_correct():
     task = make_task("arithmetic", **BYTE_ARITHMETIC, digits=2, operations=("+", "*"), n_train=500, n_test=100, seed=1)
     train, test = task.examples("train"), task.examples("test")
@@ -96,6 +106,15 @@ def test_custom_verifiers(tmp_path, verifier, answer, completion, score):
     ex = task.examples("train")[0]
     assert task.prompt(ex).messages[-1] == {"role": "user", "content": "q"}
     assert task.reward(ex, completion).components["answer"] == score
+
+
+def test_custom_equivalence_counts_identical_answers_as_one(tmp_path):
+    """numeric_equal('x', 'x') is False: maj@k split ['12', 'x', 'x'] into three single votes and '12' won."""
+    from grpo_engine.eval.metrics import majority_answer
+
+    task = make_task("custom", data_path=write_rows(tmp_path, [{"prompt": "q", "answer": "12"}]), verifier="numeric")
+    assert task.equivalent("x", "x") and task.equivalent("12", "12.0") and not task.equivalent("12", "x")
+    assert majority_answer(["12", "x", "x"], task.equivalent) == "x"
 
 
 def test_custom_missing_field(tmp_path):
