@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def run_eval(args) -> int:
         name, task = task_for(args)
         tools = tools_for(args)
         examples = task.examples(args.split)
+        check_out(args.out)
         model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
     except INPUT_ERRORS as e:
@@ -103,7 +105,6 @@ def run_eval(args) -> int:
     report = evaluate(model, tok, task, examples, cfg, progress=_progress, tools=tools)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
         print(f"report written to {args.out}", file=sys.stderr)
     if args.json:
@@ -112,6 +113,22 @@ def run_eval(args) -> int:
     else:
         print(report_markdown(report), end="")
     return 0
+
+
+def check_out(out: str | None) -> None:
+    """Make --out's folder and refuse a path the report cannot be written to, before sampling: found only at
+    the end, it lost the whole evaluation to a traceback."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; name a file, e.g. --out {path / 'report.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create its folder ({e.strerror or e})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {out}: not writable")
 
 
 def task_for(args):
@@ -125,6 +142,9 @@ def task_for(args):
         return stored.name, build_task(stored.name, options, data if data is not None else stored.data_path)
     name = args.task or "arithmetic"
     if name == "custom" and data is None and "data_path" not in options:
+        if hasattr(args, "data"):  # eval reads rows: the placeholder below read as the file it could not find
+            raise ValueError("--task custom needs --data FILE: a .jsonl / .parquet file with 'prompt' and "
+                             "'answer' fields")
         options["data_path"] = NO_DATA_PATH  # generate reads no rows: any path will do
     task = build_task(name, options, data)  # a task that generates its problems refuses --data first
     if data is not None and not Path(data).exists():

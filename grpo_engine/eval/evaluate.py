@@ -53,6 +53,8 @@ class EvalConfig:
             (self.n >= 1, f"n={self.n} must be >= 1"),
             (bool(self.ks) and min(self.ks) >= 1, f"ks={list(self.ks)} must be a non-empty list of k >= 1"),
             (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)"),
+            # checked here, not first by the sampler after the model has loaded
+            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1] (1 = off)"),
             (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1"),
             (self.max_examples is None or self.max_examples >= 1, f"max_examples={self.max_examples} must be >= 1"),
             (self.prompts_per_batch >= 1, f"prompts_per_batch={self.prompts_per_batch} must be >= 1"),

@@ -100,6 +100,24 @@ def test_bad_inputs_name_the_file_and_the_fix(tiny_ckpt, tmp_path, capsys):
     assert exc.value.code == 2 and "invalid choice: 'gsm9k'" in capsys.readouterr().err
 
 
+def test_bad_out_and_missing_custom_data_fail_before_sampling(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """--out naming a directory was found when the report was written, after the whole evaluation; --task
+    custom without --data blamed a placeholder path meant for `grpo generate`."""
+    import grpo_engine.eval.evaluate as evaluate_module
+
+    monkeypatch.setattr(evaluate_module, "evaluate", lambda *a, **k: pytest.fail("sampled before checking"))
+    err = run_error(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(tmp_path)], capsys)
+    assert f"--out {tmp_path} is a directory; name a file" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    err = run_error(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(blocker / "r.json")], capsys)
+    assert f"--out {blocker / 'r.json'}: cannot create its folder" in err
+    err = run_error(["eval", str(tiny_ckpt), "--task", "custom"], capsys)
+    assert "--task custom needs --data FILE" in err and "generate" not in err
+    err = run_error(["eval", str(tiny_ckpt), *EVAL_FAST, "--top-p", "0"], capsys)
+    assert "top_p=0.0 must be in (0, 1]" in err
+
+
 def test_bad_device_and_option_types_are_one_line_errors(tiny_ckpt, capsys):
     """--device tpu was blamed on a truncated safetensors file, --device cuda without a GPU and
     --task-option digits=x were tracebacks."""

@@ -125,6 +125,9 @@ def test_bad_config():
         EvalConfig(n=4, ks=(1, 8))
     with pytest.raises(ValueError, match="temperature=-1"):
         EvalConfig(temperature=-1)
+    for top_p in (0.0, 1.5, float("nan")):  # was found only by the sampler, after the model had loaded
+        with pytest.raises(ValueError, match=r"top_p=.* must be in \(0, 1\]"):
+            EvalConfig(top_p=top_p)
 
 
 def test_max_examples_takes_the_first(tok):
