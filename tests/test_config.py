@@ -205,3 +205,7 @@ def test_null_empties_a_free_mapping_but_not_a_section(tmp_path):
     assert load_config(path, ["task.options.n_test=3"]).task.options == {"digits": 2, "n_train": 64, "n_test": 3}
     with pytest.raises(ConfigError, match="'rollout' must be a mapping"):
         load_config(path, ["rollout=null"])
+    from grpo_engine.train.setup import task_of
+
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['digits'\].*add task.options=null"):
+        task_of(load_config(path, ["task.name=countdown"]))

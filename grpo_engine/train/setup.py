@@ -174,7 +174,9 @@ def task_of(cfg: Config):
     try:
         return build_task(cfg.task.name, dict(cfg.task.options), cfg.task.data_path)
     except ValueError as e:
-        raise ConfigError(f"task: {e}") from None
+        hint = " (options from a config file stay when task.name changes: add task.options=null to drop them)" \
+            if str(e).startswith("unknown option") and cfg.task.options else ""
+        raise ConfigError(f"task: {e}{hint}") from None
 
 
 def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
