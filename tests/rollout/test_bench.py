@@ -16,3 +16,19 @@ def test_bench_generate_json_line(tiny_dir, capsys):
     result = json.loads(line)
     assert result["tokens_per_s"] > 0 and result["new_tokens"] == 2 * 2 * 5
     assert result["cpu"] == cpu_model()  # recorded figures name the CPU they were measured on
+
+
+def test_decode_overhead_benchmark_times_every_projection(tiny_dir):
+    """benchmarks/decode_overhead.py: the GEMMs it times alone are every block projection of the model (7 a
+    layer), and the rest of the step is the difference."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_overhead.py"
+    spec = importlib.util.spec_from_file_location("decode_overhead", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.measure(str(tiny_dir), rows=3, slots=5, reps=2)
+    assert r["linears"] == 7 * 2 and 0 <= r["packed_linears"] <= r["linears"]  # the tiny model: 2 layers
+    assert r["other_ms"] == r["step_ms"] - r["gemms_ms"] and r["step_ms"] > 0 and r["head_ms"] > 0
+    assert r["cpu"] == cpu_model()
