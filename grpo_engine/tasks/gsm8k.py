@@ -23,7 +23,8 @@ class GSM8KOptions(ChatTaskOptions):
     data_path: str | None = option(None, "file for every split, or dir with train.*/test.* files or a saved dataset")
     hub_name: str = option("openai/gsm8k", "loaded from the hub only when data_path is None (needs network)")
     hub_config: str | None = option("main", "hub dataset configuration name")
-    tolerance: float = option(1e-6, "relative/absolute tolerance of the numeric comparison")
+    tolerance: float = option(1e-6, "relative tolerance of the numeric comparison (absolute below 1; an integer "
+                                    "and its neighbour never match)")
 
 
 def gold_answer(solution: str) -> str | None:
