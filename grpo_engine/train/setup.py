@@ -23,8 +23,15 @@ from ..monitor import Monitor, RankMessages
 from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams
 from ..tasks import build_task
-from ..tasks.base import Example
-from .checkpoint import checkpoint_step, latest_checkpoint, load_trainer_state, resolve_resume, restore_rng
+from ..tasks.base import Example, Task
+from .checkpoint import (
+    TrainerState,
+    checkpoint_step,
+    latest_checkpoint,
+    load_trainer_state,
+    resolve_resume,
+    restore_rng,
+)
 from .curriculum import build_curriculum
 from .distributed import World, init_world, load_rank_state, on_main_first
 from .metrics import RewardWatch
@@ -56,6 +63,21 @@ class Run:
                                                              self.cfg.logging.no_signal_warn_steps)
 
 
+@dataclass
+class _Checked:
+    """What setup_run knows before it takes the run lock and reads any weights."""
+
+    world: World
+    task: Task
+    train_examples: list[Example]
+    eval_examples: list[Example]
+    ckpt_root: Path
+    resume_dir: Path | None
+    saved: TrainerState | None  # the resumed checkpoint's state
+    changes: list  # config keys changed on resume (check_resume_config)
+    run_dir: RunDirPlan
+
+
 def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = False,
               overwrite: bool = False) -> Run:
     """resume: None, "latest" or a checkpoint directory; overwrite: start over in a run_dir that holds a run
@@ -75,43 +97,43 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
     if world.is_main:
         run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
                                newest_step=checkpoint_step(latest_checkpoint(ckpt_root)), overwrite=overwrite)
+    checked = _Checked(world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes, run_dir)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
     try:
-        return _load_run(cfg, world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes,
-                         run_dir, lock)
+        return _load_run(cfg, checked, lock)
     except BaseException:  # a failed load (weights, tokenizer, optimizer, Ctrl-C) leaves no stale lock behind
         if lock is not None:
             lock.release()
         raise
 
 
-def _load_run(cfg: Config, world, task, train_examples, eval_examples, ckpt_root: Path, resume_dir, saved, changes,
-              run_dir: RunDirPlan, lock: RunLock | None) -> Run:
+def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     """setup_run's second half, under the run lock: the warm start, model, tokenizer, optimizer and resumed state."""
+    world, saved = c.world, c.saved
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
-        take_run_dir(run_dir, lock)
-        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, task)))
+        take_run_dir(c.run_dir, lock)
+        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, c.task)))
     device = pick_device(cfg.model.device, world)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    policy = build_policy(cfg, device, resume_dir, world)
-    take_run_dir(run_dir, lock)  # the model and data loaded: now the run directory may change
+    policy = build_policy(cfg, device, c.resume_dir, world)
+    take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
         (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
-    prompts = PromptSampler(len(train_examples), cfg.seed, saved.data_position if saved else 0)
+    prompts = PromptSampler(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
     if saved is not None:
         policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
-        apply_learning_rate(policy, cfg, changes if world.size == 1 else world.gather(changes)[0])
+        apply_learning_rate(policy, cfg, c.changes if world.size == 1 else world.gather(c.changes)[0])
         restore_rng(saved.rng)
-        load_rank_state(resume_dir, world, policy)
+        load_rank_state(c.resume_dir, world, policy)
     params = sampling_params(cfg, tokenizer)
-    curriculum = build_curriculum(cfg, prompts, tokenizer, task, train_examples, params, world,
+    curriculum = build_curriculum(cfg, prompts, tokenizer, c.task, c.train_examples, params, world,
                                   saved.curriculum if saved else None)
-    inputs = StepInputs(cfg, policy, tokenizer, task, train_examples, prompts, params, world, curriculum)
-    return Run(cfg, inputs, state, monitor, eval_examples, ckpt_root, done, resume_dir, lock)
+    inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
+    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir, lock)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
