@@ -84,7 +84,9 @@ def continuation_text(tokenizer, appended: list[dict[str, Any]]) -> str:
     if not template_supports_tools(tokenizer):
         context = fallback_messages(context, [])
     text = tokenizer.apply_chat_template(context, add_generation_prompt=True)
-    if text.count(SENTINEL) != 1:
+    # the appended messages may quote the sentinel (a tool echoing model text): those copies come after ours
+    quoted = sum(str(m.get("content", "")).count(SENTINEL) for m in appended)
+    if text.count(SENTINEL) != 1 + quoted:
         raise ValueError("the chat template does not render an assistant message's content verbatim; cannot "
                          "render a continuation turn on its own")
     return text[text.index(SENTINEL) + len(SENTINEL) :]

@@ -256,13 +256,12 @@ class ToolSet:
         `variables`: the problem's named values, passed to tools that take them (see `tool`)."""
         tool_ = self.tools.get(call.name)
         if tool_ is None:
-            return ToolResult(call.name, f"Error: unknown tool {call.name[:64]!r}; available: {sorted(self.tools)}",
-                              "unknown_tool")
-        problem = check_arguments(tool_, call.arguments)
-        if problem is not None:
-            return ToolResult(call.name, f"Error: {problem}", "bad_arguments")
-        args = {**call.arguments, "variables": dict(variables or {})} if tool_.takes_variables else call.arguments
-        text, error = _run_bounded(tool_.fn, args, self.timeout_s)
+            text, error = f"unknown tool {call.name[:64]!r}; available: {sorted(self.tools)}", "unknown_tool"
+        elif (problem := check_arguments(tool_, call.arguments)) is not None:
+            text, error = problem, "bad_arguments"  # may quote the model's argument names: cut like any result
+        else:
+            args = {**call.arguments, "variables": dict(variables or {})} if tool_.takes_variables else call.arguments
+            text, error = _run_bounded(tool_.fn, args, self.timeout_s)
         if len(text) > self.max_result_chars:
             text = text[: self.max_result_chars] + " [truncated]"
         return ToolResult(call.name, f"Error: {text}" if error else text, error)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from grpo_engine.rollout.chat_turns import (
+    SENTINEL,
     continuation_ids,
     continuation_text,
     render_first_prompt,
@@ -125,6 +126,14 @@ def test_unknown_tool():
     result = BUILTINS.run(ToolCall("shell", {"cmd": "ls"}))
     assert result == ToolResult("shell", "Error: unknown tool 'shell'; available: ['calculator', 'check_countdown']",
                                 "unknown_tool")
+
+
+def test_error_results_quoting_the_call_are_cut_like_any_result():
+    """A bad_arguments message lists the model's argument names: it is bounded by max_result_chars too."""
+    tools = ToolSet(list(BUILTIN_TOOLS.values()), max_result_chars=40)
+    result = tools.run(ToolCall("calculator", {"k" * 1500: 1}))
+    assert result == ToolResult("calculator", "Error: missing arguments ['expression'], unknow [truncated]",
+                                "bad_arguments")
 
 
 def test_user_defined_tool_in_a_few_lines():
@@ -292,6 +301,17 @@ def test_fallback_rendering_for_templates_without_tools(chatml_tok, tiny_ckpt_fa
     assert continuation_text(llama, RESULTS[:1]) == (
         "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n5\n</tool_response><|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_tool_result_quoting_the_turn_sentinel_renders(chatml_tok):
+    """A tool result echoing model text that contains the continuation's sentinel must not break rendering."""
+    env = ToolEnvironment(make_task("arithmetic"), BUILTINS)
+    env.reset(make_task("arithmetic").examples("train")[0])
+    step = env.step(call(SENTINEL))
+    assert step.tool_errors == 1
+    assert continuation_text(chatml_tok, step.append) == (
+        f"<|im_end|>\n<|im_start|>user\n<tool_response>\nError: unknown tool '{SENTINEL}'; available: "
+        "['calculator', 'check_countdown']\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_single_turn_prompt_without_tools_is_render_prompt(chatml_tok):
