@@ -45,7 +45,7 @@ from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
 if TYPE_CHECKING:  # the protocol lives with the tasks; the sampler only calls reset/step and reads limits
     from ..tasks.environment import Environment
 
-DONE, MAX_TURNS, BUDGET = "done", "max_turns", "budget"
+DONE, MAX_TURNS, BUDGET, TURN_LENGTH = "done", "max_turns", "budget", "turn_length"
 
 
 @dataclass
@@ -67,7 +67,8 @@ class Trajectory:
     logprobs: list[float]  # [N] the sampler's log-prob on policy tokens, 0.0 elsewhere
     reward: float  # sum of the steps' rewards
     reward_components: dict[str, float]  # summed key by key over the steps
-    finish_reason: str  # done (the environment ended it) | max_turns | budget
+    finish_reason: str  # done (the environment ended it) | turn_length (it ended it after a turn cut at
+    #                     max_new_tokens: a truncated answer) | max_turns | budget
     metrics: TrajectoryMetrics
 
 
@@ -127,15 +128,16 @@ def _take(row: _Row, token: int, logp: float, tokenizer, params: SamplingParams)
     tail = row.tokens[max(row.turn_start, len(row.tokens) - row.stops.window) :]  # all a stop string can span
     out_of_tokens = len(row.tokens) >= row.budget_end
     if token in params.stop_token_ids:
-        _end_turn(row, tokenizer, token, out_of_tokens)
-    elif row.stops(tail) or turn_len >= params.max_new_tokens or out_of_tokens:
-        _end_turn(row, tokenizer, None, out_of_tokens)
+        _end_turn(row, tokenizer, token, out_of_tokens, cut=False)
+    elif (stopped := row.stops(tail)) or turn_len >= params.max_new_tokens or out_of_tokens:
+        _end_turn(row, tokenizer, None, out_of_tokens, cut=not stopped)
     else:
         row.pending = [token]
 
 
-def _end_turn(row: _Row, tokenizer, ended_with: int | None, out_of_tokens: bool) -> None:
-    """Pass the turn's text to the environment; finish the row, or queue the appended tokens to prefill."""
+def _end_turn(row: _Row, tokenizer, ended_with: int | None, out_of_tokens: bool, cut: bool) -> None:
+    """Pass the turn's text to the environment; finish the row, or queue the appended tokens to prefill.
+    cut: the turn ran out of tokens (max_new_tokens or the budget) instead of ending with a stop token or string."""
     row.metrics.turns += 1
     text = tokenizer.decode(row.tokens[row.turn_start :], skip_special_tokens=True)
     result = row.env.step(text)
@@ -144,8 +146,8 @@ def _end_turn(row: _Row, tokenizer, ended_with: int | None, out_of_tokens: bool)
         row.components[key] = row.components.get(key, 0.0) + value
     row.metrics.tool_calls += result.tool_calls
     row.metrics.tool_errors += result.tool_errors
-    if result.append is None:
-        row.finish = DONE
+    if result.append is None:  # a last turn cut short is a truncated answer, as in single-turn generate
+        row.finish = (BUDGET if out_of_tokens else TURN_LENGTH) if cut else DONE
         return
     if row.metrics.turns >= row.env.limits.max_turns:
         row.finish = MAX_TURNS

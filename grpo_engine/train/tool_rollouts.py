@@ -20,14 +20,15 @@ from dataclasses import replace
 from ..config.tools import ToolsSection
 from ..rollout import SamplingParams
 from ..rollout.chat_turns import render_first_prompt
-from ..rollout.multiturn import BUDGET, MAX_TURNS, Trajectory, run_multiturn
+from ..rollout.multiturn import BUDGET, MAX_TURNS, TURN_LENGTH, Trajectory, run_multiturn
 from ..tasks.base import Example, RewardResult
 from ..tasks.environment import ToolEnvironment, TrajectoryLimits
 from ..tasks.tools import BUILTIN_TOOLS, ToolSet
 from .rollouts import REWARD_TIMEOUT_S, Group
 
-# finish reasons in generate's words: a trajectory cut by its token budget counts as truncated ("length")
-FINISH = {BUDGET: "length", MAX_TURNS: "max_turns"}
+# finish reasons in generate's words: a trajectory cut by its token budget, or ended by the environment after a
+# turn cut at max_new_tokens, counts as truncated ("length")
+FINISH = {BUDGET: "length", TURN_LENGTH: "length", MAX_TURNS: "max_turns"}
 
 
 class _FallbackTemplate:

@@ -122,7 +122,9 @@ def test_generate_tool_groups_without_calls_is_single_turn(tiny_ckpt, tmp_path):
         assert all(len(c) == len(lp) and m == [1] * len(c) for c, m, lp in zip(g.completion_ids, g.loss_masks,
                                                                                 g.logprobs))
         assert all(t.turns == 1 and t.tool_calls == 0 for t in g.trajectory_metrics)
-        assert all("answer" in r.components for r in g.rewards) and set(g.finish_reasons) == {"stop"}
+        assert all("answer" in r.components for r in g.rewards)
+        stopped = [c[-1] in params.stop_token_ids for c in g.completion_ids]  # else cut at max_new_tokens
+        assert g.finish_reasons == ["stop" if s else "length" for s in stopped]
 
 
 @pytest.mark.parametrize("fmt", ["auto", "fallback", "undeclared"])
