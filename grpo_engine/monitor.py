@@ -177,17 +177,14 @@ class Monitor:
         writes those steps again) move to RUN_DIR/superseded-<UTC time>/, since a config changed on resume makes
         the new lines differ. A torn last line (a crash or a full disk mid-write) is dropped with one warning
         instead of blocking the run."""
-        from .train.run_dir import parse_line, split_jsonl, utc_stamp
+        from .train.run_dir import split_jsonl, utc_stamp
 
         dest = self.run_dir / f"superseded-{utc_stamp()}"
         for path in (self.metrics_path, self.samples_path):
-            if not path.exists():
-                continue
-            lines = path.read_text(errors="replace").splitlines()
-            torn = sum(1 for ln in lines if ln.strip() and parse_line(ln) is None)
+            moved, torn = split_jsonl(path, dest / path.name, step)
             if torn:
                 print(f"warning: {path}: dropped {torn} unreadable (torn) line(s)", file=sys.stderr)
-            if split_jsonl(path, dest / path.name, step):
+            if moved:
                 print(f"resuming after step {step}: {path.name}'s later lines moved to {dest}", file=sys.stderr)
 
     def log_step(self, m: StepMetrics) -> None:

@@ -59,11 +59,10 @@ def nf4_unavailable_reason(backend: str, device: torch.device) -> str | None:
     """None when `backend` can quantize on `device`; otherwise why not (names the missing piece)."""
     if device.type != "cuda":
         return f"NF4 needs a CUDA device, the model is on {device.type}"
-    module = {"torchao": "torchao", "bitsandbytes": "bitsandbytes"}[backend]
     try:
-        __import__(module)
+        __import__(backend)  # each backend is named for the package it needs
     except ImportError:
-        return f"{module} is not installed (pip install {module})"
+        return f"{backend} is not installed (pip install {backend})"
     return None
 
 

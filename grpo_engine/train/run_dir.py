@@ -82,21 +82,23 @@ def supersede(run_dir: Path, step: int, message=print) -> Path:
     return dest
 
 
-def split_jsonl(path: Path, later_to: Path, step: int) -> int:
-    """Keep the lines of `path` up to `step`; the later ones go to `later_to` (a torn line is dropped). Returns
-    how many lines moved."""
+def split_jsonl(path: Path, later_to: Path, step: int) -> tuple[int, int]:
+    """Keep the lines of `path` up to `step`; the later ones go to `later_to`, a torn (unreadable) line is dropped.
+    Returns (lines moved, torn lines dropped)."""
     if not path.is_file():
-        return 0
-    keep, later = [], []
+        return 0, 0
+    keep, later, torn = [], [], 0
     for line in path.read_text(errors="replace").splitlines():  # a torn multi-byte character: not an error
         record = parse_line(line)
         if record is not None:
             (keep if record.get("step", 0) <= step else later).append(line)
+        elif line.strip():
+            torn += 1
     if later:
         later_to.parent.mkdir(parents=True, exist_ok=True)
         later_to.write_text("".join(ln + "\n" for ln in later))
     path.write_text("".join(ln + "\n" for ln in keep))
-    return len(later)
+    return len(later), torn
 
 
 def parse_line(line: str) -> dict | None:

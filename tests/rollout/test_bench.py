@@ -20,7 +20,7 @@ def test_bench_generate_json_line(tiny_dir, capsys):
 
 def test_decode_overhead_benchmark_times_every_projection(tiny_dir):
     """benchmarks/decode_overhead.py: the GEMMs it times alone are every block projection of the model (7 a
-    layer), and the rest of the step is the difference."""
+    layer)."""
     import importlib.util
     from pathlib import Path
 
@@ -30,5 +30,5 @@ def test_decode_overhead_benchmark_times_every_projection(tiny_dir):
     spec.loader.exec_module(bench)
     r = bench.measure(str(tiny_dir), rows=3, slots=5, reps=2)
     assert r["linears"] == 7 * 2 and 0 <= r["packed_linears"] <= r["linears"]  # the tiny model: 2 layers
-    assert r["other_ms"] == r["step_ms"] - r["gemms_ms"] and r["step_ms"] > 0 and r["head_ms"] > 0
+    assert r["step_ms"] > 0 and r["gemms_ms"] > 0 and r["head_ms"] > 0
     assert r["cpu"] == cpu_model()
