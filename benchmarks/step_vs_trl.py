@@ -108,7 +108,7 @@ def run_ours(args, model_dir: Path) -> dict:
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
            *([] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]),
            *([] if args.micro_batch_tokens is None else ["--micro-batch-tokens", str(args.micro_batch_tokens)]),
-           "--json"]
+           "--json", "model.device=cpu"]  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
     result = run_child(cmd, "grpo-engine")
     result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
     return result
