@@ -115,10 +115,15 @@ class ToolEnvironment(TaskEnvironment):
         parsed = parse_tool_calls(completion, self.max_calls)
         if not parsed.found:
             return super().step(completion)
-        results = [self.toolset.run(call, self.variables) for call in parsed.calls]
-        messages: list[Message] = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-        messages += [{"role": "tool", "name": "error", "content": f"Error: {e}"} for e in parsed.errors]
-        errors = len(parsed.errors) + sum(r.error is not None for r in results)
-        calls = len(parsed.calls) + len(parsed.errors)
+        messages: list[Message] = []
+        errors = 0
+        for block in parsed.blocks:  # one result per block, in the order the calls were written
+            if isinstance(block, str):
+                messages.append({"role": "tool", "name": "error", "content": f"Error: {block}"})
+                errors += 1
+            else:
+                r = self.toolset.run(block, self.variables)
+                messages.append({"role": "tool", "name": r.name, "content": r.content})
+                errors += r.error is not None
         return StepResult(messages, {"tool_errors": float(errors)}, -self.tool_error_penalty * errors,
-                          tool_calls=calls, tool_errors=errors)
+                          tool_calls=len(parsed.blocks), tool_errors=errors)

@@ -54,14 +54,23 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedCalls:
-    """What one turn's text asked for: the well-formed calls, and one message per rejected block."""
+    """What one turn's text asked for, block by block in the order written: a well-formed call, or the
+    message saying why the block was rejected. The results go back in this order, so the model can match
+    each result to its call."""
 
-    calls: list[ToolCall]
-    errors: list[str]
+    blocks: list[ToolCall | str]
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [b for b in self.blocks if isinstance(b, ToolCall)]
+
+    @property
+    def errors(self) -> list[str]:
+        return [b for b in self.blocks if isinstance(b, str)]
 
     @property
     def found(self) -> bool:
-        return bool(self.calls or self.errors)
+        return bool(self.blocks)
 
 
 @dataclass(frozen=True)
@@ -170,21 +179,19 @@ def _parse_one(body: str, max_chars: int, max_depth: int) -> ToolCall | str:
 def parse_tool_calls(text: str, max_calls: int = MAX_CALLS_PER_TURN, max_chars: int = MAX_CALL_CHARS,
                      max_depth: int = MAX_JSON_DEPTH) -> ParsedCalls:
     """Every <tool_call>...</tool_call> block of `text`, in order; never raises."""
-    calls: list[ToolCall] = []
-    errors: list[str] = []
+    blocks: list[ToolCall | str] = []
     pos = text.find(OPEN)
     while pos >= 0:
-        if len(calls) + len(errors) >= max_calls:
-            errors.append(f"more than {max_calls} tool calls in one turn; the rest were ignored")
+        if len(blocks) >= max_calls:
+            blocks.append(f"more than {max_calls} tool calls in one turn; the rest were ignored")
             break
         end = text.find(CLOSE, pos + len(OPEN))
         if end < 0:
-            errors.append("unterminated <tool_call> (no </tool_call>)")
+            blocks.append("unterminated <tool_call> (no </tool_call>)")
             break
-        found = _parse_one(text[pos + len(OPEN) : end].strip(), max_chars, max_depth)
-        (calls if isinstance(found, ToolCall) else errors).append(found)
+        blocks.append(_parse_one(text[pos + len(OPEN) : end].strip(), max_chars, max_depth))
         pos = text.find(OPEN, end + len(CLOSE))
-    return ParsedCalls(calls, errors)
+    return ParsedCalls(blocks)
 
 
 # ------------------------------------------------------------------------------------------------ running

@@ -52,7 +52,7 @@ def test_parses_qwen_and_llama_style_calls_in_order():
     assert parsed.calls == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("check_countdown", {"target": 5}),
                             ToolCall("f", {"x": [1, 2]})]
     assert parsed.errors == [] and parsed.found
-    assert parse_tool_calls("no calls here </tool_call>") == tools_mod.ParsedCalls([], [])
+    assert parse_tool_calls("no calls here </tool_call>") == tools_mod.ParsedCalls([])
 
 
 @pytest.mark.parametrize("body, error", [
@@ -243,6 +243,18 @@ def test_tool_environment_returns_results_then_scores_the_answer():
     final = env.step("Answer: (6 - 2) * 4 + 8")
     assert final.append is None and final.reward == pytest.approx(1.1)
     assert final.reward_components == {"format": 1.0, "answer": 1.0}
+
+
+def test_results_come_back_in_the_order_of_the_calls():
+    """A malformed block between two good calls gets its error in its own place, so the i-th result answers
+    the i-th call (they were grouped: good calls first, errors last)."""
+    env = ToolEnvironment(make_task("arithmetic"), BUILTINS, max_calls=3)
+    env.reset(make_task("arithmetic").examples("train")[0])
+    step = env.step(call("calculator", expression="1+1") + "<tool_call>{</tool_call>"
+                    + call("calculator", expression="2*3") + call("calculator", expression="4"))
+    assert [(m["name"], m["content"][:11]) for m in step.append] == [
+        ("calculator", "2"), ("error", "Error: tool"), ("calculator", "6"), ("error", "Error: more")]
+    assert (step.tool_calls, step.tool_errors) == (4, 2)
 
 
 def test_task_environment_is_one_scored_turn():
