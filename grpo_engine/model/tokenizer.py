@@ -67,6 +67,15 @@ class Tokenizer:
         """Chat-templated text already holds its BOS, hence no special tokens are added by default."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` with any special-token text in it (`<|im_end|>`, ...) encoded as ordinary characters: for
+        text the environment supplies (tool results), which must not open or close turns of the template."""
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 

@@ -13,6 +13,10 @@ which the policy did not emit when it was stopped at `</tool_call>`; when the po
 token, that first id is dropped (`continuation_ids`). The boundary is a special token, so tokenizing the
 continuation on its own gives the tokens the template's text would give.
 
+The appended messages come from the environment (a tool result may echo model text), so their contents are
+tokenized with special-token text as plain characters: a result quoting `<|im_end|><|im_start|>user` stays
+text inside its turn instead of becoming control tokens that end it (`continuation_ids`).
+
 Tools: a template that mentions `tools` (Qwen2.5, Qwen3, Llama 3.1+) gets the declarations through
 `tools=` and its own tool-message format. A template without tool support (the tiny byte-level models,
 SmolLM2) gets the project's fallback format: `tools_paragraph` appended to the system message (or as one),
@@ -95,8 +99,38 @@ def continuation_text(tokenizer, appended: list[dict[str, Any]]) -> str:
 def continuation_ids(tokenizer, appended: list[dict[str, Any]], ended_with: int | None = None) -> list[int]:
     """Token ids of the continuation. ended_with: the stop token the policy ended its turn with (e.g.
     <|im_end|>), dropped from the front of the continuation since it is already in the trajectory."""
-    ids = tokenizer.encode(continuation_text(tokenizer, appended))
+    ids = _encode_continuation(tokenizer, appended)
     return ids[1:] if ended_with is not None and ids[:1] == [ended_with] else ids
+
+
+_SLOT = re.compile("(\ue000grpo-content-[0-9]+\ue001)")  # private-use characters: in no template or result
+
+
+def _encode_continuation(tokenizer, appended: list[dict[str, Any]]) -> list[int]:
+    """The continuation's ids with each message content encoded by `tokenizer.encode_plain` (special-token
+    text as characters) and the template around them by `encode` (its control tokens as tokens).
+
+    Contents without special-token text are encoded with the rest as one text (the usual tokens at their
+    boundaries). Otherwise the template is rendered with a placeholder per content and split there; when it
+    does not copy contents verbatim (it trims or escapes them) the rebuilt text differs, and the
+    continuation is encoded as one text."""
+    text = continuation_text(tokenizer, appended)
+    contents = {f"\ue000grpo-content-{i}\ue001": m["content"] for i, m in enumerate(appended)
+                if isinstance(m.get("content"), str) and m["content"]}
+    plain = getattr(tokenizer, "encode_plain", None)
+    if plain is None or all(plain(c) == tokenizer.encode(c) for c in contents.values()):
+        return tokenizer.encode(text)
+    slots = iter(contents)
+    framed = [{**m, "content": next(slots)} if isinstance(m.get("content"), str) and m["content"] else m
+              for m in appended]
+    parts = _SLOT.split(continuation_text(tokenizer, framed))
+    if "".join(contents.get(p, p) for p in parts) != text:
+        return tokenizer.encode(text)
+    ids: list[int] = []
+    for p in parts:
+        if p:
+            ids += tokenizer.encode_plain(contents[p]) if p in contents else tokenizer.encode(p)
+    return ids
 
 
 def conversation_ids(tokenizer, turns: list[dict[str, Any]]) -> list[int]:
