@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -143,6 +144,43 @@ REWARD_LIMIT = 1e6  # |reward| beyond this is clamped: group means and variances
 class RewardTimeout(BaseException):
     """Raised by the alarm in safe_reward. A BaseException so that a reward's own `except Exception`
     (math-verify has several) cannot swallow it."""
+
+
+class InnerTimeout(BaseException):
+    """Raised by `inner_time_limit` when its own bound, not the enclosing one, runs out."""
+
+
+@contextmanager
+def inner_time_limit(seconds: float):
+    """Bound a block to `seconds` by SIGALRM, also inside safe_reward's alarm: raises InnerTimeout.
+
+    The enclosing timer, if any, is set aside and re-armed afterwards with what is left of it; when it would
+    run out first, it is left alone (its own handler fires). A no-op outside the main thread, where there
+    are no signals."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]  # 0.0: none armed
+    if outer_left and outer_left <= seconds:
+        yield
+        return
+    armed = [True]
+
+    def expire(signum, frame) -> None:
+        if armed[0]:  # not once the block is over (the timer may fire while it is being disarmed)
+            raise InnerTimeout
+
+    start = time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left:  # at least a microsecond: a zero would disarm it
+            signal.setitimer(signal.ITIMER_REAL, max(1e-6, outer_left - (time.perf_counter() - start)))
 
 
 def _alarm_available() -> bool:

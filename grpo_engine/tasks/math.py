@@ -4,21 +4,30 @@ Equivalence of two LaTeX answers ('\frac{1}{2}' vs '0.5', '(1,2)' vs '(1, 2)') n
 system; we use math-verify, the maintained library for this, as the optional extra `math`. It is imported
 lazily so the rest of the package never needs sympy.
 
-Bounding time: math-verify's own timeouts use SIGALRM, which works only in the main thread and only when no
-other alarm is armed. We pass its timeouts when that holds; otherwise (under safe_reward's own alarm, or in
-a worker thread) we pass None and rely on the outer alarm / on structural limits: answers longer than
-max_answer_chars or nested deeper than max_nesting are rejected before math-verify sees them.
+Bounding time: math-verify's own timeouts use signal.alarm, which would cancel safe_reward's alarm around
+the reward. So each parse and verify runs under `inner_time_limit(verify_timeout_s)` instead, which nests
+inside that alarm (a pathological answer costs verify_timeout_s, not the whole reward timeout). In a worker
+thread there are no signals: structural limits bound the work there (answers longer than max_answer_chars or
+nested deeper than max_nesting are rejected before math-verify sees them).
 """
 
 from __future__ import annotations
 
-import signal
-import threading
+import logging
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
 from ..config.fields import option
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .base import (
+    ChatTaskOptions,
+    Example,
+    InnerTimeout,
+    Prompt,
+    RewardResult,
+    chat_prompt,
+    inner_time_limit,
+    weighted_reward,
+)
 from .data import field_error, load_hub, read_records, require_fields, split_source
 from .parsing import extract_answer, extract_boxed
 
@@ -31,7 +40,16 @@ def import_math_verify():
         import math_verify
     except ImportError as e:
         raise ImportError(f"{MATH_INSTALL_HINT} ({e})") from None
+    for name in ("math_verify.parser", "math_verify.grader"):  # we bound its calls ourselves (inner_time_limit)
+        logger = logging.getLogger(name)
+        if _own_timeout_notice not in logger.filters:
+            logger.addFilter(_own_timeout_notice)
     return math_verify
+
+
+def _own_timeout_notice(record: logging.LogRecord) -> bool:
+    """Drops math-verify's warning that its timeouts are off: they are, because ours bound the calls."""
+    return not record.getMessage().startswith("Timeout is disabled")
 
 
 @dataclass
@@ -44,9 +62,15 @@ class MathOptions(ChatTaskOptions):
     data_path: str | None = option(None, "file for every split, or dir with train.*/test.* files or a saved dataset")
     hub_name: str = option("HuggingFaceH4/MATH-500", "loaded from the hub only when data_path is None (network)")
     hub_config: str | None = option(None, "hub dataset configuration name")
-    verify_timeout_s: int = option(2, "math-verify parse / verify timeout (whole seconds; main thread only)")
+    verify_timeout_s: float = option(2.0, "bound on each math-verify parse / verify, seconds (main thread; "
+                                            "a timed-out answer scores as not equivalent)")
     max_answer_chars: int = option(300, "longer extracted answers are wrong without being parsed")
     max_nesting: int = option(16, "answers with deeper ()[]{} nesting are wrong without being parsed")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.verify_timeout_s > 0:
+            raise ValueError(f"verify_timeout_s={self.verify_timeout_s} must be > 0 (seconds per math-verify call)")
 
 
 def nesting_depth(text: str) -> int:
@@ -116,7 +140,11 @@ class MathTask:
         pa, pb = self._parse_cached(a), self._parse_cached(b)
         if not pa or not pb:
             return False
-        return bool(self._mv.verify(pa, pb, timeout_seconds=self._timeout()))
+        try:
+            with inner_time_limit(self.options.verify_timeout_s):
+                return bool(self._mv.verify(pa, pb, timeout_seconds=None))
+        except InnerTimeout:
+            return False
 
     def _parse(self, answer: str) -> list:
         if len(answer) > self.options.max_answer_chars or nesting_depth(answer) > self.options.max_nesting:
@@ -125,9 +153,8 @@ class MathTask:
         # not one: left unwrapped it parsed to nothing, and no answer could match it
         delimited = "\\boxed" in answer or "$" in answer.replace("\\$", "")
         text = answer if delimited else f"${answer}$"
-        return self._mv.parse(text, parsing_timeout=self._timeout())
-
-    def _timeout(self) -> int | None:
-        main = threading.current_thread() is threading.main_thread()
-        alarm_free = main and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
-        return self.options.verify_timeout_s if alarm_free else None
+        try:
+            with inner_time_limit(self.options.verify_timeout_s):
+                return self._mv.parse(text, parsing_timeout=None)
+        except InnerTimeout:
+            return []  # cached like any parse: the same answer does not cost the timeout twice

@@ -54,6 +54,18 @@ def test_timeout_bounds_pathological_answers(task):
     assert result.total == 0.0 and result.info["error"] == "timeout"
 
 
+def test_each_math_verify_call_has_its_own_bound_inside_the_rewards():
+    """Under safe_reward's alarm, math-verify's own timeouts cannot run (they would cancel it): the answer's
+    parse / verify get verify_timeout_s of their own, so a pathological answer scores as wrong after that
+    bound, with the format still scored, instead of using up the whole reward timeout."""
+    quick = make_task("math", verify_timeout_s=0.3)
+    result = safe_reward(quick, Example("m", "q", "9"), r" so it is \boxed{10^{10^{10}}}", timeout_s=20)
+    assert "error" not in result.info, result.info
+    assert result.components["answer"] == 0.0 and result.components["format"] == 1.0
+    with pytest.raises(ValueError, match="verify_timeout_s"):
+        make_task("math", verify_timeout_s=0)
+
+
 def test_equivalent(task):
     assert task.equivalent(r"\frac{1}{2}", "0.5") and not task.equivalent("2", "3")
     assert not task.equivalent("", "")

@@ -215,6 +215,33 @@ def test_safe_reward_turns_errors_and_timeouts_into_zero():
     assert safe_reward(task, EX, "wrong type").info["error"] == "exception"
 
 
+def test_inner_time_limit_nests_inside_an_armed_alarm():
+    """The inner bound fires first and the enclosing timer comes back with what was left of it (math-verify's
+    own alarm would have cancelled it); an enclosing timer that ends sooner is left alone."""
+    import signal
+
+    from grpo_engine.tasks.base import InnerTimeout, inner_time_limit
+
+    def outer(signum, frame):
+        raise AssertionError("the enclosing alarm fired")
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    signal.setitimer(signal.ITIMER_REAL, 30.0)
+    try:
+        with pytest.raises(InnerTimeout), inner_time_limit(0.05):
+            time.sleep(5)
+        assert 25.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30.0
+        assert signal.getsignal(signal.SIGALRM) is outer
+        with inner_time_limit(60.0):  # longer than the enclosing one: nothing armed of its own
+            assert signal.getsignal(signal.SIGALRM) is outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(InnerTimeout), inner_time_limit(0.05):  # and with no enclosing timer
+        time.sleep(5)
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
 def test_safe_reward_off_main_thread_counts_overruns():
     out = {}
     worker = threading.Thread(target=lambda: out.update(r=safe_reward(ScriptedTask(), EX, "sleep", 0.1)))
