@@ -80,6 +80,17 @@ def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
             and plan.grad_input_backend(tuple(weight.shape)) == "onednn")
 
 
+def head_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the chunked log-prob head (rl/logprobs.py) is to run its forward hidden @ weight^T on oneDNN,
+    by the plan's `logprob_head` choice (which defaults to the weight's forward GEMM); else it runs on torch
+    into a buffer reused across chunks."""
+    plan = active_plan()
+    if plan is None:
+        return applies(hidden, weight)
+    return (_fp32_cpu_matrices(hidden, weight) and op_works()
+            and plan.logprob_head_backend(tuple(weight.shape)) == "onednn")
+
+
 def active_plan():
     """The kernels.select.KernelPlan that `activate` made active, or None (the size threshold decides)."""
     return _active.get("plan")

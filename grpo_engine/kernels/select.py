@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from torch import nn
 from . import attention as attention_kernels
 from . import onednn
 from . import threads as thread_choice
+from .cpu import cpu_model, describe_cpu  # noqa: F401 - describe_cpu: part of this module's interface
 
 ROWS = (32, 512)  # products timed per weight: decode-sized and training-sized row counts
 PLAN_FILE = "kernels.json"
@@ -55,12 +55,19 @@ class KernelPlan:
     # "out x in" -> the GEMM of the gradient with respect to the input, grad_y [M, out] @ W [out, in]: "onednn" |
     # "torch"; shapes not listed (plans recorded before it was measured) use their `gemm` backend
     grad_input: dict[str, str] = field(default_factory=dict)
+    # "V x D" of the LM head -> the GEMM of the chunked log-prob head's forward, timed as it runs there: "torch"
+    # (into one [chunk, V] buffer reused by every chunk) | "onednn" (a fresh output each chunk, page-faulted in);
+    # not listed (older plans, other weights): its `gemm` backend
+    logprob_head: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
 
     def grad_input_backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.grad_input.get(shape_key(weight_shape)) or self.backend(weight_shape)
+
+    def logprob_head_backend(self, weight_shape: tuple[int, ...]) -> str:
+        return self.logprob_head.get(shape_key(weight_shape)) or self.backend(weight_shape)
 
     def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
         return self.weight_grad.get(shape_key(weight_shape)) == "inplace"
@@ -76,48 +83,12 @@ class KernelPlan:
                    {str(k): str(v) for k, v in data.get("attention", {}).items()},  # (older plans: SDPA)
                    {str(k): int(v) for k, v in data.get("decode_packing", {}).items()},  # (older: no packing)
                    {str(k): str(v) for k, v in data.get("weight_grad", {}).items()},  # (older: via autograd)
-                   {str(k): str(v) for k, v in data.get("grad_input", {}).items()})  # (older: the forward's GEMM)
+                   {str(k): str(v) for k, v in data.get("grad_input", {}).items()},  # (older: the forward's GEMM)
+                   {str(k): str(v) for k, v in data.get("logprob_head", {}).items()})  # (older: the same)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
     return "x".join(str(int(d)) for d in weight_shape)
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags that change which kernels win
-
-
-def cpu_model() -> str:
-    """The CPU as the cache keys name it (describe_cpu of /proc/cpuinfo; platform's name elsewhere)."""
-    try:
-        return describe_cpu(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def describe_cpu(cpuinfo: str) -> str:
-    """The model name of the first processor in /proc/cpuinfo text, then its family / model / stepping and the
-    vector extensions that change which kernels win. The model name alone is not enough: a virtual machine may
-    show "AMD EPYC" for parts as different as an AVX2-only one and one with AVX-512 and bf16 dot products, whose
-    plans differ."""
-    fields = _first_cpu_fields(cpuinfo)
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    ids = ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if fields.get(k))
-    isa = " ".join(f for f in ISA_FLAGS if f in fields.get("flags", "").split())
-    detail = "; ".join(x for x in (ids, isa) if x)
-    return f"{name} ({detail})" if detail else name
-
-
-def _first_cpu_fields(cpuinfo: str) -> dict[str, str]:
-    """The "key: value" fields of the first processor in /proc/cpuinfo text."""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the end of the first processor's block
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
 
 
 def forced_torch() -> bool:
@@ -296,10 +267,34 @@ def measure_grad_input(out_features: int, in_features: int, backend: str) -> str
                         "onednn": best_time(lambda: onednn.product(gy, w.t(), True), 5)})
 
 
+HEAD_ROWS = 256  # rows of a log-prob chunk (memory.logprob_chunk_size's default)
+
+
+def measure_logprob_head(vocab: int, hidden: int, backend: str) -> str:
+    """The GEMM of the chunked log-prob head's forward, [HEAD_ROWS, hidden] @ W^T [hidden, vocab], timed as
+    rl/logprobs.py runs it: torch's into one reused [rows, vocab] buffer, or oneDNN's (which has no output
+    argument) into a fresh tensor per chunk, whose hundreds of megabytes are page-faulted in on every call.
+    A head whose GEMM is torch's stays on torch (nothing timed)."""
+    if backend == "torch":
+        return backend
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(vocab, hidden, generator=g), torch.randn(HEAD_ROWS, hidden, generator=g)
+    out = torch.empty(HEAD_ROWS, vocab)
+    return faster_gemm({"torch": best_time(lambda: torch.mm(x, w.t(), out=out), 3),
+                        "onednn": best_time(lambda: onednn.onednn_linear(x, w), 3)})
+
+
+def head_shape(model: nn.Module) -> tuple[int, int] | None:
+    """(vocab, hidden) of the model's LM head, when it has one of the shapes the plan covers."""
+    head = getattr(model, "lm_head", None)
+    shape = tuple(head.weight.shape) if isinstance(head, nn.Linear) else None
+    return shape if shape in weight_shapes(model) else None
+
+
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
-                     threads: int) -> bool:
-    """Measure into `cache` what its entries under `key` lack for these shapes and this attention, at `threads`.
-    Returns whether anything was measured."""
+                     threads: int, head: tuple[int, int] | None = None) -> bool:
+    """Measure into `cache` what its entries under `key` lack for these shapes, this attention and this LM head,
+    at `threads`. Returns whether anything was measured."""
     known = cache.setdefault(key, {})
     missing = [s for s in shapes if shape_key(s) not in known]
     known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
@@ -307,11 +302,13 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if onednn.pack_works() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
     inputs = cache.setdefault(f"grad input | {key}", {})
+    heads = cache.setdefault(f"logprob head | {key}", {})
+    head_missing = head is not None and shape_key(head) not in heads
 
     def lacking(entries: dict) -> list[tuple[int, int]]:
         return [s for s in shapes if shape_key(s) not in entries]
 
-    if not (missing or attention_missing or lacking(grads) or lacking(inputs)
+    if not (missing or attention_missing or head_missing or lacking(grads) or lacking(inputs)
             or (onednn.pack_works() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
@@ -326,6 +323,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             inputs[shape_key(s)] = measure_grad_input(*s, known[shape_key(s)])
         for s in lacking(packing) if onednn.pack_works() else []:
             packing[shape_key(s)] = measure_packing(*s, known[shape_key(s)])
+        if head_missing:
+            heads[shape_key(head)] = measure_logprob_head(*head, known[shape_key(head)])
     finally:
         torch.set_num_threads(previous)
     return True
@@ -333,10 +332,10 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
-    decode attention, which weights a decode loop packs, how weight gradients are summed and which GEMM runs each
-    input gradient, at that count; from the cache when everything is there, else measured (only what is missing)
-    and cached."""
-    shapes, attention = weight_shapes(model), attention_shape(model)
+    decode attention, which weights a decode loop packs, how weight gradients are summed, which GEMM runs each
+    input gradient and the log-prob head's forward, at that count; from the cache when everything is there, else
+    measured (only what is missing) and cached."""
+    shapes, attention, head = weight_shapes(model), attention_shape(model), head_shape(model)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
         return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced",
@@ -346,7 +345,7 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     before = json.dumps(cache, sort_keys=True)
     threads = choose_threads(model, cache)
     key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
-    measured = _measure_missing(cache, key, shapes, attention, threads)
+    measured = _measure_missing(cache, key, shapes, attention, threads, head)
     if json.dumps(cache, sort_keys=True) != before:
         _write_cache(path, cache)
     keys = [shape_key(s) for s in shapes]
@@ -356,8 +355,9 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     packing = {k: int(steps[k]) for k in keys if steps.get(k)}
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     inputs = {k: cache[f"grad input | {key}"][k] for k in keys}
+    heads = {shape_key(head): cache[f"logprob head | {key}"][shape_key(head)]} if head else {}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing, grads, inputs)
+                      packing, grads, inputs, heads)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

@@ -85,8 +85,8 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
     so the [n, V] chunk crosses memory a handful of times instead of once per elementwise op.
     """
     n = h.shape[0]
-    if bufs.z is None:
-        z = onednn.linear(h, weight)  # [n, V], a fresh buffer
+    if bufs.z is None:  # the plan's logprob_head choice (onednn.head_applies)
+        z = onednn.onednn_linear(h, weight)  # [n, V], a fresh buffer
     else:
         z = bufs.z[:n]  # [n, V]
         if h.dtype == z.dtype:
@@ -172,7 +172,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
         bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.applies(hidden, weight))
+                         own_logits=not onednn.head_applies(hidden, weight))
         for s, e in _chunks(n_tok, chunk_size):
             c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
             logp[s:e] = c.logp
@@ -198,7 +198,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
         bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.applies(hidden, weight))
+                         own_logits=not onednn.head_applies(hidden, weight))
         for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
@@ -305,7 +305,7 @@ def token_logprobs_with_grads(
             raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} {cdt}, got {tuple(grad_w.shape)} "
                              f"{grad_w.dtype}")
     bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.applies(hidden, weight))
+                         own_logits=not onednn.head_applies(hidden, weight))
     for s, e in _chunks(n_tok, chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)

@@ -85,6 +85,41 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     assert (len(calls), len(grad_calls), len(input_calls)) == (n, n, 2 * n)
 
 
+@pytest.mark.parametrize("buffered, fresh, chosen", [(1.0, 2.0, "torch"), (2.0, 1.0, "onednn")])
+def test_the_log_prob_head_is_timed_as_it_runs_and_recorded(buffered, fresh, chosen, tiny_ckpt, tmp_path,
+                                                            monkeypatch):
+    """The chunked log-prob head's forward is timed with torch's product into a reused buffer against oneDNN's
+    fresh output (one of the head's shape), only for a head whose GEMM is oneDNN; the choice is cached, kept in
+    the plan's JSON and reused."""
+    timed = iter([buffered, fresh])
+    with monkeypatch.context() as m:
+        m.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+        assert select.measure_logprob_head(300, 16, "onednn") == chosen
+        assert select.measure_logprob_head(300, 16, "torch") == "torch"  # nothing timed: `timed` is spent
+    model = load_model(tiny_ckpt)
+    head = select.head_shape(model)
+    assert head == tuple(model.lm_head.weight.shape)
+    faster = {shape_key(head): "onednn"}
+    monkeypatch.setattr(select, "measure_shape", _fake_times(faster, []))
+    monkeypatch.setattr(select, "measure_attention", lambda key: "sdpa")
+    monkeypatch.setattr(select, "measure_packing", lambda o, i, gemm: 0)
+    monkeypatch.setattr(select, "measure_weight_grad", lambda o, i, backend: backend)
+    monkeypatch.setattr(select, "measure_grad_input", lambda o, i, backend: backend)
+    head_calls = []
+    monkeypatch.setattr(select, "measure_logprob_head", lambda v, d, backend: head_calls.append((v, d, backend))
+                        or chosen)
+    monkeypatch.setattr(onednn, "op_works", lambda: True)
+    cache = tmp_path / "kernels.json"
+    plan = choose_plan(model, cache)
+    assert head_calls == [(*head, "onednn")] and plan.logprob_head == {shape_key(head): chosen}
+    assert plan.logprob_head_backend(head) == chosen and plan.backend(head) == "onednn"
+    assert KernelPlan.from_json(plan.to_json(), "checkpoint").logprob_head == plan.logprob_head
+    assert choose_plan(model, cache).logprob_head == plan.logprob_head and len(head_calls) == 1  # from the cache
+    older = json.loads(plan.to_json())
+    del older["logprob_head"]  # a plan recorded before: the head runs on its weight's GEMM, as it did
+    assert KernelPlan.from_json(json.dumps(older), "checkpoint").logprob_head_backend(head) == "onednn"
+
+
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):
     model = load_model(tiny_ckpt)
     monkeypatch.setenv("GRPO_KERNELS", "torch")

@@ -72,12 +72,14 @@ def test_fp32_head_through_onednn_matches_float64(chunk):
 
 
 @pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
-@pytest.mark.parametrize("backend,grad_input", [("onednn", None), ("torch", None), ("onednn", "torch"),
-                                                ("torch", "onednn")])
-def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, monkeypatch):
+@pytest.mark.parametrize("backend,grad_input,head", [("onednn", None, None), ("torch", None, None),
+                                                     ("onednn", "torch", None), ("torch", "onednn", None),
+                                                     ("onednn", None, "torch")])
+def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, head, monkeypatch):
     """The plan's choices for the [V, D] head weight decide its forward product and its grad-input product
     gz [n, V] @ W [V, D] (not the choice for a [D, V] shape, which no plan holds): the input gradient on its own
-    measured GEMM where the plan has one, else on the forward's."""
+    measured GEMM where the plan has one, else on the forward's; the chunked forward on the plan's `logprob_head`
+    choice where it has one (torch's into the reused buffer), else on the weight's GEMM."""
     g = torch.Generator().manual_seed(3)
     h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
     t = torch.randint(0, 500, (40,), generator=g)
@@ -90,13 +92,15 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, 
     plan = KernelPlan("cpu", torch.__version__, 1, {"500x16": backend})
     if grad_input:
         plan.grad_input = {"500x16": grad_input}
+    if head:
+        plan.logprob_head = {"500x16": head}
     onednn.activate(plan)
     try:
         hh = h.clone().requires_grad_()
         token_logprobs(hh, w, t, chunk_size=16)[0].sum().backward()
     finally:
         onednn.activate(None)
-    on_onednn = {(500, 16): backend == "onednn", (16, 500): (grad_input or backend) == "onednn"}  # forward, grad
+    on_onednn = {(500, 16): (head or backend) == "onednn", (16, 500): (grad_input or backend) == "onednn"}
     assert sorted(set(calls)) == sorted(shape for shape, on in on_onednn.items() if on)
     torch.testing.assert_close(hh.grad.double(), gh_ref, rtol=1e-4, atol=1e-5)
 
