@@ -115,14 +115,12 @@ def _encode_continuation(tokenizer, appended: list[dict[str, Any]]) -> list[int]
     does not copy contents verbatim (it trims or escapes them) the rebuilt text differs, and the
     continuation is encoded as one text."""
     text = continuation_text(tokenizer, appended)
-    contents = {f"\ue000grpo-content-{i}\ue001": m["content"] for i, m in enumerate(appended)
-                if isinstance(m.get("content"), str) and m["content"]}
+    texts = [i for i, m in enumerate(appended) if isinstance(m.get("content"), str) and m["content"]]
+    contents = {f"\ue000grpo-content-{i}\ue001": appended[i]["content"] for i in texts}  # placeholder -> content
     plain = getattr(tokenizer, "encode_plain", None)
     if plain is None or all(plain(c) == tokenizer.encode(c) for c in contents.values()):
         return tokenizer.encode(text)
-    slots = iter(contents)
-    framed = [{**m, "content": next(slots)} if isinstance(m.get("content"), str) and m["content"] else m
-              for m in appended]
+    framed = [{**m, "content": f"\ue000grpo-content-{i}\ue001"} if i in texts else m for i, m in enumerate(appended)]
     parts = _SLOT.split(continuation_text(tokenizer, framed))
     if "".join(contents.get(p, p) for p in parts) != text:
         return tokenizer.encode(text)
