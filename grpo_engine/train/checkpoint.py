@@ -17,8 +17,10 @@ new one, never a half-written `step-*` directory; leftover `.tmp-*` directories 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..model.hf_io import hf_name_table, save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
-from .state_io import load_state, save_state
+from .run_dir import holds_run
+from .state_io import StateFormatError, load_state, save_state
 
 STEP_PREFIX = "step-"
+STEP_NAME = re.compile(r"step-(\d+)")  # a published checkpoint; "step-000010 copy" (a user's backup) is not one
 TMP_PREFIX = ".tmp-"
 STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors (train/state_io.py: no pickles)
 LEGACY_STATE = "trainer_state.pt"  # the pickled format of earlier versions: resumed only when trusted
@@ -98,7 +103,7 @@ def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)]
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
     found = [p for p in found if has_trainer_state(p)]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
 
@@ -180,13 +185,23 @@ def save_checkpoint(
         before_publish(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
-        shutil.rmtree(final)
+        _delete_checkpoint(final)
     os.rename(tmp, final)
     _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep_last]:
         if old != final:  # never the checkpoint just written (a stray later step must not push it out)
-            shutil.rmtree(old, ignore_errors=True)
+            _delete_checkpoint(old)
     return final
+
+
+def _delete_checkpoint(path: Path) -> None:
+    """Unpublish a checkpoint by renaming it to a temp name, then delete it: a kill midway through the deletion
+    left a step-* folder with trainer_state.json but part of model/ gone, still listed as complete. A leftover
+    temp folder is removed by the next save."""
+    doomed = path.with_name(f"{TMP_PREFIX}deleted-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_trainer_state(ckpt_dir: str | Path, trust_pickle: bool = False) -> TrainerState:
@@ -194,7 +209,7 @@ def load_trainer_state(ckpt_dir: str | Path, trust_pickle: bool = False) -> Trai
     (`grpo train --resume --trust-checkpoint`): unpickling a file runs code its author chose."""
     ckpt_dir = Path(ckpt_dir)
     if (ckpt_dir / f"{STATE}.json").is_file():
-        return TrainerState(**load_state(ckpt_dir / STATE))
+        return _trainer_state(load_state(ckpt_dir / STATE), ckpt_dir / f"{STATE}.json")
     legacy = ckpt_dir / LEGACY_STATE
     if not legacy.is_file():
         raise FileNotFoundError(f"{ckpt_dir / STATE}.json not found: {ckpt_dir} is not a complete checkpoint")
@@ -205,6 +220,19 @@ def load_trainer_state(ckpt_dir: str | Path, trust_pickle: bool = False) -> Trai
             f"without pickles at the next checkpoint")
     raw = torch.load(legacy, map_location="cpu", weights_only=False)
     raw["rng"] = _legacy_rng(raw["rng"])
+    return TrainerState(**raw)
+
+
+def _trainer_state(raw, source: Path) -> TrainerState:
+    """A TrainerState from the stored structure; a structure that is not one (a damaged or foreign file, another
+    version's fields) is a StateFormatError naming the file, not a TypeError traceback."""
+    fields = {f.name for f in dataclasses.fields(TrainerState)}
+    required = {f.name for f in dataclasses.fields(TrainerState)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not isinstance(raw, dict) or not required <= raw.keys() <= fields:
+        found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise StateFormatError(f"{source}: not a grpo-engine trainer state (fields {found}, expected "
+                               f"{sorted(fields)}); resume from an earlier checkpoint")
     return TrainerState(**raw)
 
 
@@ -233,7 +261,18 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:
     path = Path(resume)
     if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
         raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
+    _not_into_another_run(path, Path(ckpt_root).parent)
     return path
+
+
+def _not_into_another_run(ckpt: Path, run_dir: Path) -> None:
+    """A checkpoint from outside run_dir continues in run_dir only when run_dir holds no run of its own: resumed into
+    one, the two runs' log lines mixed in one metrics.jsonl and pruning to keep_last deleted its checkpoints."""
+    if not holds_run(run_dir) or run_dir.resolve() in ckpt.resolve().parents:
+        return
+    raise ConfigError(f"--resume {ckpt}: that checkpoint is not in run_dir={str(run_dir)!r}, which holds a run of "
+                      f"its own; to continue it there choose a new run_dir, or --resume a checkpoint of "
+                      f"{run_dir / 'checkpoints'}")
 
 
 def model_source(path: str | Path) -> Path:

@@ -18,6 +18,10 @@ FIXED = ("seed", "model.path", "tokenizer.", "task.", "lora.", "warm_start.", "r
          "rollout.prompts_per_step", "memory.precision", "reference.mode", "distributed.strategy")
 # Applied by hand after the optimizer / scheduler state is restored (everything else is read each step).
 LR_KEYS = ("optimizer.lr", "schedule.")
+# Param-group settings that loading the optimizer's state brings back from the checkpoint: set again when changed.
+GROUP_KEYS = {"optimizer.betas": "betas", "optimizer.eps": "eps", "optimizer.weight_decay": "weight_decay"}
+# Optimizers whose state has the same layout (torch AdamW's, or both the fp32-master one: train/optim.py).
+SAME_STATE = frozenset({"adamw", "adamw_fused"})
 
 
 def flatten(obj, prefix: str = "") -> dict:
@@ -41,13 +45,25 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
+def _changes_optimizer_state(change: tuple[str, object, object], cfg: Config) -> bool:
+    """A change after which the stored optimizer state does not fit the new optimizer: another optimizer.name
+    (the offloaded / 8-bit state has another layout: loading it failed with KeyError 'master'), or
+    optimizer.master_weights where the weights may be bf16 (with or without an fp32 master copy)."""
+    key, old, new = change
+    if key == "optimizer.name":
+        return not {old, new} <= SAME_STATE
+    return key == "optimizer.master_weights" and cfg.memory.precision != "fp32"
+
+
 def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tuple[str, object, object]]:
     """The changes since the checkpoint; refuses the ones that cannot take effect (ConfigError)."""
     stored = ckpt_dir / "config.yaml"
     if not stored.is_file():
-        return []
+        raise ConfigError(f"--resume {ckpt_dir}: config.yaml is missing, so the settings this run cannot change "
+                          f"are unchecked; copy config.yaml from another checkpoint of the run into it, or start "
+                          f"a new run")
     changes = config_changes(config_from_yaml_text(stored.read_text(), str(stored)), cfg)
-    fixed = [c for c in changes if _matches(c[0], FIXED) and c[0] != "run_dir"]
+    fixed = [c for c in changes if (_matches(c[0], FIXED) or _changes_optimizer_state(c, cfg)) and c[0] != "run_dir"]
     if fixed:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in fixed)
         raise ConfigError(f"--resume {ckpt_dir}: these settings cannot change in a resumed run ({listed}); put them "
@@ -60,10 +76,25 @@ def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tupl
 
 def apply_learning_rate(policy, cfg: Config, changes: list[tuple[str, object, object]]) -> None:
     """A new optimizer.lr / schedule: the restored scheduler keeps its step count but takes the new peak lr and
-    shape (the scheduler was built from the new config; loading its state brought back the old base lr)."""
+    shape (the scheduler was built from the new config; loading its state brought back the old base lr). A new
+    optimizer.betas / eps / weight_decay goes into every param group (apply_group_settings)."""
+    apply_group_settings(policy.optimizer, cfg, changes)
     if not any(_matches(k, LR_KEYS) for k, _, _ in changes):
         return
     scheduler = policy.scheduler
     scheduler.base_lrs = [cfg.optimizer.lr for _ in scheduler.base_lrs]
     for group, lr in zip(policy.optimizer.param_groups, scheduler.base_lrs):
         group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+
+
+def apply_group_settings(optimizer, cfg: Config, changes: list[tuple[str, object, object]]) -> None:
+    """Loading the optimizer's state brought back the stored betas / eps / weight_decay with its param groups, so
+    a changed one, printed as taking effect, was silently the old value: set it from the new config."""
+    for key, _, _ in changes:
+        name = GROUP_KEYS.get(key)
+        if name is None:
+            continue
+        value = getattr(cfg.optimizer, name)
+        for group in optimizer.param_groups:
+            if name in group:
+                group[name] = tuple(value) if name == "betas" else value

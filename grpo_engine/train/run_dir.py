@@ -94,11 +94,28 @@ def split_jsonl(path: Path, later_to: Path, step: int) -> tuple[int, int]:
             (keep if record.get("step", 0) <= step else later).append(line)
         elif line.strip():
             torn += 1
-    if later:
+    if later:  # appended: a second split into the same folder (within the same second) must not replace the first
         later_to.parent.mkdir(parents=True, exist_ok=True)
-        later_to.write_text("".join(ln + "\n" for ln in later))
-    path.write_text("".join(ln + "\n" for ln in keep))
+        with later_to.open("a") as f:
+            f.write("".join(ln + "\n" for ln in later))
+    if later or torn:  # untouched otherwise: every resume rewrote the whole log
+        replace_text(path, "".join(ln + "\n" for ln in keep))
     return len(later), torn
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Replace `path`'s content through a temporary file and a rename: a crash or a full disk midway leaves the old
+    file whole (writing in place truncated it first, and a disk full then lost the log)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def parse_line(line: str) -> dict | None:

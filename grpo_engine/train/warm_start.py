@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ..model.tiny import make_tiny_checkpoint
 from ..model.tokenizer import load_tokenizer
 from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
+from .run_dir import utc_stamp
 from .sft import train_sft
 
 DONE_MARKER = ".complete"
@@ -42,9 +44,14 @@ def _complete(path: Path, settings: dict) -> bool:
 
 
 def _mark_complete(tmp: Path, final: Path, settings: dict) -> None:
+    """Publish a finished stage. A `final` folder already there has no marker (_complete said so), so this code
+    did not write it (its own folders get the marker before the rename): it is moved aside, never deleted."""
     (tmp / DONE_MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
     if final.exists():
-        shutil.rmtree(final)
+        aside = final.with_name(f"{final.name}.prev-{utc_stamp()}")
+        final.rename(aside)
+        print(f"warm start: {final} was not a finished {final.name} stage; it is now {aside} (nothing deleted)",
+              file=sys.stderr, flush=True)
     tmp.rename(final)
 
 

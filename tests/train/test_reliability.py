@@ -303,3 +303,27 @@ def test_a_pickled_trainer_state_is_refused_unless_trusted(tiny_ckpt, tmp_path):
     (tmp_path / "s.json").write_text(json.dumps({"__tensor__": "evil"}))
     with pytest.raises(StateFormatError, match="unreadable trainer state"):
         load_state(tmp_path / "s")
+
+
+def test_splitting_a_log_on_a_full_disk_keeps_it_whole(tmp_path):
+    """Resuming rewrote metrics.jsonl / samples.jsonl in place: a disk that filled midway (the situation a resume
+    often follows) truncated the log. Also, a second split into the same superseded-<second> folder replaced the
+    first one's lines."""
+    import resource
+
+    from grpo_engine.train.run_dir import split_jsonl
+
+    log, aside = tmp_path / "metrics.jsonl", tmp_path / "superseded" / "metrics.jsonl"
+    text = "".join(json.dumps({"step": s, "pad": "x" * 100}) + "\n" for s in range(1, 101))
+    log.write_text(text)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))  # writes past 4 KiB fail (EFBIG) like ENOSPC
+    try:
+        with pytest.raises(OSError):
+            split_jsonl(log, aside, 98)  # moves 99, 100 aside, then rewrites ~11 KiB
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert log.read_text() == text and not list(tmp_path.glob(".metrics*"))
+    assert split_jsonl(log, aside, 99) == (1, 0)
+    assert [json.loads(ln)["step"] for ln in aside.read_text().splitlines()] == [99, 100, 100]
+    assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == list(range(1, 100))
