@@ -62,6 +62,7 @@ class TrainerState:
     nonfinite_in_row: int = 0
     extra: dict = field(default_factory=dict)
     curriculum: dict = field(default_factory=dict)  # train/curriculum.py's queue and next re-scoring step
+    micro_tokens: int = 0  # the micro-batch token budget, once halved after a CUDA out-of-memory (0: not recorded)
 
 
 def capture_rng() -> dict:

@@ -134,7 +134,7 @@ def checkpoint(run: Run, step: int) -> Path:
     extra = {"reference": policy_state["reference"]} if "reference" in policy_state else {}
     curriculum = inputs.curriculum.state_dict() if inputs.curriculum is not None else {}
     state = TrainerState(step, inputs.prompts.position, policy_state["optimizer"], policy_state["scheduler"],
-                         capture_rng(), run.state.nonfinite_in_row, extra, curriculum)
+                         capture_rng(), run.state.nonfinite_in_row, extra, curriculum, run.state.micro_tokens)
     run.last_checkpoint = save_checkpoint(
         run.ckpt_root, inputs.policy.model, state, config_yaml=to_yaml(cfg), metrics_path=run.monitor.metrics_path,
         tokenizer_dir=cfg.tokenizer.path or cfg.model.path, keep_last=cfg.checkpoint.keep_last,

@@ -123,7 +123,7 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     if world.is_main:
         (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
     prompts = PromptSampler(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
-    state = StepState(saved.nonfinite_in_row if saved else 0, cfg.memory.micro_batch_tokens)
+    state = StepState(saved.nonfinite_in_row if saved else 0, resumed_micro_tokens(saved, cfg))
     if saved is not None:
         policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
         apply_learning_rate(policy, cfg, c.changes if world.size == 1 else world.gather(c.changes)[0])
@@ -220,3 +220,10 @@ def cfg_dict(cfg: Config) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def resumed_micro_tokens(saved: TrainerState | None, cfg: Config) -> int:
+    """The micro-batch token budget to start from: the config's, or the halved one a resumed run had reached after a
+    CUDA out-of-memory (it would otherwise run out of memory, and halve, again), whichever is smaller."""
+    budget = cfg.memory.micro_batch_tokens
+    return min(budget, saved.micro_tokens) if saved is not None and saved.micro_tokens > 0 else budget

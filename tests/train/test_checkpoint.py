@@ -153,3 +153,21 @@ def test_a_warm_start_folder_it_did_not_write_is_moved_aside(tmp_path, capsys):
     assert build_tiny_base(cfg) == run / "base" and (run / "base" / DONE_MARKER).is_file()
     (aside,) = run.glob("base.prev-*")
     assert (aside / "notes.txt").read_text() == "mine" and "nothing deleted" in capsys.readouterr().err
+
+
+def test_a_halved_micro_batch_budget_is_kept_across_a_resume(tmp_path, tiny_ckpt):
+    """The budget halved after a CUDA out-of-memory is stored with the checkpoint and resumed (the run would run out
+    of memory and halve again), never above the config's; checkpoints without it resume with the config's."""
+    from grpo_engine.config import load_config
+    from grpo_engine.train.setup import resumed_micro_tokens
+
+    model = load_model(tiny_ckpt)
+    state = _state(1, model)
+    state.micro_tokens = 512
+    saved = save_checkpoint(tmp_path / "c", model, state, config_yaml="seed: 0\n", metrics_path=None,
+                            tokenizer_dir=tiny_ckpt, keep_last=1)
+    cfg = load_config(None, ["memory.micro_batch_tokens=2048"])
+    assert resumed_micro_tokens(load_trainer_state(saved), cfg) == 512
+    assert resumed_micro_tokens(load_trainer_state(saved), load_config(None, ["memory.micro_batch_tokens=256"])) == 256
+    assert resumed_micro_tokens(_state(1, model), cfg) == 2048  # not recorded (older checkpoints)
+    assert resumed_micro_tokens(None, cfg) == 2048
