@@ -57,6 +57,10 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory: choose another run_dir")
+    if resume_step is not None and overwrite:  # it used to be ignored: the run went on over the old one
+        raise ConfigError("--resume and --overwrite together: --resume continues a run, --overwrite starts a new one "
+                          "in place of the old; pass one of them (to continue a checkpoint elsewhere, choose a new "
+                          "run_dir)")
     if resume_step is not None:
         later = newest_step is not None and newest_step > resume_step
         return RunDirPlan(run_dir, supersede_after=resume_step if later else None)

@@ -60,6 +60,18 @@ def test_rerun_refuses_overwrite_renames_and_old_resume_supersedes(base, tmp_pat
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
 
 
+def test_resume_with_overwrite_is_refused(tmp_path):
+    """--resume with --overwrite was taken as a plain --resume (the flag ignored): it is refused, naming both."""
+    from grpo_engine.config import ConfigError
+    from grpo_engine.train.run_dir import plan_run_dir
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="--resume and --overwrite together"):
+        plan_run_dir(tmp_path, resume_step=3, newest_step=3, overwrite=True)
+    assert plan_run_dir(tmp_path, resume_step=3, newest_step=3, overwrite=False).supersede_after is None
+    assert plan_run_dir(tmp_path, resume_step=None, newest_step=3, overwrite=True).move_aside
+
+
 def test_pruning_never_deletes_the_checkpoint_just_written(tiny_ckpt, tmp_path):
     from grpo_engine.model.hf_io import load_model
     from grpo_engine.train.checkpoint import TrainerState, capture_rng, save_checkpoint
