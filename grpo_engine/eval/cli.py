@@ -93,7 +93,7 @@ def run_eval(args) -> int:
                          prompts_per_batch=args.batch_prompts)
         name, task = task_for(args)
         tools = tools_for(args)
-        examples = task.examples(args.split)
+        examples = examples_for(task, name, args)
         check_out(args.out)
         model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
@@ -104,15 +104,45 @@ def run_eval(args) -> int:
           f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
     report = evaluate(model, tok, task, examples, cfg, progress=_progress, tools=tools)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}
-    if args.out:
-        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
-        print(f"report written to {args.out}", file=sys.stderr)
     if args.json:
         print(json.dumps(document))
         print(report_markdown(report), file=sys.stderr, end="")
     else:
         print(report_markdown(report), end="")
+    if args.out:
+        try:
+            write_report(Path(args.out), document)
+        except OSError as e:
+            print(f"grpo eval: error: --out {args.out}: {e.strerror or e}; nothing written there, the results are "
+                  f"printed above", file=sys.stderr)
+            return 1
+        print(f"report written to {args.out}", file=sys.stderr)
     return 0
+
+
+def write_report(path: Path, document: dict) -> None:
+    """The JSON report, written whole or not at all (temporary file, then rename).
+
+    Why: written in place, a full disk truncated the previous report at the same path; and the results are
+    printed before this runs, so a failed write does not lose the evaluation.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(document, indent=1) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def examples_for(task, name: str, args) -> list:
+    """The split's examples, refused when empty: found by evaluate(), it came after the model had loaded
+    and named neither the split nor its data."""
+    examples = task.examples(args.split)
+    if not examples:
+        where = f"{name} --data {args.data}" if args.data else name
+        raise ValueError(f"split {args.split!r} of {where} has no examples; check the data and the task's "
+                         f"options, or pick another --split")
+    return examples
 
 
 def check_out(out: str | None) -> None:

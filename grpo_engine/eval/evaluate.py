@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ..config.tools import ToolsSection
 from ..rollout import GenerationOutput, SamplingParams, generate
 from ..tasks.base import Example, RewardResult, Task
-from ..train.rollouts import Group, generate_groups
+from ..train.rollouts import Group, generate_groups, prompt_seed
 from .metrics import maj_at_k, majority_answer, pass_at_k
 
 ANSWER = "answer"  # the RewardResult component that correctness reads (RewardResult.correct)
@@ -43,7 +43,7 @@ class EvalConfig:
     top_p: float = 1.0  # nucleus sampling threshold (1 = off)
     max_new_tokens: int = 512  # completion cap; completions that hit it count as truncated
     max_examples: int | None = None  # evaluate the first N examples of the split; None = all
-    seed: int = 0  # sampling seed (batch b is sampled with a seed derived from (seed, b))
+    seed: int = 0  # sampling seed; problem i draws from its own seed derived from (seed, i) (example_seeds)
     prompts_per_batch: int = 16  # prompts per generate call: bounds memory at n * this many rows
     reward_timeout_s: float = 5.0  # per-completion reward time limit (a reward past it scores 0)
 
@@ -144,9 +144,10 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
                             max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(tokenizer.eos_token_ids))
     problems: list[ProblemRecord] = []
-    for b, start in enumerate(range(0, len(examples), cfg.prompts_per_batch)):
+    for start in range(0, len(examples), cfg.prompts_per_batch):
         batch = examples[start : start + cfg.prompts_per_batch]
-        seed = cfg.seed * 1_000_003 + b
+        # greedy draws nothing: one int seed spares per-prompt generators their per-step draws
+        seed = cfg.seed if cfg.temperature == 0 else example_seeds(cfg.seed, start, len(batch))
         if tools is not None and tools.enabled:
             from ..train.tool_rollouts import generate_tool_groups
 
@@ -160,6 +161,16 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
             progress(len(problems), len(examples))
     notes += _missing_answer_note(problems)
     return EvalReport(task.name, cfg, summarize(problems, cfg), problems, notes)
+
+
+def example_seeds(seed: int, start: int, count: int) -> list[int]:
+    """One sampling seed per problem start .. start+count-1, a pure function of (seed, problem index).
+
+    Why per problem: with one seed per batch, a problem's samples (and so its pass@k) changed with
+    --batch-prompts (a memory knob), with --max-examples and with when the other rows of its batch stopped;
+    rollout.generate draws each seeded prompt from its own generator, independent of its batch.
+    """
+    return [prompt_seed(seed, 0, 0, start + i) for i in range(count)]
 
 
 def sample_record(result: RewardResult, text: str, num_tokens: int, truncated: bool,

@@ -117,11 +117,30 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
             num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)),
             head_dim=int(a("attention.key_length", 0) or 0), max_position_embeddings=int(a("context_length", 32768)),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(a("rope.freq_base", 10000.0)), tie_word_embeddings=not has_output,
+            rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=_rope_scaling(meta, arch, source),
+            tie_word_embeddings=not has_output,
             attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch],
             extra=_extra_config(meta))
     except (TypeError, KeyError) as e:
         raise CheckpointError(f"{source}: required metadata is missing ({e})") from None
+
+
+def _rope_scaling(meta: dict, arch: str, source: str) -> dict | None:
+    """ModelConfig.rope_scaling from llama.cpp's rope.scaling.type / .factor (or the older rope.scale_linear).
+
+    Why: ignored, a linearly scaled model loaded with plain RoPE and gave wrong logits without a word; a kind
+    the engine does not implement (yarn, longrope) is refused rather than run unscaled.
+    """
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if kind == "none" and f"{arch}.rope.scale_linear" in meta:
+        kind = "linear"
+    if kind == "none" or (kind == "linear" and float(factor or 1.0) == 1.0):  # llama.cpp: absent or 0 = 1
+        return None
+    if kind != "linear":
+        raise CheckpointError(f"{source}: rope scaling {kind!r} is not supported from GGUF (only linear); load "
+                              f"the Hugging Face checkpoint instead")
+    return {"rope_type": "linear", "factor": float(factor)}
 
 
 GENERAL_KEPT = ("general.type", "general.file_type", "general.quantization_version", "general.architecture")

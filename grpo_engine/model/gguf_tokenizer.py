@@ -38,6 +38,11 @@ PRE_TOKENIZERS = {
     "qwen2": lambda: _split_then_bytes(QWEN2_SPLIT),
 }
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are special tokens
+# Tokens llama.cpp ends generation at by their text (llama-vocab.cpp, "find EOG tokens"), besides the file's
+# eos / eot / eom ids: a GGUF holds one eos id, and these are the other ids generation_config.json lists
+# (Qwen's <|endoftext|>, Llama 3's <|end_of_text|> and <|eom_id|>).
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                       "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
 
 
 def build_tokenizer(meta: dict, source: str) -> Tokenizer:
@@ -60,11 +65,23 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     tok.add_special_tokens([a for a in special if a.special])
     tok.add_tokens([a for a in special if not a.special])
     config = _tokenizer_config(meta, tokens)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    generation = {"eos_token_id": int(eos)} if eos is not None else {}
+    eog = eog_token_ids(meta, tokens)
+    generation: dict = {"eos_token_id": eog} if eog else {}
     if "tokenizer.ggml.bos_token_id" in meta:
         generation["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     return Tokenizer(tok, config, generation)
+
+
+def eog_token_ids(meta: dict, tokens: list[str]) -> list[int]:
+    """The ids generation stops at, as llama.cpp stops: eos first, then eot, eom and the EOG_TEXTS tokens.
+
+    Why not eos alone: a model sampled past <|endoftext|> (or Llama 3's <|end_of_text|>) where its Hugging
+    Face checkpoint, and llama.cpp on the same file, stop; eval then read garbage past the end.
+    """
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [int(meta[k]) for k in keys if meta.get(k) is not None]
+    ids += [i for i, t in enumerate(tokens) if t in EOG_TEXTS]
+    return list(dict.fromkeys(i for i in ids if 0 <= i < len(tokens)))
 
 
 def _tokenizer_config(meta: dict, tokens: list[str]) -> dict:

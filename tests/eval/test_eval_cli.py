@@ -237,3 +237,40 @@ def test_arithmetic_reads_its_own_questions_back():
     assert task.tool_variables(ex) == {"a": 287, "b": 232}
     assert task.parse_question("a=287 b=232 a/b=") is None  # not an operator of the task family
     assert make_task("arithmetic").parse_question("What is 12 + 35?").b == 35
+
+
+def test_an_empty_split_is_refused_before_the_model_loads(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """An empty data file loaded the model, printed 'evaluating ...: 0 problems', then failed with an error
+    that named neither the file nor the split."""
+    import grpo_engine.eval.cli as eval_cli
+
+    monkeypatch.setattr(eval_cli, "load_model_and_tokenizer", lambda *a: pytest.fail("loaded the model first"))
+    (tmp_path / "test.jsonl").write_text("")
+    err = run_error(["eval", str(tiny_ckpt), "--task", "gsm8k", "--data", str(tmp_path)], capsys)
+    fix = "check the data and the task's options, or pick another --split"
+    assert err == f"grpo eval: error: split 'test' of gsm8k --data {tmp_path} has no examples; {fix}\n"
+    err = run_error(["eval", str(tiny_ckpt), "--task", "arithmetic", "--task-option", "n_test=0"], capsys)
+    assert err == f"grpo eval: error: split 'test' of arithmetic has no examples; {fix}\n"
+
+
+def test_a_failed_report_write_keeps_the_results_and_the_old_report(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """A full disk at --out lost the finished evaluation (nothing printed), truncated the previous report
+    and advised `--resume`, which eval does not have."""
+    import errno
+
+    out = tmp_path / "report.json"
+    out.write_text("previous report\n")
+    real_write = Path.write_text
+
+    def full_disk(self, data, *a, **k):
+        real_write(self, data[:10], *a, **k)  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert main(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("| task | problems | n | pass@1 |")  # the results were printed first
+    assert captured.err.endswith(f"grpo eval: error: --out {out}: No space left on device; nothing written there, "
+                                 f"the results are printed above\n")
+    assert "--resume" not in captured.err
+    assert out.read_text() == "previous report\n" and list(tmp_path.iterdir()) == [out]

@@ -8,10 +8,12 @@ import pytest
 from references import BYTE_ARITHMETIC, R1
 
 from grpo_engine.eval.evaluate import EvalConfig, evaluate, report_json, report_markdown
+from grpo_engine.model.hf_io import load_model
 from grpo_engine.model.tokenizer import load_tokenizer
-from grpo_engine.rollout import GenerationOutput
+from grpo_engine.rollout import GenerationOutput, SamplingParams, generate
 from grpo_engine.tasks import Example, make_task, render_prompt
 from grpo_engine.tasks.base import RewardResult
+from grpo_engine.train.rollouts import prompt_seed
 
 STOP, LENGTH = "stop", "length"
 # problem -> 4 samples (text, finish reason); arithmetic task: answer_tag format, answer component 0/1
@@ -93,11 +95,32 @@ def test_aggregates_match_hand_computation(tok):
     # reward = 0.1 * format + 1.0 * correct: (0.1 * 10 + 3) / 12
     assert s.mean_reward == pytest.approx(4.0 / 12)
     assert (s.num_problems, s.samples_per_problem, s.reward_errors, report.notes) == (3, 4, 0, [])
-    # batching: 2 + 1 prompts, distinct seeds; prompts rendered exactly as training renders them
-    assert [len(c[0]) for c in fake.calls] == [2, 1] and len({c[2] for c in fake.calls}) == 2
+    # batching: 2 + 1 prompts, one distinct seed per problem; prompts rendered exactly as training renders them
+    assert [len(c[0]) for c in fake.calls] == [2, 1]
+    seeds = [prompt_seed(0, 0, 0, i) for i in range(3)]
+    assert [c[2] for c in fake.calls] == [seeds[:2], seeds[2:]] and len(set(seeds)) == 3
     task = make_task("arithmetic", **BYTE_ARITHMETIC)
     assert fake.calls[0][0][1] == tok.encode(render_prompt(task, tok, EXAMPLES[1]))
     assert fake.calls[0][1].stop_token_ids == tok.eos_token_ids
+
+
+def test_a_problems_samples_do_not_depend_on_its_batch(tiny_ckpt, tok):
+    """One seed per batch made every problem's samples (so its pass@k) change with prompts_per_batch (the
+    --batch-prompts memory knob) and with --max-examples; each problem now samples from its own seed."""
+    model, task = load_model(tiny_ckpt), make_task("arithmetic")
+    examples = task.examples("test")[:3]
+
+    def texts(exs, per_batch):
+        cfg = EvalConfig(n=2, ks=(1,), max_new_tokens=6, seed=5, prompts_per_batch=per_batch)
+        return [[s.text for s in p.samples] for p in evaluate(model, tok, task, exs, cfg).problems]
+
+    full = texts(examples, 3)
+    assert texts(examples, 1) == full and texts(examples[:2], 3) == full[:2]
+    # reference: problem 2 sampled alone by rollout.generate with seed (5, problem index 2)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.6, stop_token_ids=list(tok.eos_token_ids))
+    prompt = tok.encode(render_prompt(task, tok, examples[2]))
+    ref = generate(model, [prompt], params, seed=[prompt_seed(5, 0, 0, 2)], tokenizer=tok)
+    assert full[2] == [tok.decode(ids, skip_special_tokens=True) for ids in ref.completion_ids]
 
 
 def test_prompt_includes_system_prompt_and_prefill(tok, tmp_path):

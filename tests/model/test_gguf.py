@@ -110,3 +110,68 @@ def test_export_creates_the_output_folder(tmp_path, tiny_ckpt):
     """A missing output folder was an error naming the temporary file (x.gguf.tmp)."""
     out = export_gguf(str(tiny_ckpt), str(tmp_path / "new" / "dir" / "x.gguf"))
     assert out.read_bytes()[:4] == b"GGUF" and sorted(p.name for p in out.parent.iterdir()) == ["x.gguf"]
+
+
+def tiny_llama_meta(**extra):
+    """The metadata keys config_from_gguf reads, for a 2-layer llama with head_dim 8."""
+    return {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 32,
+            "llama.feed_forward_length": 64, "llama.block_count": 2, "llama.vocab_size": 100,
+            "llama.rope.freq_base": 10000.0, **extra}
+
+
+def test_gguf_rope_scaling_is_read_or_refused():
+    """llama.cpp's rope.scaling.* keys were ignored: a linearly scaled model loaded with plain RoPE (wrong
+    logits at every position > 0, silently), a YaRN one likewise."""
+    from grpo_engine.model.gguf_io import config_from_gguf
+    from grpo_engine.model.transformer import rope_inv_freq
+
+    assert config_from_gguf(tiny_llama_meta(), "m.gguf").rope_scaling is None
+    assert config_from_gguf(tiny_llama_meta(**{"llama.rope.scaling.type": "none"}), "m.gguf").rope_scaling is None
+    for meta in (tiny_llama_meta(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+                 tiny_llama_meta(**{"llama.rope.scale_linear": 4.0})):  # the key older converters wrote
+        cfg = config_from_gguf(meta, "m.gguf")
+        assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+        want = [1 / (10000.0 ** (i / 8)) / 4 for i in range(0, 8, 2)]  # HF's linear: inv_freq / factor
+        assert rope_inv_freq(cfg).tolist() == pytest.approx(want, rel=1e-6)
+    yarn = tiny_llama_meta(**{"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(CheckpointError, match="m.gguf: rope scaling 'yarn' is not supported"):
+        config_from_gguf(yarn, "m.gguf")
+
+
+def test_export_keeps_linear_rope_scaling(tmp_path):
+    """A linearly scaled checkpoint was refused by the exporter; it now writes llama.cpp's rope.scaling keys,
+    and the file loads back with the same scaling and the same logits (to f16 rounding of the weights)."""
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    src = make_tiny_checkpoint(tmp_path / "src", "llama3", rope_scaling=scaling, hidden_size=64,
+                               intermediate_size=128)
+    out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f16")
+    fields = reader(out).fields
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 2.0
+    back, ours, tok = load_model(out), load_model(src), load_tokenizer(src)
+    assert back.config.rope_scaling == scaling
+    ids = tok.encode(tok.apply_chat_template(CHATS[1]))
+    assert (ours_logits(back, ids) - ours_logits(ours, ids)).abs().max() < 2e-3
+    llama3 = make_tiny_checkpoint(tmp_path / "l3", "llama3", hidden_size=64, intermediate_size=128)
+    with pytest.raises(CheckpointError, match="is not written by this exporter \\(only linear"):
+        export_gguf(str(llama3), str(tmp_path / "l3.gguf"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama3"])
+def test_export_round_trip_keeps_every_stop_token(tmp_path, arch):
+    """A GGUF holds one eos id; the others of generation_config.json (Qwen's <|endoftext|>, Llama 3's
+    <|end_of_text|>) were lost on export, so the exported model sampled past them where the checkpoint
+    stopped. The importer now stops where llama.cpp does: eos, eot, eom and its end-of-generation tokens."""
+    src = make_tiny_checkpoint(tmp_path / "src", arch, rope_scaling=None)
+    want = load_tokenizer(src).eos_token_ids  # qwen2: [<|im_end|>, <|endoftext|>]; llama3: [eot_id, end_of_text]
+    assert len(want) == 2
+    assert load_tokenizer(export_gguf(str(src), str(tmp_path / "m.gguf"))).eos_token_ids == want
+
+
+def test_gguf_eot_and_eom_ids_stop_generation():
+    from grpo_engine.model.gguf_tokenizer import build_tokenizer
+
+    tokens = ["a", "b", "<s>", "</s>", "<turn_end>", "<msg_end>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 3,
+            "tokenizer.ggml.eot_token_id": 4, "tokenizer.ggml.eom_token_id": 5, "tokenizer.ggml.bos_token_id": 2}
+    assert build_tokenizer(meta, "m.gguf").eos_token_ids == [3, 4, 5]
