@@ -50,7 +50,10 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _relaunch_under_torchrun(args.nproc)
+        from .train.distributed import check_layout
+
+        check_layout(cfg, args.nproc)  # one error here, not one per rank under torchrun's traceback
+        return _relaunch_under_torchrun(args.nproc, args.argv)
     import torch
 
     from .train.loop import train
@@ -66,9 +69,9 @@ def _train(args) -> int:
     return 0
 
 
-def _relaunch_under_torchrun(nproc: int) -> int:
-    """`grpo train ... --nproc N` = `torchrun --standalone --nproc_per_node N -m grpo_engine.cli train ...`."""
-    argv = sys.argv[1:]
+def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """`grpo train ... --nproc N` = `torchrun --standalone --nproc_per_node N -m grpo_engine.cli train ...`.
+    argv: the arguments main() was given (not sys.argv: main may be called from Python)."""
     if "--nproc" in argv:  # drop "--nproc N" / "--nproc=N": the children are the ranks
         i = argv.index("--nproc")
         argv = argv[:i] + argv[i + 2 :]
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
-    args.debug = debug
+    args.debug, args.argv = debug, argv
     try:
         return args.func(args)
     except INPUT_ERRORS as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -75,12 +76,26 @@ def _dr_grpo(r, valid, mean, std, cfg):  # Dr. GRPO (Liu et al. 2025): no std di
     return r - mean
 
 
-def _batch_std(r, valid, mean, std, cfg):  # group mean, batch std (Liu et al. 2025, "Tricks or Traps?")
-    centred = (r - mean) * valid  # [P, G]
+def _scale(r: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    """Std (0-d) of the valid entries of r [P, G] (zeros where invalid)."""
     n = valid.sum().clamp_min(1)
     bmean = (r * valid).sum() / n
-    bvar = (((r - bmean) * valid) ** 2).sum() / ((n - 1).clamp_min(1) if cfg.std_unbiased else n)
-    return centred / (bvar.sqrt() + cfg.eps)
+    bvar = (((r - bmean) * valid) ** 2).sum() / ((n - 1).clamp_min(1) if unbiased else n)
+    return bvar.sqrt()
+
+
+def batch_reward_std(rewards: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    """Std (0-d) of the finite entries of rewards [P, G]: the scale of the batch_std estimator."""
+    r_in = rewards.detach().float()
+    valid = torch.isfinite(r_in)  # [P, G]
+    return _scale(torch.where(valid, r_in, torch.zeros_like(r_in)), valid, unbiased)
+
+
+def _batch_std(r, valid, mean, std, cfg, scale=None):  # group mean, batch std (Liu et al. 2025, "Tricks or Traps?")
+    """scale: the std of a batch wider than `r` (data-parallel: every rank's rewards); default r's own."""
+    centred = (r - mean) * valid  # [P, G]
+    scale = _scale(r, valid, cfg.std_unbiased) if scale is None else scale
+    return centred / (scale + cfg.eps)
 
 
 def _none(r, valid, mean, std, cfg):  # plain REINFORCE: the reward itself
@@ -103,12 +118,14 @@ def zero_variance_groups(rewards: torch.Tensor, tol: float = 0.0) -> torch.Tenso
     return (valid.sum(1) < 2) | ~(hi - lo > tol)
 
 
-def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None) -> AdvantageResult:
+def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None,
+                       batch_rewards: torch.Tensor | None = None) -> AdvantageResult:
     """Advantages [P, G] from rewards [P, G] with the estimator named by cfg.estimator.
 
     Zero-variance groups get advantage exactly 0 under every estimator (under "none" too: a group where every
     completion scored the same says nothing about which completion was better). Non-finite rewards are
-    masked, counted and get advantage 0.
+    masked, counted and get advantage 0. batch_rewards [P', G]: the whole step's rewards when `rewards` is only
+    a share of it (data-parallel ranks), so batch_std divides by the step's std, not the share's.
     """
     cfg = cfg or AdvantageConfig()
     if rewards.dim() != 2:
@@ -118,7 +135,10 @@ def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None
     r = torch.where(valid, r_in, torch.zeros_like(r_in))  # [P, G]
     mean, std = _masked_group_stats(r, valid, cfg.std_unbiased)  # [P, 1] each
     zero_var = zero_variance_groups(r_in, cfg.zero_variance_tol)  # [P]
-    adv = ESTIMATORS[cfg.estimator](r, valid, mean, std, cfg)  # [P, G]
+    estimator = ESTIMATORS[cfg.estimator]
+    if cfg.estimator == "batch_std" and batch_rewards is not None:
+        estimator = partial(_batch_std, scale=batch_reward_std(batch_rewards, cfg.std_unbiased))
+    adv = estimator(r, valid, mean, std, cfg)  # [P, G]
     adv = torch.where(valid & ~zero_var[:, None], adv, torch.zeros_like(adv))
     return AdvantageResult(
         advantages=adv,

@@ -18,6 +18,7 @@ from ..rl.advantages import combine_rewards, compute_advantages
 from ..rl.overlong import overlong_keep_mask, soft_overlong_penalty
 from ..rl.semantic_entropy import group_semantic_entropy, modulate_advantages
 from .batching import RolloutBatch, build_rollout_batch
+from .distributed import World
 from .rollouts import Group
 
 
@@ -60,12 +61,26 @@ def _semantic_entropy(groups: list[Group], task, cfg: Config) -> torch.Tensor:
     return group_semantic_entropy(answers, task.equivalent, cfg.algorithm.semantic_entropy, seq_logp)
 
 
-def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int) -> tuple[RolloutBatch | None, AdvantageInfo]:
-    """Group advantages (+ SEED-GRPO modulation, overlong filtering) -> a right-padded RolloutBatch."""
+def _step_rewards(rewards: torch.Tensor | None, cfg: Config, world: World) -> torch.Tensor | None:
+    """[P_all, G] the rewards of every rank's groups in rank order (= one process's step), when an estimator
+    needs more than each group's own (batch_std's batch std); None otherwise. A collective under torchrun:
+    every rank calls it, groups or not."""
+    if world.size == 1 or cfg.algorithm.advantage.estimator != "batch_std":
+        return None
+    shares = [r for r in world.gather(rewards) if r is not None]  # [P_r, G] each
+    return torch.cat(shares) if shares else None
+
+
+def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int,
+                  world: World | None = None) -> tuple[RolloutBatch | None, AdvantageInfo]:
+    """Group advantages (+ SEED-GRPO modulation, overlong filtering) -> a right-padded RolloutBatch.
+    world: this rank's place under torchrun (`groups` are then its share of the step's)."""
+    rewards = _rewards(groups, cfg) if groups else None  # [P, G]
+    step_rewards = _step_rewards(rewards, cfg, world or World())
     if not groups:
         return None, AdvantageInfo(0, 0, math.nan)
     a = cfg.algorithm
-    result = compute_advantages(_rewards(groups, cfg), a.advantage)
+    result = compute_advantages(rewards, a.advantage, batch_rewards=step_rewards)
     se = _semantic_entropy(groups, task, cfg)  # [P]
     adv = modulate_advantages(result.advantages, se, a.semantic_entropy) if a.semantic_entropy.enabled \
         else result.advantages  # [P, G]

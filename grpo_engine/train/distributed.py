@@ -63,6 +63,11 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on some rank: what all must act on together (a stop signal
+        that reached one rank first: a rank that stopped alone would leave the others in a collective)."""
+        return self.max(int(flag)) > 0
+
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order (plain Python data between our own ranks)."""
         if self.size == 1:

@@ -70,7 +70,7 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, trus
                 log(run, record)
                 if run.state.nonfinite_in_row >= cfg.optimizer.max_nonfinite_steps:
                     raise NonFiniteError(nonfinite_message(run))
-                if stop.requested:
+                if run.inputs.world.any(stop.requested is not None):  # every rank stops after the same step
                     stopped_by = "signal"
                 elif stop_after is not None and step - run.done_steps >= stop_after:
                     stopped_by = "stop_after"

@@ -73,7 +73,7 @@ def train_sft(
     losses = []
     order: list[int] = []
     for step in range(cfg.steps):
-        if len(order) < cfg.batch_size:
+        while len(order) < cfg.batch_size:  # a dataset smaller than the batch: whole epochs until it is full
             fresh = list(range(len(pairs)))
             rng.shuffle(fresh)
             order += fresh

@@ -86,7 +86,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
 
     # 4. rewards -> group advantages (+ semantic entropy, overlong handling) -> one right-padded batch; the
     #    loss normalisers are the step's token and sequence counts over all ranks
-    batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id)
+    batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id, run.world)
     totals = step_totals(batch, run.world)
     if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(loss_config(cfg)):
         batch = rows_with_signal(batch)  # rows with advantage 0 add nothing to this loss's gradient: not run
@@ -108,7 +108,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     state.micro_tokens = outcome.micro_tokens
     if outcome.nonfinite:
         state.nonfinite_in_row += 1
-        message(f"step {step}: non-finite loss ({outcome.stats.loss}) or grad norm ({outcome.grad_norm}); "
+        message(f"step {step}: non-finite loss ({outcome.loss}) or grad norm ({outcome.grad_norm}); "
                 f"update skipped ({state.nonfinite_in_row} in a row)")
     elif not outcome.skipped:
         state.nonfinite_in_row = 0

@@ -286,6 +286,7 @@ class UpdateOutcome:
     skipped: bool  # no optimizer step was taken (empty batch, or a NaN/inf loss or gradient)
     nonfinite: bool  # skipped because the loss or the gradient norm was NaN/inf
     micro_tokens: int  # the micro-batch token budget the passes ran with (halved on CUDA OOM when allowed)
+    loss: float = math.nan  # the last pass's loss over all ranks (`stats` is this rank's share, None without rows)
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,7 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
         totals = (batch.active_tokens(), batch.active_rows())
     if totals is None:  # no rank has anything to train on
         return UpdateOutcome(None, math.nan, True, False, micro_tokens)
-    stats, grad_norm = None, math.nan
+    stats, grad_norm, loss = None, math.nan, math.nan
     for _ in range(s.mu):
         optimizer.zero_grad(set_to_none=True)
         # fsdp2 reduces gradients from autograd hooks, which a gradient written straight into .grad would bypass
@@ -329,12 +330,12 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
         loss = world.sum([stats.loss if stats is not None else 0.0])[0]  # each rank's share of the step's loss
         if not is_finite(loss, grad_norm):
             optimizer.zero_grad(set_to_none=True)
-            return UpdateOutcome(stats, grad_norm, True, True, micro_tokens)
+            return UpdateOutcome(stats, grad_norm, True, True, micro_tokens, loss)
         optimizer.step()
         if not weights_finite(model, world):  # finite gradients can still overflow the weights (a huge lr)
             raise NonFiniteError(f"the optimizer step made weights NaN/inf (loss {loss:.4g}, grad norm "
                                  f"{grad_norm:.4g}): lower optimizer.lr")
-    return UpdateOutcome(stats, grad_norm, False, False, micro_tokens)
+    return UpdateOutcome(stats, grad_norm, False, False, micro_tokens, loss)
 
 
 def run_pass(model, batch: RolloutBatch, s: UpdateSettings, micro_tokens: int, message,

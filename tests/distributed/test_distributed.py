@@ -42,7 +42,7 @@ def test_two_ranks_give_one_process_gradients(tiny_ckpt, tmp_path):
                 assert float((got[name] - g).abs().max() / scale) < 1e-6, (strategy, loss, name)
 
 
-def _custom_config(tmp_path) -> Path:
+def _custom_config(tmp_path, reward: str = "even_bytes") -> Path:
     """tiny_arithmetic.yaml with a reward that varies between random completions (tests/train/reward_fns.py)."""
     import json
 
@@ -51,7 +51,7 @@ def _custom_config(tmp_path) -> Path:
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(16)))
     cfg = yaml.safe_load((REPO / "configs/tiny_arithmetic.yaml").read_text())
-    cfg["task"] = {"name": "custom", "options": {"data_path": str(data), "reward_fn": "reward_fns:even_bytes",
+    cfg["task"] = {"name": "custom", "options": {"data_path": str(data), "reward_fn": f"reward_fns:{reward}",
                                                  "system_prompt": None, "prefill": ""}}
     path = tmp_path / "custom.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -106,3 +106,15 @@ def test_torchrun_two_ranks_repeat_one_process_and_resume(tiny_ckpt, tmp_path, s
     resumed, resumed_ckpt = _train(config, args + ["--resume"], 2, tmp_path, "resumed")
     assert [r["reward_mean"] for r in resumed] == [r["reward_mean"] for r in two]
     _close(_weights(resumed_ckpt / "step-000003"), _weights(two_ckpt / "step-000003"), 1e-6)
+
+
+@pytest.mark.slow
+def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tiny_ckpt, tmp_path):
+    """SIGTERM on rank 1 only, during step 2: both ranks finish step 2, write its checkpoint together and exit
+    cleanly (rank 1 once stopped alone and rank 0 waited in step 3's collectives until the timeout)."""
+    config = _custom_config(tmp_path, "sigterm_rank_1_in_step_2")
+    args = [f"model.path={tiny_ckpt}", "schedule.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=6", "checkpoint.every=0", "distributed.timeout_minutes=1"]
+    rows, ckpts = _train(config, args, 2, tmp_path, "signalled")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-000002"]

@@ -45,3 +45,18 @@ def first_char(example, completion: str):
     answer = completion[:1] or None
     correct = float(answer is not None and ord(answer) % 2 == 0)
     return RewardResult(correct, {"answer": correct}, answer)
+
+
+_calls = {"n": 0}
+
+
+def sigterm_rank_1_in_step_2(example, completion: str) -> float:
+    """even_bytes; on rank 1 of a `--nproc 2` run with 2 prompts x 4 completions per rank, the first reward of
+    step 2 sends SIGTERM to its own process (a stop request that reaches one rank only)."""
+    import os
+    import signal
+
+    _calls["n"] += 1
+    if os.environ.get("RANK") == "1" and _calls["n"] == 9:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return even_bytes(example, completion)

@@ -74,3 +74,18 @@ def test_sft_pairs_skip_examples_without_a_reference(tiny_ckpt):
     assert tok.decode(pairs[1][1][:-1]) == task.reference_completion(known[1])
     with pytest.raises(ConfigError, match="no reference completion for any training example"):
         sft_pairs(task, tok, [loaded])
+
+
+def test_a_dataset_smaller_than_the_batch_fills_every_batch(tiny_ckpt, monkeypatch):
+    """3 pairs, batch_size 4: every step trains on 4 pairs, drawn as whole shuffled epochs (steps once got
+    only the 3 left in the order, so the batch size depended on the dataset's size)."""
+    from grpo_engine.train import sft
+
+    seen = []
+    make = sft.make_sft_batch
+    monkeypatch.setattr(sft, "make_sft_batch", lambda pairs, pad, dev: seen.append(pairs) or make(pairs, pad, dev))
+    pairs = [([65 + i, 61], [48 + i, 258]) for i in range(3)]
+    train_sft(load_model(tiny_ckpt), pairs, SFTConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1), pad_id=256)
+    assert [len(b) for b in seen] == [4, 4, 4]
+    drawn = [p for b in seen for p in b]  # 12 draws = 4 epochs, each a permutation of the 3 pairs
+    assert all(sorted(drawn[e * 3 : e * 3 + 3]) == sorted(pairs) for e in range(4))
