@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -78,7 +79,24 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     argv = [a for a in argv if not a.startswith("--nproc=")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "grpo_engine.cli", *argv]
-    return subprocess.call(cmd)
+    return _run_forwarding_signals(cmd)
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run torchrun in its own session and pass it the SIGINT / SIGTERM this process gets, then wait for it:
+    torchrun hands the signal to the ranks, which finish their step, write a checkpoint and exit.
+
+    Why: subprocess.call killed torchrun 0.25 s after a Ctrl-C (the ranks' checkpoint could be cut short), and a
+    SIGTERM to this process ended it alone, leaving torchrun and the ranks training on. In its own session
+    torchrun gets each signal once, from here, not a second copy from the terminal."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def add_config_parser(sub) -> None:

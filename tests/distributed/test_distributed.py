@@ -118,3 +118,38 @@ def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tin
     rows, ckpts = _train(config, args, 2, tmp_path, "signalled")
     assert [r["step"] for r in rows] == [1, 2]
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-000002"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_nproc_launcher_stops_the_ranks_with_a_checkpoint(tiny_ckpt, tmp_path):
+    """`grpo train --nproc 2` sent SIGTERM (a job scheduler's kill): the signal reaches torchrun and the ranks,
+    which finish their step, write its checkpoint and exit, and the launcher waits for them. It used to die
+    alone, leaving torchrun and the ranks training on."""
+    import json
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "grpo_engine.cli", "train", str(REPO / "configs/tiny_arithmetic.yaml"),
+           f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=500", "rollout.prompts_per_step=4",
+           "rollout.group_size=4", "rollout.max_new_tokens=6", "checkpoint.every=0", "--nproc=2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "no step was logged"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+        steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        time.sleep(3)  # ranks left running would log more steps meanwhile
+        assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == steps
+        # torchrun itself reports the signal (a traceback, exit 1); the ranks stopped gracefully
+        assert f"[rank 1] stopped after step {steps[-1]} (SIGTERM)" in err, err[-4000:]
+        assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-{steps[-1]:06d}"]
+        assert steps[-1] < 500
+    finally:
+        if proc.poll() is None:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", str(run)], check=False)

@@ -14,7 +14,7 @@ def launched(monkeypatch):
     """The commands cli would have run (nothing is started)."""
     calls = []
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli, "_run_forwarding_signals", lambda cmd: calls.append(cmd) or 0)
     return calls
 
 
