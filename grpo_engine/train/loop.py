@@ -79,7 +79,8 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, trus
                     checkpoint(run, step)
                 done = step
                 if stopped_by != "completed":
-                    run.monitor.message(f"stopped after step {step} ({stop.requested or 'stop_after'}); "
+                    why = stop.requested or ("a signal to another rank" if stopped_by == "signal" else "stop_after")
+                    run.monitor.message(f"stopped after step {step} ({why}); "
                                         f"checkpoint: {run.last_checkpoint}")
                     break
         finally:

@@ -58,7 +58,7 @@ def _custom_config(tmp_path, reward: str = "even_bytes") -> Path:
     return path
 
 
-def _train(config, args, ranks: int, tmp_path, name: str):
+def _train(config, args, ranks: int, tmp_path, name: str, stderr: list | None = None):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "train")])}
     cmd = [sys.executable, "-m", "grpo_engine.cli", "train", str(config), f"run_dir={tmp_path / name}", *args]
@@ -66,6 +66,8 @@ def _train(config, args, ranks: int, tmp_path, name: str):
         cmd.append(f"--nproc={ranks}")
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-6000:]
+    if stderr is not None:
+        stderr.append(out.stderr)
     import json
 
     rows = [json.loads(ln) for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -115,8 +117,11 @@ def test_a_signal_that_reaches_one_rank_stops_every_rank_after_the_same_step(tin
     config = _custom_config(tmp_path, "sigterm_rank_1_in_step_2")
     args = [f"model.path={tiny_ckpt}", "schedule.steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_new_tokens=6", "checkpoint.every=0", "distributed.timeout_minutes=1"]
-    rows, ckpts = _train(config, args, 2, tmp_path, "signalled")
+    err = []
+    rows, ckpts = _train(config, args, 2, tmp_path, "signalled", err)
     assert [r["step"] for r in rows] == [1, 2]
+    assert "[rank 1] stopped after step 2 (SIGTERM)" in err[0]
+    assert "stopped after step 2 (a signal to another rank)" in err[0]  # rank 0's line (it was "stop_after")
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-000002"]
 
 
