@@ -271,7 +271,7 @@ def _run_wave(
         tok_list, logp_list = tok.tolist(), logp.tolist()
         filtered_list = logp_list if filtered_logp is logp else filtered_logp.tolist()
         if NAN_TOKEN in tok_list:
-            raise NonFiniteLogits(f"NaN logits at decode step {t}: the model's weights or activations have blown up")
+            raise NonFiniteLogits(f"NaN or +inf logits at decode step {t}: the model's weights or activations blew up")
         for a, r in enumerate(active):
             if reasons[r] is not None:
                 continue  # finished, waiting for compaction; its new token is discarded

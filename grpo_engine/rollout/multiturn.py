@@ -218,7 +218,7 @@ def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws:
         draw = sample(logits, draws.shared, draws.uniforms(active, [rows[r].finish is None for r in active]))
         tok_list, logp_list = draw[0].tolist(), draw[1].tolist()  # [A] tokens, [A] log-probs (see sampling.py)
         if NAN_TOKEN in tok_list:
-            raise NonFiniteLogits("NaN logits in a multi-turn rollout: the model's weights or activations blew up")
+            raise NonFiniteLogits("NaN or +inf logits in a multi-turn rollout: the weights or activations blew up")
         for a, r in enumerate(active):
             if rows[r].finish is None:
                 _take(rows[r], tok_list[a], logp_list[a], tokenizer, params)

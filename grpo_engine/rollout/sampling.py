@@ -30,11 +30,12 @@ from typing import NamedTuple
 import torch
 
 SAMPLE_BLOCK = 1024  # vocabulary block of the two-level inverse-CDF search (sample_from_logits)
-NAN_TOKEN = -1  # returned for a row whose logits are NaN (the caller raises NonFiniteLogits; no extra host sync)
+NAN_TOKEN = -1  # returned for a row with a NaN or +inf logit (the caller raises NonFiniteLogits; no extra host sync)
 
 
 class NonFiniteLogits(FloatingPointError):
-    """The policy produced NaN logits: its weights or activations have blown up (e.g. too high a learning rate)."""
+    """The policy produced NaN or +inf logits: its weights or activations have blown up (e.g. too high a learning
+    rate) or overflowed."""
 LogitFilter = Callable[[torch.Tensor], torch.Tensor]  # logits [R, V] -> logits [R, V] with -inf holes
 
 
@@ -142,7 +143,7 @@ def build_filters(params: SamplingParams) -> list[LogitFilter]:
 class Draw(NamedTuple):
     """One decode step's draw for R rows."""
 
-    tokens: torch.Tensor  # [R] long (NAN_TOKEN for a row with NaN logits)
+    tokens: torch.Tensor  # [R] long (NAN_TOKEN for a row with NaN or +inf logits)
     logp: torch.Tensor  # [R] fp32: log softmax(logits / T) at the token (greedy: unscaled log softmax)
     filtered_logp: torch.Tensor  # [R] fp32: log-prob under the filtered distribution sampled from
 
@@ -153,11 +154,17 @@ def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
     return top[:, 0] + torch.log(torch.exp(logits - top).sum(dim=-1))
 
 
+def _broken(top: torch.Tensor) -> torch.Tensor:
+    """[R] row maxima -> [R] bool: the row has a NaN logit (max propagates NaN) or a +inf one. Either makes the
+    draw meaningless (inf - inf = NaN weights and log-prob), so the row is flagged rather than sampled."""
+    return ~torch.isfinite(top)
+
+
 def sample_greedy(
     logits: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     top, tokens = logits.max(dim=-1)  # [R], [R]
-    tokens = torch.where(torch.isnan(top), NAN_TOKEN, tokens)
+    tokens = torch.where(_broken(top), NAN_TOKEN, tokens)
     total = torch.exp(logits - top[:, None]).sum(dim=-1)  # [R]; cheaper than torch.logsumexp on CPU
     return tokens, -torch.log(total)  # log_softmax at the argmax: top - (top + log total)
 
@@ -192,13 +199,14 @@ def sample_from_logits(
     u = uniforms.to(w.dtype) * total  # [R, 1]
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total despite rounding
     b = torch.searchsorted(block_cdf, u, right=True)  # [R, 1]: first block whose cdf exceeds u (weight > 0)
+    b = b.clamp(max=n_blocks - 1)  # a NaN / +inf row's search runs past the end: keep it in range; flagged below
     before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)  # [R, 1]
     inner_cdf = blocks[torch.arange(R, device=w.device), b[:, 0]].cumsum(dim=-1)  # [R, block]
     # inside the block: u_in in (0, block total]; the first index with cdf >= u_in has a positive weight
     u_in = (u - before).clamp(min=torch.finfo(w.dtype).tiny)
     u_in = torch.minimum(u_in, inner_cdf[:, -1:])
     tokens = (b * block + torch.searchsorted(inner_cdf, u_in, right=False))[:, 0]  # [R]
-    tokens = torch.where(torch.isnan(top[:, 0]), NAN_TOKEN, tokens.clamp(max=V - 1))  # NaN logits: flagged
+    tokens = torch.where(_broken(top[:, 0]), NAN_TOKEN, tokens.clamp(max=V - 1))  # NaN / +inf logits: flagged
     chosen = logits.gather(-1, tokens.clamp(min=0)[:, None])[:, 0]  # [R]
     return tokens, chosen - top[:, 0] - torch.log(total[:, 0])
 

@@ -251,3 +251,16 @@ def test_a_shared_prefix_runs_once_with_the_same_results(tiny_dir, tiny_tok, mon
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-10)
     for i, prompt in enumerate(prompts):
         assert shared.completion_ids[2 * i] == greedy_reference(model, prompt, 8)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_blown_up_weights_raise_non_finite_logits(tiny_dir, mixed_prompts, temperature):
+    """NaN weights: the documented NonFiniteLogits, sampled or greedy (sampling used to raise IndexError)."""
+    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.rollout.sampling import NonFiniteLogits
+
+    model = load_model(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.layers[-1].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="decode step 0"):
+        generate(model, mixed_prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=3))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo_engine.rollout.sampling import Sampler, SamplingParams, sample_from_logits
+from grpo_engine.rollout.sampling import NAN_TOKEN, Sampler, SamplingParams, sample_from_logits
 
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]  # token i has probability PROBS[i]
 # chi-square critical values at p = 0.001 for df = 1..5 (tables)
@@ -162,3 +162,18 @@ def test_same_generator_seed_same_draws():
 def test_bad_params_are_clear_errors(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [dict(), dict(top_k=3), dict(top_p=0.8), dict(min_p=0.1), dict(temperature=0.0)])
+def test_non_finite_rows_are_flagged(params, bad):
+    """A row with a NaN or +inf logit (a blown-up or overflowed model) comes back as NAN_TOKEN, so generate raises
+    NonFiniteLogits; the other rows still draw. (NaN used to raise IndexError: the block search ran past the
+    last block; +inf used to return an arbitrary token with a NaN log-prob.)"""
+    logits = torch.log(torch.tensor(PROBS)).expand(3, -1).contiguous()  # [3, V]
+    logits[1, 2] = bad
+    tokens = Sampler(SamplingParams(**params))(logits, torch.Generator().manual_seed(0)).tokens
+    assert tokens[1] == NAN_TOKEN and all(0 <= t < len(PROBS) for t in tokens[[0, 2]].tolist())
+    tokens, _ = sample_from_logits(logits, torch.Generator().manual_seed(0), block=4)  # several blocks
+    assert tokens[1] == NAN_TOKEN and all(0 <= t < len(PROBS) for t in tokens[[0, 2]].tolist())
