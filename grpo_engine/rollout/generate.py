@@ -20,6 +20,7 @@ other prompts share the call, the wave plan, or when other rows finish (the trai
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -58,6 +59,12 @@ class GenerationOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+
+def as_seed(seed: int | Sequence[int]) -> int | list[int]:
+    """One seed as a Python int (numpy's integers included: `isinstance(np.int64(3), int)` is False,
+    so such a seed was taken for a sequence and failed with "has no len()"), or the per-prompt seeds as a list."""
+    return int(seed) if isinstance(seed, numbers.Integral) else [int(s) for s in seed]
 
 
 class _Draws:
@@ -352,6 +359,7 @@ def generate(
     rows: list[_Row | None] = [None] * (len(prompt_ids) * n)
     if not prompt_ids:
         return GenerationOutput([], [], [], [])
+    seed = as_seed(seed)
     if not isinstance(seed, int) and len(seed) != len(prompt_ids):
         raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
     draws = _Draws(seed, model.device)

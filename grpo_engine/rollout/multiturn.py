@@ -38,7 +38,7 @@ import torch
 from ..kernels.packing import packed_for_decode
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
-from .generate import StopStrings, _DecodeHead, _Draws, _left_pad, _prefill
+from .generate import StopStrings, _DecodeHead, _Draws, _left_pad, _prefill, as_seed
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
 
@@ -255,6 +255,7 @@ def run_multiturn(
     """
     if len(envs) != len(examples):
         raise ValueError(f"{len(envs)} environments but {len(examples)} examples; pass one each")
+    seed = as_seed(seed)
     if not isinstance(seed, int) and len(seed) != len(envs):
         raise ValueError(f"got {len(seed)} seeds for {len(envs)} trajectories: give one int, or one each")
     rows = [_start_row(env, ex, tokenizer, params) for env, ex in zip(envs, examples)]

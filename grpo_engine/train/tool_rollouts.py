@@ -20,6 +20,7 @@ from dataclasses import replace
 from ..config.tools import ToolsSection
 from ..rollout import SamplingParams
 from ..rollout.chat_turns import render_first_prompt
+from ..rollout.generate import as_seed
 from ..rollout.multiturn import BUDGET, MAX_TURNS, TURN_LENGTH, Trajectory, run_multiturn
 from ..tasks.base import Example, RewardResult
 from ..tasks.environment import ToolEnvironment, TrajectoryLimits
@@ -58,6 +59,7 @@ def tool_environments(task, tools: ToolsSection, count: int, reward_timeout_s: f
 
 def trajectory_seeds(seed: int | Sequence[int], num_examples: int, group_size: int) -> int | list[int]:
     """One seed per trajectory from generate's per-example seeds (the G of a prompt differ); an int stays."""
+    seed = as_seed(seed)
     if isinstance(seed, int):
         return seed
     return [(s * 1_000_003 + j) % 2**63 for s in seed for j in range(group_size)]

@@ -132,6 +132,12 @@ def test_same_seed_same_output_other_seed_differs(tiny_model, mixed_prompts):
     c = generate(tiny_model, mixed_prompts, params, seed=8)
     assert a == b
     assert a.completion_ids != c.completion_ids
+    # a numpy integer is one seed too (np.int64 is not an int: it was taken for a sequence of seeds)
+    import numpy as np
+
+    assert generate(tiny_model, mixed_prompts, params, seed=np.int64(7)) == a
+    per_prompt = generate(tiny_model, mixed_prompts, params, seed=np.arange(len(mixed_prompts)))
+    assert per_prompt == generate(tiny_model, mixed_prompts, params, seed=list(range(len(mixed_prompts))))
     # the G samples of a prompt are not copies of each other
     assert len({tuple(x) for x in a.completion_ids[:4]}) > 1
 
