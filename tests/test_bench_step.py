@@ -59,3 +59,23 @@ def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp
     texts = [t for r in records for g in r.rollout.groups for t in g.texts]
     assert sum(t == "" for t in texts) >= len(texts) // 2  # the situation this guards against
     assert [r.metrics.rows for r in records] == [6, 6] and [r.metrics.train_tokens for r in records] == [24, 24]
+
+
+def test_step_vs_trl_runs_our_step_on_the_cpu_like_trl(tmp_path, monkeypatch):
+    """benchmarks/step_vs_trl.py compares CPU steps: TRL runs with use_cpu=True, so our child must be pinned to the
+    CPU too (with model.device: auto it took a GPU where one was present and timed 1.3 s steps against TRL's 39 s)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_vs_trl.py"
+    spec = importlib.util.spec_from_file_location("step_vs_trl", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    commands = []
+    monkeypatch.setattr(bench, "run_child", lambda cmd, name: commands.append(cmd) or {})
+    args = argparse.Namespace(prompts=4, group=8, max_new=64, prompt_len=32, steps=3, threads=2, chunk_size=None,
+                              micro_batch_tokens=None)
+    bench.run_ours(args, tmp_path)
+    [cmd] = commands
+    assert cmd[cmd.index("step") + 1 :].count("model.device=cpu") == 1 and cmd[-1] == "model.device=cpu"

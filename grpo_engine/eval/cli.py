@@ -84,6 +84,7 @@ def fail(command: str, error: Exception) -> int:
 # ---------------------------------------------------------------------------------------------------- eval
 def run_eval(args) -> int:
     from ..train.checkpoint import model_source
+    from ..train.run_dir import replace_text
     from .evaluate import EvalConfig, evaluate, report_json, report_markdown
 
     try:
@@ -111,27 +112,13 @@ def run_eval(args) -> int:
         print(report_markdown(report), end="")
     if args.out:
         try:
-            write_report(Path(args.out), document)
+            replace_text(Path(args.out), json.dumps(document, indent=1) + "\n")  # whole or not at all
         except OSError as e:
             print(f"grpo eval: error: --out {args.out}: {e.strerror or e}; nothing written there, the results are "
                   f"printed above", file=sys.stderr)
             return 1
         print(f"report written to {args.out}", file=sys.stderr)
     return 0
-
-
-def write_report(path: Path, document: dict) -> None:
-    """The JSON report, written whole or not at all (temporary file, then rename).
-
-    Why: written in place, a full disk truncated the previous report at the same path; and the results are
-    printed before this runs, so a failed write does not lose the evaluation.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(document, indent=1) + "\n")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def examples_for(task, name: str, args) -> list:

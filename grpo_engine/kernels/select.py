@@ -284,11 +284,11 @@ def measure_logprob_head(vocab: int, hidden: int, backend: str) -> str:
                         "onednn": best_time(lambda: onednn.onednn_linear(x, w), 3)})
 
 
-def head_shape(model: nn.Module) -> tuple[int, int] | None:
-    """(vocab, hidden) of the model's LM head, when it has one of the shapes the plan covers."""
+def head_shape(model: nn.Module, shapes: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """(vocab, hidden) of the model's LM head, when it is one of `shapes` (weight_shapes: those the plan covers)."""
     head = getattr(model, "lm_head", None)
     shape = tuple(head.weight.shape) if isinstance(head, nn.Linear) else None
-    return shape if shape in weight_shapes(model) else None
+    return shape if shape in shapes else None
 
 
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
@@ -335,7 +335,8 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     decode attention, which weights a decode loop packs, how weight gradients are summed, which GEMM runs each
     input gradient and the log-prob head's forward, at that count; from the cache when everything is there, else
     measured (only what is missing) and cached."""
-    shapes, attention, head = weight_shapes(model), attention_shape(model), head_shape(model)
+    shapes, attention = weight_shapes(model), attention_shape(model)
+    head = head_shape(model, shapes)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
         return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced",

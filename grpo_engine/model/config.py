@@ -11,6 +11,13 @@ class CheckpointError(ValueError):
     the fix."""
 
 
+def rope_kind(scaling: dict | None) -> str:
+    """The rope scaling type of a rope_scaling / rope_parameters dict ("default" for none), under either spelling
+    transformers has used for its key ("rope_type", older "type")."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters; field names follow HF config.json where one exists."""

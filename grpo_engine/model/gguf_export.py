@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import CheckpointError
+from .config import CheckpointError, rope_kind
 
 if TYPE_CHECKING:
     from .transformer import Transformer
@@ -62,17 +62,11 @@ def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
     if c.head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    if _rope_kind(c) == "linear":  # as llama.cpp's converter writes it (gguf_io._rope_scaling reads it)
+    if rope_kind(c.rope_scaling) == "linear":  # as llama.cpp's converter writes it (gguf_io._rope_scaling reads it)
         from gguf import RopeScalingType
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
-
-
-def _rope_kind(c) -> str:
-    """The rope scaling type of a ModelConfig ("default" when none), under either HF spelling of its key."""
-    scaling = c.rope_scaling or {}
-    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 def _value_type(value):
@@ -133,7 +127,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from None
     model, tok = load_model(src), load_tokenizer(src)
-    if _rope_kind(model.config) not in ("default", "linear"):
+    if rope_kind(model.config.rope_scaling) not in ("default", "linear"):
         raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
                               f"(only linear; llama.cpp stores llama3's as a rope_freqs tensor); convert with "
                               f"llama.cpp's converter")

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import CheckpointError
+from .config import CheckpointError, rope_kind
 from .transformer import ModelConfig, Transformer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -57,8 +57,7 @@ def _rope_fields(raw: dict) -> tuple[float, dict | None]:
         params = params["full_attention"]
     params = params or {}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = None if rope_kind(params) == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
     return float(theta), scaling
 
 
@@ -79,7 +78,7 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     if model_type != "qwen2" and raw.get("attention_bias"):  # llama and qwen3 then put a bias on o_proj too
         unsupported.append(f"attention_bias=true for {model_type} (bias on o_proj; only qwen2's q/k/v bias)")
     theta, scaling = _rope_fields(raw)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind not in ("default", "linear", "llama3"):
         unsupported.append(f"rope type {kind!r} (supported: default, linear, llama3)")
     elif kind == "llama3":  # transformers' default when absent; rope_inv_freq needs it

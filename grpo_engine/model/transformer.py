@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, rope_kind
 
 
 class KVCacheLike(Protocol):
@@ -54,8 +54,7 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch
     """Inverse frequencies [D/2] in fp32, with the config's rope scaling applied."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling, kind = cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":

@@ -84,11 +84,16 @@ def _scale(r: torch.Tensor, valid: torch.Tensor, unbiased: bool) -> torch.Tensor
     return bvar.sqrt()
 
 
+def _finite(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [P, G] -> (fp32 rewards with non-finite entries zeroed [P, G], which entries were finite [P, G])."""
+    r_in = rewards.detach().float()
+    valid = torch.isfinite(r_in)
+    return torch.where(valid, r_in, torch.zeros_like(r_in)), valid
+
+
 def batch_reward_std(rewards: torch.Tensor, unbiased: bool) -> torch.Tensor:
     """Std (0-d) of the finite entries of rewards [P, G]: the scale of the batch_std estimator."""
-    r_in = rewards.detach().float()
-    valid = torch.isfinite(r_in)  # [P, G]
-    return _scale(torch.where(valid, r_in, torch.zeros_like(r_in)), valid, unbiased)
+    return _scale(*_finite(rewards), unbiased)
 
 
 def _batch_std(r, valid, mean, std, cfg, scale=None):  # group mean, batch std (Liu et al. 2025, "Tricks or Traps?")
@@ -131,8 +136,7 @@ def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [P, G] (prompts x group size), got shape {tuple(rewards.shape)}")
     r_in = rewards.detach().float()
-    valid = torch.isfinite(r_in)  # [P, G]
-    r = torch.where(valid, r_in, torch.zeros_like(r_in))  # [P, G]
+    r, valid = _finite(r_in)  # [P, G] each
     mean, std = _masked_group_stats(r, valid, cfg.std_unbiased)  # [P, 1] each
     zero_var = zero_variance_groups(r_in, cfg.zero_variance_tol)  # [P]
     estimator = ESTIMATORS[cfg.estimator]

@@ -260,13 +260,11 @@ def test_a_failed_report_write_keeps_the_results_and_the_old_report(tiny_ckpt, t
 
     out = tmp_path / "report.json"
     out.write_text("previous report\n")
-    real_write = Path.write_text
 
-    def full_disk(self, data, *a, **k):
-        real_write(self, data[:10], *a, **k)  # a partial write, then the disk is full
+    def full_disk(fd):  # the report's bytes written, then the disk is full when they are flushed
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr("os.fsync", full_disk)
     assert main(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(out)]) == 1
     captured = capsys.readouterr()
     assert captured.out.startswith("| task | problems | n | pass@1 |")  # the results were printed first

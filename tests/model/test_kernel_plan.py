@@ -97,7 +97,7 @@ def test_the_log_prob_head_is_timed_as_it_runs_and_recorded(buffered, fresh, cho
         assert select.measure_logprob_head(300, 16, "onednn") == chosen
         assert select.measure_logprob_head(300, 16, "torch") == "torch"  # nothing timed: `timed` is spent
     model = load_model(tiny_ckpt)
-    head = select.head_shape(model)
+    head = select.head_shape(model, weight_shapes(model))
     assert head == tuple(model.lm_head.weight.shape)
     faster = {shape_key(head): "onednn"}
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, []))
