@@ -3,13 +3,16 @@ llama.cpp and Ollama run, tokenizer and chat template inside.
 
 Written the way llama.cpp's own converter writes a Llama / Qwen2 / Qwen3 checkpoint: its metadata keys, its
 tensor names in the order of the Hugging Face tensor names, Llama's q/k rows permuted (the inverse of
-gguf_io.unpermute_qk), 1-D tensors (norms, biases) in F32 and the matrices in the chosen type. Checkpoints
-hold LoRA already merged into model/, so an adapter run exports like any other.
+gguf_io.unpermute_qk), 1-D tensors (norms, biases) in F32 and the matrices in the chosen type. Q8_0 packs each
+row in blocks of 32 values, so a matrix whose rows are not a multiple of 32 long cannot be Q8_0: it is written
+as F16 with a warning, the fallback llama.cpp's converter takes. Checkpoints hold LoRA already merged into
+model/, so an adapter run exports like any other.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 TYPES = ("f16", "q8_0")
 FILE_TYPES = {"f16": 1, "q8_0": 7}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0
 ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+Q8_0_BLOCK = 32  # values per Q8_0 block (one scale each); a row must hold a whole number of blocks
 
 
 def permute_qk(w, heads: int):
@@ -69,6 +73,30 @@ def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
         w.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
 
 
+# Qwen3Config's default head_dim: transformers' GGUF loader leaves head_dim at it for every qwen3 file
+TRANSFORMERS_QWEN3_HEAD_DIM = 128
+
+
+def transformers_head_dim(c) -> int:
+    """The head size transformers' GGUF loader gives a model of this config (as of transformers 5.24).
+
+    It reads Llama's from rope.dimension_count but ignores attention.key_length for qwen2 (hidden / heads)
+    and qwen3 (Qwen3Config's default, 128); llama.cpp reads key_length, so only transformers goes wrong.
+    """
+    fixed = {"qwen2": c.hidden_size // c.num_attention_heads, "qwen3": TRANSFORMERS_QWEN3_HEAD_DIM}
+    return fixed.get(c.model_type, c.head_dim)
+
+
+def warn_transformers_head_dim(c, source) -> None:
+    """Why a warning and not an error: llama.cpp and Ollama (the export's audience) and this engine's own
+    reader load the file right; only `from_pretrained(..., gguf_file=...)` does not (size mismatch)."""
+    if transformers_head_dim(c) != c.head_dim:
+        warnings.warn(f"{source}: head_dim={c.head_dim} is written as {c.model_type}.attention.key_length, which "
+                      f"llama.cpp reads but transformers' GGUF loader ignores for {c.model_type} (it assumes "
+                      f"{transformers_head_dim(c)}): transformers cannot load the exported file; load the "
+                      f"checkpoint directory in transformers instead", stacklevel=3)
+
+
 def _value_type(value):
     from gguf import GGUFValueType
 
@@ -91,17 +119,25 @@ def write_tensors(w, model: Transformer, kind: str) -> None:
 
     c = model.config
     state = hf_state_dict(model)
+    kept_f16 = []  # (name, shape) of the matrices q8_0 cannot hold
     for hf in sorted(hf_name_table(c).values()):
-        t = state[hf].float().numpy()
+        t = state[hf].float().numpy()  # [out, in] for a matrix: rows of length `in`
         if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
         if t.ndim == 1:
             w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
-        elif kind == "f16":
+        elif kind == "f16" or t.shape[-1] % Q8_0_BLOCK:
+            if kind != "f16":
+                kept_f16.append(f"{gguf_name(hf)} {list(t.shape)}")
             w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float16))
         else:
             q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.Q8_0)
             w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    if kept_f16:
+        shown = ", ".join(kept_f16[:4]) + (f" and {len(kept_f16) - 4} more" if len(kept_f16) > 4 else "")
+        warnings.warn(f"--type q8_0: {len(kept_f16)} matri{'x' if len(kept_f16) == 1 else 'ces'} with rows not a "
+                      f"multiple of {Q8_0_BLOCK} values written as F16 instead, as llama.cpp's converter does "
+                      f"({shown}); the file still runs in llama.cpp and Ollama", stacklevel=3)
 
 
 def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = False) -> Path:
@@ -131,6 +167,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
         raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
                               f"(only linear; llama.cpp stores llama3's as a rope_freqs tensor); convert with "
                               f"llama.cpp's converter")
+    warn_transformers_head_dim(model.config, src)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")  # written whole, then renamed: no half-written .gguf
     try:
@@ -153,7 +190,9 @@ def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a model, checkpoint or run as one GGUF file (llama.cpp, Ollama)")
     p.add_argument("source", help="HF model dir, .gguf file, checkpoint dir, or run dir (its newest checkpoint)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--type", default="f16", choices=TYPES, help="matrix type: f16 or q8_0 (norms stay F32)")
+    p.add_argument("--type", default="f16", choices=TYPES,
+                   help="matrix type: f16 or q8_0 (norms stay F32; with q8_0, a matrix whose rows are not a "
+                        "multiple of 32 long stays F16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_run)
 

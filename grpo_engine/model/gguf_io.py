@@ -107,15 +107,15 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
     if arch not in ARCHES:
         raise CheckpointError(f"{source}: architecture {arch!r} is not supported; supported: {', '.join(ARCHES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    heads = int(a("attention.head_count"))
-    hidden = int(a("embedding_length"))
     has_output = meta.get("_has_output_weight", True)
     try:
+        heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
+        head_dim = _head_dim(meta, arch, hidden // heads, source)
         return ModelConfig(
             vocab_size=int(a("vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
             intermediate_size=int(a("feed_forward_length")), num_hidden_layers=int(a("block_count")),
             num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)),
-            head_dim=int(a("attention.key_length", 0) or 0), max_position_embeddings=int(a("context_length", 32768)),
+            head_dim=head_dim, max_position_embeddings=int(a("context_length", 32768)),
             rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=_rope_scaling(meta, arch, source),
             tie_word_embeddings=not has_output,
@@ -123,6 +123,19 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
             extra=_extra_config(meta))
     except (TypeError, KeyError) as e:
         raise CheckpointError(f"{source}: required metadata is missing ({e})") from None
+
+
+def _head_dim(meta: dict, arch: str, default: int, source: str) -> int:
+    """The attention head size from attention.key_length / value_length, each hidden / heads when absent (as
+    llama.cpp reads them; Qwen3's 128 differs from hidden / heads). The engine's attention has one head size
+    for q, k and v, so a file whose two differ is refused rather than loaded into wrong shapes."""
+    key = int(meta.get(f"{arch}.attention.key_length") or default)
+    value = int(meta.get(f"{arch}.attention.value_length") or default)
+    if key != value:
+        raise CheckpointError(f"{source}: {arch}.attention.key_length={key} and value_length={value} differ "
+                              f"(absent means hidden / heads = {default}); this engine needs one head size for "
+                              f"keys and values: load the Hugging Face checkpoint instead")
+    return key
 
 
 def _rope_scaling(meta: dict, arch: str, source: str) -> dict | None:

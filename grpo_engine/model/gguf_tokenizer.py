@@ -3,6 +3,8 @@
 GGUF stores a BPE tokenizer ("gpt2" model) as its token list, merges, token types and special ids; how text is
 split before BPE is named by `tokenizer.ggml.pre`. Each supported name maps to the pre-tokenizer the model's
 Hugging Face tokenizer.json uses; an unknown one is refused (a wrong split gives plausible but wrong ids).
+Several names share one split, as llama.cpp's llama-vocab.cpp groups them (llama3 / llama-v3 / smaug-bpe are
+llama-bpe's, deepseek-r1-qwen is qwen2's).
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ PRE_TOKENIZERS = {
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
     "llama-bpe": lambda: _split_then_bytes(LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(LLAMA3_SPLIT),  # llama.cpp's alias of llama-bpe
+    "llama-v3": lambda: _split_then_bytes(LLAMA3_SPLIT),  # likewise
+    "smaug-bpe": lambda: _split_then_bytes(LLAMA3_SPLIT),  # Smaug-Llama-3, SmolLM3: Llama 3's tokenizer
     "qwen2": lambda: _split_then_bytes(QWEN2_SPLIT),
+    "deepseek-r1-qwen": lambda: _split_then_bytes(QWEN2_SPLIT),  # DeepSeek-R1 distills of Qwen2.5
 }
+# Names whose tokenizer.json has `"ignore_merges": true` in its BPE model (Llama 3's and its derivatives): a
+# pre-token that is itself in the vocabulary is one token, merges or not. Why it matters: Llama 3's vocabulary
+# comes from tiktoken and its merges were rebuilt from it, so some tokens are not reached by the merges; BPE
+# alone splits them and gives ids the model never saw. (llama.cpp ignores merges for its llama3 group; for
+# smaug-bpe it does not, but the tokenizer.json those files come from does.)
+IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe"})
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are special tokens
 # Tokens llama.cpp ends generation at by their text (llama-vocab.cpp, "find EOG tokens"), besides the file's
 # eos / eot / eom ids: a GGUF holds one eos id, and these are the other ids generation_config.json lists
@@ -56,7 +68,8 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
                               f"{', '.join(sorted(PRE_TOKENIZERS))}")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                 ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))

@@ -1,6 +1,8 @@
 """GGUF in and out: the real SmolLM2-135M-Instruct file (Q4_1 / Q8_0 / F32 mix) read like transformers reads
 it, and exports that transformers' GGUF loader, our own importer and the shipped file's layout agree with."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -175,3 +177,82 @@ def test_gguf_eot_and_eom_ids_stop_generation():
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 3,
             "tokenizer.ggml.eot_token_id": 4, "tokenizer.ggml.eom_token_id": 5, "tokenizer.ggml.bos_token_id": 2}
     assert build_tokenizer(meta, "m.gguf").eos_token_ids == [3, 4, 5]
+
+
+def test_q8_0_writes_matrices_with_rows_not_a_multiple_of_32_as_f16(tmp_path):
+    """Q8_0 packs rows in blocks of 32 values; with hidden_size 48 the export stopped at the gguf package's
+    bare "Can't quantize tensor". Those matrices are now F16 (as llama.cpp's converter falls back), with a
+    warning naming them: per layer q, k, v, o, gate, up (rows of 48) and the embeddings and lm_head, 14."""
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen2", hidden_size=48, intermediate_size=96)
+    with pytest.warns(UserWarning, match=r"--type q8_0: 14 matrices with rows not a multiple of 32 values "
+                                         r"written as F16 .*\(output\.weight \[272, 48\], .* and 10 more\)"):
+        out = export_gguf(str(src), str(tmp_path / "m.gguf"), "q8_0")
+    types = {t.name: t.tensor_type.name for t in reader(out).tensors}
+    assert types["token_embd.weight"] == types["blk.0.attn_q.weight"] == types["output.weight"] == "F16"
+    assert types["blk.0.ffn_down.weight"] == types["blk.1.ffn_down.weight"] == "Q8_0"  # rows of 96: 3 blocks
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    back, source = load_model(out).state_dict(), load_model(src).state_dict()
+    for name, b in source.items():
+        if "down_proj" in name:  # Q8_0: off by at most half a step of amax/127 (plus the f16 scale's rounding)
+            assert (back[name] - b).abs().max() <= b.abs().max() / 127, name
+        else:
+            assert torch.equal(back[name], b if b.dim() == 1 else b.half().float()), name
+
+
+def test_gguf_head_dim_is_read_from_key_and_value_length():
+    """llama.cpp reads the head size from attention.key_length / value_length, each hidden / heads (here 8)
+    when absent; the engine needs the two equal, so a file whose value heads differ is refused, not loaded
+    into wrong shapes."""
+    from grpo_engine.model.gguf_io import config_from_gguf
+
+    assert config_from_gguf(tiny_llama_meta(), "m.gguf").head_dim == 8
+    both = {"llama.attention.key_length": 16, "llama.attention.value_length": 16}
+    assert config_from_gguf(tiny_llama_meta(**both), "m.gguf").head_dim == 16
+    for lengths in ({"llama.attention.key_length": 16},
+                    {"llama.attention.key_length": 16, "llama.attention.value_length": 12}):
+        with pytest.raises(CheckpointError, match="m.gguf: llama.attention.key_length=16 and value_length=(8|12) "
+                                                  "differ"):
+            config_from_gguf(tiny_llama_meta(**lengths), "m.gguf")
+
+
+def test_qwen3_export_keeps_head_dim_and_warns_that_transformers_cannot_load_it(tmp_path):
+    """The tiny Qwen3 has head_dim 32, not hidden / heads = 16 and not 128: llama.cpp and our reader take it
+    from key_length, but transformers' GGUF loader builds Qwen3 with 128 and refuses the file; the export
+    says so. Real Qwen3 (head_dim 128) and Llama (head_dim from rope.dimension_count) export silently."""
+    from grpo_engine.model.gguf_export import transformers_head_dim
+
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3", hidden_size=64, intermediate_size=128)
+    with pytest.warns(UserWarning, match="head_dim=32 is written as qwen3.attention.key_length, which llama.cpp "
+                                         "reads but transformers' GGUF loader ignores for qwen3 \\(it assumes 128"):
+        out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f16")
+    fields = reader(out).fields
+    assert fields["qwen3.attention.key_length"].contents() == fields["qwen3.attention.value_length"].contents() == 32
+    back, ours, tok = load_model(out), load_model(src), load_tokenizer(src)
+    assert back.config.head_dim == 32
+    ids = tok.encode(tok.apply_chat_template(CHATS[1]))
+    assert (ours_logits(back, ids) - ours_logits(ours, ids)).abs().max() < 2e-3
+    assert transformers_head_dim(load_model(src).config) == 128
+    for arch, head_dim in (("qwen3", 128), ("llama3", 32)):
+        cfg = make_tiny_checkpoint(tmp_path / arch, arch, head_dim=head_dim, rope_scaling=None)
+        assert transformers_head_dim(load_model(cfg).config) == head_dim
+
+
+@pytest.mark.slow
+def test_transformers_gguf_loader_reads_qwen3_head_dim_as_the_warning_says(tmp_path):
+    """The fact behind the warning above (transformers 5.24): a Qwen3 export with head_dim 128 loads in
+    transformers with our logits; one with head_dim 32 does not load (transformers assumes 128)."""
+    transformers = pytest.importorskip("transformers")
+    for head_dim in (128, 32):
+        src = make_tiny_checkpoint(tmp_path / f"src{head_dim}", "qwen3", head_dim=head_dim)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # head_dim 32's warning, checked above
+            out = export_gguf(str(src), str(tmp_path / f"m{head_dim}.gguf"), "f16")
+        load = lambda out=out: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            tmp_path, gguf_file=out.name, dtype=torch.float32)
+        if head_dim == 32:
+            with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
+                load()
+            continue
+        ours, tok = load_model(src), load_tokenizer(src)
+        ids = tok.encode(tok.apply_chat_template(CHATS[1]))
+        assert (hf_logits(load().eval(), ids) - ours_logits(ours, ids)).abs().max() < 2e-3
