@@ -31,6 +31,7 @@ from ..kernels.packing import packed_for_decode
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
+from .stop_strings import StopStrings
 
 STOP, LENGTH = "stop", "length"
 
@@ -150,30 +151,6 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
                 continue
         waves.append([i])
     return waves
-
-
-# ----------------------------------------------------------------------------------------------------
-# Stop strings
-
-
-class StopStrings:
-    """Detects a stop string newly completed by a row's last token, decoding only a short tail.
-
-    Earlier steps already checked (and found nothing in) every earlier tail, so a match in the tail of the
-    last `window` tokens must end in the new token. The window is long enough for the longest stop string
-    even if every token decodes to a single byte, plus a margin for partial characters at its start.
-    """
-
-    def __init__(self, stop_strings: list[str], tokenizer):
-        self.strings = stop_strings
-        self.tokenizer = tokenizer
-        self.window = max((len(s.encode()) for s in stop_strings), default=0) + 4
-
-    def __call__(self, tokens: list[int]) -> bool:
-        if not self.strings:
-            return False
-        tail = self.tokenizer.decode(tokens[-self.window :])
-        return any(s in tail for s in self.strings)
 
 
 # ----------------------------------------------------------------------------------------------------

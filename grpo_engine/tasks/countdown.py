@@ -108,9 +108,9 @@ def load_countdown(path: str) -> list[CountdownExample]:
     for i, row in enumerate(rows):
         nums, target = row["nums"], row["target"]
         if not isinstance(nums, (list, tuple)) or not nums or not all(_is_int(n) for n in nums):
-            raise field_error(path, i, "nums", "a non-empty list of integers", nums)
+            raise field_error(path, rows, i, "nums", "a non-empty list of integers", nums)
         if not _is_int(target):
-            raise field_error(path, i, "target", "an integer", target)
+            raise field_error(path, rows, i, "target", "an integer", target)
         nums_t, target = tuple(int(n) for n in nums), int(target)
         out.append(CountdownExample(f"row-{i}", _question(nums_t, target), str(target), nums_t, target))
     return out

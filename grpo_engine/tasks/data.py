@@ -1,5 +1,9 @@
 """Read task records from local files — JSONL, JSON, parquet or a `datasets.save_to_disk` directory — and
-check their fields with errors that name the file, the row and the field.
+check their fields with errors that name the file, the record and the field.
+
+A record is named as a user finds it in an editor: a JSON-lines file's records by their 1-based physical
+line (blank lines count), every other source's (JSON list, parquet, saved dataset, hub) by their 1-based
+position ("record 3").
 
 Everything works offline. Loading by hub name (`load_hub`) is only a convenience: it needs the optional
 `datasets` package and a network, and says so clearly when either is missing.
@@ -16,6 +20,21 @@ Record = dict[str, object]  # one raw row as read from a file; tasks turn rows i
 
 class DataError(ValueError):
     """A data file is missing, unreadable, or has a row without a required field."""
+
+
+class Records(list):
+    """A file's records (a list of dicts) and, for JSON lines, the physical line each one came from: the
+    records' positions skip blank lines, so without the lines an error would point at the wrong line."""
+
+    def __init__(self, rows: Sequence[Record], lines: Sequence[int]):
+        super().__init__(rows)
+        self.lines = list(lines)  # [len(rows)] 1-based line numbers
+
+
+def place(rows: Sequence[Record], i: int) -> str:
+    """Where rows[i] is in its file: "line 4" for JSON lines, else "record {i + 1}" (1-based)."""
+    lines = getattr(rows, "lines", None)
+    return f"line {lines[i]}" if lines is not None else f"record {i + 1}"
 
 
 def read_records(path: str | Path) -> list[Record]:
@@ -36,8 +55,8 @@ def read_records(path: str | Path) -> list[Record]:
                         f"re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
-def _read_jsonl(p: Path) -> list[Record]:
-    rows = []
+def _read_jsonl(p: Path) -> Records:
+    rows, lines = [], []
     with p.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -49,7 +68,8 @@ def _read_jsonl(p: Path) -> list[Record]:
             if not isinstance(row, dict):
                 raise DataError(f"{p}: line {line_no} is a {type(row).__name__}, expected a JSON object")
             rows.append(row)
-    return rows
+            lines.append(line_no)
+    return Records(rows, lines)
 
 
 def _read_json(p: Path) -> list[Record]:
@@ -57,8 +77,11 @@ def _read_json(p: Path) -> list[Record]:
         data = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return _read_jsonl(p)  # many ".json" files are really JSON lines
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise DataError(f"{p}: expected a JSON list of objects (or JSON lines)")
+    if not isinstance(data, list):
+        raise DataError(f"{p}: is a JSON {type(data).__name__}; expected a JSON list of objects (or JSON lines)")
+    for i, r in enumerate(data):
+        if not isinstance(r, dict):
+            raise DataError(f"{p}: {place(data, i)} of the JSON list is a {type(r).__name__}, expected an object")
     return data
 
 
@@ -119,19 +142,21 @@ def split_source(data_path: str | Path, split: str) -> Path:
 
 
 def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | Path) -> None:
-    """Raise DataError naming the file, the (0-based) row and the field when a row lacks a field."""
+    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field."""
     for i, row in enumerate(rows):
         for name in fields:
             if name not in row or row[name] is None:
                 raise DataError(
-                    f"{source}: row {i} has no field {name!r} (fields present: {sorted(row)}); "
-                    f"every row needs {list(fields)}"
+                    f"{source}: {place(rows, i)} has no field {name!r} (fields present: {sorted(row)}); "
+                    f"every record needs {list(fields)}"
                 )
 
 
-def field_error(source: str | Path, row: int, name: str, expected: str, value: object) -> DataError:
-    """A DataError for a field with a wrong type or value."""
-    return DataError(f"{source}: row {row} field {name!r} must be {expected}, got {value!r:.80}")
+def field_error(
+    source: str | Path, rows: Sequence[Record], i: int, name: str, expected: str, value: object
+) -> DataError:
+    """A DataError for field `name` of rows[i] with a wrong type or value, naming the record as place() does."""
+    return DataError(f"{source}: {place(rows, i)} field {name!r} must be {expected}, got {value!r:.80}")
 
 
 def load_hub(name: str, split: str, config: str | None = None) -> list[Record]:

@@ -41,7 +41,7 @@ def load_gsm8k(rows: list[dict], source: str) -> list[Example]:
     for i, row in enumerate(rows):
         gold = gold_answer(str(row["answer"]))
         if gold is None or parse_number(gold) is None:
-            raise field_error(source, i, "answer", "a solution ending in '#### <number>'", row["answer"])
+            raise field_error(source, rows, i, "answer", "a solution ending in '#### <number>'", row["answer"])
         out.append(Example(f"{source}#{i}", str(row["question"]), gold))
     return out
 

@@ -93,10 +93,10 @@ def load_math(rows: list[dict], source: str) -> list[Example]:
         gold = row.get("answer")
         if gold is None:
             if row.get("solution") is None:
-                raise field_error(source, i, "answer", "present (or a 'solution' with \\boxed{})", None)
+                raise field_error(source, rows, i, "answer", "present (or a 'solution' with \\boxed{})", None)
             gold = extract_boxed(str(row["solution"]))
             if gold is None:
-                raise field_error(source, i, "solution", "text containing \\boxed{...}", row["solution"])
+                raise field_error(source, rows, i, "solution", "text containing \\boxed{...}", row["solution"])
         example_id = str(row.get("unique_id", f"{source}#{i}"))
         out.append(Example(example_id, str(row["problem"]), str(gold).strip()))
     return out

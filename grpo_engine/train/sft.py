@@ -3,7 +3,8 @@
 GRPO learns only from groups whose completions differ in reward, so a model that never produces a
 parseable answer gets no signal at all. A short supervised phase on (prompt, reference completion) pairs
 fixes that; the demo uses it to bring a random tiny model to "sometimes right" before reinforcement.
-Only completion tokens are scored: the prompt is context, not a target.
+Only completion tokens are scored: the prompt is context, not a target (with an empty prompt the first
+completion token is context too: nothing precedes it to predict it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ class SFTBatch:
     loss_mask: torch.Tensor  # [B, T-1] bool, True where input_ids[:, t+1] is a completion token
 
 
+def target_flags(pair: tuple) -> list[bool]:
+    """Which completion tokens of a pair are targets. With an empty prompt nothing precedes the first completion
+    token, so no position predicts it: it is context, and the targets start at the second token."""
+    flags = list(pair[2]) if len(pair) > 2 else [True] * len(pair[1])
+    return [False, *flags[1:]] if not pair[0] and flags else flags
+
+
 def make_sft_batch(pairs: list[tuple], pad_id: int, device) -> SFTBatch:
     """pairs of (prompt ids, completion ids) or (prompt ids, completion ids, per-completion-token target flags:
     False for tokens that are context, e.g. a tool's response in a teacher's conversation) -> one batch."""
@@ -36,9 +44,22 @@ def make_sft_batch(pairs: list[tuple], pad_id: int, device) -> SFTBatch:
     mask = torch.zeros(len(rows), T - 1, dtype=torch.bool)
     for i, (pair, r) in enumerate(zip(pairs, rows)):
         ids[i, : len(r)] = torch.tensor(r)
-        p = len(pair[0])
-        mask[i, p - 1 : len(r) - 1] = torch.tensor(pair[2]) if len(pair) > 2 else True
+        flags = target_flags(pair)  # [C]: completion token k sits at p + k and is predicted at position p + k - 1
+        p, skip = len(pair[0]), 0 if pair[0] else 1  # an empty prompt's first token is predicted nowhere
+        mask[i, p + skip - 1 : len(r) - 1] = torch.tensor(flags[skip:], dtype=torch.bool)
     return SFTBatch(ids.to(device), mask.to(device))
+
+
+def check_pairs(pairs: list[tuple]) -> None:
+    """Refuse a pair with nothing to learn (no completion, or an empty prompt and a one-token completion): the
+    loss is a mean over target tokens, so a batch of such pairs would be NaN."""
+    for k, pair in enumerate(pairs):
+        if not any(target_flags(pair)):
+            raise ValueError(
+                f"SFT pair {k} (prompt of {len(pair[0])} tokens, completion of {len(pair[1])}) has no target "
+                f"token: give it a completion, and with an empty prompt at least two completion tokens (the first "
+                f"has nothing before it to be predicted from; a BOS prompt makes it a target)"
+            )
 
 
 def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
@@ -67,6 +88,7 @@ def train_sft(
     """
     if not pairs:
         raise ValueError("SFT needs at least one (prompt, completion) pair")
+    check_pairs(pairs)
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     model.train()

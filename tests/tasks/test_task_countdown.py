@@ -178,18 +178,19 @@ def test_loader_reads_both_formats(tmp_path, writer, name):
     assert task.reward(test[0], done("(10+5+3)")).components["answer"] == 0.0  # 18
 
 
-@pytest.mark.parametrize("writer, name", [(write_jsonl, "cd.jsonl"), (write_parquet, "cd.parquet")])
-def test_loader_missing_field_names_file_row_and_field(tmp_path, writer, name):
+@pytest.mark.parametrize("writer, name, where",
+                         [(write_jsonl, "cd.jsonl", "line 2"), (write_parquet, "cd.parquet", "record 2")])
+def test_loader_missing_field_names_file_row_and_field(tmp_path, writer, name, where):
     rows = [ROWS[0], {"nums": [1, 2, 3]}, ROWS[2]]
     path = writer(tmp_path / name, rows)
     task = make_task("countdown", data_path=str(path), test_size=1)
-    with pytest.raises(DataError, match=rf"{name}: row 1 has no field 'target'"):
+    with pytest.raises(DataError, match=rf"{name}: {where} has no field 'target'"):
         task.examples("train")
 
 
 def test_loader_bad_field_type(tmp_path):
     path = write_jsonl(tmp_path / "cd.jsonl", [ROWS[0], {"nums": "1 2 3", "target": 6}])
-    with pytest.raises(DataError, match=r"cd.jsonl: row 1 field 'nums' must be a non-empty list of integers"):
+    with pytest.raises(DataError, match=r"cd.jsonl: line 2 field 'nums' must be a non-empty list of integers"):
         make_task("countdown", data_path=str(path), test_size=1).examples("train")
 
 

@@ -117,16 +117,17 @@ def test_loader_formats_and_split_directory(tmp_path, writer, suffix):
         task.examples("validation")
 
 
-@pytest.mark.parametrize("writer, name", [(write_jsonl, "g.jsonl"), (write_parquet, "g.parquet")])
-def test_missing_field_names_file_row_and_field(tmp_path, writer, name):
+@pytest.mark.parametrize("writer, name, where",
+                         [(write_jsonl, "g.jsonl", "line 3"), (write_parquet, "g.parquet", "record 3")])
+def test_missing_field_names_file_row_and_field(tmp_path, writer, name, where):
     path = writer(tmp_path / name, [ROWS[0], ROWS[1], {"question": "q only"}])
-    with pytest.raises(DataError, match=rf"{name}: row 2 has no field 'answer'"):
+    with pytest.raises(DataError, match=rf"{name}: {where} has no field 'answer'"):
         make_task("gsm8k", data_path=str(path)).examples("train")
 
 
 def test_answer_without_marker_is_a_clear_error(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "just 7"}])
-    with pytest.raises(DataError, match=r"g.jsonl: row 0 field 'answer' must be a solution ending in '####"):
+    with pytest.raises(DataError, match=r"g.jsonl: line 1 field 'answer' must be a solution ending in '####"):
         make_task("gsm8k", data_path=str(path)).examples("train")
 
 

@@ -98,10 +98,10 @@ def test_loader_math500_and_math_layouts(tmp_path):
 def test_loader_missing_fields(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"problem": "p"}) + "\n")
-    with pytest.raises(DataError, match=r"m.jsonl: row 0 field 'answer' must be present"):
+    with pytest.raises(DataError, match=r"m.jsonl: line 1 field 'answer' must be present"):
         make_task("math", data_path=str(path)).examples("test")
     path.write_text(json.dumps({"problem": "p", "answer": "1"}) + "\n" + json.dumps({"answer": "1"}) + "\n")
-    with pytest.raises(DataError, match=r"m.jsonl: row 1 has no field 'problem'"):
+    with pytest.raises(DataError, match=r"m.jsonl: line 2 has no field 'problem'"):
         make_task("math", data_path=str(path)).examples("test")
 
 

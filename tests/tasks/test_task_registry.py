@@ -119,7 +119,7 @@ def test_custom_equivalence_counts_identical_answers_as_one(tmp_path):
 
 def test_custom_missing_field(tmp_path):
     path = write_rows(tmp_path, [{"prompt": "q", "answer": "1"}, {"prompt": "q2"}])
-    with pytest.raises(ValueError, match=r"mine.jsonl: row 1 has no field 'answer'"):
+    with pytest.raises(ValueError, match=r"mine.jsonl: line 2 has no field 'answer'"):
         make_task("custom", data_path=path).examples("train")
 
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +39,31 @@ def test_target_flags_leave_context_tokens_out_of_the_loss(tiny_ckpt):
         terms = [F.log_softmax(logits[0, t], -1)[batch.input_ids[0, t + 1]] for t in (1, 4)]
         terms += [F.log_softmax(logits[1, t], -1)[batch.input_ids[1, t + 1]] for t in (0, 1)]
         assert abs(sft_loss(model, batch).item() + torch.stack(terms).mean().item()) < 1e-5
+
+
+def test_empty_prompt_trains_on_its_completion_after_the_first_token(tiny_ckpt):
+    """An empty prompt: nothing predicts the first completion token, so the targets are the others (it dropped all)."""
+    batch = make_sft_batch([([], [7, 8, 9]), ([1, 2], [3, 4])], pad_id=0, device="cpu")
+    assert batch.input_ids.tolist() == [[7, 8, 9, 0], [1, 2, 3, 4]]
+    # row 0: t = 0, 1 predict 8, 9; row 1: t = 1, 2 predict 3, 4
+    assert batch.loss_mask.tolist() == [[True, True, False], [False, True, True]]
+    assert batch.input_ids[:, 1:][batch.loss_mask].tolist() == [8, 9, 3, 4]
+    flagged = make_sft_batch([([], [7, 8, 9, 10], [True, True, False, True])], pad_id=0, device="cpu")
+    assert flagged.loss_mask.tolist() == [[True, False, True]]  # targets 8 and 10; 9 is context
+    model = load_model(tiny_ckpt)
+    with torch.no_grad():
+        logits = model(batch.input_ids)  # [2, 4, V]
+        terms = [F.log_softmax(logits[0, t], -1)[batch.input_ids[0, t + 1]] for t in (0, 1)]
+        terms += [F.log_softmax(logits[1, t], -1)[batch.input_ids[1, t + 1]] for t in (1, 2)]
+        assert abs(sft_loss(model, batch).item() + torch.stack(terms).mean().item()) < 1e-5
+
+
+def test_a_pair_with_no_target_token_is_refused(tiny_ckpt):
+    model, cfg = load_model(tiny_ckpt), SFTConfig(steps=1, batch_size=2, lr=1e-3, warmup_steps=0)
+    with pytest.raises(ValueError, match=r"SFT pair 1 \(prompt of 0 tokens, completion of 1\) has no target token"):
+        train_sft(model, [([1, 2], [3]), ([], [5])], cfg, pad_id=0)
+    with pytest.raises(ValueError, match=r"SFT pair 0 \(prompt of 2 tokens, completion of 0\) has no target token"):
+        train_sft(model, [([1, 2], [])], cfg, pad_id=0)
 
 
 def test_schedule_warmup_then_cosine():

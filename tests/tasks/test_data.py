@@ -1,0 +1,41 @@
+"""Data-file errors name the file and the record as a user finds it in an editor: a JSON-lines record by its
+1-based physical line (blank lines counted), any other record by its 1-based position ("record N")."""
+
+import json
+
+import pytest
+
+from grpo_engine.tasks import make_task
+from grpo_engine.tasks.data import DataError, read_records, require_fields
+
+
+def test_jsonl_error_names_the_physical_line_after_blank_lines(tmp_path):
+    # line 1: a record, lines 2-3: blank, line 4: the record without 'answer' (the 2nd record, index 1)
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n\n  \n" + json.dumps({"prompt": "q2"}) + "\n")
+    with pytest.raises(DataError, match=r"mine.jsonl: line 4 has no field 'answer'"):
+        make_task("custom", data_path=str(path)).examples("train")
+
+
+def test_gsm8k_bad_field_names_the_physical_line(tmp_path):
+    path = tmp_path / "g.jsonl"
+    good = {"question": "q", "answer": "#### 7"}
+    path.write_text("\n" + json.dumps(good) + "\n\n" + json.dumps({"question": "q", "answer": "7"}) + "\n")
+    with pytest.raises(DataError, match=r"g.jsonl: line 4 field 'answer' must be a solution ending in"):
+        make_task("gsm8k", data_path=str(path)).examples("train")
+
+
+def test_json_list_errors_name_the_1_based_record(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([{"prompt": "q", "answer": "1"}, {"prompt": "q2"}], indent=2))
+    with pytest.raises(DataError, match=r"mine.json: record 2 has no field 'answer'"):
+        make_task("custom", data_path=str(path)).examples("train")
+    path.write_text(json.dumps([{"prompt": "q", "answer": "1"}, {"prompt": "q", "answer": "2"}, "text"]))
+    with pytest.raises(DataError, match=r"mine.json: record 3 of the JSON list is a str, expected an object"):
+        read_records(path)
+
+
+def test_plain_list_of_rows_is_counted_from_one():
+    """Rows from the hub come as a plain list: record numbers are 1-based too."""
+    with pytest.raises(DataError, match=r"hub:train: record 1 has no field 'b'"):
+        require_fields([{"a": 1}], ("a", "b"), "hub:train")
