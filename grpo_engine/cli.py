@@ -7,10 +7,12 @@ function (in its own module when it grows) and list it in PARSERS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from .bench import add_bench_parser
 from .demo import add_demo_parser
@@ -83,20 +85,45 @@ def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def _run_forwarding_signals(cmd: list[str]) -> int:
-    """Run torchrun in its own session and pass it the SIGINT / SIGTERM this process gets, then wait for it:
-    torchrun hands the signal to the ranks, which finish their step, write a checkpoint and exit.
+    """Run torchrun in its own session and pass the SIGINT / SIGTERM this process gets to the ranks themselves,
+    then wait for torchrun, which exits on its own once they have finished their step, written a checkpoint and
+    exited.
 
-    Why: subprocess.call killed torchrun 0.25 s after a Ctrl-C (the ranks' checkpoint could be cut short), and a
-    SIGTERM to this process ended it alone, leaving torchrun and the ranks training on. In its own session
-    torchrun gets each signal once, from here, not a second copy from the terminal."""
+    Why not to torchrun: its agent gives the ranks `--shutdown_timeout` (30 s) after passing a signal on, then
+    kills them, cutting a step + checkpoint that takes longer, and it reports the signal with a traceback and
+    exit 1. Why its own session: the terminal's Ctrl-C reaches this process alone, so each rank gets a signal
+    once, from here. subprocess.call, before, killed torchrun 0.25 s after a Ctrl-C, and a SIGTERM to this
+    process ended it alone, leaving torchrun and the ranks training on. Before torchrun has started its ranks,
+    a signal goes to torchrun."""
     proc = subprocess.Popen(cmd, start_new_session=True)
-    forward = lambda signum, frame: proc.send_signal(signum)  # noqa: E731
+
+    def forward(signum, frame):
+        ranks = _child_pids(proc.pid)
+        for pid in ranks:  # each rank leads its own process group (torchrun starts them in new sessions)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signum)
+        if not ranks:
+            proc.send_signal(signum)
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; none where it cannot be read)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
 
 
 def add_config_parser(sub) -> None:

@@ -32,6 +32,7 @@ from ..rl.semantic_entropy import curriculum_order, difficulty_scores
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from .distributed import World
+from .rank_failure import fail_together
 from .rollouts import PromptSampler, generate_groups
 
 
@@ -107,15 +108,16 @@ class PoolScorer:
         mine = list(range(self.world.rank, len(pool), self.world.size))
         local: list[tuple[int, float, float]] = []  # (pool position, accuracy, entropy)
         tokens = 0
-        for start in range(0, len(mine), self.chunk_prompts):
-            part = mine[start : start + self.chunk_prompts]
-            groups, n = generate_groups(model, self.tokenizer, self.task, [self.examples[pool[i]] for i in part],
-                                        self.params, [pool_seed(self.seed, step, i) for i in part],
-                                        self.max_prompt_tokens)
-            entropy = difficulty_scores([[r.answer for r in g.rewards] for g in groups], self.task.equivalent)
-            local += [(i, statistics.fmean(r.correct for r in g.rewards), e)
-                      for i, g, e in zip(part, groups, entropy)]
-            tokens += n
+        with fail_together(self.world, "curriculum's scoring"):  # one rank's error stops every rank
+            for start in range(0, len(mine), self.chunk_prompts):
+                part = mine[start : start + self.chunk_prompts]
+                groups, n = generate_groups(model, self.tokenizer, self.task,
+                                            [self.examples[pool[i]] for i in part], self.params,
+                                            [pool_seed(self.seed, step, i) for i in part], self.max_prompt_tokens)
+                entropy = difficulty_scores([[r.answer for r in g.rewards] for g in groups], self.task.equivalent)
+                local += [(i, statistics.fmean(r.correct for r in g.rewards), e)
+                          for i, g, e in zip(part, groups, entropy)]
+                tokens += n
         gathered = self.world.gather((local, tokens))
         rows = sorted(row for rank_rows, _ in gathered for row in rank_rows)  # pool order
         return PoolScores([pool[i] for i, _, _ in rows], [a for _, a, _ in rows], [e for _, _, e in rows]), \

@@ -18,6 +18,7 @@ from .checkpoint import TrainerState, capture_rng, save_checkpoint, step_dir_nam
 from .distributed import close_world, full_state, gathered, save_rank_state
 from .evaluation import EvalResult, combine_eval, evaluate_policy
 from .metrics import sample_records
+from .rank_failure import fail_together
 from .setup import Run, eval_params, setup_run
 from .step import StepRecord, grpo_step
 from .update import NonFiniteError
@@ -98,7 +99,7 @@ def evaluate(run: Run) -> EvalResult:
     torchrun each rank evaluates every size-th example and the results are combined."""
     cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
     mine = run.eval_examples[world.rank :: world.size]
-    with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world):
+    with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world), fail_together(world, "eval"):
         result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
                                  eval_params(cfg, inputs.tokenizer), seed=cfg.seed,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else None

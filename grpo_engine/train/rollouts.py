@@ -19,6 +19,7 @@ from ..rollout import SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 from .distributed import World
+from .rank_failure import fail_together
 
 
 class PromptSampler:
@@ -148,12 +149,13 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
             break
         drawn = [sampler.next() for _ in range(need * world.size)]  # global prompt index -> example
         mine = list(world.my_share(len(drawn)))[:missing]
-        if mine:
-            seeds = [prompt_seed(seed, step, round_, i) for i in mine]
-            groups, n = generate_fn(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
-                                    max_prompt_tokens)
-            rounds.append(groups)
-            gen_tokens += n
+        with fail_together(world, "rollout"):  # NaN logits on one rank stop every rank, not only that one
+            if mine:
+                seeds = [prompt_seed(seed, step, round_, i) for i in mine]
+                groups, n = generate_fn(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
+                                        max_prompt_tokens)
+                rounds.append(groups)
+                gen_tokens += n
         if group_filter.enabled and rounds:
             rewards = [torch.tensor([g.totals for g in r], dtype=torch.float64) for r in rounds]  # [P_r, G] each
             selection = select_groups(rewards, local, group_filter.tol)

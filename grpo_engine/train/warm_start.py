@@ -122,7 +122,9 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     out = Path(cfg.run_dir) / "sft"
     if _complete(out, _settings(cfg, "sft")):
         return out
-    model = load_model(base)
+    from .setup import pick_device  # setup imports this module
+
+    model = load_model(base, device=pick_device(cfg.model.device))  # model.device, as GRPO (auto: cuda if any)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
     pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split))
     train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=on_step)
