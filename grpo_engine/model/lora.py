@@ -13,7 +13,9 @@ Design:
   park a copy of the original weight on the CPU at merge time and copy it back at unmerge (bit-exact); fp32
   bases subtract (error ~1e-7 relative, no extra memory).
 * QLoRA: the base weight is stored in NF4 (model/nf4.py: torchao or bitsandbytes, CUDA only). An NF4
-  base is never merged (re-quantising would change it); rollout runs the adapter path instead.
+  base is never merged (re-quantising would change it); rollout runs the adapter path instead. The model
+  is loaded onto the CPU and `apply_lora(model, cfg, device)` moves it to the GPU one projection at a time,
+  quantizing each before the next arrives, so the GPU never holds the unquantized projections together.
 * The reference policy for KL is the base model: `adapters_disabled(model)` switches every adapter off
   for the duration of a `with` block. No second copy of the weights.
 """
@@ -91,7 +93,7 @@ class LoRALinear(nn.Module):
         return self._nf4_forward is not None
 
     def quantize_nf4(self, backend: str) -> None:
-        """Replace the base weight by its NF4 form (frees the bf16/fp32 copy)."""
+        """Replace the base weight by its NF4 form (frees the bf16/fp32 copy unless another module holds it)."""
         q, fwd, deq = NF4_BACKENDS[backend](self.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self._nf4_forward, self._nf4_dequantize = fwd, deq
@@ -165,30 +167,80 @@ def _require_lora(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return mods
 
 
-def apply_lora(model: Transformer, cfg: LoRAConfig) -> Transformer:
-    """Freeze every parameter, wrap the targeted projections in LoRALinear (in place), optionally NF4."""
+def apply_lora(model: Transformer, cfg: LoRAConfig, device: str | torch.device | None = None) -> Transformer:
+    """Freeze every parameter, wrap the targeted projections in LoRALinear (in place), optionally NF4.
+
+    device: where the adapted model lives (default: where it is). A model given on another device (the CPU) is
+    moved there: whole when the base stays unquantized, one projection at a time with an NF4 base
+    (`_adapt_quantizing`), so that loading a QLoRA model needs about its quantized size on the GPU.
+    """
     if any(True for _ in lora_modules(model)):
         raise ValueError("model already has LoRA adapters; apply_lora must be called once")
-    backend = _resolve_quantization(model, cfg)
+    device = model.device if device is None else torch.device(device)
+    backend = _resolve_quantization(model, cfg, device)
     for p in model.parameters():
         p.requires_grad_(False)
-    targets = set(cfg.target_modules)
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if child_name in targets and isinstance(child, nn.Linear):
-                lora = LoRALinear(child, cfg)
-                if backend is not None:
-                    lora.quantize_nf4(backend)
-                setattr(parent, child_name, lora)
+    if backend is not None:
+        _adapt_quantizing(model, cfg, backend, device)
+    else:
+        if model.device != device:
+            model.to(device)
+        targets = set(cfg.target_modules)
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if child_name in targets and isinstance(child, nn.Linear):
+                    setattr(parent, child_name, LoRALinear(child, cfg))
     model.lora_config = cfg
     return model
 
 
-def _resolve_quantization(model: Transformer, cfg: LoRAConfig) -> str | None:
-    """The NF4 backend to use, or None; warns (or raises when strict) when NF4 was asked for but can't run."""
+def _adapt_quantizing(model: Transformer, cfg: LoRAConfig, backend: str, device: torch.device) -> None:
+    """Wrap and NF4-quantize the targeted projections on `device` one at a time, then move the other weights.
+
+    The weights are taken out of the model into `staged` (where they were, the CPU when loading) and the
+    model left on the meta device, holding no memory. Each projection is then copied to `device`, wrapped
+    (its lora_A drawn there, in module order: the same random numbers as wrapping a model already on `device`)
+    and quantized before the next is copied, and its staged copy is dropped. The device's peak is the
+    quantized model plus one unquantized projection, instead of the whole unquantized model.
+    """
+    targets = set(cfg.target_modules)
+    detached: dict[int, torch.Tensor] = {}  # tied weights (embed / lm_head): one tensor, moved once
+    staged = {name: detached.setdefault(id(p), p.detach())
+              for name, p in model.named_parameters(remove_duplicate=False)}
+    model.to("meta")
+    parents = [(name, m) for name, m in model.named_modules()  # not the Linear modules: they would stay alive
+               if any(n in targets and isinstance(c, nn.Linear) for n, c in m.named_children())]
+    for parent_name, parent in parents:
+        for child_name in [n for n, c in parent.named_children() if n in targets and isinstance(c, nn.Linear)]:
+            _place_quantized(parent, child_name, f"{parent_name}.{child_name}", staged, cfg, backend, device)
+    moved: dict[int, torch.Tensor] = {}
+    for t in staged.values():
+        if id(t) not in moved:  # not setdefault: that would copy a tied embedding to the device twice
+            moved[id(t)] = t.to(device)
+    rest = {name: moved[id(t)] for name, t in staged.items()}
+    model.load_state_dict(rest, strict=False, assign=True)  # the quantized projections are already set
+    model.tie_weights()
+
+
+def _place_quantized(parent: nn.Module, child_name: str, prefix: str, staged: dict[str, torch.Tensor],
+                     cfg: LoRAConfig, backend: str, device: torch.device) -> None:
+    """parent.child_name (an nn.Linear on the meta device) <- its LoRALinear on `device` with an NF4 base.
+    A function of its own so that the Linear, which holds the unquantized weight, is freed when it returns."""
+    linear = getattr(parent, child_name)
+    linear.weight = nn.Parameter(staged.pop(f"{prefix}.weight").to(device), requires_grad=False)  # [out, in]
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(staged.pop(f"{prefix}.bias").to(device), requires_grad=False)  # [out]
+    lora = LoRALinear(linear, cfg)
+    lora.quantize_nf4(backend)
+    setattr(parent, child_name, lora)
+
+
+def _resolve_quantization(model: Transformer, cfg: LoRAConfig, device: torch.device) -> str | None:
+    """The NF4 backend to use on `device`, or None; warns (or raises when strict) when NF4 was asked for but
+    can't run."""
     if cfg.quantize_base == "none":
         return None
-    backend, reasons = choose_nf4_backend(cfg, model.device)
+    backend, reasons = choose_nf4_backend(cfg, device)
     if backend is not None:
         return backend
     dtype = str(model.embed.weight.dtype).removeprefix("torch.")

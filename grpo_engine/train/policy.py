@@ -128,11 +128,9 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     spec = policy_spec(cfg)
     dtype = torch_dtype(cfg.memory.precision, device)
     full_resume = resume_dir is not None and spec.mode == "full"
-    model = load_model(resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
-    if spec.mode != "full":
-        apply_lora(model, cfg.lora)
-        if resume_dir is not None:
-            load_adapter(model, resume_dir / "adapter")
+    model = policy_model(cfg, spec, resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
+    if spec.mode != "full" and resume_dir is not None:
+        load_adapter(model, resume_dir / "adapter")
     if dtype == torch.bfloat16 and device.type == "cpu":
         warn_if_bf16_is_slow(model.config)
     kernels = kernel_plan(model, resume_dir)
@@ -149,6 +147,16 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
                                min_ratio=s.min_lr_ratio)
     return Policy(model, optimizer, scheduler, reference, spec, kernels)
+
+
+def policy_model(cfg: Config, spec: PolicySpec, path, dtype: torch.dtype, device: torch.device):
+    """The model at `path` on `device`, with LoRA adapters unless spec.mode is full. A QLoRA model is read onto
+    the CPU and apply_lora moves it to `device` one projection at a time, each quantized before the next is
+    moved: loading then needs about the quantized model's size on the GPU, not the unquantized model's."""
+    if spec.mode == "full":
+        return load_model(path, dtype, device)
+    model = load_model(path, dtype, torch.device("cpu") if spec.mode == "qlora" else device)
+    return apply_lora(model, cfg.lora, device)
 
 
 def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
