@@ -48,7 +48,7 @@ def measure(model_dir: str, rows: int, slots: int, reps: int) -> dict:
     cfg, g = model.config, torch.Generator().manual_seed(0)
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {n: torch.randn(rows, n, generator=g) for n in {m.in_features for m in linears}}  # [R, in]
-    with torch.inference_mode(), packed_for_decode(model, rows, steps=10**6) as head:
+    with torch.inference_mode(), packed_for_decode(model, rows, steps=10**6) as packs:
         cache = KVCache.allocate(cfg, rows, slots + 1, torch.float32, "cpu")
         for k, v in zip(cache.k, cache.v):
             k.normal_(generator=g), v.normal_(generator=g)
@@ -63,18 +63,19 @@ def measure(model_dir: str, rows: int, slots: int, reps: int) -> dict:
             for m in linears:
                 x = inputs[m.in_features]
                 if m.packed is not None:
-                    onednn.packed_linear(x, m.packed, m.bias)
+                    m.packed(x, m.bias)
                 else:
                     torch.nn.functional.linear(x, m.weight, m.bias)
 
         hidden = torch.randn(rows, cfg.hidden_size, generator=g)
-        head_fn = (lambda: onednn.packed_linear(hidden, head)) if head is not None else (
+        head_fn = (lambda: packs.head(hidden)) if packs.head is not None else (
             lambda: onednn.linear(hidden, model.lm_head.weight))
         body, products, head_ms = median_ms(step, reps), median_ms(gemms, reps), median_ms(head_fn, reps)
         packed = sum(m.packed is not None for m in linears)
+        kinds = sorted({m.packed.kind for m in linears if m.packed is not None})
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows, "slots": slots,
             "step_ms": body, "gemms_ms": products, "other_ms": body - products, "gemm_share": products / body,
-            "head_ms": head_ms, "packed_linears": packed, "linears": len(linears)}
+            "head_ms": head_ms, "packed_linears": packed, "pack_kinds": kinds, "linears": len(linears)}
 
 
 def main() -> None:

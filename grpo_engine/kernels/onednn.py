@@ -27,8 +27,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .packed import PackedWeight
 
 _state: dict[str, bool] = {}
 _active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
@@ -221,14 +225,15 @@ class OneDNNLinear(torch.nn.Linear):
     plan chooses it, and whose training weight gradient accumulates in place where the plan says so (on either
     GEMM); anything else (CUDA, bf16, no oneDNN) is nn.Linear itself.
     `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place. Inside a decode loop
-    `packed` holds the weight packed by `pack` (kernels/packing.py sets and clears it), used without gradients."""
+    `packed` holds the weight packed by oneDNN or MKL (kernels/packing.py sets and clears it), used without
+    gradients."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if self.packed is not None and not torch.is_grad_enabled():
-            return packed_linear(x2, self.packed, self.bias).view(*x.shape[:-1], self.out_features)
+            return self.packed(x2, self.bias).view(*x.shape[:-1], self.out_features)
         on_onednn = applies(x2, self.weight)
         grad_input_on_onednn = torch.is_grad_enabled() and grad_input_applies(x2, self.weight)
         if not (on_onednn or grad_input_on_onednn or self._torch_grad_in_place(x2)):

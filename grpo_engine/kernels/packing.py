@@ -1,13 +1,15 @@
-"""Weights packed once for a decode loop: oneDNN's blocked layout, made per generate() call and dropped after it.
+"""Weights packed once for a decode loop: oneDNN's or MKL's blocked layout (kernels/packed.py), made per generate()
+call and dropped after it.
 
 Why: a decode step multiplies a few dozen rows by every weight of the model, and a oneDNN product on a plain
 weight first reorders that weight into its blocked layout, on every call. Over a decode loop the weights do not
 change, so reordering each one once per loop saves that work on every step: on a 2-core AMD EPYC, 1.2-1.3x on the
 products of 32 rows of a 135M model and its LM head (docs/benchmarks.md). Packing costs about one weight copy of
 time and memory, so the kernel plan (select.py) measures, per weight shape, from how many decode steps it pays,
-and a weight is packed only for loops at least that long. The packed product is timed against the weight's own
+and a weight is packed only for loops at least that long, by the kind whose packed product was faster. The packed
+product is timed against the weight's own
 GEMM, whichever it is: a weight that runs on torch's GEMM in training (where oneDNN is no faster, as on some
-Intel Xeon parts) is still packed for decoding where the packed oneDNN product beats torch's at decode size.
+Intel Xeon parts) is still packed for decoding where a packed product beats torch's at decode size.
 
 Memory: the packed copies live only during generation, and only weights that require gradients are packed: in
 training their gradients, freed before the rollout, are at least as large as the copies, so packing does not
@@ -23,32 +25,70 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from . import onednn
+from . import onednn, packed
+from .packed import PackedWeight
 from .select import shape_key
 
 
-def _worth_packing(weight: torch.Tensor, steps: int) -> bool:
-    """Whether the active plan packs this weight for a decode loop of `steps` steps."""
+def _pack_plan(weight: torch.Tensor) -> tuple[int, str]:
+    """(decode steps from which packing this weight pays, by which kind) in the active plan; (0, "") = never."""
     plan = onednn.active_plan()
     fp32_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
     if plan is None or not weight.requires_grad or not fp32_cpu:
-        return False
-    after = plan.decode_packing.get(shape_key(tuple(weight.shape)), 0)
-    return 0 < after <= steps and onednn.pack_works()
+        return 0, ""
+    key = shape_key(tuple(weight.shape))
+    after, kind = plan.decode_packing.get(key, 0), plan.pack_kind(tuple(weight.shape))
+    return (after, kind) if after > 0 and packed.works(kind) else (0, "")
+
+
+class DecodePacks:
+    """The packed weights of one decode loop: each planned projection's `packed` attribute and the LM head's.
+
+    resize() follows the loop's batch when finished rows leave it: MKL's layout holds for one row count only, so
+    its weights are repacked for the new count while enough steps remain for that to pay, and otherwise dropped
+    (their products go back to the plan's GEMM); oneDNN's serve any row count and stay."""
+
+    def __init__(self, model: nn.Module, rows: int, steps: int):
+        self.modules: list[onednn.OneDNNLinear] = []
+        for m in model.modules():
+            after, kind = _pack_plan(m.weight) if isinstance(m, onednn.OneDNNLinear) else (0, "")
+            if 0 < after <= steps:
+                m.packed = packed.pack(m.weight, rows, kind)
+                self.modules.append(m)
+        head = getattr(model, "lm_head", None)
+        self.head_weight = head.weight if isinstance(head, nn.Linear) and head.bias is None else None  # [V, hidden]
+        after, kind = _pack_plan(self.head_weight) if self.head_weight is not None else (0, "")
+        self.head: PackedWeight | None = packed.pack(self.head_weight, rows, kind) if 0 < after <= steps else None
+
+    def resize(self, rows: int, steps_left: int) -> None:
+        """The batch now has `rows` rows and at most `steps_left` decode steps to go."""
+        for m in self.modules:
+            m.packed = _repacked(m.packed, m.weight, rows, steps_left)
+        self.modules = [m for m in self.modules if m.packed is not None]
+        self.head = _repacked(self.head, self.head_weight, rows, steps_left)
+
+    def release(self) -> None:
+        for m in self.modules:
+            m.packed = None
+        self.modules, self.head = [], None
+
+
+def _repacked(p: PackedWeight | None, weight: torch.Tensor, rows: int, steps_left: int) -> PackedWeight | None:
+    """p, or for an MKL pack of another row count: `weight` packed for `rows` if that pays in `steps_left` steps."""
+    if p is None or p.kind != "mkl" or p.rows == rows:
+        return p
+    after, kind = _pack_plan(weight)
+    return packed.pack(weight, rows, kind) if 0 < after <= steps_left else None
 
 
 @contextmanager
-def packed_for_decode(model: nn.Module, rows: int, steps: int) -> Iterator[torch.Tensor | None]:
-    """Pack the model's projections (and its LM head) for a decode loop of `steps` steps over about `rows`
-    rows, where the active plan says it pays. Inside the block the projections use their packed weights whenever
-    gradients are off; yields the packed LM-head weight, or None. Everything is unpacked on exit."""
-    layers = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear) and _worth_packing(m.weight, steps)]
-    head = getattr(model, "lm_head", None)
+def packed_for_decode(model: nn.Module, rows: int, steps: int) -> Iterator[DecodePacks]:
+    """Pack the model's projections (and its LM head) for a decode loop of `steps` steps over `rows` rows, where
+    the active plan says it pays, by the kind it chose. Inside the block the projections use their packed weights
+    whenever gradients are off; yields the DecodePacks (its `head`: the packed LM head or None). Everything is
+    unpacked on exit."""
+    packs = DecodePacks(model, rows, steps)
     try:
-        for m in layers:
-            m.packed = onednn.pack(m.weight, rows)
-        pack_head = isinstance(head, nn.Linear) and head.bias is None and _worth_packing(head.weight, steps)
-        yield onednn.pack(head.weight, rows) if pack_head else None
+        yield packs
     finally:
-        for m in layers:
-            m.packed = None
+        packs.release()

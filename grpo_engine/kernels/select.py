@@ -4,7 +4,8 @@ on the machine that runs them.
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
 weight shape of the model, both are timed on a few representative products and the faster one is kept; for each
-weight, whether packing it for a decode loop pays against that GEMM and from how many decode steps (packing.py),
+weight, whether packing it for a decode loop pays against that GEMM, from how many decode steps and packed by which
+library (packing.py, packed.py),
 whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
 GEMM and added, and which GEMM runs the gradient with respect to its input (a product with the weight transposed,
 which need not favour the forward's GEMM: on an AVX2-only EPYC oneDNN wins the decode-sized forward of some
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from . import attention as attention_kernels
-from . import onednn
+from . import onednn, packed
 from . import threads as thread_choice
 from .cpu import cpu_model, describe_cpu  # noqa: F401 - describe_cpu: part of this module's interface
 
@@ -59,6 +60,9 @@ class KernelPlan:
     # (into one [chunk, V] buffer reused by every chunk) | "onednn" (a fresh output each chunk, page-faulted in);
     # not listed (older plans, other weights): its `gemm` backend
     logprob_head: dict[str, str] = field(default_factory=dict)
+    # "out x in" of a weight in decode_packing -> which library packs it: "onednn" | "mkl" (kernels/packed.py);
+    # not listed (older plans): oneDNN
+    pack_kinds: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
@@ -68,6 +72,9 @@ class KernelPlan:
 
     def logprob_head_backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.logprob_head.get(shape_key(weight_shape)) or self.backend(weight_shape)
+
+    def pack_kind(self, weight_shape: tuple[int, ...]) -> str:
+        return self.pack_kinds.get(shape_key(weight_shape), "onednn")
 
     def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
         return self.weight_grad.get(shape_key(weight_shape)) == "inplace"
@@ -84,7 +91,8 @@ class KernelPlan:
                    {str(k): int(v) for k, v in data.get("decode_packing", {}).items()},  # (older: no packing)
                    {str(k): str(v) for k, v in data.get("weight_grad", {}).items()},  # (older: via autograd)
                    {str(k): str(v) for k, v in data.get("grad_input", {}).items()},  # (older: the forward's GEMM)
-                   {str(k): str(v) for k, v in data.get("logprob_head", {}).items()})  # (older: the same)
+                   {str(k): str(v) for k, v in data.get("logprob_head", {}).items()},  # (older: the same)
+                   {str(k): str(v) for k, v in data.get("pack_kinds", {}).items()})  # (older: oneDNN)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -219,24 +227,25 @@ def measure_attention(key: str) -> str:
     return min(times, key=times.get)
 
 
-def measure_packing(out_features: int, in_features: int, backend: str) -> int:
-    """Decode steps from which packing this weight for a decode loop pays (kernels/packing.py): the seconds
-    `onednn.pack` takes over the seconds it saves on each decode-sized (ROWS[0] rows) product against the
-    weight's own GEMM (`backend`: "onednn" | "torch"); 0 when the packed product is not at least PACK_GAIN faster
-    (then packing never pays). A torch weight may pack too: oneDNN level with torch on training-sized products can
-    still win at decode once it skips its per-call reorder."""
+def measure_packing(out_features: int, in_features: int, backend: str) -> tuple[int, str]:
+    """(decode steps from which packing this weight for a decode loop pays, the kind that packs it): the kind
+    (kernels/packed.py: oneDNN, MKL) whose packed decode-sized product (ROWS[0] rows) is fastest, and its pack
+    time over the seconds it saves on each such product against the weight's own GEMM (`backend`: "onednn" |
+    "torch"); (0, "") when no packed product is at least PACK_GAIN faster (then packing never pays). A torch
+    weight may pack too: a GEMM level with torch's on training-sized products can still win at decode once it
+    skips its per-call reorder."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
     plain = best_time(lambda: onednn.product(x, w, backend == "onednn"), 5)
-    pack_seconds = best_time(lambda: onednn.pack(w, ROWS[0]), 1)
-    packed = onednn.pack(w, ROWS[0])
-    saved = plain - best_time(lambda: onednn.packed_linear(x, packed), 5)
-    return math.ceil(pack_seconds / saved) if saved > (1 - 1 / PACK_GAIN) * plain else 0
+    kinds = packed.measure(out_features, in_features, ROWS[0], best_time)  # {kind: (pack s, product s)}
+    kind = min(kinds, key=lambda k: kinds[k][1], default="")
+    saved = plain - kinds[kind][1] if kind else 0.0
+    return (math.ceil(kinds[kind][0] / saved), kind) if saved > (1 - 1 / PACK_GAIN) * plain else (0, "")
 
 
-# the cache entry of decode-packing steps, named apart from the older "decode packing" entry (which recorded every
-# torch-GEMM weight as never packed without timing it), so that caches holding only that one are measured again
-PACKING_ENTRY = "decode packing per weight"
+# the cache entry of decode packing, [steps, kind] per weight, named apart from the older entries (steps alone, for
+# oneDNN only), so that caches holding only those are measured again
+PACKING_ENTRY = "decode packing per weight and kind"
 PACK_GAIN = 1.03  # a packed product must be this much faster to count (timer noise on small weights)
 
 
@@ -299,7 +308,7 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     missing = [s for s in shapes if shape_key(s) not in known]
     known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
     attention_missing = attention is not None and attention not in known_attention
-    packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if onednn.pack_works() else {}
+    packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if packed.available() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
     inputs = cache.setdefault(f"grad input | {key}", {})
     heads = cache.setdefault(f"logprob head | {key}", {})
@@ -309,7 +318,7 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
         return [s for s in shapes if shape_key(s) not in entries]
 
     if not (missing or attention_missing or head_missing or lacking(grads) or lacking(inputs)
-            or (onednn.pack_works() and lacking(packing))):
+            or (packed.available() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
@@ -321,8 +330,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             grads[shape_key(s)] = measure_weight_grad(*s, known[shape_key(s)])
         for s in lacking(inputs):
             inputs[shape_key(s)] = measure_grad_input(*s, known[shape_key(s)])
-        for s in lacking(packing) if onednn.pack_works() else []:
-            packing[shape_key(s)] = measure_packing(*s, known[shape_key(s)])
+        for s in lacking(packing) if packed.available() else []:
+            packing[shape_key(s)] = list(measure_packing(*s, known[shape_key(s)]))
         if head_missing:
             heads[shape_key(head)] = measure_logprob_head(*head, known[shape_key(head)])
     finally:
@@ -353,12 +362,13 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     gemm = {k: cache[key][k] for k in keys}
     chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
     steps = cache.get(f"{PACKING_ENTRY} | {key}", {})
-    packing = {k: int(steps[k]) for k in keys if steps.get(k)}
+    packing = {k: int(steps[k][0]) for k in keys if k in steps and steps[k][0]}
+    kinds = {k: str(steps[k][1]) for k in packing}
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     inputs = {k: cache[f"grad input | {key}"][k] for k in keys}
     heads = {shape_key(head): cache[f"logprob head | {key}"][shape_key(head)]} if head else {}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing, grads, inputs, heads)
+                      packing, grads, inputs, heads, kinds)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

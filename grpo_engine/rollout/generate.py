@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import onednn
-from ..kernels.packing import packed_for_decode
+from ..kernels.packing import DecodePacks, packed_for_decode
 from ..model.transformer import Transformer
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
@@ -235,14 +235,15 @@ def _run_wave(
     stop_strings: StopStrings,
     decode_step: Callable,
     prompt_ids: list[int],
-    packed_head: torch.Tensor | None,
+    packs: DecodePacks,
 ) -> list[_Row]:
     """Generate n completions for each prompt of the wave (their indices in the call: prompt_ids); rows in
     (prompt, sample) order."""
     n, T = params.n, params.max_new_tokens
     cache, key_mask, logits = _prefill(model, prompts, n, T)
     R = cache.batch
-    head = _DecodeHead(model, R, packed_head)
+    packs.resize(R, T)  # a wave smaller than the largest one
+    head = _DecodeHead(model, R, packs)
     stop_ids = set(params.stop_token_ids)
     tokens: list[list[int]] = [[] for _ in range(R)]
     logps: list[list[float]] = [[] for _ in range(R)]
@@ -275,6 +276,7 @@ def _run_wave(
             cache.select_rows(index)
             key_mask, tok = key_mask.index_select(0, index), tok.index_select(0, index)
             active = [active[a] for a in keep]
+            packs.resize(len(keep), T - t - 1)
         key_mask[:, cache.start] = True
         logits = head(decode_step(tok[:, None], key_mask[:, : cache.start + 1], cache))  # [A, V]
     return [_Row(tokens[r], logps[r], filtered[r], reasons[r]) for r in range(R)]
@@ -288,7 +290,7 @@ def _eager_step(model: Transformer) -> Callable:
 
 
 class _DecodeHead:
-    """The LM head at decode: its packed weight when the loop packed it (kernels/packing.py), oneDNN on fp32 CPU
+    """The LM head at decode: its packed weight while the loop has one (kernels/packing.py), oneDNN on fp32 CPU
     (kernels/onednn.py), else one reused [rows, V] logits buffer.
 
     Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
@@ -296,18 +298,19 @@ class _DecodeHead:
     oneDNN allocates its own output and is still about 2x faster than torch.mm into a buffer there.
     """
 
-    def __init__(self, model: Transformer, rows: int, packed: torch.Tensor | None = None):
-        self.weight, self.packed = model.lm_head.weight, packed  # [V, hidden]
-        probe = self.weight[:1]
-        self.buf = None if packed is not None or onednn.applies(probe, self.weight) else torch.empty(
-            rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
+    def __init__(self, model: Transformer, rows: int, packs: DecodePacks | None = None):
+        self.weight, self.packs, self.rows = model.lm_head.weight, packs, rows  # [V, hidden]
+        self.on_onednn = onednn.applies(self.weight[:1], self.weight)
+        self.buf: torch.Tensor | None = None  # [rows, V], made at the first product that needs it
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call)."""
-        if self.packed is not None:
-            return onednn.packed_linear(hidden, self.packed)
-        if self.buf is None:
+        if self.packs is not None and self.packs.head is not None:
+            return self.packs.head(hidden)
+        if self.on_onednn:
             return onednn.linear(hidden, self.weight)
+        if self.buf is None:
+            self.buf = torch.empty(self.rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
         return torch.mm(hidden, self.weight.t(), out=self.buf[: hidden.shape[0]])
 
 
@@ -347,9 +350,9 @@ def generate(
     waves = plan_waves([len(p) for p in prompt_ids], params)
     rows_in_flight = max(len(w) for w in waves) * n
     pack_steps = 0 if compile else params.max_new_tokens  # a compiled step keeps the plain weights
-    with torch.inference_mode(), packed_for_decode(model, rows_in_flight, pack_steps) as head:
+    with torch.inference_mode(), packed_for_decode(model, rows_in_flight, pack_steps) as packs:
         for wave in waves:
-            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, head)
+            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, packs)
             for j, i in enumerate(wave):
                 rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
     return GenerationOutput(

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels.packing import packed_for_decode
+from ..kernels.packing import DecodePacks, packed_for_decode
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
 from .generate import StopStrings, _DecodeHead, _Draws, _left_pad, _prefill, as_seed
@@ -208,11 +208,11 @@ def _feed(model: Transformer, head: _DecodeHead, cache: KVCache, key_mask: torch
 
 
 def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: _Draws, tokenizer,
-            packed_head: torch.Tensor | None) -> None:
+            packs: DecodePacks) -> None:
     """Run every row to its end (see the module docstring); fills the rows in place."""
     sample = Sampler(params)
     cache, key_mask, logits = _prefill_rows(model, [r.tokens for r in rows], params.max_new_tokens)
-    head = _DecodeHead(model, len(rows), packed_head)
+    head = _DecodeHead(model, len(rows), packs)
     active = list(range(len(rows)))  # the row of each batch position
     while True:
         draw = sample(logits, draws.shared, draws.uniforms(active, [rows[r].finish is None for r in active]))
@@ -230,6 +230,7 @@ def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws:
             index = torch.tensor(keep, device=model.device)
             cache.select_rows(index)
             key_mask, active = key_mask.index_select(0, index), [active[a] for a in keep]
+            packs.resize(len(keep), params.max_new_tokens)  # a bound: each model turn takes at most that many
         pending = [rows[r].pending if rows[r].finish is None else [] for r in active]
         logits, key_mask = _feed(model, head, cache, key_mask, pending)
         for r in active:
@@ -261,6 +262,6 @@ def run_multiturn(
     rows = [_start_row(env, ex, tokenizer, params) for env, ex in zip(envs, examples)]
     _validate(model, rows, params)
     if rows:
-        with torch.inference_mode(), packed_for_decode(model, len(rows), params.max_new_tokens) as head:
-            _decode(model, rows, params, _Draws(seed, model.device), tokenizer, head)
+        with torch.inference_mode(), packed_for_decode(model, len(rows), params.max_new_tokens) as packs:
+            _decode(model, rows, params, _Draws(seed, model.device), tokenizer, packs)
     return [Trajectory(r.tokens, r.mask, r.logps, r.reward, r.components, r.finish or DONE, r.metrics) for r in rows]

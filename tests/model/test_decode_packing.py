@@ -1,10 +1,12 @@
-"""kernels/packing.py: weights packed once per decode loop, only where the plan says it pays, only trainable ones,
-never left behind -- and the same numbers as the plain products."""
+"""kernels/packing.py, kernels/packed.py: weights packed once per decode loop (by oneDNN or MKL), only where the plan
+says it pays, only trainable ones, repacked or dropped as the batch shrinks, never left behind -- and the same
+numbers as the plain products."""
 
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
+from grpo_engine.kernels import KernelPlan, apply_kernels, onednn, packed
+from grpo_engine.kernels.packing import DecodePacks
 from grpo_engine.kernels.select import shape_key, weight_shapes
 from grpo_engine.model.hf_io import load_model
 from grpo_engine.rollout import SamplingParams, generate
@@ -12,29 +14,34 @@ from grpo_engine.rollout import SamplingParams, generate
 pytestmark = pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
 
 
+KINDS = [pytest.param(k, marks=pytest.mark.skipif(not packed.works(k), reason=f"{k} cannot pack here"))
+         for k in packed.KINDS]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,shape", [(1, (301, 24)), (32, (64, 48)), (7, (48, 64))])
-def test_packed_products_match_float64(rows, shape):
+def test_packed_products_match_float64(rows, shape, kind):
+    """Packed for 32 rows, right for any row count (MKL's other counts run on the plain weight)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, shape[1], generator=g), torch.randn(shape, generator=g)
     bias = torch.randn(shape[0], generator=g)
-    packed = onednn.pack(w, 32)
+    p = packed.pack(w, 32, kind)
     ref = x.double() @ w.double().t()  # [rows, out]
-    torch.testing.assert_close(onednn.packed_linear(x, packed).double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(onednn.packed_linear(x, packed, bias).double(), ref + bias.double(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p(x).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p(x, bias).double(), ref + bias.double(), rtol=1e-5, atol=1e-5)
 
 
-def _planned_model(path, packing_after: int, gemm: str = "onednn"):
-    """The tiny model with every weight on `gemm` and every shape packed from `packing_after` decode steps."""
+def _planned_model(path, packing_after: int, gemm: str = "onednn", kind: str = "onednn"):
+    """The tiny model with every weight on `gemm` and every shape packed by `kind` from `packing_after` steps."""
     model = load_model(path)
     shapes = [shape_key(s) for s in weight_shapes(model)]
     plan = KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, gemm),
-                      decode_packing=dict.fromkeys(shapes, packing_after))
+                      decode_packing=dict.fromkeys(shapes, packing_after), pack_kinds=dict.fromkeys(shapes, kind))
     return apply_kernels(model, plan)
 
 
-def _generate(model, new: int):
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=new, stop_token_ids=[])
+def _generate(model, new: int, stop_token_ids=()):
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=new, stop_token_ids=list(stop_token_ids))
     return generate(model, [[1, 5, 9, 2], [3, 4]], params, seed=11)
 
 
@@ -69,20 +76,47 @@ def test_frozen_weights_are_never_packed(tiny_ckpt, monkeypatch):
     assert len(packed_shapes) == len(trainable)  # neither the frozen projection nor the frozen head
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("gemm", ["onednn", "torch"])
-def test_packed_decoding_samples_what_the_plain_weights_sample(tiny_ckpt, gemm):
-    packed = _generate(_planned_model(tiny_ckpt, packing_after=1, gemm=gemm), new=8)
-    plain = _generate(_planned_model(tiny_ckpt, packing_after=0, gemm=gemm), new=8)  # 0: never packed
-    assert packed.completion_ids == plain.completion_ids
-    for a, b in zip(packed.logprobs, plain.logprobs):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+def test_packed_decoding_samples_what_the_plain_weights_sample(tiny_ckpt, gemm, kind):
+    """Also while rows finish and leave the batch (stop ids common enough that most rows stop early): MKL's
+    weights are repacked for each smaller batch, or dropped near the end."""
+    stops = range(0, 256, 9)
+    for stop_ids in ((), stops):
+        out = _generate(_planned_model(tiny_ckpt, packing_after=2, gemm=gemm, kind=kind), 12, stop_ids)
+        plain = _generate(_planned_model(tiny_ckpt, packing_after=0, gemm=gemm), 12, stop_ids)  # 0: never packed
+        assert out.completion_ids == plain.completion_ids
+        for a, b in zip(out.logprobs, plain.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert len({len(c) for c in out.completion_ids}) > 1  # rows did stop at different steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_shrinking_batch_repacks_mkl_weights_while_it_pays_and_drops_them_after(tiny_ckpt, kind):
+    """Packing pays from 5 steps here. MKL's packs are for one row count: 6 -> 4 rows with 10 steps left repacks
+    them for 4; 4 -> 3 rows with 2 steps left drops them (the plan's GEMM runs the rest). oneDNN's packs serve any
+    row count and stay as they are."""
+    model = _planned_model(tiny_ckpt, packing_after=5, kind=kind)
+    projections = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear)]
+    packs = DecodePacks(model, 6, 20)
+    first = [m.packed for m in projections]
+    assert all(p.kind == kind and p.rows == 6 for p in first) and packs.head.rows == 6
+    packs.resize(4, 10)
+    if kind == "mkl":
+        assert all(m.packed.rows == 4 for m in projections) and packs.head.rows == 4
+    else:
+        assert [m.packed for m in projections] == first and packs.head.rows == 6
+    packs.resize(3, 2)
+    assert all((m.packed is None) == (kind == "mkl") for m in projections) and (packs.head is None) == (kind == "mkl")
+    packs.release()
+    assert all(m.packed is None for m in projections) and packs.head is None
 
 
 def test_packed_weights_are_not_used_with_gradients_on(tiny_ckpt):
     """A projection holding a packed weight still trains through its Parameter (autograd path)."""
     model = _planned_model(tiny_ckpt, packing_after=1)
     layer = model.layers[0].mlp.up_proj
-    layer.packed = onednn.pack(torch.zeros_like(layer.weight), 8)  # a stale packing: must be ignored
+    layer.packed = packed.pack(torch.zeros_like(layer.weight), 8, "onednn")  # a stale packing: must be ignored
     x = torch.randn(2, 3, layer.in_features)
     y = layer(x)
     torch.testing.assert_close(y, x @ layer.weight.t(), rtol=1e-5, atol=1e-5)

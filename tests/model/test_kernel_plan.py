@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, activate, onednn, select
+from grpo_engine.kernels import KernelPlan, activate, onednn, packed, select
 from grpo_engine.kernels.select import choose_plan, shape_key, weight_shapes
 from grpo_engine.model.hf_io import load_model
 
@@ -38,8 +38,9 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, calls))
     monkeypatch.setattr(select, "measure_attention", lambda key: attention_calls.append(key) or "grouped")
     packing_calls = []
-    monkeypatch.setattr(select, "measure_packing",  # packing pays against oneDNN's plain product, not torch's
-                        lambda o, i, gemm: packing_calls.append((o, i, gemm)) or (7 if gemm == "onednn" else 0))
+    monkeypatch.setattr(select, "measure_packing",  # packing (by MKL) pays against oneDNN's plain product only
+                        lambda o, i, gemm: packing_calls.append((o, i, gemm)) or ((7, "mkl") if gemm == "onednn"
+                                                                                   else (0, "")))
     grad_calls = []
     monkeypatch.setattr(select, "measure_weight_grad",  # in place for the torch weights, not for the oneDNN one
                         lambda o, i, backend: grad_calls.append((o, i, backend)) or ("inplace" if backend == "torch"
@@ -48,7 +49,7 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_grad_input",  # the oneDNN weight's input gradient measured on torch
                         lambda o, i, backend: input_calls.append((o, i, backend)) or "torch")
     monkeypatch.setattr(onednn, "op_works", lambda: True)
-    monkeypatch.setattr(onednn, "pack_works", lambda: True)
+    monkeypatch.setattr(packed, "available", lambda: ["onednn", "mkl"])
     cache = tmp_path / "kernels.json"
     plan = choose_plan(model, cache)
     assert plan.source == "measured" and sorted(calls) == shapes
@@ -58,6 +59,7 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     assert attention_calls == [heads] and plan.attention == {heads: "grouped"}
     assert sorted(packing_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # against its own GEMM
     assert plan.decode_packing == {shape_key(shapes[0]): 7}  # weights it never pays for are not listed
+    assert plan.pack_kinds == {shape_key(shapes[0]): "mkl"} and plan.pack_kind(shapes[0]) == "mkl"
     assert sorted(grad_calls) == sorted((*s, plan.gemm[shape_key(s)]) for s in shapes)  # each on its own GEMM
     assert plan.weight_grad == {shape_key(s): "onednn" if s == shapes[0] else "inplace" for s in shapes}
     assert not plan.grad_in_place(shapes[0]) and plan.grad_in_place(shapes[1])
@@ -69,12 +71,13 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     attention_key, packing_key = (next(k for k in stored if k.startswith(p)) for p in ("decode a", "decode p"))
     assert select.cpu_model() in key and torch.__version__ in key and stored[key] == plan.gemm
     assert attention_key == f"decode attention | {key}" and stored[attention_key] == plan.attention
-    assert packing_key == f"decode packing per weight | {key}"  # never paying recorded as 0
-    assert stored[packing_key] == {shape_key(s): 7 if s == shapes[0] else 0 for s in shapes}
+    assert packing_key == f"decode packing per weight and kind | {key}"  # never paying recorded as 0
+    assert stored[packing_key] == {shape_key(s): [7, "mkl"] if s == shapes[0] else [0, ""] for s in shapes}
     assert stored[f"weight grad | {key}"] == plan.weight_grad and stored[f"grad input | {key}"] == plan.grad_input
     again = choose_plan(model, cache)
     assert (again.source, again.gemm, again.attention) == ("cache", plan.gemm, plan.attention)
-    assert (again.decode_packing, again.weight_grad) == (plan.decode_packing, plan.weight_grad)
+    assert (again.decode_packing, again.pack_kinds, again.weight_grad) == (plan.decode_packing, plan.pack_kinds,
+                                                                            plan.weight_grad)
     assert again.grad_input == plan.grad_input
     n = len(shapes)  # nothing measured again
     assert (len(calls), len(attention_calls), len(packing_calls), len(grad_calls), len(input_calls)) == (n, 1, n, n, n)
@@ -102,7 +105,7 @@ def test_the_log_prob_head_is_timed_as_it_runs_and_recorded(buffered, fresh, cho
     faster = {shape_key(head): "onednn"}
     monkeypatch.setattr(select, "measure_shape", _fake_times(faster, []))
     monkeypatch.setattr(select, "measure_attention", lambda key: "sdpa")
-    monkeypatch.setattr(select, "measure_packing", lambda o, i, gemm: 0)
+    monkeypatch.setattr(select, "measure_packing", lambda o, i, gemm: (0, ""))
     monkeypatch.setattr(select, "measure_weight_grad", lambda o, i, backend: backend)
     monkeypatch.setattr(select, "measure_grad_input", lambda o, i, backend: backend)
     head_calls = []
@@ -259,10 +262,22 @@ def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
 def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(seconds, steps, monkeypatch):
     """measure_packing times (the weight's own product, packing, packed product); a gain under PACK_GAIN is noise:
     never. The same rule whichever GEMM the weight's own product runs on."""
+    monkeypatch.setattr(packed, "available", lambda: ["onednn"])
     for backend in ("onednn", "torch"):
         timed = iter(seconds)
         monkeypatch.setattr(select, "best_time", lambda fn, reps=3, timed=timed: next(timed))
-        assert select.measure_packing(48, 32, backend) == steps
+        assert select.measure_packing(48, 32, backend) == ((steps, "onednn") if steps else (0, ""))
+
+
+@pytest.mark.parametrize("mkl_seconds,chosen", [((4.0, 0.6), (20, "onednn")), ((4.0, 0.2), (5, "mkl")),
+                                                ((4.0, 0.5), (20, "onednn"))])
+def test_packing_takes_the_kind_with_the_fastest_packed_product(mkl_seconds, chosen, monkeypatch):
+    """plain product 1 s; oneDNN packs in 10 s to a 0.5 s product; MKL per mkl_seconds. The faster packed product
+    wins (a tie keeps oneDNN, listed first), and its own pack time sets the steps: 10 / 0.5 = 20, 4 / 0.8 = 5."""
+    monkeypatch.setattr(packed, "available", lambda: ["onednn", "mkl"])
+    timed = iter((1.0, 10.0, 0.5, *mkl_seconds))
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+    assert select.measure_packing(48, 32, "torch") == chosen
 
 
 @pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
@@ -272,9 +287,10 @@ def test_packing_is_timed_against_the_weights_own_gemm(backend, monkeypatch):
     real = onednn.product
     monkeypatch.setattr(onednn, "product", lambda x, w, on_onednn: plain_products.append((x.shape[0], on_onednn))
                         or real(x, w, on_onednn))
+    monkeypatch.setattr(packed, "available", lambda: ["onednn"])
     timed = iter((1.0, 10.0, 0.5))
     monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (fn(), next(timed))[1])  # runs fn, fakes its time
-    assert select.measure_packing(48, 32, backend) == 20
+    assert select.measure_packing(48, 32, backend) == (20, "onednn")
     assert plain_products == [(select.ROWS[0], backend == "onednn")]
 
 
@@ -293,6 +309,7 @@ def test_plans_written_before_weight_gradients_were_planned_accumulate_through_a
     older = {"cpu": "c", "torch": "t", "threads": 2, "gemm": {"48x32": "onednn"}, "decode_packing": {"48x32": 9}}
     plan = KernelPlan.from_json(json.dumps(older), "checkpoint")
     assert plan.weight_grad == {} and not plan.grad_in_place((48, 32)) and plan.decode_packing == {"48x32": 9}
+    assert plan.pack_kinds == {} and plan.pack_kind((48, 32)) == "onednn"  # packed as then: by oneDNN
     assert plan.grad_input == {} and plan.grad_input_backend((48, 32)) == "onednn"
     assert plan.grad_input_backend((32, 48)) == "torch"  # a shape the plan does not hold: torch, as its forward
     assert KernelPlan.from_json(plan.to_json(), "checkpoint") == plan

@@ -1,0 +1,77 @@
+"""A weight reordered once for the products of a decode loop, by oneDNN or by MKL: whichever the kernel plan
+measured faster for its shape on this machine (kernels/select.py `measure_packing`).
+
+Why two: both libraries reorder a weight into a blocked layout that their small-row products read faster than a
+plain weight, and which is faster depends on the CPU. On an Intel Xeon (family 6 model 207, 2 threads) MKL's
+packed product of 32 rows ran 1.2-1.6x faster than oneDNN's on the block weights of a 135M model
+(docs/benchmarks.md). MKL's packed layout is made for one row count: a product with any other count runs on the
+plain weight instead, so a decode loop whose batch shrinks repacks its MKL weights (packing.DecodePacks.resize).
+Both are fp32 GEMMs: the products agree with torch.mm to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import onednn
+
+KINDS = ("onednn", "mkl")
+_works: dict[str, bool] = {}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """weight [N, K] packed for products of `rows` rows; called like F.linear without the weight. No autograd."""
+
+    kind: str  # "onednn" | "mkl"
+    data: torch.Tensor  # the opaque packed buffer, valid only while `weight` is unchanged
+    weight: torch.Tensor  # [N, K]: MKL's product needs it (and uses it for any row count but `rows`)
+    rows: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.kind == "mkl":
+            return torch.ops.mkl._mkl_linear(x, self.data, self.weight, bias, self.rows)
+        return onednn.packed_linear(x, self.data, bias)
+
+
+def pack(weight: torch.Tensor, rows: int, kind: str) -> PackedWeight:
+    """weight [N, K] (fp32 CPU) packed by `kind` for products of about `rows` rows (exactly `rows` for MKL)."""
+    w = weight.detach()
+    data = torch.ops.mkl._mkl_reorder_linear_weight(w, rows) if kind == "mkl" else onednn.pack(w, rows)
+    return PackedWeight(kind, data, w, rows)
+
+
+def works(kind: str) -> bool:
+    """One-time check that `kind` can pack here and its packed products match torch.mm (oneDNN: onednn.pack_works;
+    MKL: the op exists in this torch build, e.g. not on ARM, and is right on a small problem)."""
+    if kind not in _works:
+        if kind == "onednn":
+            _works[kind] = onednn.pack_works()
+        else:
+            try:
+                g = torch.Generator().manual_seed(0)
+                x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
+                _works[kind] = (onednn.op_works() and torch.backends.mkl.is_available()
+                                and bool(torch.allclose(pack(w, 3, kind)(x), x @ w.t(), rtol=1e-5, atol=1e-5)))
+            except (RuntimeError, AttributeError):
+                _works[kind] = False
+    return _works[kind]
+
+
+def available() -> list[str]:
+    """The kinds that work here, oneDNN first; MKL is offered only beside oneDNN (GRPO_ONEDNN=0 packs nothing)."""
+    return [k for k in KINDS if works(k)] if works("onednn") else []
+
+
+def measure(out_features: int, in_features: int, rows: int, best_time: Callable) -> dict[str, tuple[float, float]]:
+    """{kind: (seconds to pack, seconds of one packed product of `rows` rows)} for every available kind."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+    times = {}
+    for kind in available():
+        packed = pack(w, rows, kind)
+        times[kind] = (best_time(lambda kind=kind: pack(w, rows, kind), 1), best_time(lambda p=packed: p(x), 5))
+    return times
