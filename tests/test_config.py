@@ -75,6 +75,17 @@ def test_wrong_type_names_field(tmp_path):
         load_config(None, ["optimizer.lr=fast"])
 
 
+def test_an_empty_value_says_the_key_has_none_and_how_to_fix_it(tmp_path):
+    """`model.path=` and `group_size:` with nothing after them are null; the error read "Incompatible value 'None'
+    for field of type 'str'"."""
+    with pytest.raises(ConfigError, match=r"override 'model\.path=': 'model\.path' has no value \(empty or null\) "
+                                          r"but needs one of type str: give it \(model\.path=VALUE\)"):
+        load_config(None, ["model.path="])
+    p = write(tmp_path, "rollout:\n  group_size:\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: 'rollout\.group_size' has no value .* of type int"):
+        load_config(p)
+
+
 def test_a_list_or_number_where_a_section_belongs_names_the_key(tmp_path):
     """`task: {options: [1, 2]}` was a TypeError traceback; `rollout: 5` named the key '?'."""
     with pytest.raises(ConfigError, match=r"c\.yaml: 'task\.options' must be a mapping .*got list \[1, 2\]"):

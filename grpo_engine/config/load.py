@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -60,6 +61,10 @@ def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
     msg = str(e).splitlines()[0]
     if isinstance(e, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
         raise ConfigError(f"{source}: unknown config key {key!r}{_closest(key)}") from None
+    empty = re.match(r"Incompatible value 'None' for field of type '(\w+)'", msg)
+    if isinstance(e, ValidationError) and empty:  # `key=` or `key:` with nothing after it: YAML null
+        raise ConfigError(f"{source}: {key!r} has no value (empty or null) but needs one of type {empty[1]}: "
+                          f"give it ({key}=VALUE) or leave the key out to keep its default") from None
     if isinstance(e, ValidationError):
         raise ConfigError(f"{source}: wrong type for {key!r}: {msg}") from None
     raise ConfigError(f"{source}: invalid value for {key!r}: {msg}") from None
