@@ -118,7 +118,7 @@ def top_p_filter(p: float) -> LogitFilter:
 def min_p_filter(min_p: float) -> LogitFilter:
     def apply(logits: torch.Tensor) -> torch.Tensor:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); no softmax needed.
-        cut = logits.max(dim=-1, keepdim=True).values + math.log(min_p)  # [R, 1]
+        cut = logits.amax(dim=-1, keepdim=True) + math.log(min_p)  # [R, 1]
         return logits.masked_fill(logits < cut, float("-inf"))
 
     return apply
@@ -150,7 +150,7 @@ class Draw(NamedTuple):
 
 def _log_normaliser(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] -> [R] log sum_j exp(logits_j): max + log of the shifted sum (cheaper than torch.logsumexp on CPU)."""
-    top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
     return top[:, 0] + torch.log(torch.exp(logits - top).sum(dim=-1))
 
 
@@ -186,7 +186,9 @@ def sample_from_logits(
     """
     R, V = logits.shape
     n_blocks = -(-V // block)
-    top = logits.max(dim=-1, keepdim=True).values  # [R, 1]
+    # amax, not max(dim).values: the same values (NaN propagates too) without the indices, whose CPU reduction
+    # took 6.7 ms against 0.8 ms on [32, 151,936] (Intel Xeon, 2 threads), once per decode step
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
     fits = work is not None and work.shape[0] >= R and work.shape[1] == n_blocks * block and work.dtype == logits.dtype
     w = work[:R] if fits else logits.new_empty(R, n_blocks * block)  # [R, V + pad]; only the pad is zeroed
     w[:, V:].zero_()
