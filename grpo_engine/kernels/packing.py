@@ -7,9 +7,9 @@ change, so reordering each one once per loop saves that work on every step: on a
 products of 32 rows of a 135M model and its LM head (docs/benchmarks.md). Packing costs about one weight copy of
 time and memory, so the kernel plan (select.py) measures, per weight shape, from how many decode steps it pays,
 and a weight is packed only for loops at least that long, by the kind whose packed product was faster. The packed
-product is timed against the weight's own
-GEMM, whichever it is: a weight that runs on torch's GEMM in training (where oneDNN is no faster, as on some
-Intel Xeon parts) is still packed for decoding where a packed product beats torch's at decode size.
+product is timed against the weight's own GEMM, whichever it is: a weight that runs on torch's GEMM in training
+(where oneDNN is no faster, as on some Intel Xeon parts) is still packed for decoding where a packed product beats
+torch's at decode size.
 
 Memory: the packed copies live only during generation, and only weights that require gradients are packed: in
 training their gradients, freed before the rollout, are at least as large as the copies, so packing does not

@@ -5,15 +5,14 @@ Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on s
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
 weight shape of the model, both are timed on a few representative products and the faster one is kept; for each
 weight, whether packing it for a decode loop pays against that GEMM, from how many decode steps and packed by which
-library (packing.py, packed.py),
-whether its training gradient is faster accumulated in place (onednn.weight_grads_in_place) than made by its
-GEMM and added, and which GEMM runs the gradient with respect to its input (a product with the weight transposed,
-which need not favour the forward's GEMM: on an AVX2-only EPYC oneDNN wins the decode-sized forward of some
-weights and loses their input gradient to torch's). The thread count is measured first (threads.py) and the
-GEMMs are timed at that count. The plan is cached in a JSON file keyed by (CPU, torch version, thread count),
-written into the run folder and every checkpoint, and read back on --resume on the same CPU and torch, so a
-resumed run uses the same kernels and threads and repeats the uninterrupted one bit for bit. GRPO_KERNELS=torch
-(or GRPO_ONEDNN=0) forces plain torch and its thread count.
+library (packing.py, packed.py), whether its training gradient is faster accumulated in place
+(onednn.weight_grads_in_place) than made by its GEMM and added, and which GEMM runs the gradient with respect to its
+input (a product with the weight transposed, which need not favour the forward's GEMM: on an AVX2-only EPYC oneDNN
+wins the decode-sized forward of some weights and loses their input gradient to torch's). The thread count is
+measured first (threads.py) and the GEMMs are timed at that count. The plan is cached in a JSON file keyed by (CPU,
+torch version, thread count), written into the run folder and every checkpoint, and read back on --resume on the
+same CPU and torch, so a resumed run uses the same kernels and threads and repeats the uninterrupted one bit for
+bit. GRPO_KERNELS=torch (or GRPO_ONEDNN=0) forces plain torch and its thread count.
 """
 
 from __future__ import annotations
