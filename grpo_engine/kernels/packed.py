@@ -3,7 +3,7 @@ measured faster for its shape on this machine (kernels/select.py `measure_packin
 
 Why two: both libraries reorder a weight into a blocked layout that their small-row products read faster than a
 plain weight, and which is faster depends on the CPU. On an Intel Xeon (family 6 model 207, 2 threads) MKL's
-packed product of 32 rows ran 1.2-1.6x faster than oneDNN's on the block weights of a 135M model
+packed product of 32 rows ran 1.2-2.0x faster than oneDNN's on the block weights of a 135M model
 (docs/benchmarks.md). MKL's packed layout is made for one row count: a product with any other count runs on the
 plain weight instead, so a decode loop whose batch shrinks repacks its MKL weights (packing.DecodePacks.resize).
 Both are fp32 GEMMs: the products agree with torch.mm to fp32 rounding.
