@@ -38,9 +38,10 @@ import torch
 from ..kernels.packing import DecodePacks, packed_for_decode
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
-from .generate import StopStrings, _DecodeHead, _Draws, _left_pad, _prefill, as_seed
+from .generate import _DecodeHead, _Draws, _left_pad, _prefill, as_seed
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
+from .stop_strings import StopStrings
 
 if TYPE_CHECKING:  # the protocol lives with the tasks; the sampler only calls reset/step and reads limits
     from ..tasks.environment import Environment
