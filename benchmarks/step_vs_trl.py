@@ -12,10 +12,13 @@ same kind of reward (a seeded pseudo-random number per completion: it varies wit
 advantage is non-zero and neither engine can skip a row of the update).
 
 Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
-  * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench_step.py: the trainer's phases);
+  * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench/step.py: the trainer's phases);
   * TRL: this file with --child trl (GRPOTrainer; a TrainerCallback times on_step_begin -> on_step_end,
     which covers generation, reward, loss, backward and the optimizer step).
-The figure per engine is the median over steps after the first (the first pays one-off warm-up).
+Both children are alive at once but take turns (grpo_engine/bench/turns.py): each one's set-up runs alone, then
+our step 1, TRL's step 1, our step 2, TRL's step 2, ... A machine whose speed drifts over minutes then gives each
+pair of steps the same speed, and the time ratio is the median of the pairs' ratios after the first pair (the
+first steps pay one-off warm-up). Each engine's own figure is its median step after the first.
 Prints a table and, last, one JSON line.
 """
 
@@ -63,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
     p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl")
     p.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
+    p.add_argument("--turn-fds", help=argparse.SUPPRESS)  # the child's turn pipe (grpo_engine/bench/turns.py)
     return p.parse_args(argv)
 
 
@@ -84,43 +88,82 @@ def child_env() -> dict:
     return env
 
 
-def run_child(cmd: list[str], name: str) -> dict:
-    """Run one engine; its result is the last stdout line starting with RESULT_TAG (or a JSON object)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), cwd=REPO)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise RuntimeError(f"{name} child failed (exit {proc.returncode}): {' '.join(cmd)}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            line = line[len(RESULT_TAG):]
-        if line.startswith("{"):
-            result = json.loads(line)
-            result["child_wall_s"] = time.perf_counter() - t0
-            return result
-    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-    raise RuntimeError(f"{name} child printed no JSON result")
+class Child:
+    """One engine's process, started with a turn pipe (grpo_engine/bench/turns.py): it runs a step only when given
+    the turn, so the two engines' steps alternate and every pair of steps sees the machine at the same speed."""
+
+    def __init__(self, name: str, cmd: list[str], logs: Path):
+        go_read, self.go_write = os.pipe()
+        self.ready_read, ready_write = os.pipe()
+        self.name, self.cmd, self.t0 = name, cmd, time.perf_counter()
+        self.out_path, self.err_path = logs / f"{name}.out", logs / f"{name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:  # the child writes its own copies
+            self.proc = subprocess.Popen([*cmd, "--turn-fds", f"{go_read},{ready_write}"], stdout=out, stderr=err,
+                                         env=child_env(), cwd=REPO, pass_fds=(go_read, ready_write))
+        os.close(go_read)
+        os.close(ready_write)
+        self.finished = False
+
+    def wait_turn_over(self) -> None:
+        """Block until the child is ready for its next step, or has exited (end of file: done or failed)."""
+        if not os.read(self.ready_read, 1):
+            self.finished = True
+
+    def give_turn(self) -> None:
+        os.write(self.go_write, b"G")
+
+    def result(self) -> dict:
+        """Its result: the last stdout line starting with RESULT_TAG (or a JSON object)."""
+        code = self.proc.wait()
+        for fd in (self.go_write, self.ready_read):
+            os.close(fd)
+        out, err = self.out_path.read_text(), self.err_path.read_text()
+        if code != 0:
+            sys.stderr.write(out[-4000:] + err[-8000:])
+            raise RuntimeError(f"{self.name} child failed (exit {code}): {' '.join(self.cmd)}")
+        for line in reversed(out.splitlines()):
+            if line.startswith(RESULT_TAG):
+                line = line[len(RESULT_TAG):]
+            if line.startswith("{"):
+                result = json.loads(line)
+                result["child_wall_s"] = time.perf_counter() - self.t0
+                return result
+        sys.stderr.write(out[-4000:] + err[-4000:])
+        raise RuntimeError(f"{self.name} child printed no JSON result")
 
 
-def run_ours(args, model_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
-           "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
-           "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
-           *([] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]),
-           *([] if args.micro_batch_tokens is None else ["--micro-batch-tokens", str(args.micro_batch_tokens)]),
-           "--json", "model.device=cpu"]  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
-    result = run_child(cmd, "grpo-engine")
-    result["mean_completion_len"] = float(args.max_new)  # bench_step never stops early (no stop tokens)
-    return result
+def run_interleaved(commands: dict[str, list[str]], logs: Path) -> dict[str, dict]:
+    """Run the engines' children so that only one of them works at a time: each one's set-up alone (its
+    kernel measurements see an idle machine), then step 1 of each in turn, step 2 of each, and so on."""
+    children = {}
+    for name, cmd in commands.items():
+        print(f"starting {name} ...", file=sys.stderr, flush=True)
+        children[name] = Child(name, cmd, logs)
+        children[name].wait_turn_over()  # its set-up is done: it waits for step 1 (or it has failed)
+    while not all(c.finished for c in children.values()):
+        for child in children.values():
+            if not child.finished:
+                child.give_turn()
+                child.wait_turn_over()  # its step is over (or its last step and its exit)
+    return {name: child.result() for name, child in children.items()}
 
 
-def run_trl(args, model_dir: Path) -> dict:
+def ours_command(args, model_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
+            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
+            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
+            *([] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]),
+            *([] if args.micro_batch_tokens is None else ["--micro-batch-tokens", str(args.micro_batch_tokens)]),
+            "--json", "model.device=cpu"]  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
+
+
+def trl_command(args, model_dir: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "trl", "--model", str(model_dir),
            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads)]
     if args.trl_gradient_checkpointing:
         cmd.append("--trl-gradient-checkpointing")
-    return run_child(cmd, "TRL")
+    return cmd
 
 
 # ------------------------------------------------------------------------------------------ TRL child
@@ -151,6 +194,9 @@ def trl_child(args) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo_engine.bench.turns import StepTurns
+
+    turns = StepTurns.parse(args.turn_fds) if args.turn_fds else None
     if args.threads:
         from grpo_engine.kernels.threads import fix_threads  # the engine's plan keeps this count
 
@@ -171,6 +217,8 @@ def trl_child(args) -> dict:
             self.times: list[float] = []
 
         def on_step_begin(self, args, state, control, **kw):
+            if turns is not None:
+                turns.wait()  # our step runs first; this one starts when the driver says so
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -212,6 +260,11 @@ def _eos_ids(model_dir: str, tok) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ report
+def paired_ratios(ours: list[float], peer: list[float]) -> list[float]:
+    """ours[i] / peer[i] for each step i both ran: step i of each ran back to back (run_interleaved)."""
+    return [a / b for a, b in zip(ours, peer)]
+
+
 def report(args, results: dict[str, dict]) -> dict:
     from grpo_engine.kernels import cpu_model
 
@@ -231,14 +284,18 @@ def report(args, results: dict[str, dict]) -> dict:
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
     if "ours" in results and "trl" in results:
         ours, trl = results["ours"], results["trl"]
-        summary["time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
+        pairs = paired_ratios(ours["step_times"], trl["step_times"])
+        summary["pair_time_ratios"] = pairs
+        summary["time_ratio"] = statistics.median(pairs[1:] or pairs)  # the steps ran in turn: pair by pair
+        summary["median_time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
         summary["rss_ratio"] = ours["peak_rss_mib"] / trl["peak_rss_mib"]
         # the fastest step of each: a load-robust second opinion when the machine is shared
         summary["min_time_ratio"] = min(ours["step_times"]) / min(trl["step_times"])
         summary["targets_met"] = {"time_ratio<=0.3": summary["time_ratio"] <= 0.3,
                                   "rss_ratio<=0.5": summary["rss_ratio"] <= 0.5}
-        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (target <= 0.3; fastest steps "
-              f"{summary['min_time_ratio']:.3f}), "
+        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (median of the step pairs after the first, "
+              f"target <= 0.3; pairs {' '.join(f'{r:.3f}' for r in pairs)}; medians "
+              f"{summary['median_time_ratio']:.3f}; fastest steps {summary['min_time_ratio']:.3f}), "
               f"peak RSS {summary['rss_ratio']:.3f} (target <= 0.5)")
     return summary
 
@@ -251,13 +308,12 @@ def main(argv=None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - {"ours", "trl"}:
         raise SystemExit(f"--engines {args.engines!r}: give a comma list of ours, trl")
-    runners = {"ours": run_ours, "trl": run_trl}
+    commands = {"ours": ours_command, "trl": trl_command}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_checkpoint(args, Path(tmp) / "model")
-        results = {}
-        for name in engines:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            results[name] = runners[name](args, model_dir)
+        results = run_interleaved({name: commands[name](args, model_dir) for name in engines}, Path(tmp))
+    if "ours" in results:
+        results["ours"]["mean_completion_len"] = float(args.max_new)  # bench_step never stops early
     print(json.dumps(report(args, results)))
     return 0
 

@@ -61,10 +61,7 @@ def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp
     assert [r.metrics.rows for r in records] == [6, 6] and [r.metrics.train_tokens for r in records] == [24, 24]
 
 
-def test_step_vs_trl_runs_our_step_on_the_cpu_like_trl(tmp_path, monkeypatch):
-    """benchmarks/step_vs_trl.py compares CPU steps: TRL runs with use_cpu=True, so our child must be pinned to the
-    CPU too (with model.device: auto it took a GPU where one was present and timed 1.3 s steps against TRL's 39 s)."""
-    import argparse
+def _step_vs_trl():
     import importlib.util
     from pathlib import Path
 
@@ -72,10 +69,94 @@ def test_step_vs_trl_runs_our_step_on_the_cpu_like_trl(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("step_vs_trl", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    commands = []
-    monkeypatch.setattr(bench, "run_child", lambda cmd, name: commands.append(cmd) or {})
+    return bench
+
+
+def test_step_vs_trl_runs_our_step_on_the_cpu_like_trl(tmp_path):
+    """benchmarks/step_vs_trl.py compares CPU steps: TRL runs with use_cpu=True, so our child must be pinned to the
+    CPU too (with model.device: auto it took a GPU where one was present and timed 1.3 s steps against TRL's 39 s)."""
+    import argparse
+
     args = argparse.Namespace(prompts=4, group=8, max_new=64, prompt_len=32, steps=3, threads=2, chunk_size=None,
                               micro_batch_tokens=None)
-    bench.run_ours(args, tmp_path)
-    [cmd] = commands
+    cmd = _step_vs_trl().ours_command(args, tmp_path)
     assert cmd[cmd.index("step") + 1 :].count("model.device=cpu") == 1 and cmd[-1] == "model.device=cpu"
+
+
+FAKE_ENGINE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from grpo_engine.bench.turns import StepTurns
+name, log, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+turns = StepTurns.parse(sys.argv[sys.argv.index("--turn-fds") + 1])
+def say(what):
+    with open(log, "a") as f:
+        f.write(f"{{name}} {{what}} start\\n")
+    time.sleep(0.05)  # anything the other process did meanwhile would land between start and end
+    with open(log, "a") as f:
+        f.write(f"{{name}} {{what}} end\\n")
+say("setup")
+for step in range(1, steps + 1):
+    turns.wait()
+    say(f"step{{step}}")
+say("teardown")
+print('{{"engine": "' + name + '"}}')
+"""
+
+
+def test_step_vs_trl_alternates_the_engines_steps(tmp_path):
+    """Both children live at once but never work at the same time: each one's set-up alone, then step 1 of each,
+    step 2 of each, ...; the work after a child's last step (ours measures the GEMM rate there) is alone too."""
+    import sys
+    from pathlib import Path
+
+    bench = _step_vs_trl()
+    engine = tmp_path / "engine.py"
+    engine.write_text(FAKE_ENGINE.format(repo=str(Path(__file__).resolve().parents[1])))
+    log = tmp_path / "order.log"
+    commands = {name: [sys.executable, str(engine), name, str(log), str(steps)]
+                for name, steps in (("ours", 3), ("trl", 2))}
+    results = bench.run_interleaved(commands, tmp_path)
+    assert results["ours"]["engine"] == "ours" and results["trl"]["engine"] == "trl"
+    lines = log.read_text().split("\n")[:-1]
+    phases = [(name, what) for name, what, _ in (line.split() for line in lines[::2])]
+    assert all(a.split()[:2] == b.split()[:2] and b.endswith("end") for a, b in zip(lines[::2], lines[1::2]))
+    assert phases == [("ours", "setup"), ("trl", "setup"), ("ours", "step1"), ("trl", "step1"), ("ours", "step2"),
+                      ("trl", "step2"), ("trl", "teardown"), ("ours", "step3"), ("ours", "teardown")]
+
+
+def test_step_vs_trl_reports_a_failed_child(tmp_path):
+    """A child that dies before its first step ends the run with its exit code and output, not a hang."""
+    import sys
+
+    import pytest
+
+    bench = _step_vs_trl()
+    failing = [sys.executable, "-c", "import sys; print('no model here', file=sys.stderr); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exit 3"):
+        bench.run_interleaved({"ours": failing}, tmp_path)
+
+
+def test_paired_ratios_take_each_step_against_its_partner():
+    assert _step_vs_trl().paired_ratios([2.0, 3.0, 1.0], [4.0, 6.0, 5.0]) == [0.5, 0.5, 0.2]
+
+
+def test_turn_fds_are_checked():
+    import pytest
+
+    from grpo_engine.bench.turns import StepTurns, TurnError
+
+    with pytest.raises(TurnError, match="READ,WRITE"):
+        StepTurns.parse("5")
+    with pytest.raises(TurnError, match="not open"):
+        StepTurns.parse("999,998")
+
+
+def test_bench_step_waits_for_its_turn_before_each_step(tiny_ckpt, recorded_steps):
+    """before_step (the turn of benchmarks/step_vs_trl.py) runs once before each step, outside the step's time."""
+    from grpo_engine.bench.step import bench_step
+
+    seen = []
+    bench_step(str(tiny_ckpt), prompts=2, group=2, max_new=3, prompt_len=24, steps=3,
+               before_step=lambda: seen.append(len(recorded_steps)))
+    assert seen == [0, 1, 2]

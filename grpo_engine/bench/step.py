@@ -16,9 +16,11 @@ import json
 import random
 import resource
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..tasks.base import Example, Prompt, RewardResult
+from .turns import StepTurns
 
 FILLER = "0123456789+*=abcdefghij"
 
@@ -38,6 +40,9 @@ def add_bench_step_parser(sub) -> None:
     p.add_argument("--optimizer", default=None, help="optimizer.name (default: the config's)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--turn-fds", default=None, metavar="READ,WRITE",
+                   help="for a driver that alternates two engines' steps (benchmarks/step_vs_trl.py): before each "
+                        "step write one byte to WRITE and wait for one on READ (grpo_engine/bench/turns.py)")
     p.set_defaults(func=_run)
 
 
@@ -45,9 +50,10 @@ def _run(args) -> int:
     flags = {"memory.micro_batch_tokens": args.micro_batch_tokens, "memory.logprob_chunk_size": args.chunk_size,
              "optimizer.name": args.optimizer}
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(args.overrides)
+    turns = StepTurns.parse(args.turn_fds) if args.turn_fds else None
     result = bench_step(args.model, prompts=args.prompts, group=args.group, max_new=args.max_new,
                         prompt_len=args.prompt_len, steps=args.steps, threads=args.threads, overrides=overrides,
-                        config=args.config)
+                        config=args.config, before_step=turns.wait if turns else None)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0
 
@@ -109,7 +115,9 @@ def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prom
 
 
 def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
-               threads: int = 0, overrides: list[str] | tuple[str, ...] = (), config: str | None = None) -> dict:
+               threads: int = 0, overrides: list[str] | tuple[str, ...] = (), config: str | None = None,
+               before_step: Callable[[], None] | None = None) -> dict:
+    """Times `steps` calls of the trainer's grpo_step; `before_step` runs before each (outside its time)."""
     import torch
 
     from ..kernels import cpu_model
@@ -121,7 +129,11 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     inputs, state = bench_inputs(model_dir, prompts=prompts, group=group, max_new=max_new, prompt_len=prompt_len,
                                  steps=steps, overrides=overrides, config=config)
     cfg, policy = inputs.cfg, inputs.policy
-    records = [grpo_step(inputs, state, step, message=lambda _: None) for step in range(1, steps + 1)]
+    records = []
+    for step in range(1, steps + 1):
+        if before_step is not None:
+            before_step()
+        records.append(grpo_step(inputs, state, step, message=lambda _: None))
     times = [r.metrics.time_step_s for r in records]
     floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new) if policy.device.type == "cpu" else {}
     if floor:
