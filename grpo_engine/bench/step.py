@@ -123,21 +123,23 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     from ..kernels import cpu_model
     from ..kernels.threads import fix_threads
     from ..train.step import grpo_step
+    from .floor import gemm_rates
 
     if threads:
         fix_threads(threads)  # the kernel plan keeps this count instead of measuring one
     inputs, state = bench_inputs(model_dir, prompts=prompts, group=group, max_new=max_new, prompt_len=prompt_len,
                                  steps=steps, overrides=overrides, config=config)
     cfg, policy = inputs.cfg, inputs.policy
-    records = []
+    on_cpu = policy.device.type == "cpu"
+    records, rates = [], []
     for step in range(1, steps + 1):
         if before_step is not None:
             before_step()
+        if on_cpu:  # the floor's GEMM rate right before each step: this machine's speed drifts over minutes
+            rates.append(gemm_rates())
         records.append(grpo_step(inputs, state, step, message=lambda _: None))
     times = [r.metrics.time_step_s for r in records]
-    floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new) if policy.device.type == "cpu" else {}
-    if floor:
-        floor["sec_per_step_over_floor"] = statistics.median(times[1:] or times) / floor["floor_s"]
+    floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new, times=times, rates=rates) if on_cpu else {}
     return {
         "engine": "grpo-engine", "cpu": cpu_model(), "sec_per_step": statistics.median(times[1:] or times),
         "step_times": times,
@@ -152,12 +154,13 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     }
 
 
-def matmul_floor(inputs, *, prompt_len: int, max_new: int) -> dict:
-    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured here, now (CPU, fp32)."""
+def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], rates: list[dict]) -> dict:
+    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured right before each step (CPU, fp32),
+    and each step's time over its own floor; the medians leave out the first step, as sec_per_step does."""
     from ..config import loss_config
     from ..kernels import checkpointed_blocks
     from ..rl.losses import is_tokenwise
-    from .floor import StepSizes, gemm_rates, step_flops
+    from .floor import StepSizes, step_flops
 
     cfg, model = inputs.cfg, inputs.policy.model
     mem, n_layers = cfg.memory, model.config.num_hidden_layers
@@ -165,7 +168,13 @@ def matmul_floor(inputs, *, prompt_len: int, max_new: int) -> dict:
     sizes = StepSizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, prompt_len, max_new,
                       shared_prompt=mem.share_prompt_forward, fused_head=is_tokenwise(loss_config(cfg)),
                       recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)
-    flops, rates = step_flops(model.config, sizes), gemm_rates()
+    flops = step_flops(model.config, sizes)
+    floors = [flops.total / max(r.values()) / 1e9 for r in rates]  # seconds, one per step
+    after_first = slice(1, None) if len(times) > 1 else slice(None)
     return {"matmul_gflop": {"generate": flops.generate / 1e9, "logprobs": flops.logprobs / 1e9,
                              "update": flops.update / 1e9},
-            "gemm_gflops": rates, "floor_s": flops.total / max(rates.values()) / 1e9}
+            "gemm_gflops": {k: statistics.median(r[k] for r in rates[after_first]) for k in rates[0]},
+            "gemm_gflops_per_step": [max(r.values()) for r in rates],
+            "floor_s": statistics.median(floors[after_first]),
+            "sec_per_step_over_floor": statistics.median(t / f for t, f in zip(times[after_first],
+                                                                               floors[after_first]))}
