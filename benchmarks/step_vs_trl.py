@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-START_ENV = dict(os.environ)  # before anything here imports grpo_engine (see child_env)
 RESULT_TAG = "RESULT_JSON "  # the child's result line; TRL prints other things on stdout too
 LR = 1e-6  # the learning rate grpo_engine/bench_step.py uses; TRL is given the same
 
@@ -83,10 +82,8 @@ def make_checkpoint(args, out_dir: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------ children
 def child_env() -> dict:
-    """The environment this script started with, so that what importing grpo_engine sets for its own process
-    (MKL_DISABLE_FAST_MM, grpo_engine/__init__.py) does not reach TRL's child; the children import grpo_engine from
-    this checkout even without `pip install -e .`."""
-    env = dict(START_ENV, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    """The children import grpo_engine from this checkout even without `pip install -e .`."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 

@@ -4,14 +4,7 @@ The public names below are imported on first use (PEP 562), so that `import grpo
 `grpo --help` do not pay for importing torch.
 """
 
-import os
 from importlib import import_module
-
-# MKL's own memory manager keeps the work buffers of every GEMM shape it has seen for reuse, and never hands them
-# back: 350-400 MiB of peak RSS in `grpo bench step` at the SmolLM2-135M shape on an Intel Xeon (docs/memory.md),
-# for no measurable speed. MKL reads this when torch loads it, so it is set here, before anything imports torch
-# (it has no effect in a process that imported torch before grpo_engine); a value the user set is kept.
-os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
 
 _PUBLIC = {
     "CheckpointError": ".model.hf_io",

@@ -179,12 +179,3 @@ def test_floor_ratio_takes_each_step_against_the_gemm_rate_measured_before_it(ti
     assert floor["sec_per_step_over_floor"] == pytest.approx(2.0 * 100 / flops)  # both steps: 200 / flops
     assert floor["floor_s"] == pytest.approx((flops / 100 + flops / 50) / 2)
     assert floor["gemm_gflops"] == {"torch": 70.0, "onednn": 35.0}  # medians of the steps after the first
-
-
-def test_trl_child_gets_the_environment_the_script_started_with(monkeypatch):
-    """What importing grpo_engine sets for its own process (MKL_DISABLE_FAST_MM) must not change TRL's settings."""
-    bench = _step_vs_trl()
-    monkeypatch.setattr(bench, "START_ENV", {"PATH": "/usr/bin"})
-    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")
-    env = bench.child_env()
-    assert "MKL_DISABLE_FAST_MM" not in env and env["PATH"] == "/usr/bin"
