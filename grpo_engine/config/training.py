@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from .fields import one_of, option, require, section
 
+UPDATE_MMAP = ("auto", "true", "false")  # memory.cpu_update_mmap (train/memory.py update_mmap_on)
+
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
 LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -105,9 +107,11 @@ class MemorySection(MemoryConfig):
                                              "them no gradient (beta = 0, entropy_coef = 0, no top-entropy mask): the "
                                              "same update, less compute; the update's metrics then cover the rows "
                                              "trained")
-    cpu_update_mmap: bool = option(False, "CPU with glibc: during the update, allocations of 1 MiB and more are "
-                                          "mmapped and returned to the OS when freed (flat peak RSS over a long run "
-                                          "instead of heap fragmentation; costs page faults, ~10-20% update time)")
+    cpu_update_mmap: str = option("auto", "CPU with glibc: during the update, allocations of 1 MiB and more are "
+                                          "mmapped and returned to the OS when freed (a flat peak RSS instead of heap "
+                                          "fragmentation; costs page faults, 5-20% update time). auto: on where the "
+                                          "model checkpoints activations (memory is what the run is short of)",
+                                  choices=UPDATE_MMAP)
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")
 
@@ -116,6 +120,8 @@ class MemorySection(MemoryConfig):
         require(self.micro_batch_tokens >= 1, "memory.micro_batch_tokens must be >= 1")
         require(self.logprob_chunk_size >= 1, "memory.logprob_chunk_size must be >= 1")
         require(self.gpu_memory_gib >= 0, "memory.gpu_memory_gib must be >= 0 (0 = no memory pre-flight check)")
+        self.cpu_update_mmap = str(self.cpu_update_mmap).lower()  # YAML's true / false arrive as "True" / "False"
+        one_of("memory.cpu_update_mmap", self.cpu_update_mmap, UPDATE_MMAP)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .advantage_batch import rollout_batch
 from .batching import RolloutBatch, rows_with_signal
 from .curriculum import Curriculum, PoolReport
 from .distributed import World, gathered
-from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory
+from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
 from .metrics import merge_ranks, step_metrics, step_parts
 from .policy import Policy
 from .rollouts import PromptSampler, RolloutRound, collect_groups
@@ -130,7 +130,7 @@ def update_step(run: StepInputs, batch, micro_tokens: int, step: int, totals, me
     """update_policy (with memory.cpu_update_mmap's allocation rule on CPU), then the LR schedule and the
     reference; then the gradients are freed, so the next rollout does not hold a copy of the weights' size."""
     cfg, policy = run.cfg, run.policy
-    with mmapped_allocations(cfg.memory.cpu_update_mmap and policy.device.type == "cpu"):
+    with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.model, policy.device)):
         outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), micro_tokens,
                                 message, run.world, totals)
     policy.after_update(step, updated=not outcome.skipped)

@@ -252,3 +252,31 @@ def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         policy_mod.warn_if_bf16_is_slow(config)
+
+
+@pytest.mark.parametrize("setting, checkpointed, device, expected", [
+    ("auto", True, "cpu", True),  # the run trades time for memory: hand the heap's holes back too
+    ("auto", False, "cpu", False),
+    ("true", False, "cpu", True),
+    ("false", True, "cpu", False),
+    ("true", True, "meta", False),  # a CPU allocator setting: never on another device
+])
+def test_update_mmap_follows_the_setting_and_auto_follows_checkpointing(setting, checkpointed, device, expected):
+    from grpo_engine.kernels import apply_activation_checkpointing
+    from grpo_engine.train.memory import update_mmap_on
+
+    model = apply_activation_checkpointing(Transformer(tiny_config()), 1 if checkpointed else 0)
+    assert update_mmap_on(setting, model, torch.device(device)) is expected
+
+
+def test_update_mmap_setting_takes_yaml_booleans(tmp_path):
+    """Configs written before "auto" existed say `cpu_update_mmap: true` (the real-model recipe does)."""
+    from grpo_engine.config import load_config
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("memory:\n  cpu_update_mmap: true\n")
+    assert load_config(str(yaml)).memory.cpu_update_mmap == "true"
+    assert load_config(None, ["memory.cpu_update_mmap=false"]).memory.cpu_update_mmap == "false"
+    assert load_config(None).memory.cpu_update_mmap == "auto"
+    with pytest.raises(ValueError, match="memory.cpu_update_mmap='often' is not one of auto, true, false"):
+        load_config(None, ["memory.cpu_update_mmap=often"])
