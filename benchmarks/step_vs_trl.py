@@ -138,8 +138,10 @@ def run_interleaved(commands: dict[str, list[str]], logs: Path) -> dict[str, dic
     children = {}
     for name, cmd in commands.items():
         print(f"starting {name} ...", file=sys.stderr, flush=True)
-        children[name] = Child(name, cmd, logs)
-        children[name].wait_turn_over()  # its set-up is done: it waits for step 1 (or it has failed)
+        child = children[name] = Child(name, cmd, logs)
+        child.wait_turn_over()  # its set-up is done: it waits for step 1 (or it has exited)
+        if child.finished:  # exited before its first step: a failure raises here, before the next set-up starts
+            child.result()
     while not all(c.finished for c in children.values()):
         for child in children.values():
             if not child.finished:

@@ -126,15 +126,19 @@ def test_step_vs_trl_alternates_the_engines_steps(tmp_path):
 
 
 def test_step_vs_trl_reports_a_failed_child(tmp_path):
-    """A child that dies before its first step ends the run with its exit code and output, not a hang."""
+    """A child that dies before its first step ends the run with its exit code, not a hang, and before the next
+    engine's set-up (minutes for TRL) starts."""
     import sys
 
     import pytest
 
     bench = _step_vs_trl()
     failing = [sys.executable, "-c", "import sys; print('no model here', file=sys.stderr); sys.exit(3)"]
+    started = tmp_path / "trl-started"
+    second = [sys.executable, "-c", f"open({str(started)!r}, 'w')"]
     with pytest.raises(RuntimeError, match="exit 3"):
-        bench.run_interleaved({"ours": failing}, tmp_path)
+        bench.run_interleaved({"ours": failing, "trl": second}, tmp_path)
+    assert not started.exists()
 
 
 def test_paired_ratios_take_each_step_against_its_partner():
