@@ -1,0 +1,53 @@
+"""benchmarks/step_breakdown.py: a step's matrix products against its matmul floor, phase by phase."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+
+def _breakdown():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_breakdown.py"
+    spec = importlib.util.spec_from_file_location("step_breakdown", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_phase_seconds_sum_the_self_time_of_the_product_ops():
+    bench = _breakdown()
+    events = [("aten::mm", 3_000_000), ("mkl::_mkl_linear", 500_000), ("aten::silu", 250_000),
+              ("aten::_scaled_dot_product_flash_attention_for_cpu", 1_000_000), ("aten::linear", 50_000)]
+    prof = SimpleNamespace(key_averages=lambda: [SimpleNamespace(key=k, self_cpu_time_total=us) for k, us in events])
+    assert bench.phase_seconds(prof) == pytest.approx((4.5, 4.8))  # self times in microseconds -> seconds
+
+
+def test_report_sets_each_phase_against_its_own_floor():
+    bench = _breakdown()
+    results = {"generate": {"wall_s": 6.0, "products_s": 4.0, "ops_s": 5.5},
+               "update": {"wall_s": 15.0, "products_s": 12.0, "ops_s": 14.0}}
+    floor = {"gemm_gflops_per_step": [200.0], "matmul_gflop": {"generate": 400.0, "logprobs": 0.0, "update": 2000.0},
+             "floor_s": 12.0}
+    r = bench.report(results, floor, times=[30.0, 24.0, 99.0], cpu="cpu")
+    gen, upd = r["phases"]["generate"], r["phases"]["update"]
+    assert (gen["floor_s"], gen["products_gflops"], gen["wall_over_floor"], gen["products_over_floor"]) == \
+        pytest.approx((2.0, 100.0, 3.0, 2.0))
+    assert (upd["floor_s"], upd["products_gflops"], upd["wall_over_floor"], upd["products_over_floor"]) == \
+        pytest.approx((10.0, 2000 / 12, 1.5, 1.2))
+    # the profiled (last) step's time holds the profiler's processing: the step before it is the step's time
+    assert (r["step_s"], r["step_over_floor"], r["products_s"], r["products_over_floor"]) == \
+        pytest.approx((24.0, 2.0, 16.0, 16 / 12))
+
+
+def test_breakdown_profiles_a_real_step_and_leaves_the_trainer_as_it_was(tiny_ckpt):
+    import grpo_engine.train.step as step_module
+
+    bench = _breakdown()
+    before = (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs)
+    args = SimpleNamespace(model=str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2, overrides=[])
+    r = bench.measure(args)
+    assert set(r["phases"]) == {"generate", "update"}  # beta 0, mu 1: no log-prob pass
+    for phase in r["phases"].values():
+        assert 0 < phase["products_s"] < phase["ops_s"] <= phase["wall_s"]
+    assert (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs) == before
