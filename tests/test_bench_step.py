@@ -62,14 +62,9 @@ def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp
 
 
 def _step_vs_trl():
-    import importlib.util
-    from pathlib import Path
+    from benchmark_scripts import load_benchmark
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_vs_trl.py"
-    spec = importlib.util.spec_from_file_location("step_vs_trl", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("step_vs_trl")
 
 
 def test_step_vs_trl_runs_our_step_on_the_cpu_like_trl(tmp_path):

@@ -1,23 +1,18 @@
 """benchmarks/efficacy_vs_trl.py --real: what TRL is given comes from the real-model recipe, and the ratios
 and per-seed means it reports are the ones its targets name."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from grpo_engine.config import load_config
 from grpo_engine.demo import REAL_RECIPE
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "efficacy_vs_trl.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("efficacy_vs_trl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("efficacy_vs_trl")
 
 
 def test_real_settings_are_the_recipes(bench):

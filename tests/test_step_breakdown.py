@@ -1,18 +1,13 @@
 """benchmarks/step_breakdown.py: a step's matrix products against its matmul floor, phase by phase."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 
 def _breakdown():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_breakdown.py"
-    spec = importlib.util.spec_from_file_location("step_breakdown", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_breakdown")
 
 
 def test_phase_seconds_sum_the_self_time_of_the_product_ops():

@@ -21,13 +21,9 @@ def test_bench_generate_json_line(tiny_dir, capsys):
 def test_decode_overhead_benchmark_times_every_projection(tiny_dir):
     """benchmarks/decode_overhead.py: the GEMMs it times alone are every block projection of the model (7 a
     layer)."""
-    import importlib.util
-    from pathlib import Path
+    from benchmark_scripts import load_benchmark
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_overhead.py"
-    spec = importlib.util.spec_from_file_location("decode_overhead", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("decode_overhead")
     r = bench.measure(str(tiny_dir), rows=3, slots=5, reps=2)
     assert r["linears"] == 7 * 2 and 0 <= r["packed_linears"] <= r["linears"]  # the tiny model: 2 layers
     assert r["step_ms"] > 0 and r["gemms_ms"] > 0 and r["head_ms"] > 0
