@@ -4,13 +4,14 @@ and everything else, phase by phase, beside the floor of `grpo bench step` (grpo
     python benchmarks/step_breakdown.py --model DIR                      # 4 x 8 x 64 after 32-token prompts
     python benchmarks/step_breakdown.py --model DIR memory.activation_checkpointing=none
 
-The floor is the step's matmul FLOPs over the best rate of one large fp32 GEMM. A step cannot beat the time its
-own products take at their own shapes, so `products / floor` is the closest this CPU's GEMM libraries let the
-step come to the floor even if every other op (norms, RoPE, SwiGLU, softmax, the optimizer, Python) took no
-time; `other` is that remaining work. The products are the leaf ops that multiply matrices (torch.mm and addmm,
-bmm, MKL's and oneDNN's linear, SDPA), timed by their own (self) time in the profiled step. The steps before the
-profiled one warm the kernels up; the profiler adds a little to `other`. Prints a table, then one JSON line.
-CPU only. Run on a quiet machine.
+The floor is the step's matmul FLOPs over the best rate of one large fp32 GEMM; here the best of three
+measurements (before each of the last two steps and after the last), as this machine's speed drifts. A step
+cannot beat the time its own products take at their own shapes, so `products / floor` is the closest this CPU's
+GEMM libraries let the step come to the floor even if every other op (norms, RoPE, SwiGLU, softmax, the
+optimizer, Python) took no time; `other` is that remaining work. The products are the leaf ops that multiply
+matrices (torch.mm and addmm, bmm, MKL's and oneDNN's linear, SDPA), timed by their own (self) time in the
+profiled step. The steps before the profiled one warm the kernels up; the profiler adds a little to `other`.
+Prints a table, then one JSON line. CPU only. Run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -87,13 +88,17 @@ def measure(args) -> dict:
     overrides = ["model.device=cpu", *args.overrides]  # the floor is a CPU one: its rate is a CPU GEMM's
     inputs, state = bench_inputs(args.model, **sizes, steps=args.steps, overrides=overrides)
     phases = {"collect_groups": "generate", "attach_logprobs": "logprobs", "update_step": "update"}
-    times = []
+    times, rates = [], []
     with PhaseProfiles(step_module, phases) as profiles:
         for step in range(1, args.steps + 1):
             profiles.on = step == args.steps
-            rate = gemm_rates()  # right before the profiled step: this machine's speed drifts over minutes
+            if step >= args.steps - 1:
+                rates.append(gemm_rates())
             times.append(step_module.grpo_step(inputs, state, step, message=lambda _: None).metrics.time_step_s)
-    floor = matmul_floor(inputs, prompt_len=args.prompt_len, max_new=args.max_new, times=times[-1:], rates=[rate])
+    rates.append(gemm_rates())
+    # This machine's speed drifts within minutes: the floor takes the best rate seen around the last two steps
+    best = {k: max(r[k] for r in rates) for k in rates[0]}
+    floor = matmul_floor(inputs, prompt_len=args.prompt_len, max_new=args.max_new, times=times[-1:], rates=[best])
     return report(profiles.results, floor, times, cpu_model())
 
 
