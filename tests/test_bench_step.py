@@ -161,20 +161,24 @@ def test_bench_step_waits_for_its_turn_before_each_step(tiny_ckpt, recorded_step
     assert seen == [0, 1, 2]
 
 
-def test_floor_ratio_takes_each_step_against_the_gemm_rate_measured_before_it(tiny_ckpt):
-    """The machine's speed drifts, so each step's time is set against the floor at the rate measured right before
-    it: a step twice as slow at half the rate is as far from its floor as a fast one at full rate."""
+def test_floor_ratio_takes_each_step_against_the_gemm_rate_measured_around_it(tiny_ckpt):
+    """The machine's speed drifts, so each step's time is set against the floor at the better of the rates read
+    just before and just after it: a step twice as slow at half the rate is as far from its floor as a fast one at
+    full rate, and one low reading does not lengthen a step's floor."""
     from grpo_engine.bench.floor import StepSizes, step_flops
     from grpo_engine.bench.step import bench_inputs, matmul_floor
 
     inputs, _ = bench_inputs(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=3)
     times = [9.0, 2.0, 4.0]
-    rates = [{"torch": 50.0, "onednn": 10.0}, {"torch": 100.0, "onednn": 20.0}, {"torch": 40.0, "onednn": 50.0}]
+    rates = [{"torch": 50.0, "onednn": 10.0}, {"torch": 100.0, "onednn": 20.0}, {"torch": 40.0, "onednn": 50.0},
+             {"torch": 30.0, "onednn": 25.0}]  # before each step, and after the last
     floor = matmul_floor(inputs, prompt_len=24, max_new=5, times=times, rates=rates)
     cfg = inputs.cfg
     flops = step_flops(inputs.policy.model.config, StepSizes(2, 3, 24, 5, shared_prompt=cfg.memory.share_prompt_forward,
                                                              fused_head=True, recompute=0.0)).total / 1e9
-    assert floor["gemm_gflops_per_step"] == [50.0, 100.0, 50.0]
-    assert floor["sec_per_step_over_floor"] == pytest.approx(2.0 * 100 / flops)  # both steps: 200 / flops
+    assert floor["gemm_gflops_per_step"] == [100.0, 100.0, 50.0]  # step 1: 50 before it, 100 after it
+    assert floor["sec_per_step_over_floor"] == pytest.approx(2.0 * 100 / flops)  # steps 2 and 3: 200 / flops
     assert floor["floor_s"] == pytest.approx((flops / 100 + flops / 50) / 2)
-    assert floor["gemm_gflops"] == {"torch": 70.0, "onednn": 35.0}  # medians of the steps after the first
+    assert floor["gemm_gflops"] == {"torch": 70.0, "onednn": 50.0}  # medians of the steps after the first
+    with pytest.raises(ValueError, match="one before each and one after"):
+        matmul_floor(inputs, prompt_len=24, max_new=5, times=times, rates=rates[:3])

@@ -135,9 +135,11 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     for step in range(1, steps + 1):
         if before_step is not None:
             before_step()
-        if on_cpu:  # the floor's GEMM rate right before each step: this machine's speed drifts over minutes
+        if on_cpu:  # the floor's GEMM rate before each step (and after the last): the machine's speed drifts
             rates.append(gemm_rates())
         records.append(grpo_step(inputs, state, step, message=lambda _: None))
+    if on_cpu:
+        rates.append(gemm_rates())  # and after the last: each step's floor takes the better reading around it
     times = [r.metrics.time_step_s for r in records]
     floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new, times=times, rates=rates) if on_cpu else {}
     return {
@@ -155,8 +157,12 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
 
 
 def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], rates: list[dict]) -> dict:
-    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured right before each step (CPU, fp32),
-    and each step's time over its own floor; the medians leave out the first step, as sec_per_step does."""
+    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured around each step (CPU, fp32), and
+    each step's time over its own floor; the medians leave out the first step, as sec_per_step does.
+
+    `rates` holds a reading before each step and one after the last; a step's rate is the better of the readings
+    just before and just after it. Why: this machine's speed drifts within seconds, and one low reading would
+    make that step's floor long and the step look closer to it than it is."""
     from ..config import loss_config
     from ..kernels import checkpointed_blocks
     from ..rl.losses import is_tokenwise
@@ -169,12 +175,15 @@ def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], r
                       shared_prompt=mem.share_prompt_forward, fused_head=is_tokenwise(loss_config(cfg)),
                       recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)
     flops = step_flops(model.config, sizes)
-    floors = [flops.total / max(r.values()) / 1e9 for r in rates]  # seconds, one per step
+    if len(rates) != len(times) + 1:
+        raise ValueError(f"{len(rates)} GEMM rate readings for {len(times)} steps: one before each and one after")
+    around = [{k: max(a[k], b[k]) for k in a} for a, b in zip(rates, rates[1:])]  # per step
+    floors = [flops.total / max(r.values()) / 1e9 for r in around]  # seconds, one per step
     after_first = slice(1, None) if len(times) > 1 else slice(None)
     return {"matmul_gflop": {"generate": flops.generate / 1e9, "logprobs": flops.logprobs / 1e9,
                              "update": flops.update / 1e9},
-            "gemm_gflops": {k: statistics.median(r[k] for r in rates[after_first]) for k in rates[0]},
-            "gemm_gflops_per_step": [max(r.values()) for r in rates],
+            "gemm_gflops": {k: statistics.median(r[k] for r in around[after_first]) for k in around[0]},
+            "gemm_gflops_per_step": [max(r.values()) for r in around],
             "floor_s": statistics.median(floors[after_first]),
             "sec_per_step_over_floor": statistics.median(t / f for t, f in zip(times[after_first],
                                                                                floors[after_first]))}
