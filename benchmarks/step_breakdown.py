@@ -81,7 +81,7 @@ class PhaseProfiles:
 def measure(args) -> dict:
     import grpo_engine.train.step as step_module
     from grpo_engine.bench.floor import gemm_rates
-    from grpo_engine.bench.step import bench_inputs, matmul_floor
+    from grpo_engine.bench.step import bench_inputs, step_matmul_flops
     from grpo_engine.kernels import cpu_model
 
     sizes = dict(prompts=args.prompts, group=args.group, max_new=args.max_new, prompt_len=args.prompt_len)
@@ -96,31 +96,28 @@ def measure(args) -> dict:
                 rates.append(gemm_rates())
             times.append(step_module.grpo_step(inputs, state, step, message=lambda _: None).metrics.time_step_s)
     rates.append(gemm_rates())
-    # This machine's speed drifts within minutes: the floor takes the best rate seen around the last two steps
-    best = {k: max(r[k] for r in rates) for k in rates[0]}
-    floor = matmul_floor(inputs, prompt_len=args.prompt_len, max_new=args.max_new, times=times[-1:],
-                         rates=[best, best])
-    return report(profiles.results, floor, times, cpu_model())
+    rate = max(max(r.values()) for r in rates)  # the best seen around the last two steps: the speed drifts
+    flops = step_matmul_flops(inputs, prompt_len=args.prompt_len, max_new=args.max_new)
+    gflop = {"generate": flops.generate / 1e9, "logprobs": flops.logprobs / 1e9, "update": flops.update / 1e9}
+    return report(profiles.results, gflop, rate, times, cpu_model())
 
 
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def report(results: dict, floor: dict, times: list[float], cpu: str) -> dict:
-    """Per phase: its floor (its FLOPs at the GEMM rate), wall time, product time, and both over the floor."""
-    rate = floor["gemm_gflops_per_step"][0]
+def report(results: dict, gflop: dict[str, float], rate: float, times: list[float], cpu: str) -> dict:
+    """Per phase: its floor (its GFLOP at the GEMM rate, GFLOP/s), wall time, product time, both over the floor."""
     phases = {}
     for name, r in results.items():
-        gflop = floor["matmul_gflop"][name]
-        phases[name] = {**r, "floor_s": gflop / rate, "products_gflops": ratio(gflop, r["products_s"]),
-                        "wall_over_floor": ratio(r["wall_s"] * rate, gflop),
-                        "products_over_floor": ratio(r["products_s"] * rate, gflop)}
+        phases[name] = {**r, "floor_s": gflop[name] / rate, "products_gflops": ratio(gflop[name], r["products_s"]),
+                        "wall_over_floor": ratio(r["wall_s"] * rate, gflop[name]),
+                        "products_over_floor": ratio(r["products_s"] * rate, gflop[name])}
+    floor = sum(gflop.values()) / rate
     products = sum(r["products_s"] for r in results.values())
     step = times[-2]  # the last step's own time includes the profiler's processing
-    return {"cpu": cpu, "gemm_gflops": rate, "floor_s": floor["floor_s"], "step_s": step, "products_s": products,
-            "step_over_floor": step / floor["floor_s"], "products_over_floor": products / floor["floor_s"],
-            "phases": phases}
+    return {"cpu": cpu, "gemm_gflops": rate, "floor_s": floor, "step_s": step, "products_s": products,
+            "step_over_floor": step / floor, "products_over_floor": products / floor, "phases": phases}
 
 
 def show(r: dict) -> None:

@@ -22,9 +22,8 @@ def test_report_sets_each_phase_against_its_own_floor():
     bench = _breakdown()
     results = {"generate": {"wall_s": 6.0, "products_s": 4.0, "ops_s": 5.5},
                "update": {"wall_s": 15.0, "products_s": 12.0, "ops_s": 14.0}}
-    floor = {"gemm_gflops_per_step": [200.0], "matmul_gflop": {"generate": 400.0, "logprobs": 0.0, "update": 2000.0},
-             "floor_s": 12.0}
-    r = bench.report(results, floor, times=[30.0, 24.0, 99.0], cpu="cpu")
+    gflop = {"generate": 400.0, "logprobs": 0.0, "update": 2000.0}  # floor: 2,400 GFLOP / 200 GFLOP/s = 12 s
+    r = bench.report(results, gflop, 200.0, times=[30.0, 24.0, 99.0], cpu="cpu")
     gen, upd = r["phases"]["generate"], r["phases"]["update"]
     assert (gen["floor_s"], gen["products_gflops"], gen["wall_over_floor"], gen["products_over_floor"]) == \
         pytest.approx((2.0, 100.0, 3.0, 2.0))

@@ -156,13 +156,8 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     }
 
 
-def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], rates: list[dict]) -> dict:
-    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured around each step (CPU, fp32), and
-    each step's time over its own floor; the medians leave out the first step, as sec_per_step does.
-
-    `rates` holds a reading before each step and one after the last; a step's rate is the better of the readings
-    just before and just after it. Why: this machine's speed drifts within seconds, and one low reading would
-    make that step's floor long and the step look closer to it than it is."""
+def step_matmul_flops(inputs, *, prompt_len: int, max_new: int):
+    """The matmul FLOPs (bench/floor.py StepFlops) of one step of this run, with its resolved settings."""
     from ..config import loss_config
     from ..kernels import checkpointed_blocks
     from ..rl.losses import is_tokenwise
@@ -174,7 +169,17 @@ def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], r
     sizes = StepSizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, prompt_len, max_new,
                       shared_prompt=mem.share_prompt_forward, fused_head=is_tokenwise(loss_config(cfg)),
                       recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)
-    flops = step_flops(model.config, sizes)
+    return step_flops(model.config, sizes)
+
+
+def matmul_floor(inputs, *, prompt_len: int, max_new: int, times: list[float], rates: list[dict]) -> dict:
+    """The step's matmul FLOPs (bench/floor.py) over the best GEMM rate measured around each step (CPU, fp32), and
+    each step's time over its own floor; the medians leave out the first step, as sec_per_step does.
+
+    `rates` holds a reading before each step and one after the last; a step's rate is the better of the readings
+    just before and just after it. Why: this machine's speed drifts within seconds, and one low reading would
+    make that step's floor long and the step look closer to it than it is."""
+    flops = step_matmul_flops(inputs, prompt_len=prompt_len, max_new=max_new)
     if len(rates) != len(times) + 1:
         raise ValueError(f"{len(rates)} GEMM rate readings for {len(times)} steps: one before each and one after")
     around = [{k: max(a[k], b[k]) for k in a} for a, b in zip(rates, rates[1:])]  # per step
