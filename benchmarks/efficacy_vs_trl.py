@@ -162,7 +162,7 @@ def task_for(args):
 def build_real_base(args, work: Path) -> tuple[Path, dict]:
     """The real model as an HF directory (a .gguf is dequantised and written once; TRL reads HF only)."""
     from grpo_engine.demo import real_model_path
-    from grpo_engine.model.hf_io import load_model, save_model
+    from grpo_engine.model.loading import load_model, save_model
 
     source = real_model_path(None if args.real == "installed" else args.real)
     if not source.endswith(".gguf"):
@@ -191,9 +191,8 @@ def reference_completion(task, example) -> str:
 def build_sft_checkpoint(args, work: Path) -> tuple[Path, dict]:
     import torch
 
-    from grpo_engine.model.hf_io import load_model, save_model
+    from grpo_engine.model.loading import load_model, load_tokenizer, save_model
     from grpo_engine.model.tiny import make_tiny_checkpoint
-    from grpo_engine.model.tokenizer import load_tokenizer
     from grpo_engine.train.rollouts import render_prompt
     from grpo_engine.train.sft import SFTConfig, train_sft
 
@@ -226,8 +225,7 @@ def greedy_accuracy(model_dir: Path, tokenizer_dir: Path, args) -> float:
         cfg = real_config(args)
         return held_out(model_dir, cfg, task_for(args)).accuracy
 
-    from grpo_engine.model.hf_io import load_model
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_model, load_tokenizer
     from grpo_engine.rollout import SamplingParams, generate
     from grpo_engine.tasks.base import safe_reward
     from grpo_engine.train.rollouts import render_prompt
@@ -283,7 +281,7 @@ def trl_child(args) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.tasks.base import safe_reward
     from grpo_engine.train.rollouts import render_prompt
 
@@ -322,7 +320,7 @@ def trl_child(args) -> dict:
     wall = time.perf_counter() - t0
     trainer.save_model(str(out / "model"))
     if args.real:  # evaluated with our tokenizer files, exactly as the start and our result
-        from grpo_engine.model.hf_io import copy_tokenizer_files
+        from grpo_engine.model.loading import copy_tokenizer_files
 
         copy_tokenizer_files(args.sft_dir, out / "model")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]

@@ -27,9 +27,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo_engine.bench.generate import bench_prompts
 from grpo_engine.kernels import apply_kernels
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.model.tiny import make_tiny_checkpoint
-from grpo_engine.model.tokenizer import load_tokenizer
 from grpo_engine.rollout import SamplingParams, generate
 
 CACHE = Path(os.environ.get("GRPO_BENCH_CACHE", Path.home() / ".cache" / "grpo-engine" / "bench"))

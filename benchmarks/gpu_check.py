@@ -117,7 +117,7 @@ def logits_parity(path: Path, device: str, prompts: list[list[int]]) -> dict:
     """max / mean |logit diff| of our bf16 and transformers' bf16 forward, each against our fp32 forward."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
 
     ref = load_model(path, dtype=torch.float32, device=device)
     want = [ref(torch.tensor([p], device=device))[0].float() for p in prompts]  # [L, V] each
@@ -145,7 +145,7 @@ def logits_parity(path: Path, device: str, prompts: list[list[int]]) -> dict:
 
 def rollout_mismatch(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]], sizes: Sizes) -> dict:
     """generate()'s per-token log-probs vs the training forward's (batch_logprobs) on the same completions."""
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
     from grpo_engine.rollout import SamplingParams, generate
     from grpo_engine.train.batching import build_rollout_batch
     from grpo_engine.train.update import batch_logprobs
@@ -174,7 +174,7 @@ def rollout_mismatch(path: Path, device: str, dtype: torch.dtype, prompts: list[
 
 def parity(smoke: bool, sizes: Sizes) -> dict:
     from grpo_engine.bench.generate import bench_prompts
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = checkpoint("qwen2.5-0.5b", smoke)
@@ -395,7 +395,7 @@ def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
     from generate_vs_hf import time_hf
 
     from grpo_engine.bench.generate import bench_prompts
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
 
     tok = load_tokenizer(path)
     prompts = bench_prompts(tok, sizes.speed_prompts)

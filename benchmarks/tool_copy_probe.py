@@ -27,9 +27,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from grpo_engine.config import SFTConfig  # noqa: E402
-from grpo_engine.model.hf_io import load_model  # noqa: E402
+from grpo_engine.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402
-from grpo_engine.model.tokenizer import load_tokenizer  # noqa: E402
 from grpo_engine.rollout.chat_turns import conversation_ids  # noqa: E402
 from grpo_engine.tasks import build_task, render_prompt  # noqa: E402
 from grpo_engine.train.sft import make_sft_batch, train_sft  # noqa: E402

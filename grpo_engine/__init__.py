@@ -8,10 +8,10 @@ from importlib import import_module
 
 _PUBLIC = {
     "CheckpointError": ".model.hf_io",
-    "load_model": ".model.hf_io",
-    "save_model": ".model.hf_io",
+    "load_model": ".model.loading",
+    "save_model": ".model.loading",
     "Tokenizer": ".model.tokenizer",
-    "load_tokenizer": ".model.tokenizer",
+    "load_tokenizer": ".model.loading",
     "GenerationOutput": ".rollout",
     "SamplingParams": ".rollout",
     "generate": ".rollout",

@@ -79,8 +79,7 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
     recipe's tools when they are enabled: then also the tool-call rate)."""
     from .eval.evaluate import EvalConfig, evaluate
     from .kernels import apply_kernels
-    from .model.hf_io import load_model
-    from .model.tokenizer import load_tokenizer
+    from .model.loading import load_model, load_tokenizer
 
     model, tok = apply_kernels(load_model(model_dir).requires_grad_(False)), load_tokenizer(model_dir)  # inference only
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]

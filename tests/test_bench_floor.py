@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from grpo_engine.bench.floor import StepSizes, attention_flops, body_flops_per_token, generate_flops, update_flops
 from grpo_engine.config import LossConfig
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
 from grpo_engine.train.batching import build_rollout_batch
 from grpo_engine.train.update import UpdateSettings, update_policy

@@ -35,7 +35,7 @@ def test_demo_recipe_pins_the_byte_level_prompt_and_reward(tiny_ckpt):
     """The demo's prompt and reward are what its recipe says, whatever the built-in (instruct) defaults are:
     the user message is just "38+45=", and only the bare number counts."""
     from grpo_engine.demo import DEMO_RECIPE
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.tasks import render_prompt
     from grpo_engine.train.setup import task_of
 

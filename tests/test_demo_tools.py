@@ -34,7 +34,7 @@ def test_tools_section_checks_its_values():
 def test_teacher_conversation_is_the_rollout_tokens(tiny_ckpt):
     """The SFT target of a tool-using teacher is byte for byte what a rollout appends: the call, the tool turn
     rendered on its own (end of turn, user turn with the <tool_response> block, generation prompt), the answer."""
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.train.setup import task_of
     from grpo_engine.train.warm_start import sft_pairs
 

@@ -82,8 +82,7 @@ def bench_generate(args: argparse.Namespace) -> dict:
     import torch
 
     from ..kernels import apply_kernels, cpu_model
-    from ..model.hf_io import load_model
-    from ..model.tokenizer import load_tokenizer
+    from ..model.loading import load_model, load_tokenizer
     from ..rollout import SamplingParams, generate
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

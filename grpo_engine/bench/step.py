@@ -95,7 +95,7 @@ def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prom
                  overrides: list[str] | tuple[str, ...] = (), config: str | None = None):
     """The StepInputs and StepState of a benchmark run: the trainer's own, with BenchTask as the task."""
     from ..config import load_config
-    from ..model.tokenizer import load_tokenizer
+    from ..model.loading import load_tokenizer
     from ..train.policy import build_policy
     from ..train.rollouts import PromptSampler
     from ..train.setup import pick_device, sampling_params, seed_everything

@@ -190,10 +190,12 @@ def tools_for(args):
 def stored_run_config(model: str):
     """The Config a run stored next to `model` (a run dir or checkpoint), or None for a plain model."""
     from ..config import config_from_yaml_text
-    from ..train.checkpoint import stored_config_text
+    from ..train.checkpoint import model_source, stored_config_text
 
     text = stored_config_text(model) if Path(model).exists() else None
-    return config_from_yaml_text(text) if text else None
+    if not text:
+        return None
+    return config_from_yaml_text(text, str(model_source(model).parent / "config.yaml"))  # errors name the file
 
 
 def _progress(done: int, total: int) -> None:
@@ -301,8 +303,8 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
     import torch
 
     from ..kernels import apply_kernels
-    from ..model.hf_io import CheckpointError, load_model
-    from ..model.tokenizer import load_tokenizer
+    from ..model.hf_io import CheckpointError
+    from ..model.loading import load_model, load_tokenizer
 
     source = Path(tokenizer_dir) if tokenizer_dir else model_dir
     try:

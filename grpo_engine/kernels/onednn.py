@@ -25,14 +25,10 @@ allocate a fresh [out, in] gradient per micro-batch (page-faulted in on the CPU)
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .packed import PackedWeight
 
 _state: dict[str, bool] = {}
 _active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
@@ -228,7 +224,7 @@ class OneDNNLinear(torch.nn.Linear):
     `packed` holds the weight packed by oneDNN or MKL (kernels/packing.py sets and clears it), used without
     gradients."""
 
-    packed: PackedWeight | None = None
+    packed: Callable[..., torch.Tensor] | None = None  # a kernels/packed.py PackedWeight: x [M, K] -> [M, N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]

@@ -145,8 +145,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     import gguf
 
     from .gguf_tokenizer import write_tokenizer
-    from .hf_io import load_model
-    from .tokenizer import load_tokenizer
+    from .loading import load_model, load_tokenizer
 
     if kind not in TYPES:
         raise CheckpointError(f"--type {kind!r} is not supported; choose one of {', '.join(TYPES)}")

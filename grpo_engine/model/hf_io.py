@@ -10,7 +10,6 @@ transformers' AutoModelForCausalLM and vLLM load: config.json, generation_config
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -252,16 +251,10 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
     model.tie_weights()
 
 
-def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+def load_hf_model(
+    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load an HF checkpoint directory (or a .gguf file: model/gguf_io.py). Built on the meta device, so weights
-    are allocated once."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from .gguf_io import load_gguf_model
-
-        return load_gguf_model(path, dtype, device)
+    """Load an HF checkpoint directory. Built on the meta device, so weights are allocated once."""
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
@@ -295,7 +288,7 @@ def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[s
     return shards
 
 
-def save_model(
+def save_hf_model(
     model: Transformer,
     out_dir: str | Path,
     *,
@@ -304,7 +297,8 @@ def save_model(
     max_shard_bytes: int = 4 * 1024**3,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write `model` as an HF checkpoint directory (config, weights, generation config, tokenizer files).
+    """Write `model` as an HF checkpoint directory (config, weights, generation config; the tokenizer files are
+    model/loading.py's `save_model`).
 
     state_dict: HF-named tensors to write instead of hf_state_dict(model), e.g. LoRA weights merged into
     the base by lora.merged_model_state(model).
@@ -332,23 +326,4 @@ def save_model(
         gen = read_json(Path(tokenizer_dir) / "generation_config.json")
     if gen is not None:
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, out)
     return out
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
-    """The tokenizer files of `src` into `dst`; from a .gguf file they are generated (tokenizer.json,
-    tokenizer_config.json with the chat template, generation_config.json), so a run that started from a GGUF
-    writes ordinary Hugging Face checkpoints."""
-    src, dst = Path(src), Path(dst)
-    if src.suffix == ".gguf":
-        from .tokenizer import load_tokenizer
-
-        load_tokenizer(src).save(dst)
-        return
-    if src.resolve() == dst.resolve():
-        return
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)

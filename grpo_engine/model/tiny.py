@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .hf_io import save_model
+from .hf_io import save_hf_model
 from .transformer import ModelConfig, Transformer
 
 CHATML_TEMPLATE = (
@@ -158,5 +158,5 @@ def make_tiny_checkpoint(
     ids = {s: 256 + i for i, s in enumerate(specials)}
     cfg.extra = {"bos_token_id": ids.get(bos), "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
     gen = {"bos_token_id": ids.get(bos), "eos_token_id": [ids[eos], ids[pad]], "pad_token_id": ids[pad]}
-    save_model(model, out, generation_config=gen)
+    save_hf_model(model, out, generation_config=gen)
     return out

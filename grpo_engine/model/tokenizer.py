@@ -143,15 +143,8 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load tokenizer.json, tokenizer_config.json (+ chat_template.jinja) and generation_config.json; or the
-    tokenizer inside a .gguf file (model/gguf_tokenizer.py)."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from .gguf_io import read_gguf
-        from .gguf_tokenizer import build_tokenizer
-
-        return build_tokenizer(read_gguf(path).meta, str(path))
+def load_hf_tokenizer(path: Path) -> Tokenizer:
+    """Load tokenizer.json, tokenizer_config.json (+ chat_template.jinja) and generation_config.json."""
     tok_file = path / "tokenizer.json"
     if not tok_file.exists():
         raise CheckpointError(

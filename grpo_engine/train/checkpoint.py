@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..model.hf_io import hf_name_table, save_model
+from ..model.hf_io import hf_name_table
+from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
 from .run_dir import holds_run
 from .state_io import StateFormatError, load_state, save_state

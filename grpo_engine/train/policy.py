@@ -18,7 +18,7 @@ import torch
 
 from ..config import Config
 from ..kernels import KernelPlan, apply_kernels, bf16_slowdown, choose_plan, cpu_model, load_plan, measured_here
-from ..model.hf_io import load_model
+from ..model.loading import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from ..plan.memory import resolve_checkpointing
 from .batching import RolloutBatch

@@ -18,7 +18,7 @@ import torch
 
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
-from ..model.tokenizer import load_tokenizer
+from ..model.loading import load_tokenizer
 from ..monitor import Monitor, RankMessages
 from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams

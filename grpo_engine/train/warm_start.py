@@ -15,9 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..model.hf_io import load_model, save_model
+from ..model.loading import load_model, load_tokenizer, save_model
 from ..model.tiny import make_tiny_checkpoint
-from ..model.tokenizer import load_tokenizer
 from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
 from .run_dir import utc_stamp

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_engine.config import load_config
-from grpo_engine.model.hf_io import load_model
-from grpo_engine.model.tokenizer import load_tokenizer
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.train.distributed import World
 from grpo_engine.train.rollouts import PromptSampler, collect_groups
 from grpo_engine.train.setup import sampling_params, task_of

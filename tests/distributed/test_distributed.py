@@ -10,7 +10,7 @@ import pytest
 import torch
 from batches import LOSSES, settings, whole_batch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.train.update import update_policy
 
 HERE = Path(__file__).parent

@@ -81,7 +81,7 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
     skipped on both and this rank reports the step's loss (it once failed with AttributeError on None.loss,
     leaving the other rank waiting in a collective)."""
     from grpo_engine.config import load_config
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.train.policy import build_policy
     from grpo_engine.train.rollouts import PromptSampler
     from grpo_engine.train.setup import pick_device, sampling_params, task_of

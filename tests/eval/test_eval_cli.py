@@ -11,8 +11,7 @@ import torch
 
 from grpo_engine.cli import main
 from grpo_engine.eval.cli import parse_task_options, printable
-from grpo_engine.model.hf_io import load_model
-from grpo_engine.model.tokenizer import load_tokenizer
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.rollout import SamplingParams, generate
 from grpo_engine.tasks import R1_PREFILL, R1_SYSTEM_PROMPT, Example, make_task, render_prompt
 

@@ -8,8 +8,7 @@ import pytest
 from references import BYTE_ARITHMETIC, R1
 
 from grpo_engine.eval.evaluate import EvalConfig, evaluate, report_json, report_markdown
-from grpo_engine.model.hf_io import load_model
-from grpo_engine.model.tokenizer import load_tokenizer
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.rollout import GenerationOutput, SamplingParams, generate
 from grpo_engine.tasks import Example, make_task, render_prompt
 from grpo_engine.tasks.base import RewardResult

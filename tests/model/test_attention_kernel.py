@@ -6,7 +6,7 @@ import torch
 
 from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
 from grpo_engine.kernels.attention import grouped_decode_attention, measure, parse_key, shape_key
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (14, 2)])

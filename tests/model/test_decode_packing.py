@@ -8,7 +8,7 @@ import torch
 from grpo_engine.kernels import KernelPlan, apply_kernels, onednn, packed
 from grpo_engine.kernels.packing import DecodePacks
 from grpo_engine.kernels.select import shape_key, weight_shapes
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
 
 pytestmark = pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")

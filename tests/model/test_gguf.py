@@ -9,9 +9,8 @@ import torch
 from grpo_engine.model.config import CheckpointError
 from grpo_engine.model.gguf_export import export_gguf
 from grpo_engine.model.gguf_io import find_smollm2_gguf, reader
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.model.tiny import make_tiny_checkpoint
-from grpo_engine.model.tokenizer import load_tokenizer
 
 pytest.importorskip("gguf")
 SMOL = find_smollm2_gguf()

@@ -8,7 +8,7 @@ import torch
 
 from grpo_engine.kernels import KernelPlan, activate, onednn, packed, select
 from grpo_engine.kernels.select import choose_plan, shape_key, weight_shapes
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import hf_name_table, load_model, save_model
+from grpo_engine.model.hf_io import hf_name_table
+from grpo_engine.model.loading import load_model, save_model
 from grpo_engine.model.lora import (
     ALL_LINEAR,
     LoRAConfig,
@@ -239,7 +240,7 @@ def test_adapter_config_holds_only_keys_peft_knows(tmp_path, tiny_ckpt):
     """PEFT warns ("upgrade PEFT") about keys it does not know: the engine's settings live in grpo_lora.json."""
     import json
 
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
     from grpo_engine.model.lora import LoRAConfig, apply_lora, save_adapter
 
     model = apply_lora(load_model(tiny_ckpt), LoRAConfig(enabled=True, rank=4, init="gaussian"))

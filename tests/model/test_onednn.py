@@ -108,7 +108,7 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, 
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])  # qwen2: q/k/v biases
 def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arch):
     """The transformer's projections (onednn.OneDNNLinear) give nn.Linear's loss and gradients, fp32 rounding apart."""
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
 
     model = load_model(tiny_ckpt_factory(arch))
     on_onednn = {shape_key(s): "onednn" for s in weight_shapes(model)}

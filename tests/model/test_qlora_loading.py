@@ -15,7 +15,7 @@ from torch import nn
 
 import grpo_engine.model.lora as lora_mod
 import grpo_engine.train.policy as policy_mod
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import ALL_LINEAR, NF4_BACKENDS, LoRAConfig, LoRALinear, apply_lora, lora_modules
 from grpo_engine.model.tiny import make_tiny_checkpoint
 from grpo_engine.train.policy import PolicySpec, policy_model

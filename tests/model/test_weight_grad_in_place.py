@@ -8,7 +8,7 @@ import torch
 
 from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, apply_kernels, onednn
 from grpo_engine.kernels.select import shape_key, weight_shapes
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 
 
 def _planned(model, in_place: set[str], backend: str = "onednn"):

@@ -7,7 +7,7 @@ import torch
 from references import naive_token_logprobs
 from torch.profiler import ProfilerActivity, profile
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rl.logprobs import token_logprobs
 
 

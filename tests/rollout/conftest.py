@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.model.tiny import make_tiny_checkpoint
-from grpo_engine.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -201,7 +201,7 @@ def test_per_prompt_seeds_make_a_prompts_samples_independent_of_the_batch(tiny_d
     """With one seed per prompt, a prompt's completions are the same alone, in any batch, in any wave plan and
     whatever the other rows do (stop tokens compact the batch at different times) -- the property that makes a
     step's samples independent of how prompts are split across ranks. float64: no matmul-blocking rounding."""
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
 
     model = load_model(tiny_dir, dtype=torch.float64)
     seeds = [11, 22, 33]
@@ -236,7 +236,7 @@ def test_a_shared_prefix_runs_once_with_the_same_results(tiny_dir, tiny_tok, mon
     tokens and log-probs equal the plain prefill's (float64: to 1e-10) and a full forward's argmax."""
     import importlib
 
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
 
     gen_module = importlib.import_module("grpo_engine.rollout.generate")
     model = load_model(tiny_dir, dtype=torch.float64)
@@ -263,7 +263,7 @@ def test_a_shared_prefix_runs_once_with_the_same_results(tiny_dir, tiny_tok, mon
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_blown_up_weights_raise_non_finite_logits(tiny_dir, mixed_prompts, temperature):
     """NaN weights: the documented NonFiniteLogits, sampled or greedy (sampling used to raise IndexError)."""
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
     from grpo_engine.rollout.sampling import NonFiniteLogits
 
     model = load_model(tiny_dir, dtype=torch.float32)

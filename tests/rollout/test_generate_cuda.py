@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

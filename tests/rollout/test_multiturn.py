@@ -277,7 +277,7 @@ def test_rejects_group_sampling_and_too_long_budgets(tiny_model, tiny_tok):
 def test_per_trajectory_seeds_make_a_row_independent_of_the_batch(tiny_dir, tiny_tok):
     """A trajectory is the same alone and in a batch whose other rows pause for environment turns, resume and
     finish at other steps (pad holes, compaction). float64: no matmul-blocking rounding."""
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
 
     model = load_model(tiny_dir, dtype=torch.float64)
     questions = ["What is 2", "Hi!", "Solve x for me"]

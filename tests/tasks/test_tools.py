@@ -291,13 +291,13 @@ RESULTS = [{"role": "tool", "name": "calculator", "content": "5"}, {"role": "too
 
 @pytest.fixture(scope="module")
 def chatml_tok(tiny_ckpt_factory):
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
 
     return load_tokenizer(tiny_ckpt_factory("qwen2"))
 
 
 def test_fallback_rendering_for_templates_without_tools(chatml_tok, tiny_ckpt_factory):
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
 
     assert not template_supports_tools(chatml_tok)
     decls = BUILTINS.declarations()

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from grpo_engine.config import ConfigError, CurriculumSection, load_config
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.train.curriculum import Curriculum, PoolScores, difficulty, easy_to_hard, in_band, pool_seed, select
 from grpo_engine.train.loop import train
 from grpo_engine.train.rollouts import PromptSampler, prompt_seed

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_engine.cli import main
 from grpo_engine.config import load_config
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora, load_adapter
 from grpo_engine.train.loop import train
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.train.reference import ReferenceConfig, make_reference
 
 

@@ -73,7 +73,7 @@ def test_resume_with_overwrite_is_refused(tmp_path):
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(tiny_ckpt, tmp_path):
-    from grpo_engine.model.hf_io import load_model
+    from grpo_engine.model.loading import load_model
     from grpo_engine.train.checkpoint import TrainerState, capture_rng, save_checkpoint
 
     model, root = load_model(tiny_ckpt), tmp_path / "checkpoints"

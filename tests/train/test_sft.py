@@ -87,7 +87,7 @@ def test_sft_pairs_skip_examples_without_a_reference(tiny_ckpt):
     import pytest
 
     from grpo_engine.config import ConfigError
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.tasks import make_task
     from grpo_engine.tasks.countdown import CountdownExample
     from grpo_engine.train.warm_start import sft_pairs

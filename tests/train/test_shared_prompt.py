@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo_engine.kernels import apply_activation_checkpointing
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora
 from grpo_engine.rl.losses import LossConfig
 from grpo_engine.train.batching import (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig
 from grpo_engine.train.batching import build_rollout_batch
 from grpo_engine.train.update import accumulate_gradients

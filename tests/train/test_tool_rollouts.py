@@ -54,7 +54,7 @@ def _inputs(tiny_ckpt, tmp_path, overrides) -> StepInputs:
     cfg = load_config(str(REPO / "configs/tiny_arithmetic.yaml"),
                       [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "tools.enabled=true", "tools.max_turns=2",
                        "tools.max_tokens=128", "tools.format=undeclared", *overrides])
-    from grpo_engine.model.tokenizer import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.train.policy import build_policy
     from grpo_engine.train.rollouts import PromptSampler
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_engine.model.hf_io import load_model
+from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig, is_tokenwise
 from grpo_engine.train.batching import build_rollout_batch, micro_batches
 from grpo_engine.train.update import accumulate_gradients, batch_logprobs, combine_metrics
