@@ -60,8 +60,8 @@ def load(overrides: list[str]):
 
 def warm_started(base: list[str], seed: int, out: Path) -> Path:
     """OUT/seed-s/sft: the demo's warm start for seed s (reused when it is already there)."""
+    from grpo_engine.sft.warm_start import warm_start
     from grpo_engine.train.setup import task_of
-    from grpo_engine.train.warm_start import warm_start
 
     cfg = load([*base, f"seed={seed}", f"run_dir={out / f'seed-{seed}'}", f"warm_start.tiny.seed={seed}",
                 f"warm_start.sft.seed={seed}"])

@@ -40,8 +40,8 @@ def median_ms(fn, reps: int) -> float:
 
 def measure(model_dir: str, rows: int, slots: int, reps: int) -> dict:
     from grpo_engine.kernels import apply_kernels, cpu_model, onednn
-    from grpo_engine.kernels.packing import packed_for_decode
     from grpo_engine.model.loading import load_model
+    from grpo_engine.rollout.decode_kernels import packed_for_decode
     from grpo_engine.rollout.kv_cache import KVCache
 
     model = apply_kernels(load_model(model_dir).requires_grad_(True))  # trainable: packed as in a GRPO rollout

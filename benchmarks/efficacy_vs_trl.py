@@ -16,7 +16,7 @@ recipe's micro_batch_tokens). Each child reports its peak RSS (getrusage), so me
 
 Pipeline (every knob is a flag):
   (a) a random byte-level Qwen2-shaped checkpoint (make_tiny_checkpoint; ~2.5M params by default);
-  (b) supervised warm start (grpo_engine.train.sft.train_sft) on the arithmetic task's train split, target
+  (b) supervised warm start (grpo_engine.sft.trainer.train_sft) on the arithmetic task's train split, target
       "<answer>{answer}</answer>" + EOS, i.e. the completion the task's reward scores 1.1 (format + answer);
   (c) greedy held-out accuracy of the SFT model on --eval-n test problems (disjoint from train);
   (d) our GRPO: grpo_engine.train.loop.train(cfg), config built with load_config(None, overrides), in a child;
@@ -191,10 +191,10 @@ def reference_completion(task, example) -> str:
 def build_sft_checkpoint(args, work: Path) -> tuple[Path, dict]:
     import torch
 
+    from grpo_engine.collect.groups import render_prompt
     from grpo_engine.model.loading import load_model, load_tokenizer, save_model
     from grpo_engine.model.tiny import make_tiny_checkpoint
-    from grpo_engine.train.rollouts import render_prompt
-    from grpo_engine.train.sft import SFTConfig, train_sft
+    from grpo_engine.sft.trainer import SFTConfig, train_sft
 
     base = make_tiny_checkpoint(work / "base", "qwen2", seed=args.seed, hidden_size=args.hidden,
                                 num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -225,10 +225,10 @@ def greedy_accuracy(model_dir: Path, tokenizer_dir: Path, args) -> float:
         cfg = real_config(args)
         return held_out(model_dir, cfg, task_for(args)).accuracy
 
+    from grpo_engine.collect.groups import render_prompt
     from grpo_engine.model.loading import load_model, load_tokenizer
     from grpo_engine.rollout import SamplingParams, generate
     from grpo_engine.tasks.base import safe_reward
-    from grpo_engine.train.rollouts import render_prompt
 
     tok, task = load_tokenizer(tokenizer_dir), make_arithmetic(args)
     examples = list(task.examples("test"))
@@ -281,9 +281,9 @@ def trl_child(args) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo_engine.collect.groups import render_prompt
     from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.tasks.base import safe_reward
-    from grpo_engine.train.rollouts import render_prompt
 
     torch.manual_seed(args.seed)
     task, ours_tok, st = task_for(args), load_tokenizer(args.sft_dir), grpo_settings(args)

@@ -71,7 +71,8 @@ def config(args, run_dir: str):
 def instrument(timers: Timers) -> None:
     import torch
 
-    from grpo_engine.train import loop, rollouts, update
+    from grpo_engine.collect import groups as rollouts
+    from grpo_engine.train import loop, update
 
     for module, attr, name in [
         (loop, "collect_groups", "rollout (generate + score)"),

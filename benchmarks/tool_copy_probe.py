@@ -30,9 +30,9 @@ from grpo_engine.config import SFTConfig  # noqa: E402
 from grpo_engine.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402
 from grpo_engine.rollout.chat_turns import conversation_ids  # noqa: E402
+from grpo_engine.sft.trainer import make_sft_batch, train_sft  # noqa: E402
+from grpo_engine.sft.warm_start import sft_pairs  # noqa: E402
 from grpo_engine.tasks import build_task, render_prompt  # noqa: E402
-from grpo_engine.train.sft import make_sft_batch, train_sft  # noqa: E402
-from grpo_engine.train.warm_start import sft_pairs  # noqa: E402
 
 TASK = dict(template="{a}{op}{b}=", instruction="", system_prompt=None, prefill="", digits=3, operations=["*"],
             format="bare_number", extractors=["last_number"], full_width=True, n_train=20000, n_test=200)

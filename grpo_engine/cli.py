@@ -17,7 +17,7 @@ from pathlib import Path
 from .bench import add_bench_parser
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
-from .model.gguf_export import add_export_parser
+from .gguf_export import add_export_parser
 
 
 def add_train_parser(sub) -> None:
@@ -29,8 +29,6 @@ def add_train_parser(sub) -> None:
     p.add_argument("--stop-after", type=_at_least_one, default=None, help="stop (with a checkpoint) after N steps")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in a run_dir that holds a run: the old run is renamed RUN_DIR.prev-<time>")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="allow resuming a checkpoint whose trainer state is a pickle (written by earlier versions)")
     p.add_argument("--nproc", type=_at_least_one, default=None,
                    help="data-parallel ranks on this machine: relaunches itself under torchrun --nproc_per_node N")
     p.set_defaults(func=_train)
@@ -63,8 +61,7 @@ def _train(args) -> int:
     from .train.update import NonFiniteError
 
     try:
-        result = train(cfg, resume=args.resume, stop_after=args.stop_after, trust_checkpoint=args.trust_checkpoint,
-                       overwrite=args.overwrite)
+        result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
@@ -180,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Errors a user can fix from the message alone: one line, exit 2. Config, data and checkpoint errors are
-# ValueErrors (ConfigError, DataError, CheckpointError, StateFormatError, UntrustedCheckpointError).
+# ValueErrors (ConfigError, DataError, CheckpointError, StateFormatError).
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 

@@ -94,8 +94,8 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     """The tiny demo (warm start, then GRPO), with `tools` its calculator variant (recipes/demo_tools.yaml), or
     with `real` SmolLM2-135M-Instruct (GRPO only). A previous run in the run dir is renamed RUN_DIR.prev-<time>
     first (nothing deleted)."""
+    from .checkpoint.run_dir import plan_run_dir
     from .train.loop import train
-    from .train.run_dir import plan_run_dir
     from .train.setup import task_of
 
     console = console or Console()
@@ -128,7 +128,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
 
 
 def _warm_start(cfg: Config, task, console: Console) -> Path:
-    from .train.warm_start import warm_start
+    from .sft.warm_start import warm_start
 
     with _progress(console) as bar:
         job = bar.add_task("supervised warm start", total=cfg.warm_start.sft.steps)

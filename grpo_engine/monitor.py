@@ -58,7 +58,7 @@ class StepMetrics:
     time_step_s: float = 0.0
     peak_mem_mib: float = math.nan
     micro_batch_tokens: int = 0
-    # curriculum (train/curriculum.py): set on the steps that re-score a pool, NaN / 0 on the others
+    # curriculum (collect/curriculum.py): set on the steps that re-score a pool, NaN / 0 on the others
     curriculum_pool_accuracy: float = math.nan  # mean accuracy of the pooled prompts' samples
     curriculum_pool_entropy: float = math.nan  # mean semantic entropy / log(samples) of the pooled prompts
     curriculum_queued: int = 0  # pooled prompts queued to be served next
@@ -177,7 +177,7 @@ class Monitor:
         writes those steps again) move to RUN_DIR/superseded-<UTC time>/, since a config changed on resume makes
         the new lines differ. A torn last line (a crash or a full disk mid-write) is dropped with one warning
         instead of blocking the run."""
-        from .train.run_dir import split_jsonl, utc_stamp
+        from .checkpoint.run_dir import split_jsonl, utc_stamp
 
         dest = self.run_dir / f"superseded-{utc_stamp()}"
         for path in (self.metrics_path, self.samples_path):

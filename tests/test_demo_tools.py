@@ -35,8 +35,8 @@ def test_teacher_conversation_is_the_rollout_tokens(tiny_ckpt):
     """The SFT target of a tool-using teacher is byte for byte what a rollout appends: the call, the tool turn
     rendered on its own (end of turn, user turn with the <tool_response> block, generation prompt), the answer."""
     from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.sft.warm_start import sft_pairs
     from grpo_engine.train.setup import task_of
-    from grpo_engine.train.warm_start import sft_pairs
 
     tok = load_tokenizer(tiny_ckpt)
     task = task_of(load_config(str(TOOLS_RECIPE), ["task.options.n_train=40"]))
@@ -87,7 +87,7 @@ def test_quick_tools_demo_end_to_end(tmp_path):
 
 def test_tiny_rope_theta_reaches_the_built_model(tmp_path):
     """warm_start.tiny.rope_theta is written into the tiny base's config; unset, the family's own stays."""
-    from grpo_engine.train.warm_start import build_tiny_base
+    from grpo_engine.sft.warm_start import build_tiny_base
 
     def theta(*overrides):
         cfg = load_config(None, ["warm_start.tiny.arch=llama3", "warm_start.tiny.hidden_size=32",

@@ -94,11 +94,11 @@ def bench_questions(tokenizer, count: int, length: int, seed: int = 0) -> list[s
 def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
                  overrides: list[str] | tuple[str, ...] = (), config: str | None = None):
     """The StepInputs and StepState of a benchmark run: the trainer's own, with BenchTask as the task."""
+    from ..collect.groups import PromptSampler
     from ..config import load_config
-    from ..model.loading import load_tokenizer
+    from ..model.loading import load_tokenizer, pick_device
     from ..train.policy import build_policy
-    from ..train.rollouts import PromptSampler
-    from ..train.setup import pick_device, sampling_params, seed_everything
+    from ..train.setup import sampling_params, seed_everything
     from ..train.step import StepInputs, StepState
 
     cfg = load_config(config, [f"model.path={model_dir}", f"rollout.prompts_per_step={prompts}",

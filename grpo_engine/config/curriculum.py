@@ -2,7 +2,7 @@
 
 Every `every` steps the trainer draws `pool_size` prompts, samples `samples` completions of each with the
 policy's own sampler and scores them (accuracy, semantic entropy); `mode` then decides which of the pooled
-prompts are served first and in what order (train/curriculum.py). The cost is pool_size x samples extra
+prompts are served first and in what order (collect/curriculum.py). The cost is pool_size x samples extra
 completions every `every` steps, which is why the section is off by default.
 """
 

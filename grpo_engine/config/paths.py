@@ -15,7 +15,7 @@ def check_paths(cfg: Config) -> None:
     if cfg.task.data_path is not None and not Path(cfg.task.data_path).exists():
         raise ConfigError(f"task.data_path={cfg.task.data_path!r} does not exist")
     if cfg.warm_start.tiny.arch:
-        return  # the warm start builds the model and its tokenizer (train/warm_start.py)
+        return  # the warm start builds the model and its tokenizer (sft/warm_start.py)
     if not cfg.model.path:
         raise ConfigError("model.path is empty: set it in the YAML or with model.path=/path/to/hf_checkpoint")
     model = Path(cfg.model.path)

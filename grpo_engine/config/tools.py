@@ -3,7 +3,7 @@
 With `enabled` the rollout phase runs each completion as a trajectory (rollout/multiturn.py) in a
 ToolEnvironment of the task: a model turn that ends in a `<tool_call>` gets the tool's result appended and
 the model continues, the first turn without a call is the answer, scored by the task. The training row is the
-whole trajectory after the prompt; only the tokens the policy sampled carry loss (train/tool_rollouts.py).
+whole trajectory after the prompt; only the tokens the policy sampled carry loss (collect/tool_groups.py).
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ def fail(command: str, error: Exception) -> int:
 
 # ---------------------------------------------------------------------------------------------------- eval
 def run_eval(args) -> int:
-    from ..train.checkpoint import model_source
-    from ..train.run_dir import replace_text
+    from ..checkpoint.run_dir import replace_text
+    from ..checkpoint.store import model_source
     from .evaluate import EvalConfig, evaluate, report_json, report_markdown
 
     try:
@@ -189,8 +189,8 @@ def tools_for(args):
 
 def stored_run_config(model: str):
     """The Config a run stored next to `model` (a run dir or checkpoint), or None for a plain model."""
+    from ..checkpoint.store import model_source, stored_config_text
     from ..config import config_from_yaml_text
-    from ..train.checkpoint import model_source, stored_config_text
 
     text = stored_config_text(model) if Path(model).exists() else None
     if not text:
@@ -213,9 +213,9 @@ def parse_ks(text: str) -> tuple[int, ...]:
 def run_generate(args) -> int:
     import torch
 
+    from ..checkpoint.store import model_source
     from ..rollout import SamplingParams, generate
     from ..tasks import Example, render_prompt, safe_reward
-    from ..train.checkpoint import model_source
 
     try:
         _, task = task_for(args)
@@ -247,7 +247,7 @@ def _generate_with_tools(model, tok, task, example, params, args, tools) -> int:
     """n trajectories with tools; each printed whole (turn markers and tool results included)."""
     import torch
 
-    from ..train.tool_rollouts import generate_tool_groups
+    from ..collect.tool_groups import generate_tool_groups
 
     with torch.no_grad():
         (group,), _ = generate_tool_groups(model, tok, task, [example], params, args.seed, None, tools=tools)

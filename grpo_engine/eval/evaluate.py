@@ -25,10 +25,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..collect.groups import Group, generate_groups, prompt_seed
 from ..config.tools import ToolsSection
 from ..rollout import GenerationOutput, SamplingParams, generate
 from ..tasks.base import Example, RewardResult, Task
-from ..train.rollouts import Group, generate_groups, prompt_seed
 from .metrics import maj_at_k, majority_answer, pass_at_k
 
 ANSWER = "answer"  # the RewardResult component that correctness reads (RewardResult.correct)
@@ -149,7 +149,7 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
         # greedy draws nothing: one int seed spares per-prompt generators their per-step draws
         seed = cfg.seed if cfg.temperature == 0 else example_seeds(cfg.seed, start, len(batch))
         if tools is not None and tools.enabled:
-            from ..train.tool_rollouts import generate_tool_groups
+            from ..collect.tool_groups import generate_tool_groups
 
             groups, _ = generate_tool_groups(model, tokenizer, task, batch, params, seed, None,
                                              cfg.reward_timeout_s, tools=tools)

@@ -113,7 +113,7 @@ def _tokenizer_config(meta: dict, tokens: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Out: the tokenizer into a GGUF writer (model/gguf_export.py)
+# Out: the tokenizer into a GGUF writer (gguf_export.py)
 
 NORMAL, UNUSED = 1, 5
 

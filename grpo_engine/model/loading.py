@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
 from .gguf_io import load_gguf_model, read_gguf
 from .gguf_tokenizer import build_tokenizer
 from .hf_io import TOKENIZER_FILES, load_hf_model, save_hf_model
@@ -59,3 +60,15 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
+
+
+def pick_device(name: str, local_rank: int | None = None) -> torch.device:
+    """The device to train on (model.device: auto | cpu | cuda); under torchrun on CUDA, the rank's own GPU
+    (LOCAL_RANK)."""
+    cuda = torch.cuda.is_available()
+    if name == "cuda" and not cuda:
+        raise ConfigError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
+    if name == "cpu" or not cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank if local_rank is not None else torch.cuda.current_device())
+

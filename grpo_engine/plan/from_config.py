@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
-from ..train.policy import policy_spec
 from .memory import MemoryPlan, PlanInput, fits, plan_memory
+from .policy_spec import policy_spec
 from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
 

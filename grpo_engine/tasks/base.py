@@ -117,7 +117,7 @@ def formatted_answer(format: str, answer: str) -> str:
 def render_prompt(task: Task, tokenizer, example: Example) -> str:
     """The exact text the model is conditioned on: chat template with the generation prompt, then the prefill.
 
-    Training (train/rollouts.py) and evaluation (eval/evaluate.py) both call this one function, so a model is
+    Training (collect/groups.py) and evaluation (eval/evaluate.py) both call this one function, so a model is
     evaluated on the same prompt text it was trained on.
     """
     prompt = task.prompt(example)

@@ -21,69 +21,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..world import World
 
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of at most this many elements
-
-
-@dataclass
-class World:
-    """This process's place among the ranks (size 1: a single process, every collective a no-op)."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    strategy: str = "none"  # none | ddp | fsdp2
-    grad_scale: float = 1.0  # fsdp2: what the reduce-scatter's result is multiplied by to be the sum
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum over ranks (float64)."""
-        if self.size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def max(self, value: int) -> int:
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t)
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is True on some rank: what all must act on together (a stop signal
-        that reached one rank first: a rank that stopped alone would leave the others in a collective)."""
-        return self.max(int(flag)) > 0
-
-    def gather(self, obj) -> list:
-        """Every rank's `obj`, in rank order (plain Python data between our own ranks)."""
-        if self.size == 1:
-            return [obj]
-        out = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
-    def my_share(self, count: int) -> range:
-        """This rank's slice of `count` items split evenly in rank order (count % size == 0 is checked)."""
-        per = count // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
 
 
 def launched_size() -> int:
@@ -290,60 +237,3 @@ def full_state(model: nn.Module, world: World) -> dict[str, torch.Tensor]:
 # Work that one rank does for all, and per-rank state in checkpoints
 
 
-def on_main_first(world: World, make):
-    """Rank 0 runs `make()` (e.g. the warm start writing run_dir/base and sft/), then every other rank runs it,
-    finding the result complete on disk; returns its value on every rank."""
-    if world.is_main:
-        value = make()
-        world.barrier()
-        return value
-    world.barrier()
-    return make()
-
-
-def rank_file(ckpt_dir: Path, rank: int) -> Path:
-    return Path(ckpt_dir) / f"rank-{rank:03d}"
-
-
-def save_rank_state(ckpt_dir: Path, world: World, policy) -> None:
-    """What differs between ranks: RNG states, and under fsdp2 this rank's shard of the optimizer state."""
-    from .checkpoint import capture_rng
-    from .state_io import save_state
-
-    state = {"rng": capture_rng()}
-    if world.strategy == "fsdp2":
-        state["optimizer"] = policy.optimizer.state_dict()  # DTensor states are stored as this rank's shard
-    save_state(state, rank_file(ckpt_dir, world.rank))
-
-
-def load_rank_state(ckpt_dir: Path | None, world: World, policy) -> None:
-    """Restore save_rank_state's file of this rank (a run resumed on the same number of ranks)."""
-    if ckpt_dir is None or world.size == 1:
-        return
-    from .checkpoint import restore_rng
-    from .state_io import load_state
-
-    f = rank_file(ckpt_dir, world.rank)
-    if not f.with_suffix(".json").is_file():
-        raise ConfigError(f"{ckpt_dir} has no state for rank {world.rank}: it was written by a run on fewer ranks; "
-                          f"resume with the same number of processes")
-    state = load_state(f)
-    restore_rng(state["rng"])
-    if "optimizer" in state:
-        policy.optimizer.load_state_dict(_as_shards(state["optimizer"], policy.optimizer))
-
-
-def _as_shards(saved: dict, optimizer) -> dict:
-    """Stored local shards back into DTensors laid out like their parameters (fsdp2 resume)."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, values in saved["state"].items():
-        p = params[index]
-        if not isinstance(p, DTensor):
-            continue
-        for key, t in values.items():
-            if t.dim() > 0 and tuple(t.shape) == tuple(p.to_local().shape):
-                values[key] = DTensor.from_local(t.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                                 shape=p.shape, stride=p.stride())
-    return saved

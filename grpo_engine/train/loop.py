@@ -11,14 +11,16 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.rank_state import save_rank_state
+from ..checkpoint.run_dir import step_dir_name, tmp_dir_for
+from ..checkpoint.store import TrainerState, capture_rng, save_checkpoint
 from ..config import to_yaml
+from ..eval.in_loop import EvalResult, combine_eval, evaluate_policy
 from ..kernels import PLAN_FILE
 from ..rollout.sampling import NonFiniteLogits
-from .checkpoint import TrainerState, capture_rng, save_checkpoint, step_dir_name, tmp_dir_for
-from .distributed import close_world, full_state, gathered, save_rank_state
-from .evaluation import EvalResult, combine_eval, evaluate_policy
+from ..world import fail_together
+from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
-from .rank_failure import fail_together
 from .setup import Run, eval_params, setup_run
 from .step import StepRecord, grpo_step
 from .update import NonFiniteError
@@ -51,12 +53,10 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def train(cfg, *, resume: str | None = None, stop_after: int | None = None, trust_checkpoint: bool = False,
-          overwrite: bool = False) -> RunResult:
+def train(cfg, *, resume: str | None = None, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
     """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
-    trust_checkpoint: allow resuming a legacy pickled trainer state (train/checkpoint.py); overwrite: start
-    over in a run_dir that holds a run, renaming the old run (train/run_dir.py)."""
-    run = setup_run(cfg, resume, trust_checkpoint, overwrite)
+    overwrite: start over in a run_dir that holds a run, renaming the old run (checkpoint/run_dir.py)."""
+    run = setup_run(cfg, resume, overwrite)
     stopped_by, done = "completed", run.done_steps
     with GracefulStop() as stop:
         try:

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..collect.groups import RolloutRound
+from ..eval.in_loop import accuracy
 from ..monitor import Sample, StepMetrics
 from ..rl.advantages import zero_variance_groups
+from ..world import World
 from .advantage_batch import AdvantageInfo
 from .batching import RolloutBatch
-from .distributed import World
-from .evaluation import accuracy
-from .rollouts import RolloutRound
 from .update import UpdateStats, combine_metrics
 
 

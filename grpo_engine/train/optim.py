@@ -20,6 +20,7 @@ import torch
 
 from ..config.fields import ConfigError
 from ..config.training import OptimizerConfig
+from ..rl.schedule import SCHEDULES, lr_factor
 
 # ----------------------------------------------------------------------------------------------------
 # Offloaded / master-weight AdamW
@@ -212,3 +213,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig,
     if not params:
         raise ValueError("build_optimizer got no trainable parameters (is everything frozen?)")
     return OPTIMIZERS[cfg.name](params, cfg, torch.device(device))
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, *, total: int, warmup: int, kind: str, min_ratio: float):
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    fn = lambda step: lr_factor(step, total=total, warmup=warmup, kind=kind, min_ratio=min_ratio)  # noqa: E731
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,34 +21,14 @@ from ..kernels import KernelPlan, apply_kernels, bf16_slowdown, choose_plan, cpu
 from ..model.loading import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
 from ..plan.memory import resolve_checkpointing
+from ..plan.policy_spec import PolicySpec, policy_spec
+from ..world import World
 from .batching import RolloutBatch
-from .distributed import World, shard_model
+from .distributed import shard_model
 from .memory import apply_memory_config, torch_dtype
-from .optim import build_optimizer
+from .optim import build_optimizer, make_scheduler
 from .reference import Reference, make_reference
-from .schedule import make_scheduler
 from .update import batch_logprobs
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """How the config asks for the policy to be held (pure function of the config: no weights read)."""
-
-    mode: str  # full | lora | qlora
-    reference: str  # none | adapters (LoRA base, no copy) | cpu (parked copy) | gpu_copy (copy on the device)
-    reference_moves: bool  # hard_reset / mixin: the reference changes and is saved in checkpoints
-
-
-def policy_spec(cfg: Config) -> PolicySpec:
-    mode = "full" if not cfg.lora.enabled else ("qlora" if cfg.lora.quantize_base == "nf4" else "lora")
-    if cfg.algorithm.beta == 0 or cfg.reference.mode == "none":
-        reference = "none"
-    elif mode != "full":
-        reference = "adapters"
-    else:
-        reference = "cpu" if cfg.reference.park_on_cpu else "gpu_copy"
-    moves = reference in ("cpu", "gpu_copy") and cfg.reference.mode != "frozen"
-    return PolicySpec(mode, reference, moves)
 
 
 class Policy:

@@ -16,31 +16,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint.rank_state import load_rank_state
+from ..checkpoint.resume import apply_learning_rate, check_resume_config
+from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, latest_checkpoint, plan_run_dir
+from ..checkpoint.store import TrainerState, load_trainer_state, resolve_resume, restore_rng
+from ..collect.curriculum import build_curriculum
+from ..collect.groups import PromptSampler
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
-from ..model.loading import load_tokenizer
+from ..model.loading import load_tokenizer, pick_device
 from ..monitor import Monitor, RankMessages
 from ..plan.from_config import check_memory_fits
 from ..rollout import SamplingParams
+from ..sft.warm_start import warm_start
 from ..tasks import build_task
 from ..tasks.base import Example, Task
-from .checkpoint import (
-    TrainerState,
-    checkpoint_step,
-    latest_checkpoint,
-    load_trainer_state,
-    resolve_resume,
-    restore_rng,
-)
-from .curriculum import build_curriculum
-from .distributed import World, init_world, load_rank_state, on_main_first
+from ..world import World, on_main_first
+from .distributed import init_world
 from .metrics import RewardWatch
 from .policy import build_policy
-from .resume import apply_learning_rate, check_resume_config
-from .rollouts import PromptSampler
-from .run_dir import RunDirPlan, RunLock, plan_run_dir
 from .step import StepInputs, StepState
-from .warm_start import warm_start
 
 
 @dataclass
@@ -78,10 +73,9 @@ class _Checked:
     run_dir: RunDirPlan
 
 
-def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = False,
-              overwrite: bool = False) -> Run:
+def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Run:
     """resume: None, "latest" or a checkpoint directory; overwrite: start over in a run_dir that holds a run
-    (the old run is renamed, train/run_dir.py). Under torchrun every rank runs this; rank 0 alone builds the
+    (the old run is renamed, checkpoint/run_dir.py). Under torchrun every rank runs this; rank 0 alone builds the
     warm start, owns the run directory and writes logs."""
     world = init_world(cfg)  # impossible layouts are config errors here, before anything is read
     check_paths(cfg)
@@ -91,7 +85,7 @@ def setup_run(cfg: Config, resume: str | None = None, trust_checkpoint: bool = F
     eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root)
-    saved = load_trainer_state(resume_dir, trust_checkpoint) if resume_dir else None
+    saved = load_trainer_state(resume_dir) if resume_dir else None
     changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
     run_dir = RunDirPlan(Path(cfg.run_dir))
     if world.is_main:
@@ -113,7 +107,7 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
         take_run_dir(c.run_dir, lock)
         cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, c.task)))
-    device = pick_device(cfg.model.device, world)
+    device = pick_device(cfg.model.device, world.local_rank)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, c.resume_dir, world)
@@ -173,16 +167,6 @@ def make_monitor(cfg: Config, world: World, done: int):
     return Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
                    tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                    wandb_project=cfg.logging.wandb_project, config=cfg_dict(cfg))
-
-
-def pick_device(name: str, world: World | None = None) -> torch.device:
-    """The device to train on; under torchrun on CUDA, the rank's own GPU (LOCAL_RANK)."""
-    cuda = torch.cuda.is_available()
-    if name == "cuda" and not cuda:
-        raise ConfigError("model.device=cuda but no CUDA device is visible; use model.device=cpu or auto")
-    if name == "cpu" or not cuda:
-        return torch.device("cpu")
-    return torch.device("cuda", world.local_rank if world is not None else torch.cuda.current_device())
 
 
 def seed_everything(seed: int) -> None:

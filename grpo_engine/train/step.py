@@ -18,19 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from ..collect.curriculum import Curriculum, PoolReport
+from ..collect.groups import PromptSampler, RolloutRound, collect_groups
 from ..config import Config, loss_config
 from ..monitor import StepMetrics
 from ..rl.losses import zero_advantage_is_inert
 from ..rollout import SamplingParams
 from ..tasks.base import Example
+from ..world import World
 from .advantage_batch import rollout_batch
 from .batching import RolloutBatch, rows_with_signal
-from .curriculum import Curriculum, PoolReport
-from .distributed import World, gathered
+from .distributed import gathered
 from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
 from .metrics import merge_ranks, step_metrics, step_parts
 from .policy import Policy
-from .rollouts import PromptSampler, RolloutRound, collect_groups
 from .update import UpdateOutcome, UpdateSettings, update_policy
 
 
@@ -140,10 +141,10 @@ def update_step(run: StepInputs, batch, micro_tokens: int, step: int, totals, me
 
 def rollout_fn(cfg: Config):
     """What generates a step's groups: None (collect_groups' single-turn default), or with tools.enabled the
-    multi-turn trajectories of train/tool_rollouts.py."""
+    multi-turn trajectories of collect/tool_groups.py."""
     if not cfg.tools.enabled:
         return None
-    from .tool_rollouts import generate_tool_groups
+    from ..collect.tool_groups import generate_tool_groups
 
     return partial(generate_tool_groups, tools=cfg.tools)
 

@@ -16,8 +16,9 @@ import torch
 from ..kernels.onednn import weight_grads_in_place
 from ..rl.logprobs import token_logprobs, token_logprobs_with_grads
 from ..rl.losses import LossConfig, is_tokenwise, policy_loss
+from ..world import World
 from .batching import RolloutBatch, plan_micro_batches
-from .distributed import World, accumulating, sum_gradients
+from .distributed import accumulating, sum_gradients
 from .shared_prompt import shared_prompt_hidden
 
 OOM_KNOBS = (

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from grpo_engine.model.loading import load_model
-from grpo_engine.train.distributed import World, shard_model
+from grpo_engine.train.distributed import shard_model
 from grpo_engine.train.update import update_policy
+from grpo_engine.world import World
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batches import LOSSES, rank_rows, settings, whole_batch  # noqa: E402

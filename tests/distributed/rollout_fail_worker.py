@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from grpo_engine.collect.groups import PromptSampler, collect_groups
 from grpo_engine.config import load_config
 from grpo_engine.model.loading import load_model, load_tokenizer
-from grpo_engine.train.distributed import World
-from grpo_engine.train.rollouts import PromptSampler, collect_groups
 from grpo_engine.train.setup import sampling_params, task_of
 from grpo_engine.train.step import step_totals
+from grpo_engine.world import World
 
 ckpt, out = sys.argv[1], Path(sys.argv[2])
 repo = Path(__file__).resolve().parents[2]

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import torch
 
+from grpo_engine.collect.groups import Group
 from grpo_engine.config import Config
 from grpo_engine.rl.advantages import compute_advantages
 from grpo_engine.tasks.base import Example, RewardResult
 from grpo_engine.train.advantage_batch import rollout_batch
-from grpo_engine.train.distributed import World
-from grpo_engine.train.rollouts import Group
+from grpo_engine.world import World
 
 
 class TwoRanks(World):
@@ -80,11 +80,11 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
     """This rank's groups all have advantage 0 (nothing to train on), the other rank's loss is NaN: the step is
     skipped on both and this rank reports the step's loss (it once failed with AttributeError on None.loss,
     leaving the other rank waiting in a collective)."""
+    from grpo_engine.collect.groups import PromptSampler
     from grpo_engine.config import load_config
-    from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.model.loading import load_tokenizer, pick_device
     from grpo_engine.train.policy import build_policy
-    from grpo_engine.train.rollouts import PromptSampler
-    from grpo_engine.train.setup import pick_device, sampling_params, task_of
+    from grpo_engine.train.setup import sampling_params, task_of
     from grpo_engine.train.step import StepInputs, StepState, grpo_step
 
     repo = Path(__file__).resolve().parents[2]

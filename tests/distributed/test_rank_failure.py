@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo_engine.rollout.sampling import NonFiniteLogits
-from grpo_engine.train.distributed import World
-from grpo_engine.train.rank_failure import RankFailed, fail_together, rebuild_failure
+from grpo_engine.world import RankFailed, World, fail_together, rebuild_failure
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]

@@ -7,12 +7,12 @@ every aggregate below is computed by hand from the script in the test.
 import pytest
 from references import BYTE_ARITHMETIC, R1
 
+from grpo_engine.collect.groups import prompt_seed
 from grpo_engine.eval.evaluate import EvalConfig, evaluate, report_json, report_markdown
 from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.rollout import GenerationOutput, SamplingParams, generate
 from grpo_engine.tasks import Example, make_task, render_prompt
 from grpo_engine.tasks.base import RewardResult
-from grpo_engine.train.rollouts import prompt_seed
 
 STOP, LENGTH = "stop", "length"
 # problem -> 4 samples (text, finish reason); arithmetic task: answer_tag format, answer component 0/1

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
+from grpo_engine.gguf_export import export_gguf
 from grpo_engine.model.config import CheckpointError
-from grpo_engine.model.gguf_export import export_gguf
 from grpo_engine.model.gguf_io import find_smollm2_gguf, reader
 from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.model.tiny import make_tiny_checkpoint
@@ -218,7 +218,7 @@ def test_qwen3_export_keeps_head_dim_and_warns_that_transformers_cannot_load_it(
     """The tiny Qwen3 has head_dim 32, not hidden / heads = 16 and not 128: llama.cpp and our reader take it
     from key_length, but transformers' GGUF loader builds Qwen3 with 128 and refuses the file; the export
     says so. Real Qwen3 (head_dim 128) and Llama (head_dim from rope.dimension_count) export silently."""
-    from grpo_engine.model.gguf_export import transformers_head_dim
+    from grpo_engine.gguf_export import transformers_head_dim
 
     src = make_tiny_checkpoint(tmp_path / "src", "qwen3", hidden_size=64, intermediate_size=128)
     with pytest.warns(UserWarning, match="head_dim=32 is written as qwen3.attention.key_length, which llama.cpp "

@@ -18,7 +18,8 @@ import grpo_engine.train.policy as policy_mod
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import ALL_LINEAR, NF4_BACKENDS, LoRAConfig, LoRALinear, apply_lora, lora_modules
 from grpo_engine.model.tiny import make_tiny_checkpoint
-from grpo_engine.train.policy import PolicySpec, policy_model
+from grpo_engine.plan.policy_spec import PolicySpec
+from grpo_engine.train.policy import policy_model
 
 FAKE = "fake_nf4"
 STEP = 1 / 64

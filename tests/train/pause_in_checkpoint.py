@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-import grpo_engine.train.checkpoint as checkpoint
+import grpo_engine.checkpoint.store as checkpoint
 from grpo_engine.cli import main
 
 STEP = int(sys.argv[1])

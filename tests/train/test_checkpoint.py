@@ -10,18 +10,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_engine.model.loading import load_model
-from grpo_engine.train.checkpoint import (
+from grpo_engine.checkpoint.run_dir import latest_checkpoint, list_checkpoints
+from grpo_engine.checkpoint.state_io import StateFormatError
+from grpo_engine.checkpoint.store import (
     TrainerState,
     capture_rng,
-    latest_checkpoint,
-    list_checkpoints,
     load_trainer_state,
     resolve_resume,
     restore_rng,
     save_checkpoint,
 )
-from grpo_engine.train.state_io import StateFormatError
+from grpo_engine.model.loading import load_model
 
 
 def _state(step, model):
@@ -115,7 +114,7 @@ def test_resuming_another_runs_checkpoint_into_a_run_is_refused(tmp_path, tiny_c
 def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, tiny_ckpt, monkeypatch):
     """Pruning deleted step-000001 in place: killed after model/ went, the folder still had trainer_state.json
     and was listed as a complete checkpoint (resume / eval then failed on its missing weights)."""
-    import grpo_engine.train.checkpoint as ckpt_mod
+    import grpo_engine.checkpoint.store as ckpt_mod
 
     model = load_model(tiny_ckpt)
     root = tmp_path / "checkpoints"
@@ -144,7 +143,7 @@ def test_a_warm_start_folder_it_did_not_write_is_moved_aside(tmp_path, capsys):
     """run_dir/base (or sft/) without the stage's marker is not the warm start's own: it was deleted when the
     stage was published (a user's own model in RUN_DIR/sft was lost)."""
     from grpo_engine.config import load_config
-    from grpo_engine.train.warm_start import DONE_MARKER, build_tiny_base
+    from grpo_engine.sft.warm_start import DONE_MARKER, build_tiny_base
 
     run = tmp_path / "r"
     (run / "base").mkdir(parents=True)

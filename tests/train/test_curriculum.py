@@ -1,4 +1,4 @@
-"""Curriculum (train/curriculum.py): config checks, selection on hand-made scores, the queue in front of the
+"""Curriculum (collect/curriculum.py): config checks, selection on hand-made scores, the queue in front of the
 prompt stream, and an exact resume of a tiny run with the curriculum on."""
 
 import json
@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
+from grpo_engine.collect.curriculum import Curriculum, PoolScores, difficulty, easy_to_hard, in_band, pool_seed, select
+from grpo_engine.collect.groups import PromptSampler, prompt_seed
 from grpo_engine.config import ConfigError, CurriculumSection, load_config
 from grpo_engine.model.loading import load_model
-from grpo_engine.train.curriculum import Curriculum, PoolScores, difficulty, easy_to_hard, in_band, pool_seed, select
 from grpo_engine.train.loop import train
-from grpo_engine.train.rollouts import PromptSampler, prompt_seed
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = str(REPO / "configs/tiny_arithmetic.yaml")

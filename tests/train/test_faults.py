@@ -14,10 +14,10 @@ import torch
 
 import grpo_engine.train.policy as policy_mod
 import grpo_engine.train.update as update_mod
+from grpo_engine.checkpoint.run_dir import latest_checkpoint
 from grpo_engine.cli import main
 from grpo_engine.config import ConfigError, load_config
 from grpo_engine.model.loading import load_model
-from grpo_engine.train.checkpoint import latest_checkpoint
 from grpo_engine.train.loop import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -62,8 +62,8 @@ def test_rerun_refuses_overwrite_renames_and_old_resume_supersedes(base, tmp_pat
 
 def test_resume_with_overwrite_is_refused(tmp_path):
     """--resume with --overwrite was taken as a plain --resume (the flag ignored): it is refused, naming both."""
+    from grpo_engine.checkpoint.run_dir import plan_run_dir
     from grpo_engine.config import ConfigError
-    from grpo_engine.train.run_dir import plan_run_dir
 
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="--resume and --overwrite together"):
@@ -73,8 +73,8 @@ def test_resume_with_overwrite_is_refused(tmp_path):
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(tiny_ckpt, tmp_path):
+    from grpo_engine.checkpoint.store import TrainerState, capture_rng, save_checkpoint
     from grpo_engine.model.loading import load_model
-    from grpo_engine.train.checkpoint import TrainerState, capture_rng, save_checkpoint
 
     model, root = load_model(tiny_ckpt), tmp_path / "checkpoints"
     for step in (9, 3):  # a stray later checkpoint, then the one this run writes
@@ -150,7 +150,7 @@ def custom(tmp_path, fn: str) -> str:
 def test_failed_rewards_are_counted_logged_and_warned(base, tmp_path, capsys, monkeypatch, fn, key):
     monkeypatch.syspath_prepend(str(HERE))
     if fn == "sleeps":
-        monkeypatch.setattr("grpo_engine.train.rollouts.REWARD_TIMEOUT_S", 0.05)
+        monkeypatch.setattr("grpo_engine.collect.groups.REWARD_TIMEOUT_S", 0.05)
     run = tmp_path / "r"
     code, err = grpo("train", custom(tmp_path, fn), *base, f"run_dir={run}", "schedule.steps=2", capsys=capsys)
     assert code == 0 and err.count("reward(s) failed") == 1  # one warning, with the first error's message
@@ -198,8 +198,8 @@ def test_resume_applies_a_new_lr_and_refuses_a_new_group_size(base, tmp_path, ca
 
 # 6. one run per directory -------------------------------------------------------------------------------------
 def test_a_second_process_is_kept_out_and_a_stale_lock_taken_over(tmp_path, capsys):
+    from grpo_engine.checkpoint.run_dir import RunLock
     from grpo_engine.config import ConfigError
-    from grpo_engine.train.run_dir import RunLock
 
     lock = RunLock(tmp_path).acquire()
     (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
@@ -297,18 +297,17 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_resume_works(base, 
 
 
 # 8. no pickles ------------------------------------------------------------------------------------------------
-def test_a_pickled_trainer_state_is_refused_unless_trusted(tiny_ckpt, tmp_path):
-    from grpo_engine.train.checkpoint import UntrustedCheckpointError, capture_rng, load_trainer_state
-    from grpo_engine.train.state_io import StateFormatError, load_state, save_state
+def test_a_pickled_trainer_state_is_refused(tiny_ckpt, tmp_path):
+    from grpo_engine.checkpoint.state_io import StateFormatError, load_state, save_state
+    from grpo_engine.checkpoint.store import capture_rng, load_trainer_state
 
     ckpt = tmp_path / "step-000001"
     ckpt.mkdir()
     torch.save({"step": 1, "data_position": 0, "optimizer": {}, "scheduler": {}, "nonfinite_in_row": 0,
                 "extra": {}, "rng": {"python": (3, tuple(range(625)), None), "numpy": ("MT19937", [0] * 624, 0, 0, 0.0),
                                      "torch": torch.get_rng_state()}}, ckpt / "trainer_state.pt")
-    with pytest.raises(UntrustedCheckpointError, match="--trust-checkpoint"):
+    with pytest.raises(StateFormatError, match="pickled trainer state .* not read"):
         load_trainer_state(ckpt)
-    assert load_trainer_state(ckpt, trust_pickle=True).step == 1
     save_state({"rng": capture_rng(), "x": [1, (2.0, None)], "t": torch.arange(3)}, tmp_path / "s")
     back = load_state(tmp_path / "s")
     assert back["x"] == [1, (2.0, None)] and torch.equal(back["t"], torch.arange(3))
@@ -323,7 +322,7 @@ def test_splitting_a_log_on_a_full_disk_keeps_it_whole(tmp_path):
     first one's lines."""
     import resource
 
-    from grpo_engine.train.run_dir import split_jsonl
+    from grpo_engine.checkpoint.run_dir import split_jsonl
 
     log, aside = tmp_path / "metrics.jsonl", tmp_path / "superseded" / "metrics.jsonl"
     text = "".join(json.dumps({"step": s, "pad": "x" * 100}) + "\n" for s in range(1, 101))

@@ -1,4 +1,4 @@
-"""Resuming with a changed config (train/resume.py): a change that is printed as taking effect does, and one the
+"""Resuming with a changed config (checkpoint/resume.py): a change that is printed as taking effect does, and one the
 stored state cannot honour is refused with the key and the fix, before any weights are read."""
 
 from pathlib import Path
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo_engine.checkpoint.resume import apply_learning_rate, check_resume_config
 from grpo_engine.config import ConfigError, load_config, to_yaml
-from grpo_engine.train.resume import apply_learning_rate, check_resume_config
-from grpo_engine.train.schedule import make_scheduler
+from grpo_engine.train.optim import make_scheduler
 
 CFG = str(Path(__file__).resolve().parents[2] / "configs/tiny_arithmetic.yaml")
 

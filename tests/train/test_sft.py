@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_engine import load_model
-from grpo_engine.train.sft import SFTConfig, lr_at, make_sft_batch, sft_loss, train_sft
+from grpo_engine.sft.trainer import SFTConfig, lr_at, make_sft_batch, sft_loss, train_sft
 
 
 def test_batch_masks_only_completion_targets():
@@ -88,9 +88,9 @@ def test_sft_pairs_skip_examples_without_a_reference(tiny_ckpt):
 
     from grpo_engine.config import ConfigError
     from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.sft.warm_start import sft_pairs
     from grpo_engine.tasks import make_task
     from grpo_engine.tasks.countdown import CountdownExample
-    from grpo_engine.train.warm_start import sft_pairs
 
     task, tok = make_task("countdown", n_train=4, n_test=2), load_tokenizer(tiny_ckpt)
     known = task.examples("train")[:2]
@@ -105,7 +105,7 @@ def test_sft_pairs_skip_examples_without_a_reference(tiny_ckpt):
 def test_a_dataset_smaller_than_the_batch_fills_every_batch(tiny_ckpt, monkeypatch):
     """3 pairs, batch_size 4: every step trains on 4 pairs, drawn as whole shuffled epochs (steps once got
     only the 3 left in the order, so the batch size depended on the dataset's size)."""
-    from grpo_engine.train import sft
+    from grpo_engine.sft import trainer as sft
 
     seen = []
     make = sft.make_sft_batch

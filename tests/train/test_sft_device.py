@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo_engine.config import load_config
-from grpo_engine.train import warm_start
+from grpo_engine.sft import warm_start
 
 REPO = Path(__file__).resolve().parents[2]
 

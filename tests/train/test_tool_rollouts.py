@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_engine.collect import tool_groups as tool_rollouts
 from grpo_engine.config import load_config
+from grpo_engine.model.loading import pick_device
 from grpo_engine.rollout.chat_turns import continuation_ids
 from grpo_engine.tasks.environment import ToolEnvironment
-from grpo_engine.train import tool_rollouts
 from grpo_engine.train.advantage_batch import rollout_batch
 from grpo_engine.train.batching import build_rollout_batch
-from grpo_engine.train.setup import pick_device, sampling_params, seed_everything, task_of
+from grpo_engine.train.setup import sampling_params, seed_everything, task_of
 from grpo_engine.train.step import StepInputs, StepState, grpo_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,9 +55,9 @@ def _inputs(tiny_ckpt, tmp_path, overrides) -> StepInputs:
     cfg = load_config(str(REPO / "configs/tiny_arithmetic.yaml"),
                       [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "tools.enabled=true", "tools.max_turns=2",
                        "tools.max_tokens=128", "tools.format=undeclared", *overrides])
+    from grpo_engine.collect.groups import PromptSampler
     from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.train.policy import build_policy
-    from grpo_engine.train.rollouts import PromptSampler
 
     seed_everything(cfg.seed)
     tok, task = load_tokenizer(tiny_ckpt), task_of(cfg)

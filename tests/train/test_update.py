@@ -268,8 +268,8 @@ def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_wei
 def test_weights_finite_checks_the_trainable_weights_only(tiny_ckpt):
     """The post-update guard looks at what an update can change: a NaN in a trainable weight is caught, one in a
     frozen weight (a LoRA base, an NF4 base that has no norm kernel) is not looked at."""
-    from grpo_engine.train.distributed import World
     from grpo_engine.train.update import weights_finite
+    from grpo_engine.world import World
 
     model = load_model(tiny_ckpt)
     world = World()

@@ -18,8 +18,7 @@ from ..rl.group_filter import select_groups, take_groups
 from ..rollout import SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
-from .distributed import World
-from .rank_failure import fail_together
+from ..world import World, fail_together
 
 
 class PromptSampler:
@@ -45,7 +44,7 @@ class PromptSampler:
 
 class PromptStream(Protocol):
     """Where a step draws its prompts from: a PromptSampler, or a curriculum's queue in front of one
-    (train/curriculum.py)."""
+    (collect/curriculum.py)."""
 
     def next(self) -> int: ...
 
@@ -62,7 +61,7 @@ class Group:
     finish_reasons: list[str]  # G
     texts: list[str]  # G decoded completions
     rewards: list[RewardResult]  # G
-    # multi-turn rollouts with tools (train/tool_rollouts.py); None for single-turn completions
+    # multi-turn rollouts with tools (collect/tool_groups.py); None for single-turn completions
     loss_masks: list[list[int]] | None = None  # G rows aligned with completion_ids: 1 = sampled by the policy
     trajectory_metrics: list[TrajectoryMetrics] | None = None  # G: turns, tool calls / errors, token counts
 

@@ -6,7 +6,7 @@ Layout: run_dir/checkpoints/step-000010/
     adapter/            LoRA only: the adapters in PEFT layout (adapter_config.json + safetensors)
     trainer_state.json  optimizer, LR scheduler, RNG states (python, numpy, torch, CUDA), step, data position,
                         curriculum queue:
-    trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, train/state_io.py)
+    trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, checkpoint/state_io.py)
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,22 +32,18 @@ from ..config import ConfigError
 from ..model.hf_io import hf_name_table
 from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
-from .run_dir import holds_run
+from .run_dir import (
+    LEGACY_STATE,
+    STATE,
+    TMP_PREFIX,
+    has_trainer_state,
+    holds_run,
+    latest_checkpoint,
+    list_checkpoints,
+    step_dir_name,
+    tmp_dir_for,
+)
 from .state_io import StateFormatError, load_state, save_state
-
-STEP_PREFIX = "step-"
-STEP_NAME = re.compile(r"step-(\d+)")  # a published checkpoint; "step-000010 copy" (a user's backup) is not one
-TMP_PREFIX = ".tmp-"
-STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors (train/state_io.py: no pickles)
-LEGACY_STATE = "trainer_state.pt"  # the pickled format of earlier versions: resumed only when trusted
-
-
-class UntrustedCheckpointError(ValueError):
-    """A checkpoint whose trainer state is a pickle: loading it would run code from the file."""
-
-
-def has_trainer_state(ckpt_dir: Path) -> bool:
-    return (ckpt_dir / f"{STATE}.json").is_file() or (ckpt_dir / LEGACY_STATE).is_file()
 
 
 @dataclass
@@ -62,7 +57,7 @@ class TrainerState:
     rng: dict
     nonfinite_in_row: int = 0
     extra: dict = field(default_factory=dict)
-    curriculum: dict = field(default_factory=dict)  # train/curriculum.py's queue and next re-scoring step
+    curriculum: dict = field(default_factory=dict)  # collect/curriculum.py's queue and next re-scoring step
     micro_tokens: int = 0  # the micro-batch token budget, once halved after a CUDA out-of-memory (0: not recorded)
 
 
@@ -89,34 +84,6 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
-
-
-def step_dir_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:06d}"
-
-
-def tmp_dir_for(ckpt_root: str | Path, step: int) -> Path:
-    """Where checkpoint `step` is written before it is published by a rename."""
-    return Path(ckpt_root) / (TMP_PREFIX + step_dir_name(step))
-
-
-def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temp dirs are never listed)."""
-    root = Path(ckpt_root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
-    found = [p for p in found if has_trainer_state(p)]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
-
-
-def checkpoint_step(path: Path | None) -> int | None:
-    return None if path is None else int(path.name[len(STEP_PREFIX) :])
-
-
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    found = list_checkpoints(ckpt_root)
-    return found[-1] if found else None
 
 
 def _fsync_tree(path: Path) -> None:
@@ -206,23 +173,16 @@ def _delete_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def load_trainer_state(ckpt_dir: str | Path, trust_pickle: bool = False) -> TrainerState:
-    """The trainer state of a checkpoint. A legacy pickled trainer_state.pt is read only with trust_pickle
-    (`grpo train --resume --trust-checkpoint`): unpickling a file runs code its author chose."""
+def load_trainer_state(ckpt_dir: str | Path) -> TrainerState:
+    """The trainer state of a checkpoint (trainer_state.json + .safetensors: no pickles)."""
     ckpt_dir = Path(ckpt_dir)
     if (ckpt_dir / f"{STATE}.json").is_file():
         return _trainer_state(load_state(ckpt_dir / STATE), ckpt_dir / f"{STATE}.json")
-    legacy = ckpt_dir / LEGACY_STATE
-    if not legacy.is_file():
-        raise FileNotFoundError(f"{ckpt_dir / STATE}.json not found: {ckpt_dir} is not a complete checkpoint")
-    if not trust_pickle:
-        raise UntrustedCheckpointError(
-            f"{legacy} is a pickle (written by an earlier grpo-engine): loading it runs code chosen by whoever "
-            f"wrote it. If you made this run yourself, resume with --trust-checkpoint; it is then rewritten "
-            f"without pickles at the next checkpoint")
-    raw = torch.load(legacy, map_location="cpu", weights_only=False)
-    raw["rng"] = _legacy_rng(raw["rng"])
-    return TrainerState(**raw)
+    if (ckpt_dir / LEGACY_STATE).is_file():
+        raise StateFormatError(
+            f"{ckpt_dir / LEGACY_STATE} is a pickled trainer state from grpo-engine before 0.1, which is not read "
+            f"(unpickling runs code from the file); start a new run from its weights: model.path={ckpt_dir / 'model'}")
+    raise FileNotFoundError(f"{ckpt_dir / STATE}.json not found: {ckpt_dir} is not a complete checkpoint")
 
 
 def _trainer_state(raw, source: Path) -> TrainerState:
@@ -236,19 +196,6 @@ def _trainer_state(raw, source: Path) -> TrainerState:
         raise StateFormatError(f"{source}: not a grpo-engine trainer state (fields {found}, expected "
                                f"{sorted(fields)}); resume from an earlier checkpoint")
     return TrainerState(**raw)
-
-
-def _legacy_rng(rng: dict) -> dict:
-    """The RNG states of a legacy trainer_state.pt (Python objects) in capture_rng's tensor form."""
-    version, internal, gauss = rng["python"]
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    out = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-           "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
-                     "has_gauss": int(has_gauss), "cached": float(cached)},
-           "torch": rng["torch"]}
-    if "cuda" in rng:
-        out["cuda"] = rng["cuda"]
-    return out
 
 
 def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -24,6 +25,43 @@ from pathlib import Path
 from ..config import ConfigError
 
 LOCK = ".lock"
+STEP_PREFIX = "step-"
+STEP_NAME = re.compile(r"step-(\d+)")  # a published checkpoint; "step-000010 copy" (a user's backup) is not one
+TMP_PREFIX = ".tmp-"
+STATE = "trainer_state"  # trainer_state.json + trainer_state.safetensors (checkpoint/state_io.py: no pickles)
+LEGACY_STATE = "trainer_state.pt"  # the pickled format of grpo-engine before 0.1: refused with a clear error
+
+
+def has_trainer_state(ckpt_dir: Path) -> bool:
+    return (ckpt_dir / f"{STATE}.json").is_file() or (ckpt_dir / LEGACY_STATE).is_file()
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def tmp_dir_for(ckpt_root: str | Path, step: int) -> Path:
+    """Where checkpoint `step` is written before it is published by a rename."""
+    return Path(ckpt_root) / (TMP_PREFIX + step_dir_name(step))
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temp dirs are never listed)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
+    found = [p for p in found if has_trainer_state(p)]
+    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def checkpoint_step(path: Path | None) -> int | None:
+    return None if path is None else int(path.name[len(STEP_PREFIX) :])
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    found = list_checkpoints(ckpt_root)
+    return found[-1] if found else None
 
 
 def utc_stamp() -> str:
@@ -73,8 +111,6 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
 
 def supersede(run_dir: Path, step: int, message=print) -> Path:
     """Move checkpoints after `step` and metrics / samples lines after it into run_dir/superseded-<stamp>/."""
-    from .checkpoint import STEP_PREFIX, list_checkpoints
-
     dest = run_dir / f"superseded-{utc_stamp()}"
     (dest / "checkpoints").mkdir(parents=True, exist_ok=True)
     for ckpt in list_checkpoints(run_dir / "checkpoints"):

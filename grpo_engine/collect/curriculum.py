@@ -31,9 +31,8 @@ from ..config.curriculum import CurriculumSection
 from ..rl.semantic_entropy import curriculum_order, difficulty_scores
 from ..rollout import SamplingParams
 from ..tasks.base import Example
-from .distributed import World
-from .rank_failure import fail_together
-from .rollouts import PromptSampler, generate_groups
+from ..world import World, fail_together
+from .groups import PromptSampler, generate_groups
 
 
 @dataclass
@@ -157,7 +156,7 @@ class Curriculum:
                           tokens, time.perf_counter() - t0)
 
     def state_dict(self) -> dict:
-        """JSON-friendly state for the trainer state (train/checkpoint.py)."""
+        """JSON-friendly state for the trainer state (checkpoint/store.py)."""
         return {"queue": list(self.queue), "next_rescore": self.next_rescore}
 
 

@@ -25,7 +25,7 @@ from ..rollout.multiturn import BUDGET, MAX_TURNS, TURN_LENGTH, Trajectory, run_
 from ..tasks.base import Example, RewardResult
 from ..tasks.environment import ToolEnvironment, TrajectoryLimits
 from ..tasks.tools import BUILTIN_TOOLS, ToolSet
-from .rollouts import REWARD_TIMEOUT_S, Group
+from .groups import REWARD_TIMEOUT_S, Group
 
 # finish reasons in generate's words: a trajectory cut by its token budget, or ended by the environment after a
 # turn cut at max_new_tokens, counts as truncated ("length")

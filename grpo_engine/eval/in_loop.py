@@ -19,9 +19,9 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
+from ..collect.groups import generate_groups
 from ..rollout import SamplingParams
 from ..tasks.base import Example, RewardResult
-from .rollouts import generate_groups
 
 
 def accuracy(results: list[RewardResult]) -> float:

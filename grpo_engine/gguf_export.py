@@ -16,10 +16,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import CheckpointError, rope_kind
+from .model.config import CheckpointError, rope_kind
 
 if TYPE_CHECKING:
-    from .transformer import Transformer
+    from .model.transformer import Transformer
 
 TYPES = ("f16", "q8_0")
 FILE_TYPES = {"f16": 1, "q8_0": 7}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0
@@ -35,7 +35,7 @@ def permute_qk(w, heads: int):
 
 
 def gguf_name(hf: str) -> str:
-    from .gguf_io import BLOCK_NAMES, GLOBAL_NAMES
+    from .model.gguf_io import BLOCK_NAMES, GLOBAL_NAMES
 
     glob = {v: k for k, v in GLOBAL_NAMES.items()}
     if hf in glob:
@@ -115,7 +115,7 @@ def write_tensors(w, model: Transformer, kind: str) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from .hf_io import hf_name_table, hf_state_dict
+    from .model.hf_io import hf_name_table, hf_state_dict
 
     c = model.config
     state = hf_state_dict(model)
@@ -144,8 +144,8 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     """Write `source` (model dir, .gguf, checkpoint or run dir) to the GGUF file `out` as f16 or q8_0."""
     import gguf
 
-    from .gguf_tokenizer import write_tokenizer
-    from .loading import load_model, load_tokenizer
+    from .model.gguf_tokenizer import write_tokenizer
+    from .model.loading import load_model, load_tokenizer
 
     if kind not in TYPES:
         raise CheckpointError(f"--type {kind!r} is not supported; choose one of {', '.join(TYPES)}")
@@ -155,7 +155,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
                               f"(e.g. {out_path / 'model.gguf'})")
     if out_path.exists() and not overwrite:
         raise CheckpointError(f"{out_path} exists; remove it or pass --overwrite")
-    from ..train.checkpoint import model_source
+    from .checkpoint.store import model_source
 
     try:
         src = model_source(source)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
-
 
 def _constant(progress: float, min_ratio: float) -> float:
     return 1.0
@@ -26,10 +24,3 @@ def lr_factor(step: int, *, total: int, warmup: int, kind: str, min_ratio: float
     decay_steps = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / decay_steps)
     return SCHEDULES[kind](progress, min_ratio)
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, *, total: int, warmup: int, kind: str, min_ratio: float):
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown lr schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
-    fn = lambda step: lr_factor(step, total=total, warmup=warmup, kind=kind, min_ratio=min_ratio)  # noqa: E731
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..config import SFTConfig
 from ..model.transformer import Transformer
-from .schedule import lr_factor
+from ..rl.schedule import lr_factor
 
 
 @dataclass
@@ -71,7 +71,7 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
-    """Linear warmup, then cosine decay to 0: the schedule of GRPO's optimizer (train/schedule.py)."""
+    """Linear warmup, then cosine decay to 0: the schedule of GRPO's optimizer (rl/schedule.py)."""
     return cfg.lr * lr_factor(step, total=cfg.steps, warmup=cfg.warmup_steps, kind="cosine", min_ratio=0.0)
 
 

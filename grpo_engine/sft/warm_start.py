@@ -14,13 +14,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ..checkpoint.run_dir import utc_stamp
 from ..config import Config, ConfigError
-from ..model.loading import load_model, load_tokenizer, save_model
+from ..model.loading import load_model, load_tokenizer, pick_device, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
-from .run_dir import utc_stamp
-from .sft import train_sft
+from .trainer import train_sft
 
 DONE_MARKER = ".complete"
 
@@ -121,8 +121,6 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     out = Path(cfg.run_dir) / "sft"
     if _complete(out, _settings(cfg, "sft")):
         return out
-    from .setup import pick_device  # setup imports this module
-
     model = load_model(base, device=pick_device(cfg.model.device))  # model.device, as GRPO (auto: cuda if any)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
     pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split))
