@@ -1,13 +1,16 @@
 """CPU/GPU kernel choices and memory transforms, applied to a model from outside (the model file is
-architecture only): oneDNN GEMMs for fp32 CPU projections and the decode-step attention (`apply_kernels`),
-activation checkpointing (`apply_activation_checkpointing`), and the GEMM the LM-head code calls (`gemm.linear`)."""
+architecture only): oneDNN GEMMs for fp32 CPU projections and the decode-step attention, the LM head's GEMMs for
+the log-prob head (rl/logprobs.py HeadGemm) and for decoding, and the weights a decode loop packs
+(rollout/decode_kernels.py DecodeKernels) (`apply_kernels`); activation checkpointing
+(`apply_activation_checkpointing`)."""
 
 import torch
 from torch import nn
 
 from .attention import KERNELS as ATTENTION_KERNELS
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from .onednn import OneDNNLinear, activate
+from .onednn import OneDNNLinear, activate, planned_head_gemm, weight_grads_in_place
+from .packing import planned_decode_kernels
 from .select import (
     PLAN_FILE,
     KernelPlan,
@@ -24,7 +27,10 @@ def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module
     """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
     weight shape, which attention a decode step uses and how many threads torch uses, and turn the nn.Linear
     projections of every block into OneDNNLinear (same parameters and names), which follows the plan; on CUDA
-    or in bf16 OneDNNLinear is nn.Linear itself. Returns the model."""
+    or in bf16 OneDNNLinear is nn.Linear itself. The LM head's GEMMs reach the code that calls it as attributes:
+    model.lm_head.head_gemm (rl.logprobs.head_gemm reads it) and model.decode_kernels (the decode loops' packing
+    and head product), each None where the plan keeps torch's products; model.weight_grads_in_place is the
+    context in which train/update.py's passes accumulate the planned weight gradients in place. Returns the model."""
     plan = plan if plan is not None else choose_plan(model)
     activate(plan)
     if plan.threads != torch.get_num_threads():
@@ -35,6 +41,9 @@ def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module
             if type(module) is nn.Linear:
                 module.__class__ = OneDNNLinear
         block.attn.decode_attention = ATTENTION_KERNELS.get(plan.attention.get(key, "sdpa"))
+    model.lm_head.head_gemm = planned_head_gemm(plan, model.lm_head.weight)
+    model.decode_kernels = planned_decode_kernels(plan, model)
+    model.weight_grads_in_place = weight_grads_in_place  # the trainer's accumulation passes enter it
     return model
 
 

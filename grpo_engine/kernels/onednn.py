@@ -17,6 +17,10 @@ transposed weight, which can favour the other GEMM); before that, by a size thre
 a few dozen rows, every step) skip the reorder oneDNN otherwise does on every call; kernels/packing.py decides
 when that pays.
 
+The chunked log-prob head (rl/logprobs.py) and the decode loop's LM head (rollout/decode_kernels.py) import none
+of this: `planned_head_gemm` and packing.planned_decode_kernels build the products the plan chose for them, which
+kernels.apply_kernels attaches to the model.
+
 Inside `weight_grads_in_place`, the weight gradient of a shape the plan marks "inplace" is added straight into
 weight.grad by one GEMM with accumulation (torch's addmm_) instead of being returned to autograd, which would
 allocate a fresh [out, in] gradient per micro-batch (page-faulted in on the CPU) and add it in a second pass.
@@ -29,6 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from ..rl.logprobs import HeadGemm
 
 _state: dict[str, bool] = {}
 _active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
@@ -61,13 +67,14 @@ def chosen_for(weight: torch.Tensor) -> bool:
     return plan.backend(tuple(weight.shape)) == "onednn"
 
 
-def _fp32_cpu_matrices(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fp32_cpu_matrices(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether oneDNN's products take these: fp32 CPU matrices."""
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the shape."""
-    return _fp32_cpu_matrices(x, weight) and op_works() and chosen_for(weight)
+    return fp32_cpu_matrices(x, weight) and op_works() and chosen_for(weight)
 
 
 def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -76,19 +83,8 @@ def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
     plan = active_plan()
     if plan is None:
         return applies(grad_y, weight)
-    return (_fp32_cpu_matrices(grad_y, weight) and op_works()
+    return (fp32_cpu_matrices(grad_y, weight) and op_works()
             and plan.grad_input_backend(tuple(weight.shape)) == "onednn")
-
-
-def head_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when the chunked log-prob head (rl/logprobs.py) is to run its forward hidden @ weight^T on oneDNN,
-    by the plan's `logprob_head` choice (which defaults to the weight's forward GEMM); else it runs on torch
-    into a buffer reused across chunks."""
-    plan = active_plan()
-    if plan is None:
-        return applies(hidden, weight)
-    return (_fp32_cpu_matrices(hidden, weight) and op_works()
-            and plan.logprob_head_backend(tuple(weight.shape)) == "onednn")
 
 
 def active_plan():
@@ -107,8 +103,8 @@ def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T on oneDNN, unconditionally (weight may be a transposed view): for measuring it,
-    and for products whose caller checked `applies` on the weight as the plan knows it (a head's grad-input
-    product gz @ W runs on W's backend, not on that of W^T's shape)."""
+    and for products the plan put on oneDNN by the weight's shape as it knows it (a head's grad-input product
+    gz @ W runs on W's choice, not on that of W^T's shape) on inputs checked to be fp32 CPU matrices."""
     return _op(x, weight)
 
 
@@ -137,6 +133,32 @@ def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) for a weight packed by `pack` -> a new [M, N] tensor. No autograd."""
     return _op(x, packed, bias)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> a new [M, N] tensor, on oneDNN for fp32 CPU matrices, else torch's: for products
+    the plan put on oneDNN (kernels/ checked that the op works), whatever inputs they later meet. No autograd."""
+    return _op(x, weight) if fp32_cpu_matrices(x, weight) else x @ weight.t()
+
+
+def _grad_input_product(grad_y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_y [M, N] @ weight [N, K] -> a new [M, K] on oneDNN (for fp32 CPU matrices: HeadGemm.accepts)."""
+    return _op(grad_y, weight.t())
+
+
+def planned_head_gemm(plan, weight: torch.Tensor) -> HeadGemm | None:
+    """The chunked log-prob head's GEMMs for the LM head `weight` [V, D] under `plan` (a KernelPlan): oneDNN's
+    forward where the plan's `logprob_head` choice for the shape is oneDNN, oneDNN's input gradient where its
+    `grad_input` choice is; None (torch's products) where neither is, the weight is no fp32 CPU matrix, or the op
+    does not work here. kernels.apply_kernels attaches it to model.lm_head as `head_gemm`."""
+    if plan is None or not (fp32_cpu_matrices(weight, weight) and op_works()):
+        return None
+    shape = tuple(weight.shape)
+    logits = onednn_linear if plan.logprob_head_backend(shape) == "onednn" else None
+    grad_input = _grad_input_product if plan.grad_input_backend(shape) == "onednn" else None
+    if logits is None and grad_input is None:
+        return None
+    return HeadGemm(logits, grad_input, accepts=fp32_cpu_matrices)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

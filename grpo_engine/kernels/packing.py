@@ -19,22 +19,21 @@ packed, so an inference-only process keeps one copy of its weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
 
+from ..rollout.decode_kernels import DecodeKernels
 from . import onednn, packed
 from .packed import PackedWeight
-from .select import shape_key
+from .select import KernelPlan, shape_key
 
 
-def _pack_plan(weight: torch.Tensor) -> tuple[int, str]:
-    """(decode steps from which packing this weight pays, by which kind) in the active plan; (0, "") = never."""
-    plan = onednn.active_plan()
+def _pack_plan(weight: torch.Tensor, plan: KernelPlan) -> tuple[int, str]:
+    """(decode steps from which packing this weight pays, by which kind) in `plan`; (0, "") = never."""
     fp32_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-    if plan is None or not weight.requires_grad or not fp32_cpu:
+    if not weight.requires_grad or not fp32_cpu:
         return 0, ""
     key = shape_key(tuple(weight.shape))
     after, kind = plan.decode_packing.get(key, 0), plan.pack_kind(tuple(weight.shape))
@@ -46,26 +45,28 @@ class DecodePacks:
 
     resize() follows the loop's batch when finished rows leave it: MKL's layout holds for one row count only, so
     its weights are repacked for the new count while enough steps remain for that to pay, and otherwise dropped
-    (their products go back to the plan's GEMM); oneDNN's serve any row count and stay."""
+    (their products go back to the plan's GEMM); oneDNN's serve any row count and stay. Made by the decode loop
+    (rollout/decode_kernels.py) through the `pack` of the DecodeKernels that planned_decode_kernels made."""
 
-    def __init__(self, model: nn.Module, rows: int, steps: int):
+    def __init__(self, model: nn.Module, rows: int, steps: int, plan: KernelPlan):
+        self.plan = plan
         self.modules: list[onednn.OneDNNLinear] = []
         for m in model.modules():
-            after, kind = _pack_plan(m.weight) if isinstance(m, onednn.OneDNNLinear) else (0, "")
+            after, kind = _pack_plan(m.weight, self.plan) if isinstance(m, onednn.OneDNNLinear) else (0, "")
             if 0 < after <= steps:
                 m.packed = packed.pack(m.weight, rows, kind)
                 self.modules.append(m)
         head = getattr(model, "lm_head", None)
         self.head_weight = head.weight if isinstance(head, nn.Linear) and head.bias is None else None  # [V, hidden]
-        after, kind = _pack_plan(self.head_weight) if self.head_weight is not None else (0, "")
+        after, kind = _pack_plan(self.head_weight, self.plan) if self.head_weight is not None else (0, "")
         self.head: PackedWeight | None = packed.pack(self.head_weight, rows, kind) if 0 < after <= steps else None
 
     def resize(self, rows: int, steps_left: int) -> None:
         """The batch now has `rows` rows and at most `steps_left` decode steps to go."""
         for m in self.modules:
-            m.packed = _repacked(m.packed, m.weight, rows, steps_left)
+            m.packed = _repacked(m.packed, m.weight, rows, steps_left, self.plan)
         self.modules = [m for m in self.modules if m.packed is not None]
-        self.head = _repacked(self.head, self.head_weight, rows, steps_left)
+        self.head = _repacked(self.head, self.head_weight, rows, steps_left, self.plan)
 
     def release(self) -> None:
         for m in self.modules:
@@ -73,22 +74,25 @@ class DecodePacks:
         self.modules, self.head = [], None
 
 
-def _repacked(p: PackedWeight | None, weight: torch.Tensor, rows: int, steps_left: int) -> PackedWeight | None:
+def _repacked(p: PackedWeight | None, weight: torch.Tensor, rows: int, steps_left: int,
+              plan: KernelPlan) -> PackedWeight | None:
     """p, or for an MKL pack of another row count: `weight` packed for `rows` if that pays in `steps_left` steps."""
     if p is None or p.kind != "mkl" or p.rows == rows:
         return p
-    after, kind = _pack_plan(weight)
+    after, kind = _pack_plan(weight, plan)
     return packed.pack(weight, rows, kind) if 0 < after <= steps_left else None
 
 
-@contextmanager
-def packed_for_decode(model: nn.Module, rows: int, steps: int) -> Iterator[DecodePacks]:
-    """Pack the model's projections (and its LM head) for a decode loop of `steps` steps over `rows` rows, where
-    the active plan says it pays, by the kind it chose. Inside the block the projections use their packed weights
-    whenever gradients are off; yields the DecodePacks (its `head`: the packed LM head or None). Everything is
-    unpacked on exit."""
-    packs = DecodePacks(model, rows, steps)
-    try:
-        yield packs
-    finally:
-        packs.release()
+def planned_decode_kernels(plan: KernelPlan, model: nn.Module) -> DecodeKernels | None:
+    """What a decode loop of `model` takes from `plan` (rollout/decode_kernels.py): packing where the plan has a
+    weight that packing pays for, and oneDNN's product for the LM head at decode where the plan runs the head's
+    weight on oneDNN (an fp32 CPU matrix, the op working here); None when neither. kernels.apply_kernels
+    attaches it to the model as `decode_kernels`."""
+    head = getattr(model, "lm_head", None)
+    w = head.weight if isinstance(head, nn.Linear) else None  # [V, hidden]
+    on_onednn = (w is not None and onednn.fp32_cpu_matrices(w, w) and onednn.op_works()
+                 and plan.backend(tuple(w.shape)) == "onednn")
+    pack = partial(DecodePacks, plan=plan) if any(v > 0 for v in plan.decode_packing.values()) else None
+    if pack is None and not on_onednn:
+        return None
+    return DecodeKernels(pack=pack, head=onednn.fp32_linear if on_onednn else None)

@@ -25,6 +25,11 @@ distribution, so we divide the logits by T here exactly as the sampler does (tem
 
 Precision: with bf16 hidden states / weights the matmul runs in the input dtype (tensor cores) and the
 softmax is done in fp32 per chunk; float64 inputs stay float64 (used by the exactness tests).
+
+GEMMs: the two products with the head weight that are not accumulations (a chunk's logits, the input gradient) run
+on torch's GEMM unless the caller hands in a `HeadGemm` (`gemm=head_gemm(model)`): kernels/ measures on the
+machine whether another GEMM (oneDNN on some CPUs) is faster and attaches its choice to the model. The math here
+imports no kernel code.
 """
 
 from __future__ import annotations
@@ -35,12 +40,40 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..kernels import onednn
-
 DEFAULT_CHUNK_SIZE = 1024
 
 # token_grad(start, end, logp [n], entropy [n] | None) -> (dL/dlogp [n], dL/dentropy [n] | None)
 TokenGradFn = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HeadGemm:
+    """The products of the chunked head to run on a GEMM other than torch's; a field left None is torch's.
+
+    Why handed in: which GEMM is faster depends on the CPU and is measured by kernels/ (kernels.apply_kernels
+    attaches its choice to model.lm_head as `head_gemm`; read it with `head_gemm(model)`), while this module is
+    the math and stays free of kernel code. `accepts` says which inputs the products take (oneDNN's: fp32 CPU
+    matrices); other inputs run torch's products, as does every call given gemm=None.
+    """
+
+    logits: Product | None = None  # (h [n, D], W [V, D]) -> a new [n, V] = h W^T; None: torch.mm into a reused buffer
+    grad_input: Product | None = None  # (gz [n, V], W [V, D]) -> a new [n, D] = gz W; None: torch.mm
+    accepts: Callable[[torch.Tensor, torch.Tensor], bool] | None = None  # (hidden, W) -> usable; None: any inputs
+
+
+def head_gemm(model) -> HeadGemm | None:
+    """The GEMMs kernels/ chose for `model`'s LM head (the `head_gemm` attribute kernels.apply_kernels sets on
+    model.lm_head), or None for torch's own products: a model never passed through apply_kernels, or one whose
+    plan keeps the head on torch (CUDA, bf16, a CPU where torch's GEMM is as fast)."""
+    return getattr(getattr(model, "lm_head", None), "head_gemm", None)
+
+
+def _usable(gemm: HeadGemm | None, hidden: torch.Tensor, weight: torch.Tensor) -> HeadGemm | None:
+    """gemm, or None where it does not take these inputs (they run torch's products)."""
+    if gemm is None or (gemm.accepts is not None and not gemm.accepts(hidden, weight)):
+        return None
+    return gemm
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,8 +82,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _ChunkBuffers:
-    """Work buffers reused by every chunk: [chunk, V] logits (none on the oneDNN path, which allocates its
-    own output), log-probabilities, and a few rows of probabilities.
+    """Work buffers reused by every chunk: [chunk, V] logits (none when a HeadGemm's `logits` product makes
+    them, as oneDNN allocates its own output), log-probabilities, and a few rows of probabilities; and the
+    chunk's products with the head weight (`logits`, `grad_input`: a HeadGemm's, or None for torch's).
 
     On the CPU the log-softmax is written over the logits in place (checked exact in tests), so a chunk
     costs one [chunk, V] buffer; on CUDA the log-softmax gets its own buffer, since in-place use of that
@@ -58,10 +92,12 @@ class _ChunkBuffers:
     """
 
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,
-                 own_logits: bool = True):
+                 gemm: HeadGemm | None = None):
         rows = max(1, min(chunk, n_tok))
         on_cpu = torch.device(device).type == "cpu"
-        self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if own_logits else None  # [chunk, V]
+        self.logits = gemm.logits if gemm is not None else None
+        self.grad_input = gemm.grad_input if gemm is not None else None
+        self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if self.logits is None else None  # [chunk, V]
         self.logq = self.z if on_cpu or self.z is None else torch.empty_like(self.z)  # [chunk, V]
         budget = (2 << 20) if on_cpu else (64 << 20)  # bytes: about a core's L2 on the CPU
         self.block = max(1, min(rows, budget // (vocab * (torch.finfo(dtype).bits // 8))))
@@ -85,8 +121,8 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
     so the [n, V] chunk crosses memory a handful of times instead of once per elementwise op.
     """
     n = h.shape[0]
-    if bufs.z is None:  # the plan's logprob_head choice (onednn.head_applies)
-        z = onednn.onednn_linear(h, weight)  # [n, V], a fresh buffer
+    if bufs.logits is not None:  # the GEMM kernels/ chose for the head's forward
+        z = bufs.logits(h, weight)  # [n, V], a fresh buffer
     else:
         z = bufs.z[:n]  # [n, V]
         if h.dtype == z.dtype:
@@ -140,12 +176,13 @@ def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
     return gz
 
 
-def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w) -> None:
-    """grad_h_rows [n, D] = gz @ W and grad_w [V, D] += gz^T h (skipping either when it is None)."""
+def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, grad_input: Product | None = None) -> None:
+    """grad_h_rows [n, D] = gz @ W (by `grad_input` when given) and grad_w [V, D] += gz^T h (skipping either
+    when it is None)."""
     gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
     if grad_h_rows is not None:
-        if onednn.grad_input_applies(gz, weight):  # the GEMM the plan chose for this weight's input gradient
-            grad_h_rows.copy_(onednn.onednn_linear(gz, weight.t()))  # [n, V] @ [V, D]
+        if grad_input is not None:  # the GEMM kernels/ chose for this weight's input gradient
+            grad_h_rows.copy_(grad_input(gz, weight))  # [n, V] @ [V, D]
         else:
             torch.mm(gz, weight, out=grad_h_rows)
     if grad_w is not None:
@@ -167,19 +204,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, gemm):
         n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
         logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
-        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.head_applies(hidden, weight))
+        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, gemm)
         for s, e in _chunks(n_tok, chunk_size):
             c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
             logp[s:e] = c.logp
             if with_entropy:
                 ent[s:e] = c.ent
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.gemm = temperature, chunk_size, with_entropy, gemm
         # An output the loss never used (entropy logged as a metric only) then arrives in backward as None
         # rather than zeros, so backward skips the entropy-gradient passes over every [chunk, V] buffer.
         ctx.set_materialize_grads(False)
@@ -197,16 +233,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros(n_tok, dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
-        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.head_applies(hidden, weight))
+        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok, ctx.gemm)
         for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
             gz = _logit_grad(c, t, grad_logp[s:e], grad_ent[s:e] if use_ent else None, temp)
-            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w)
+            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w, bufs.grad_input)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature, chunk_size):
@@ -243,6 +278,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
+    gemm: HeadGemm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token under softmax(hidden @ weight^T / temperature), chunked over tokens.
 
@@ -250,10 +286,12 @@ def token_logprobs(
     (model.lm_head.weight), targets [N] token ids. Returns (logp [N], entropy [N] or None) in
     max(fp32, input dtype). Both outputs are differentiable w.r.t. hidden and weight; the full [N, V] logits
     tensor never exists -- peak extra memory is one (CPU) or two (CUDA) [chunk_size, V] buffers.
+    gemm: the head's GEMMs (`head_gemm(model)`), None for torch's.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     logp, ent = _ChunkedTokenLogprobs.apply(
-        hidden, weight, targets.long(), float(temperature), int(chunk_size), bool(with_entropy)
+        hidden, weight, targets.long(), float(temperature), int(chunk_size), bool(with_entropy),
+        _usable(gemm, hidden, weight)
     )
     return logp, ent
 
@@ -280,6 +318,7 @@ def token_logprobs_with_grads(
     with_entropy: bool = False,
     weight_grad: bool = True,
     grad_weight_out: torch.Tensor | None = None,
+    gemm: HeadGemm | None = None,
 ) -> HeadGrads:
     """Log-probs (and entropies) of the targets AND the gradients of a per-token loss, in one chunked pass.
 
@@ -291,6 +330,7 @@ def token_logprobs_with_grads(
 
     grad_weight_out: a [V, D] tensor in the compute dtype (e.g. the fp32 weight's .grad) that dL/dweight is
     ADDED to in place and returned as grad_weight -- no second [V, D] buffer (311 MB for Qwen's vocabulary).
+    gemm: the head's GEMMs (`head_gemm(model)`), None for torch's.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     n_tok, cdt, t_all = hidden.shape[0], _compute_dtype(hidden.dtype), targets.long()
@@ -304,8 +344,7 @@ def token_logprobs_with_grads(
         if grad_w.shape != weight.shape or grad_w.dtype != cdt:
             raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} {cdt}, got {tuple(grad_w.shape)} "
                              f"{grad_w.dtype}")
-    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok,
-                         own_logits=not onednn.head_applies(hidden, weight))
+    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, _usable(gemm, hidden, weight))
     for s, e in _chunks(n_tok, chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)
@@ -314,7 +353,7 @@ def token_logprobs_with_grads(
             ent[s:e] = c.ent
         g_lp, g_ent = token_grad(s, e, c.logp, c.ent)
         gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
-        _apply_logit_grad(gz, h, weight, grad_h[s:e], grad_w)
+        _apply_logit_grad(gz, h, weight, grad_h[s:e], grad_w, bufs.grad_input)
     if grad_w is not None and grad_weight_out is None:
         grad_w = grad_w.to(weight.dtype)
     return HeadGrads(logp, ent, grad_h, grad_w)

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import onednn
-from ..kernels.packing import DecodePacks, packed_for_decode
 from ..model.transformer import Transformer
+from .decode_kernels import DecodeHead, PackedWeights, packed_for_decode
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
 from .stop_strings import StopStrings
@@ -68,7 +67,7 @@ def as_seed(seed: int | Sequence[int]) -> int | list[int]:
     return int(seed) if isinstance(seed, numbers.Integral) else [int(s) for s in seed]
 
 
-class _Draws:
+class Draws:
     """The random numbers of the decode steps: one shared generator, or one generator per prompt."""
 
     def __init__(self, seed: int | Sequence[int], device: torch.device):
@@ -157,7 +156,7 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
 # One wave
 
 
-def _left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """-> ids [P, L] (pad id 0, never attended) and mask [P, L] bool (True = real token)."""
     L = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), L, dtype=torch.long)
@@ -194,14 +193,14 @@ def _prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCa
     device, dtype = model.device, model.embed.weight.dtype
     c = shared_prefix_length(prompts)
     if c < MIN_SHARED_PREFIX:
-        ids, mask = _left_pad(prompts, device)  # [P, L]
+        ids, mask = left_pad(prompts, device)  # [P, L]
         cache = KVCache.allocate(model.config, len(prompts), ids.shape[1], dtype, device)
         hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L, hidden]
         return cache, mask, model.lm_head(hidden[:, -1])  # the LM head at the last position only
     shared = KVCache.allocate(model.config, 1, c, dtype, device)
     model(torch.tensor([prompts[0][:c]], device=device), torch.ones(1, c, dtype=torch.bool, device=device),
           cache=shared, return_hidden=True)  # [1, c]
-    ids, own_mask = _left_pad([p[c:] for p in prompts], device)  # [P, L - c]
+    ids, own_mask = left_pad([p[c:] for p in prompts], device)  # [P, L - c]
     P, L = ids.shape[0], c + ids.shape[1]
     cache = KVCache.allocate(model.config, P, L, dtype, device)
     cache.copy_prefix_from(shared, torch.zeros(P, dtype=torch.long, device=device))  # slots [0, c), start = c
@@ -210,7 +209,7 @@ def _prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCa
     return cache, mask, model.lm_head(hidden[:, -1])
 
 
-def _prefill(model: Transformer, prompts: list[list[int]], n: int, max_new: int):
+def prefill(model: Transformer, prompts: list[list[int]], n: int, max_new: int):
     """Prefill the P prompts once, then share them with their n rows.
 
     -> decode cache [P*n rows, L+T slots], key mask [P*n, L+T] (True = valid slot), logits [P*n, V].
@@ -231,19 +230,19 @@ def _run_wave(
     prompts: list[list[int]],
     params: SamplingParams,
     sample: Sampler,
-    draws: _Draws,
+    draws: Draws,
     stop_strings: StopStrings,
     decode_step: Callable,
     prompt_ids: list[int],
-    packs: DecodePacks,
+    packs: PackedWeights,
 ) -> list[_Row]:
     """Generate n completions for each prompt of the wave (their indices in the call: prompt_ids); rows in
     (prompt, sample) order."""
     n, T = params.n, params.max_new_tokens
-    cache, key_mask, logits = _prefill(model, prompts, n, T)
+    cache, key_mask, logits = prefill(model, prompts, n, T)
     R = cache.batch
     packs.resize(R, T)  # a wave smaller than the largest one
-    head = _DecodeHead(model, R, packs)
+    head = DecodeHead(model, R, packs)
     stop_ids = set(params.stop_token_ids)
     tokens: list[list[int]] = [[] for _ in range(R)]
     logps: list[list[float]] = [[] for _ in range(R)]
@@ -289,31 +288,6 @@ def _eager_step(model: Transformer) -> Callable:
     return step
 
 
-class _DecodeHead:
-    """The LM head at decode: its packed weight while the loop has one (kernels/packing.py), oneDNN on fp32 CPU
-    (kernels/onednn.py), else one reused [rows, V] logits buffer.
-
-    Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
-    mmap and page-faulted in on every step; on the 2-core CPU machine that halved torch.mm's throughput.
-    oneDNN allocates its own output and is still about 2x faster than torch.mm into a buffer there.
-    """
-
-    def __init__(self, model: Transformer, rows: int, packs: DecodePacks | None = None):
-        self.weight, self.packs, self.rows = model.lm_head.weight, packs, rows  # [V, hidden]
-        self.on_onednn = onednn.applies(self.weight[:1], self.weight)
-        self.buf: torch.Tensor | None = None  # [rows, V], made at the first product that needs it
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call)."""
-        if self.packs is not None and self.packs.head is not None:
-            return self.packs.head(hidden)
-        if self.on_onednn:
-            return onednn.linear(hidden, self.weight)
-        if self.buf is None:
-            self.buf = torch.empty(self.rows, self.weight.shape[0], dtype=self.weight.dtype, device=self.weight.device)
-        return torch.mm(hidden, self.weight.t(), out=self.buf[: hidden.shape[0]])
-
-
 # ----------------------------------------------------------------------------------------------------
 # Public entry point
 
@@ -342,7 +316,7 @@ def generate(
     seed = as_seed(seed)
     if not isinstance(seed, int) and len(seed) != len(prompt_ids):
         raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
-    draws = _Draws(seed, model.device)
+    draws = Draws(seed, model.device)
     sample, stops = Sampler(params), StopStrings(params.stop_strings, tokenizer)
     step = _eager_step(model)
     if compile:

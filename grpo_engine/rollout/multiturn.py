@@ -3,7 +3,7 @@ results, replies), token-exact, in one batched KV cache.
 
 One row per environment (tasks/environment.py). Rows finish, pause and resume independently:
 
-1. prefill: the distinct first prompts go through the model once (generate's `_prefill`), and rows with the
+1. prefill: the distinct first prompts go through the model once (generate's `prefill`), and rows with the
    same prompt (a GRPO group) get copies of its keys/values;
 2. every step, each row feeds the model its PENDING tokens, left-padded to the step's longest: a decoding
    row feeds its last sampled token; a row whose turn just ended feeds that token followed by the
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels.packing import DecodePacks, packed_for_decode
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
-from .generate import _DecodeHead, _Draws, _left_pad, _prefill, as_seed
+from .decode_kernels import DecodeHead, PackedWeights, packed_for_decode
+from .generate import Draws, as_seed, left_pad, prefill
 from .kv_cache import KVCache
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
 from .stop_strings import StopStrings
@@ -174,7 +174,7 @@ def _prefill_rows(model: Transformer, prompts: list[list[int]], slots: int):
     -> cache [R rows, L + slots], key mask [R, L + slots], logits [R, V]."""
     distinct: dict[tuple[int, ...], int] = {}
     index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    cache, key_mask, logits = _prefill(model, [list(p) for p in distinct], 1, slots)
+    cache, key_mask, logits = prefill(model, [list(p) for p in distinct], 1, slots)
     if index != list(range(len(distinct))):
         rows = torch.tensor(index, device=model.device)  # [R]: row -> its prompt
         cache.select_rows(rows)
@@ -197,10 +197,10 @@ def _grow(cache: KVCache, key_mask: torch.Tensor, need: int) -> torch.Tensor:
     return mask
 
 
-def _feed(model: Transformer, head: _DecodeHead, cache: KVCache, key_mask: torch.Tensor, pending: list[list[int]]):
+def _feed(model: Transformer, head: DecodeHead, cache: KVCache, key_mask: torch.Tensor, pending: list[list[int]]):
     """One step: every row's pending tokens, left-padded to the longest ([A, K]), through the model.
     -> logits [A, V] at each row's last pending token, and the (possibly grown) key mask."""
-    ids, real = _left_pad(pending, model.device)  # [A, K], [A, K] (a finished row's are all pads)
+    ids, real = left_pad(pending, model.device)  # [A, K], [A, K] (a finished row's are all pads)
     K, start = ids.shape[1], cache.start
     key_mask = _grow(cache, key_mask, start + K)
     key_mask[:, start : start + K] = real
@@ -208,12 +208,12 @@ def _feed(model: Transformer, head: _DecodeHead, cache: KVCache, key_mask: torch
     return head(hidden), key_mask
 
 
-def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: _Draws, tokenizer,
-            packs: DecodePacks) -> None:
+def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: Draws, tokenizer,
+            packs: PackedWeights) -> None:
     """Run every row to its end (see the module docstring); fills the rows in place."""
     sample = Sampler(params)
     cache, key_mask, logits = _prefill_rows(model, [r.tokens for r in rows], params.max_new_tokens)
-    head = _DecodeHead(model, len(rows), packs)
+    head = DecodeHead(model, len(rows), packs)
     active = list(range(len(rows)))  # the row of each batch position
     while True:
         draw = sample(logits, draws.shared, draws.uniforms(active, [rows[r].finish is None for r in active]))
@@ -264,5 +264,5 @@ def run_multiturn(
     _validate(model, rows, params)
     if rows:
         with torch.inference_mode(), packed_for_decode(model, len(rows), params.max_new_tokens) as packs:
-            _decode(model, rows, params, _Draws(seed, model.device), tokenizer, packs)
+            _decode(model, rows, params, Draws(seed, model.device), tokenizer, packs)
     return [Trajectory(r.tokens, r.mask, r.logps, r.reward, r.components, r.finish or DONE, r.metrics) for r in rows]

@@ -50,22 +50,26 @@ def test_switch_off_with_env(monkeypatch):
     torch.testing.assert_close(onednn.linear(x, w), x @ w.t())
 
 
+@pytest.mark.parametrize("on_onednn", [False, True])
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_fp32_head_through_onednn_matches_float64(chunk):
-    """The fp32 log-prob head (both entry points) on whichever GEMM path is active == float64 naive head."""
+def test_fp32_head_through_onednn_matches_float64(chunk, on_onednn):
+    """The fp32 log-prob head (both entry points) on torch's GEMMs and on the oneDNN ones a plan hands it ==
+    float64 naive head."""
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
     t = torch.randint(0, 500, (40,), generator=g)
+    plan = KernelPlan("cpu", torch.__version__, 1, {"500x16": "onednn"})
+    gemm = onednn.planned_head_gemm(plan, w) if on_onednn else None  # None too where oneDNN's op does not work
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
     lp_ref, ent_ref = naive_token_logprobs(hd, wd, t)
     gh_ref, gw_ref = torch.autograd.grad((2 * lp_ref + ent_ref).sum(), (hd, wd))
 
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, ent = token_logprobs(hh, ww, t, chunk_size=chunk, with_entropy=True)
+    lp, ent = token_logprobs(hh, ww, t, chunk_size=chunk, with_entropy=True, gemm=gemm)
     (2 * lp + ent).sum().backward()
     fused = token_logprobs_with_grads(h, w, t, lambda s, e, lp_, ent_: (torch.full_like(lp_, 2.0),
                                                                         torch.ones_like(ent_)),
-                                      chunk_size=chunk, with_entropy=True)
+                                      chunk_size=chunk, with_entropy=True, gemm=gemm)
     for got, ref in [(lp, lp_ref), (ent, ent_ref), (hh.grad, gh_ref), (ww.grad, gw_ref),
                      (fused.logp, lp_ref), (fused.grad_hidden, gh_ref), (fused.grad_weight, gw_ref)]:
         torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-4, atol=1e-5)
@@ -79,7 +83,8 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, 
     """The plan's choices for the [V, D] head weight decide its forward product and its grad-input product
     gz [n, V] @ W [V, D] (not the choice for a [D, V] shape, which no plan holds): the input gradient on its own
     measured GEMM where the plan has one, else on the forward's; the chunked forward on the plan's `logprob_head`
-    choice where it has one (torch's into the reused buffer), else on the weight's GEMM."""
+    choice where it has one (torch's into the reused buffer), else on the weight's GEMM. The choices reach the head
+    as the HeadGemm kernels/ builds from the plan (planned_head_gemm), not through the active plan."""
     g = torch.Generator().manual_seed(3)
     h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
     t = torch.randint(0, 500, (40,), generator=g)
@@ -94,12 +99,8 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, 
         plan.grad_input = {"500x16": grad_input}
     if head:
         plan.logprob_head = {"500x16": head}
-    onednn.activate(plan)
-    try:
-        hh = h.clone().requires_grad_()
-        token_logprobs(hh, w, t, chunk_size=16)[0].sum().backward()
-    finally:
-        onednn.activate(None)
+    hh = h.clone().requires_grad_()
+    token_logprobs(hh, w, t, chunk_size=16, gemm=onednn.planned_head_gemm(plan, w))[0].sum().backward()
     on_onednn = {(500, 16): (head or backend) == "onednn", (16, 500): (grad_input or backend) == "onednn"}
     assert sorted(set(calls)) == sorted(shape for shape, on in on_onednn.items() if on)
     torch.testing.assert_close(hh.grad.double(), gh_ref, rtol=1e-4, atol=1e-5)
