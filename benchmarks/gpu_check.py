@@ -147,8 +147,8 @@ def rollout_mismatch(path: Path, device: str, dtype: torch.dtype, prompts: list[
     """generate()'s per-token log-probs vs the training forward's (batch_logprobs) on the same completions."""
     from grpo_engine.model.loading import load_model
     from grpo_engine.rollout import SamplingParams, generate
-    from grpo_engine.train.batching import build_rollout_batch
-    from grpo_engine.train.update import batch_logprobs
+    from grpo_engine.train.batch import build_rollout_batch
+    from grpo_engine.train.forward import batch_logprobs
 
     model = load_model(path, dtype=dtype, device=device)
     params = SamplingParams(

@@ -69,3 +69,101 @@ def test_cli_help_and_plot_load_no_torch(argv):
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The layer order (docs/architecture.md): each room imports only rooms to its left, and no files form a circle.
+
+LAYERS = ["config", "world", "tasks", "model", "rollout", "rl", "kernels", "collect", "plan", "checkpoint",
+          "monitor", "eval", "sft", "gguf_export", "train", "bench", "plot", "demo", "cli"]
+MAX_TRAIN_MODULES = 12
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_edges(path: Path) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or "", line) of every import in `path`, function bodies included."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    edges = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            name = ".".join([*base, node.module] if node.module else base)
+            edges += [(name, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            edges += [(alias.name, "", node.lineno) for alias in node.names]
+    return [e for e in edges if e[0] == "grpo_engine" or e[0].startswith("grpo_engine.")]
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in _sources()}
+
+
+def _target(modules: dict[str, Path], name: str, attr: str) -> str:
+    """The module an import loads: `from pkg import mod` names the submodule, else the module itself."""
+    return f"{name}.{attr}" if f"{name}.{attr}" in modules else name
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_every_room_has_a_place_in_the_layer_order():
+    rooms = {_room(m) for m in _modules()} - {""}
+    assert rooms == set(LAYERS), f"not in LAYERS: {rooms - set(LAYERS)}; no such room: {set(LAYERS) - rooms}"
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert "  ->  ".join(f"{r}/" if (PACKAGE / r).is_dir() else r for r in LAYERS) in text
+
+
+def test_imports_point_left_only():
+    """A room imports only rooms to its left (the root package's lazy public names aside)."""
+    modules, upward = _modules(), []
+    for module, path in modules.items():
+        here = _room(module)
+        if not here:
+            continue
+        for name, attr, line in _import_edges(path):
+            there = _room(_target(modules, name, attr))
+            if there and there != here and LAYERS.index(there) > LAYERS.index(here):
+                upward.append(f"{path.relative_to(REPO)}:{line} imports {name} ({there} is right of {here})")
+    assert upward == []
+
+
+def test_no_circle_of_files():
+    modules = _modules()
+    graph = {m: {_target(modules, n, a) for n, a, _ in _import_edges(p)} - {m} for m, p in modules.items()}
+    circles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if n not in modules:
+                continue
+            if state.get(n) == "open":
+                circles.append(" -> ".join([*stack[stack.index(n):], n]))
+            elif n not in state:
+                visit(n, [*stack, n])
+        state[m] = "done"
+
+    for m in sorted(modules):
+        if m not in state:
+            visit(m, [m])
+    assert circles == []
+
+
+def test_no_import_of_another_modules_underscore_names():
+    private = [f"{p.relative_to(REPO)}:{line} imports {name}.{attr}"
+               for m, p in _modules().items() for name, attr, line in _import_edges(p)
+               if attr.startswith("_") and name != m]
+    assert private == []
+
+
+def test_train_is_the_loop_and_what_a_step_composes():
+    modules = sorted(p.stem for p in (PACKAGE / "train").glob("*.py") if p.name != "__init__.py")
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert len(modules) <= MAX_TRAIN_MODULES, modules
+    assert [m for m in modules if f"train/{m}.py" not in text] == []

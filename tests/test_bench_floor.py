@@ -9,7 +9,7 @@ from grpo_engine.bench.floor import StepSizes, attention_flops, body_flops_per_t
 from grpo_engine.config import LossConfig
 from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
-from grpo_engine.train.batching import build_rollout_batch
+from grpo_engine.train.batch import build_rollout_batch
 from grpo_engine.train.update import UpdateSettings, update_policy
 
 P, G, L, T = 2, 3, 7, 5

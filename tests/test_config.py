@@ -177,7 +177,8 @@ def test_config_choices_are_the_library_tables():
     from grpo_engine.model import lora
     from grpo_engine.plan import memory as plan_memory
     from grpo_engine.rl import advantages, correction, losses, schedule
-    from grpo_engine.train import memory, optim, reference
+    from grpo_engine.train import memory, optim
+    from grpo_engine.train import policy as reference
 
     semantic_entropy = import_module("grpo_engine.rl.semantic_entropy")  # the package re-exports a function
 

@@ -54,11 +54,14 @@ class EvalResult:
 
 
 def evaluate_policy(model, tokenizer, task, examples: list[Example], params: SamplingParams, *, seed: int,
-                    max_prompt_tokens: int) -> EvalResult:
-    """One completion per example (params.n is forced to 1), scored by the task's guarded reward."""
+                    max_prompt_tokens: int, groups_fn=None) -> EvalResult:
+    """One completion per example (params.n is forced to 1), scored by the task's guarded reward. groups_fn: what
+    samples and scores them, as in training (default generate_groups; a run with tools passes its multi-turn
+    collect.tool_groups.generate_tool_groups, so the probe samples with the tools the policy trains with)."""
     if not examples:
         raise ValueError("evaluation got no examples: the task's eval split is empty")
-    groups, _ = generate_groups(model, tokenizer, task, examples, replace(params, n=1), seed, max_prompt_tokens)
+    groups_fn = groups_fn or generate_groups
+    groups, _ = groups_fn(model, tokenizer, task, examples, replace(params, n=1), seed, max_prompt_tokens)
     results = [g.rewards[0] for g in groups]
     lengths = [len(g.completion_ids[0]) for g in groups]
     return EvalResult(

@@ -61,8 +61,11 @@ class ResolvedLoss:
     cfg: LossConfig
 
 
-def resolve(cfg: LossConfig) -> ResolvedLoss:
-    """Apply the preset and validate every name and number (errors name the field and the choices)."""
+def resolve(cfg: LossConfig | ResolvedLoss) -> ResolvedLoss:
+    """Apply the preset and validate every name and number (errors name the field and the choices). The trainer
+    resolves once per run and passes the ResolvedLoss on; resolving one again returns it as it is."""
+    if isinstance(cfg, ResolvedLoss):
+        return cfg
     if cfg.loss not in PRESETS:
         raise ValueError(f"unknown loss {cfg.loss!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[cfg.loss]
@@ -94,15 +97,17 @@ def resolve(cfg: LossConfig) -> ResolvedLoss:
     return r
 
 
-def is_tokenwise(cfg: LossConfig) -> bool:
+def is_tokenwise(cfg: LossConfig | ResolvedLoss) -> bool:
     """True when the loss is a sum of per-token terms, each depending on that token's log-prob and entropy only.
 
     Then the LM head can compute its gradients in its forward pass (rl.logprobs.token_logprobs_with_grads).
     Not per-token: GSPO's sequence ratio (a mean over the sequence), top-entropy masking (a batch quantile) and a
     sequence-level rollout correction (its weight depends on every token of the sequence).
     """
-    sequence_correction = cfg.rollout_correction != "none" and cfg.rollout_correction_level == "sequence"
-    return resolve(cfg).ratio_level == "token" and cfg.entropy_top_quantile >= 1 and not sequence_correction
+    r = resolve(cfg)
+    c = r.cfg
+    sequence_correction = c.rollout_correction != "none" and c.rollout_correction_level == "sequence"
+    return r.ratio_level == "token" and c.entropy_top_quantile >= 1 and not sequence_correction
 
 
 def zero_advantage_is_inert(cfg: LossConfig) -> bool:
@@ -243,7 +248,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: LossConfig | None = None,
+    cfg: LossConfig | ResolvedLoss | None = None,
     *,
     entropy: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
@@ -263,7 +268,7 @@ def policy_loss(
     call's): each micro-batch's loss is then its share of the big-batch loss, so the summed gradients equal the
     one-batch gradient exactly. Non-finite inputs at active positions are masked out (metrics["num_nonfinite"]).
     """
-    r = resolve(cfg or LossConfig())
+    r = resolve(cfg or LossConfig())  # a ResolvedLoss (the trainer's) is used as it is
     c = r.cfg
     check_inputs(c, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
                  sampler_logp=sampler_logp)

@@ -23,12 +23,10 @@ from .base import (
     ChatTaskOptions,
     Example,
     Prompt,
-    RewardBatch,
     RewardResult,
     Task,
     render_prompt,
     safe_reward,
-    score_batch,
 )
 from .countdown import CountdownOptions, CountdownTask
 from .custom import CustomOptions, CustomTask
@@ -122,7 +120,6 @@ __all__ = [
     "MathOptions",
     "MathTask",
     "Prompt",
-    "RewardBatch",
     "RewardResult",
     "Task",
     "TaskSpec",
@@ -130,6 +127,5 @@ __all__ = [
     "make_task",
     "render_prompt",
     "safe_reward",
-    "score_batch",
     "task_options",
 ]

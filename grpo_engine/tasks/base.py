@@ -2,7 +2,7 @@
 
 A task gives prompts and scores completions. The trainer only sees this module's types:
 `Example` in, `Prompt` out (rendered with the tokenizer's chat template, then the prefill appended), and
-`RewardResult` back for each completion. `safe_reward` / `score_batch` wrap a task's reward so that a
+`RewardResult` back for each completion. `safe_reward` wraps a task's reward so that a
 reward that raises or runs too long scores 0 and is counted, and never stops training.
 """
 
@@ -234,23 +234,3 @@ def _raise_timeout(signum, frame) -> None:
 
 def _failed(kind: str, message: str) -> RewardResult:
     return RewardResult(0.0, {}, None, {"error": kind, "message": message})
-
-
-@dataclass(frozen=True)
-class RewardBatch:
-    results: list[RewardResult]  # one per completion, in order
-    totals: list[float]  # results[i].total, ready for a [P*G] rewards tensor
-    n_errors: int  # rewards that raised (scored 0)
-    n_timeouts: int  # rewards that ran past the timeout (scored 0)
-
-
-def score_batch(
-    task: Task, examples: Sequence[Example], completions: Sequence[str], timeout_s: float = 5.0
-) -> RewardBatch:
-    """Score completions[i] against examples[i] through safe_reward and count the failures."""
-    if len(examples) != len(completions):
-        raise ValueError(f"{len(examples)} examples but {len(completions)} completions; pass one each")
-    results = [safe_reward(task, ex, c, timeout_s) for ex, c in zip(examples, completions)]
-    errors = [r.info.get("error") for r in results]
-    totals = [r.total for r in results]
-    return RewardBatch(results, totals, errors.count("exception"), errors.count("timeout"))

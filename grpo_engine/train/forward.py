@@ -1,4 +1,7 @@
-"""Update forward that runs each prompt ONCE per group, with gradients, instead of once per completion.
+"""The training forward: the final hidden states that predict completion tokens, and their log-probs without a
+graph (old / reference policy). No [B, T, V] logits: only completion positions reach the LM head.
+
+Shared prompts: the forward runs each prompt ONCE per group, with gradients, instead of once per completion.
 
 GRPO trains G completions of every prompt; in the plain forward each of the G rows recomputes its prompt,
 which is most of the tokens when completions are short. Here a micro-batch is split into two passes:
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import RolloutBatch
+from ..rl.logprobs import head_gemm, token_logprobs
+from .batch import RolloutBatch, plan_micro_batches
 
 
 class PromptKV:
@@ -108,3 +112,65 @@ def shared_prompt_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torc
     hidden = model(lay.suffix_ids, lay.key_mask, cache=cache, return_hidden=True)  # [b, S, D]
     mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
     return hidden[lay.suffix_mask], batch.input_ids[:, 1:][mask], mask
+
+
+# ----------------------------------------------------------------------------------------------------
+# Completion hidden states and log-probs
+
+
+def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Final hidden states at the positions that predict completion tokens, and those tokens.
+
+    Returns (hidden [N, D], targets [N], mask [b, T-1]); mask[i, t] marks that position t of row i predicts
+    the completion token input_ids[i, t + 1], in the row-major order of hidden / targets. Rows that share a
+    prompt (batch.prompt_index) run it once (train/forward.py); otherwise every row runs whole.
+    """
+    if batch.prompt_index is not None:
+        return shared_prompt_hidden(model, batch)
+    return plain_completion_hidden(model, batch)
+
+
+def plain_completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """completion_hidden with every row's prompt + completion through the model (no sharing)."""
+    hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
+    mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
+    return hidden[mask], batch.input_ids[:, 1:][mask], mask
+
+
+def scatter_completion(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values [N] at the True positions of mask [b, T-1] -> [b, T] (0 elsewhere; position t+1 <- mask[:, t])."""
+    out = torch.zeros((mask.shape[0], mask.shape[1] + 1), dtype=values.dtype, device=values.device)  # [b, T]
+    out[:, 1:][mask] = values
+    return out
+
+
+def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_size: int,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each completion token under `model`: [b, T] (0 off the completion), entropy likewise.
+
+    Only completion positions go through the LM head (chunked), never the [b, T, V] logits of the prompt.
+    """
+    hidden, targets, mask = completion_hidden(model, batch)  # [N, D], [N], [b, T-1]
+    logp, ent = token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
+                               chunk_size=chunk_size, with_entropy=with_entropy,
+                               gemm=head_gemm(model))  # [N], [N] | None
+    return scatter_completion(logp, mask), None if ent is None else scatter_completion(ent, mask)
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature: float,
+                   chunk_size: int) -> torch.Tensor:
+    """[B, T] log-probs of all rows, micro-batch by micro-batch, in eval mode (old / reference policy)."""
+    out = torch.zeros(batch.input_ids.shape)  # [B, T]
+    was_training = model.training
+    model.eval()  # no (LoRA) dropout: these are the log-probs of the policy itself
+    try:
+        for rows in plan_micro_batches(batch, token_budget):
+            idx = torch.tensor(rows)
+            sub = batch.select(idx).to(model.device)
+            logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
+            out[idx, : logp.shape[1]] = logp.float().cpu()
+    finally:
+        model.train(was_training)
+    return out
+

@@ -16,13 +16,12 @@ from ..checkpoint.run_dir import step_dir_name, tmp_dir_for
 from ..checkpoint.store import TrainerState, capture_rng, save_checkpoint
 from ..config import to_yaml
 from ..eval.in_loop import EvalResult, combine_eval, evaluate_policy
-from ..kernels import PLAN_FILE
 from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
 from .setup import Run, eval_params, setup_run
-from .step import StepRecord, grpo_step
+from .step import StepRecord, grpo_step, rollout_fn
 from .update import NonFiniteError
 
 
@@ -102,7 +101,8 @@ def evaluate(run: Run) -> EvalResult:
     with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world), fail_together(world, "eval"):
         result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
                                  eval_params(cfg, inputs.tokenizer), seed=cfg.seed,
-                                 max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else None
+                                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                                 groups_fn=rollout_fn(cfg)) if mine else None
     return combine_eval([r for r in world.gather(result) if r is not None])
 
 
@@ -140,7 +140,7 @@ def checkpoint(run: Run, step: int) -> Path:
     run.last_checkpoint = save_checkpoint(
         run.ckpt_root, inputs.policy.model, state, config_yaml=to_yaml(cfg), metrics_path=run.monitor.metrics_path,
         tokenizer_dir=cfg.tokenizer.path or cfg.model.path, keep_last=cfg.checkpoint.keep_last,
-        base_model_path=cfg.model.path, extra_files={PLAN_FILE: inputs.policy.kernels.to_json()}, full_state=full,
+        base_model_path=cfg.model.path, extra_files=inputs.policy.kernel_files(), full_state=full,
         before_publish=add_rank_states)
     world.barrier()
     return run.last_checkpoint

@@ -13,8 +13,7 @@ from ..eval.in_loop import accuracy
 from ..monitor import Sample, StepMetrics
 from ..rl.advantages import zero_variance_groups
 from ..world import World
-from .advantage_batch import AdvantageInfo
-from .batching import RolloutBatch
+from .batch import AdvantageInfo, RolloutBatch
 from .update import UpdateStats, combine_metrics
 
 

@@ -26,8 +26,7 @@ from ..rl.losses import zero_advantage_is_inert
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from ..world import World
-from .advantage_batch import rollout_batch
-from .batching import RolloutBatch, rows_with_signal
+from .batch import RolloutBatch, rollout_batch, rows_with_signal
 from .distributed import gathered
 from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
 from .metrics import merge_ranks, step_metrics, step_parts
@@ -48,6 +47,11 @@ class StepInputs:
     params: SamplingParams  # rollout sampling (G completions per prompt)
     world: World = field(default_factory=World)  # this rank among the data-parallel ranks (size 1: alone)
     curriculum: Curriculum | None = None  # curriculum.mode != none: a scored queue in front of `prompts`
+    update: UpdateSettings | None = None  # what the update phase reads, the loss resolved once (default: from cfg)
+
+    def __post_init__(self):
+        if self.update is None:
+            self.update = update_settings(self.cfg)
 
 
 @dataclass
@@ -128,14 +132,13 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
 
 
 def update_step(run: StepInputs, batch, micro_tokens: int, step: int, totals, message) -> UpdateOutcome:
-    """update_policy (with memory.cpu_update_mmap's allocation rule on CPU), then the LR schedule and the
-    reference; then the gradients are freed, so the next rollout does not hold a copy of the weights' size."""
+    """update_policy (with memory.cpu_update_mmap's allocation rule on CPU; it also advances the LR schedule and
+    frees the gradients), then the reference."""
     cfg, policy = run.cfg, run.policy
     with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.model, policy.device)):
-        outcome = update_policy(policy.model, policy.optimizer, batch, update_settings(cfg), micro_tokens,
-                                message, run.world, totals)
+        outcome = update_policy(policy.model, policy.optimizer, batch, run.update, micro_tokens, message, run.world,
+                                totals, policy.scheduler)
     policy.after_update(step, updated=not outcome.skipped)
-    policy.optimizer.zero_grad(set_to_none=True)
     return outcome
 
 

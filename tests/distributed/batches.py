@@ -4,7 +4,7 @@ lengths (so ranks run different numbers of micro-batches), whole groups per rank
 import torch
 
 from grpo_engine.config import LossConfig
-from grpo_engine.train.batching import RolloutBatch, build_rollout_batch
+from grpo_engine.train.batch import RolloutBatch, build_rollout_batch
 from grpo_engine.train.update import UpdateSettings
 
 LOSSES = ("grpo", "dapo", "dr_grpo")

@@ -28,7 +28,8 @@ for strategy in ("ddp", "fsdp2"):
         model = shard_model(load_model(ckpt).train(), world)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         local = full.select(torch.tensor(rank_rows(rank, size)))
-        update_policy(model, optimizer, local, settings(loss), micro_tokens=40, world=world, totals=totals)
+        update_policy(model, optimizer, local, settings(loss), micro_tokens=40, world=world, totals=totals,
+                      keep_grads=True)
         named = {n: (p.grad.full_tensor() if strategy == "fsdp2" else p.grad).cpu()
                  for n, p in model.named_parameters()}
         if rank == 0:

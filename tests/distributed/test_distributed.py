@@ -33,7 +33,7 @@ def test_two_ranks_give_one_process_gradients(tiny_ckpt, tmp_path):
     for loss in LOSSES:
         model = load_model(tiny_ckpt).train()
         update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), whole_batch(), settings(loss),
-                      micro_tokens=40)
+                      micro_tokens=40, keep_grads=True)
         ref = {n: p.grad for n, p in model.named_parameters()}
         for strategy in ("ddp", "fsdp2"):
             got = torch.load(tmp_path / f"{strategy}-{loss}.pt")

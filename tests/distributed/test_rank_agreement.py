@@ -9,7 +9,7 @@ from grpo_engine.collect.groups import Group
 from grpo_engine.config import Config
 from grpo_engine.rl.advantages import compute_advantages
 from grpo_engine.tasks.base import Example, RewardResult
-from grpo_engine.train.advantage_batch import rollout_batch
+from grpo_engine.train.batch import rollout_batch
 from grpo_engine.world import World
 
 

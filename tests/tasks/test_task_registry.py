@@ -1,4 +1,4 @@
-"""Arithmetic and custom tasks, the registry, and the guarded scoring path (safe_reward / score_batch)."""
+"""Arithmetic and custom tasks, the registry, and the guarded scoring path (safe_reward)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from grpo_engine.tasks import (
     Task,
     make_task,
     safe_reward,
-    score_batch,
 )
 from grpo_engine.tasks.arithmetic import ArithmeticExample
 
@@ -250,12 +249,10 @@ def test_safe_reward_off_main_thread_counts_overruns():
     assert out["r"].total == 0.0 and out["r"].info["error"] == "timeout"
 
 
-def test_score_batch_counts_failures():
-    batch = score_batch(ScriptedTask(), [EX] * 4, ["fine", "raise", "fine", "spin"], timeout_s=0.2)
-    assert batch.totals == [1.0, 0.0, 1.0, 0.0]
-    assert (batch.n_errors, batch.n_timeouts) == (1, 1)
-    with pytest.raises(ValueError, match="2 examples but 1 completions"):
-        score_batch(ScriptedTask(), [EX] * 2, ["x"])
+def test_safe_reward_scores_failures_zero_and_names_them():
+    results = [safe_reward(ScriptedTask(), EX, c, 0.2) for c in ["fine", "raise", "fine", "spin"]]
+    assert [r.total for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert [r.info.get("error") for r in results] == [None, "exception", None, "timeout"]
 
 
 def test_reference_completions_score_full_reward():

@@ -3,7 +3,7 @@
 import torch
 
 from grpo_engine.rl.schedule import lr_factor
-from grpo_engine.train.batching import build_rollout_batch, micro_batches
+from grpo_engine.train.batch import build_rollout_batch, micro_batches
 
 
 def test_micro_batches_respect_budget_and_cover_rows():

@@ -152,7 +152,7 @@ def test_grpo_raises_a_learnable_reward(tmp_path, tiny_ckpt, monkeypatch):
 def test_shared_prompt_forward_matches_plain_in_the_loop(tmp_path, tiny_ckpt, monkeypatch):
     """memory.share_prompt_forward on / off: the same first step (mu=2 so old log-probs and a ratio are involved,
     beta > 0 so reference log-probs too), up to fp32 rounding; and the shared path really ran."""
-    from grpo_engine.train import update
+    from grpo_engine.train import forward as update
 
     calls = []
     real = update.shared_prompt_hidden

@@ -128,14 +128,14 @@ def test_nonfinite_updates_skipped_then_stop_with_last_good_checkpoint(tmp_path,
 
 
 def _oom_above(budget: int, monkeypatch):
-    real = update_mod.accumulate_gradients
+    real = update_mod.plan_micro_batches
 
-    def fake(model, batch, loss_cfg, token_budget, **kwargs):
+    def fake(batch, token_budget):  # the update's micro-batches of more than `budget` tokens run out of memory
         if token_budget > budget:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return real(model, batch, loss_cfg, token_budget, **kwargs)
+        return real(batch, token_budget)
 
-    monkeypatch.setattr(update_mod, "accumulate_gradients", fake)
+    monkeypatch.setattr(update_mod, "plan_micro_batches", fake)
 
 
 def test_oom_message_names_the_knobs(tmp_path, tiny_ckpt, monkeypatch, capsys):

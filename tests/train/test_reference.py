@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_engine.model.loading import load_model
-from grpo_engine.train.reference import ReferenceConfig, make_reference
+from grpo_engine.train.policy import ReferenceConfig, make_reference
 
 
 @pytest.fixture

@@ -8,14 +8,9 @@ from grpo_engine.kernels import apply_activation_checkpointing
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora
 from grpo_engine.rl.losses import LossConfig
-from grpo_engine.train.batching import (
-    build_rollout_batch,
-    group_micro_batches,
-    plan_micro_batches,
-    shared_prompt_index,
-)
-from grpo_engine.train.shared_prompt import shared_layout
-from grpo_engine.train.update import accumulate_gradients, completion_hidden, plain_completion_hidden
+from grpo_engine.train.batch import build_rollout_batch, group_micro_batches, plan_micro_batches, shared_prompt_index
+from grpo_engine.train.forward import completion_hidden, plain_completion_hidden, shared_layout
+from grpo_engine.train.update import accumulate_gradients
 
 # (prompt length, completion lengths of its rows): mixed prompt lengths, group sizes and completion lengths,
 # including a one-token prompt (nothing to share before its last token) and a one-token completion.

@@ -13,7 +13,7 @@ import torch
 
 from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig
-from grpo_engine.train.batching import build_rollout_batch
+from grpo_engine.train.batch import build_rollout_batch
 from grpo_engine.train.update import accumulate_gradients
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,8 +15,7 @@ from grpo_engine.config import load_config
 from grpo_engine.model.loading import pick_device
 from grpo_engine.rollout.chat_turns import continuation_ids
 from grpo_engine.tasks.environment import ToolEnvironment
-from grpo_engine.train.advantage_batch import rollout_batch
-from grpo_engine.train.batching import build_rollout_batch
+from grpo_engine.train.batch import build_rollout_batch, rollout_batch
 from grpo_engine.train.setup import sampling_params, seed_everything, task_of
 from grpo_engine.train.step import StepInputs, StepState, grpo_step
 

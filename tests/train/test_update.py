@@ -5,8 +5,9 @@ import torch
 
 from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig, is_tokenwise
-from grpo_engine.train.batching import build_rollout_batch, micro_batches
-from grpo_engine.train.update import accumulate_gradients, batch_logprobs, combine_metrics
+from grpo_engine.train.batch import build_rollout_batch, micro_batches
+from grpo_engine.train.forward import batch_logprobs
+from grpo_engine.train.update import accumulate_gradients, combine_metrics
 
 
 def _batch(vocab: int):
@@ -182,7 +183,7 @@ def test_rows_without_advantage_leave_the_gradient_unchanged_float64(tiny_ckpt_f
     """The update over rows_with_signal(batch), normalised by the whole batch's totals, has the whole batch's
     gradient to 1e-12 exactly when zero_advantage_is_inert says so (and differs when it says not)."""
     from grpo_engine.rl.losses import zero_advantage_is_inert
-    from grpo_engine.train.batching import rows_with_signal
+    from grpo_engine.train.batch import rows_with_signal
 
     assert zero_advantage_is_inert(cfg) is inert
     model = load_model(tiny_ckpt_factory("qwen2-tied"), dtype=torch.float64)
@@ -201,7 +202,7 @@ def test_rows_without_advantage_leave_the_gradient_unchanged_float64(tiny_ckpt_f
 
 
 def test_rows_with_signal_keeps_a_full_batch_and_drops_an_empty_one():
-    from grpo_engine.train.batching import rows_with_signal
+    from grpo_engine.train.batch import rows_with_signal
 
     batch = _grouped_batch(32, share=True)
     batch.advantages[4] = 0.5  # linspace(-1, 1, 9) has a 0 at row 4
