@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from .fields import ConfigError
 from .run import Config
+from .safe_yaml import MAX_YAML_CHARS, load_yaml
 
 
 def _dotted_names(cls=Config, prefix: str = "") -> list[str]:
@@ -137,8 +138,10 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config path {path} is a directory; give the YAML file (e.g. configs/demo.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    if path.stat().st_size > MAX_YAML_CHARS:  # refused before it is read
+        raise ConfigError(f"{path}: {path.stat().st_size:,} bytes, over the {MAX_YAML_CHARS:,} a config file may have")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path), _UniqueKeyLoader)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
@@ -157,7 +160,10 @@ def _override(merged: DictConfig, item: str) -> DictConfig:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. rollout.group_size=16)")
     try:
+        load_yaml(item.partition("=")[2], f"override {item!r}")  # the budget, before OmegaConf expands aliases
         data = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except ConfigError:
+        raise
     except OmegaConfBaseException as e:
         _raise_from_omegaconf(e, f"override {item!r}")
     except (yaml.YAMLError, ValueError) as e:
@@ -225,7 +231,7 @@ def to_yaml(cfg: Config) -> str:
 def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
     """Rebuild a Config from `to_yaml` output (checkpoints and run folders store the config this way)."""
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(text, source) or {}
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: malformed YAML ({str(e).splitlines()[0]})") from None

@@ -1,10 +1,11 @@
 """GGUF files (llama.cpp's format) in: a `.gguf` path works wherever a Hugging Face directory does.
 
-The `gguf` package (maintained by llama.cpp; `pip install -e ".[gguf]"`) reads the file and dequantizes any mix
-of tensor types (Q4_1, Q8_0, F16, F32, ...) in numpy; this module maps llama.cpp's tensor and metadata names
-onto the engine's (through the same HF name table as safetensors checkpoints), undoes the q/k row permutation
-llama.cpp's converter applies to Llama models, and rebuilds the tokenizer (gguf_tokenizer.py).
-Supported architectures: llama, qwen2, qwen3.
+gguf_header.py parses the header under bounds (a file is untrusted input); the `gguf` package (maintained by
+llama.cpp; `pip install -e ".[gguf]"`) dequantizes any mix of tensor types (Q4_1, Q8_0, F16, F32, ...) in numpy;
+this module maps llama.cpp's tensor and metadata names onto the engine's (through the same HF name table as
+safetensors checkpoints), checks the dimensions against sane limits and the tensors present before building
+anything, undoes the q/k row permutation llama.cpp's converter applies to Llama models, and rebuilds the
+tokenizer (gguf_tokenizer.py). Supported architectures: llama, qwen2, qwen3.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, checked_dims, checked_float
+from .gguf_header import gguf_module, parse_gguf
 from .hf_io import CheckpointError, load_state_dict_hf
+from .tensor_checks import check_tensor_shapes
 from .transformer import Transformer
 
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
@@ -38,26 +41,21 @@ BLOCK_NAMES = {
 }
 
 
-def gguf_module():
-    try:
-        import gguf
-    except ImportError as e:
-        raise CheckpointError("reading a .gguf file needs the `gguf` package: pip install 'grpo-engine[gguf]'") from e
-    return gguf
-
-
 def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix == ".gguf"
 
 
 def reader(path: str | Path):
-    """An open GGUFReader (memory-maps the file; tensors are read when dequantized)."""
+    """An open GGUFReader (memory-maps the file; tensors are read when dequantized), for tools that want the gguf
+    package's own view of a file: the engine reads files with read_gguf. The header is checked first
+    (gguf_header.parse_gguf): GGUFReader trusts it."""
     gguf = gguf_module()
     if not Path(path).is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
+    parse_gguf(path)
     try:
         return gguf.GGUFReader(str(path))
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, IndexError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file ({e}); re-download it") from e
 
 
@@ -66,15 +64,15 @@ class GGUFContents:
     """What the engine reads from a GGUF file: its metadata, and its tensors (memory-mapped until dequantized)."""
 
     meta: dict  # every metadata key with its value, plus "_has_output_weight" (False: tied embeddings)
-    tensors: list  # the gguf package's ReaderTensor records, in file order
+    tensors: list  # gguf_header.GGUFTensor records (as the gguf package's ReaderTensor), in file order
 
 
 def read_gguf(path: str | Path) -> GGUFContents:
     """The metadata and tensors of a GGUF file, parsed once per process and version of the file.
 
-    Why cached: the gguf package decodes every metadata string into its own array views, seconds for a
-    tokenizer's ~100,000 tokens and merges (8 s for SmolLM2's on a 2-core CPU), and one run reads the same file
-    for its tokenizer, its model and its evaluation. Callers get their own copy of `meta`.
+    Why cached: one run reads the same file for its tokenizer, its model and its evaluation, and the header holds
+    a tokenizer's ~100,000 tokens and merges (0.2 s for SmolLM2's on a 2-core CPU). Callers get their own copy
+    of `meta`. The header is parsed under bounds (gguf_header.py): a malformed file is one CheckpointError.
     """
     if not Path(path).is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -85,52 +83,53 @@ def read_gguf(path: str | Path) -> GGUFContents:
 
 @functools.lru_cache(maxsize=1)
 def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFContents:
-    r = reader(path)
-    meta = metadata(r)
-    meta["_has_output_weight"] = any(t.name == "output.weight" for t in r.tensors)
-    return GGUFContents(meta, list(r.tensors))
+    meta, tensors = parse_gguf(path)
+    meta["_has_output_weight"] = any(t.name == "output.weight" for t in tensors)
+    return GGUFContents(meta, tensors)
 
 
-def metadata(r) -> dict:
-    """Every metadata key of an open file with its value (arrays of tokens / merges as lists)."""
-    out = {}
-    for key, f in r.fields.items():
-        try:
-            out[key] = f.contents()
-        except (ValueError, IndexError):  # a field type the reader cannot decode: not one we need
-            continue
-    return out
+GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+             "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+             "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
+             "head_dim": "attention.key_length"}  # ModelConfig field -> GGUF key after "ARCH."
+GGUF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def config_from_gguf(meta: dict, source: str) -> ModelConfig:
+    """The ModelConfig a file's metadata describes, its dimensions checked against sane limits (config.py:
+    checked_dims) before anything is built from them."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHES:
-        raise CheckpointError(f"{source}: architecture {arch!r} is not supported; supported: {', '.join(ARCHES)}")
+    if not isinstance(arch, str) or arch not in ARCHES:
+        raise CheckpointError(f"{source}: architecture {arch!r:.80} is not supported; supported: {', '.join(ARCHES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
-    has_output = meta.get("_has_output_weight", True)
-    try:
-        heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
-        head_dim = _head_dim(meta, arch, hidden // heads, source)
-        return ModelConfig(
-            vocab_size=int(a("vocab_size") or len(meta["tokenizer.ggml.tokens"])), hidden_size=hidden,
-            intermediate_size=int(a("feed_forward_length")), num_hidden_layers=int(a("block_count")),
-            num_attention_heads=heads, num_key_value_heads=int(a("attention.head_count_kv", heads)),
-            head_dim=head_dim, max_position_embeddings=int(a("context_length", 32768)),
-            rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=_rope_scaling(meta, arch, source),
-            tie_word_embeddings=not has_output,
-            attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch],
-            extra=_extra_config(meta))
-    except (TypeError, KeyError) as e:
-        raise CheckpointError(f"{source}: required metadata is missing ({e})") from None
+    tokens = meta.get("tokenizer.ggml.tokens")
+    keys = {k: f"{arch}.{v}" for k, v in GGUF_KEYS.items()}
+    dims = {ours: meta.get(theirs) for ours, theirs in keys.items()}
+    dims["vocab_size"] = dims["vocab_size"] or (len(tokens) if isinstance(tokens, list) else None)
+    missing = [keys[k] for k in GGUF_REQUIRED if dims[k] is None]
+    if missing:
+        raise CheckpointError(f"{source}: required metadata is missing ({', '.join(missing)}); re-download the file")
+    absent = {"num_key_value_heads": dims["num_attention_heads"], "max_position_embeddings": 32768, "head_dim": 0}
+    dims.update({k: default if dims[k] is None or k == "head_dim" else dims[k] for k, default in absent.items()})
+    dims = checked_dims(dims, source, keys)
+    dims["head_dim"] = _head_dim(meta, arch, dims["hidden_size"] // dims["num_attention_heads"], source)
+    return ModelConfig(
+        **checked_dims(dims, source, keys),
+        rms_norm_eps=checked_float(a("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps", source),
+        rope_theta=checked_float(a("rope.freq_base", 10000.0), "rope_theta", source),
+        rope_scaling=_rope_scaling(meta, arch, source), tie_word_embeddings=not meta.get("_has_output_weight", True),
+        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch], extra=_extra_config(meta))
 
 
 def _head_dim(meta: dict, arch: str, default: int, source: str) -> int:
     """The attention head size from attention.key_length / value_length, each hidden / heads when absent (as
     llama.cpp reads them; Qwen3's 128 differs from hidden / heads). The engine's attention has one head size
     for q, k and v, so a file whose two differ is refused rather than loaded into wrong shapes."""
-    key = int(meta.get(f"{arch}.attention.key_length") or default)
-    value = int(meta.get(f"{arch}.attention.value_length") or default)
+    key = meta.get(f"{arch}.attention.key_length") or default
+    value = meta.get(f"{arch}.attention.value_length") or default
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (key, value)):
+        raise CheckpointError(f"{source}: {arch}.attention.key_length={key!r:.40} / value_length={value!r:.40} "
+                              f"must be whole numbers; the file is corrupt: re-download it")
     if key != value:
         raise CheckpointError(f"{source}: {arch}.attention.key_length={key} and value_length={value} differ "
                               f"(absent means hidden / heads = {default}); this engine needs one head size for "
@@ -148,12 +147,12 @@ def _rope_scaling(meta: dict, arch: str, source: str) -> dict | None:
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
     if kind == "none" and f"{arch}.rope.scale_linear" in meta:
         kind = "linear"
-    if kind == "none" or (kind == "linear" and float(factor or 1.0) == 1.0):  # llama.cpp: absent or 0 = 1
+    if kind == "none" or (kind == "linear" and (factor or 1.0) == 1.0):  # llama.cpp: absent or 0 = 1
         return None
     if kind != "linear":
-        raise CheckpointError(f"{source}: rope scaling {kind!r} is not supported from GGUF (only linear); load "
+        raise CheckpointError(f"{source}: rope scaling {kind!r:.80} is not supported from GGUF (only linear); load "
                               f"the Hugging Face checkpoint instead")
-    return {"rope_type": "linear", "factor": float(factor)}
+    return {"rope_type": "linear", "factor": checked_float(factor, f"{arch}.rope.scaling.factor", source)}
 
 
 GENERAL_KEPT = ("general.type", "general.file_type", "general.quantization_version", "general.architecture")
@@ -164,7 +163,7 @@ def _extra_config(meta: dict) -> dict:
     (name, organization, license, ...) so that an export of the trained model carries them on."""
     ids = {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
            "pad_token_id": "tokenizer.ggml.padding_token_id"}
-    extra: dict = {ours: int(meta[key]) for ours, key in ids.items() if key in meta}
+    extra: dict = {ours: meta[key] for ours, key in ids.items() if type(meta.get(key)) is int}  # not garbage
     general = {k: v for k, v in meta.items() if k.startswith("general.") and k not in GENERAL_KEPT}
     if general:
         extra["gguf_general"] = general
@@ -181,10 +180,9 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, layer, rest = gguf_name.split(".", 2)
-        if rest in BLOCK_NAMES:
-            return f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+    block, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
+    if block == "blk" and layer.isdigit() and rest in BLOCK_NAMES:
+        return f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
     return None
 
 
@@ -200,10 +198,13 @@ def read_tensors(records: list, cfg: ModelConfig, dtype: torch.dtype, source: st
                                   f"load the Hugging Face checkpoint instead")
         if name is None:
             raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a llama/qwen2/qwen3 tensor)")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            w = unpermute_qk(w, heads)
+        try:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                w = unpermute_qk(w, heads)
+        except (ValueError, TypeError, NotImplementedError) as e:  # a type gguf cannot dequantize, a wrong shape
+            raise CheckpointError(f"{source}: tensor {t.name!r} cannot be read ({e}); re-download the file") from None
         tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # a writable copy
     return tensors
 
@@ -213,6 +214,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     """A Transformer from a GGUF file, dequantized to `dtype` on `device`."""
     contents = read_gguf(path)
     cfg = config_from_gguf(contents.meta, str(path))
+    shapes = {name: tuple(reversed(t.shape)) for t in contents.tensors if (name := hf_name(t.name))}
+    check_tensor_shapes(cfg, shapes, str(path))  # before dequantizing or building anything
     tensors = {k: v.to(device) for k, v in read_tensors(contents.tensors, cfg, dtype, str(path)).items()}
     with torch.device("meta"):
         model = Transformer(cfg)

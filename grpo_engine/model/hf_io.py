@@ -16,7 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import CheckpointError, rope_kind
+from .config import CheckpointError, checked_dims, checked_float, rope_kind
+from .tensor_checks import check_tensor_shapes, safetensors_shapes
 from .transformer import ModelConfig, Transformer
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -34,16 +35,26 @@ INDEX_FILE = "model.safetensors.index.json"
 # config.json
 
 
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json, the shard index, tokenizer_config.json: KiB to a few MiB
+
+
 def read_json(path: Path) -> dict:
+    """A JSON file of a checkpoint (size-bounded), every way it can fail one CheckpointError naming it."""
     try:
-        return json.loads(path.read_text())
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes, over the {MAX_JSON_BYTES:,} a JSON file "
+                                  f"of a checkpoint may have; re-download or re-save the checkpoint")
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found: is this a Hugging Face model directory?") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); re-download or re-save the checkpoint") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise CheckpointError(f"{path} is not valid JSON ({what}); re-download or re-save the checkpoint") from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror}); fix the path or its permissions") from None
 
 
-def _rope_fields(raw: dict) -> tuple[float, dict | None]:
+def _rope_fields(raw: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either the 4.x or the 5.x layout of config.json.
 
     A non-empty `rope_scaling` wins over `rope_parameters`, as in transformers 5: a 5.x-saved config that
@@ -55,18 +66,16 @@ def _rope_fields(raw: dict) -> tuple[float, dict | None]:
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
         params = params["full_attention"]
     params = params or {}
+    if not isinstance(params, dict) or not isinstance(rope_kind(params), str):
+        raise CheckpointError(f"{source}: rope_scaling / rope_parameters must be an object with a string "
+                              f"rope_type, got {params!r:.80}")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     scaling = None if rope_kind(params) == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
-    return float(theta), scaling
+    return checked_float(theta, "rope_theta", source), scaling
 
 
-def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
-    """Map an HF config dict onto ModelConfig, rejecting what this engine does not implement."""
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+def _unsupported(raw: dict, model_type: str, scaling: dict | None, source: str) -> list[str]:
+    """What config.json asks for that this engine does not implement (each as the field and why)."""
     unsupported = []
     if raw.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={raw['hidden_act']!r} (only silu)")
@@ -76,7 +85,6 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         unsupported.append("mlp_bias=true")
     if model_type != "qwen2" and raw.get("attention_bias"):  # llama and qwen3 then put a bias on o_proj too
         unsupported.append(f"attention_bias=true for {model_type} (bias on o_proj; only qwen2's q/k/v bias)")
-    theta, scaling = _rope_fields(raw)
     kind = rope_kind(scaling)
     if kind not in ("default", "linear", "llama3"):
         unsupported.append(f"rope type {kind!r} (supported: default, linear, llama3)")
@@ -86,29 +94,46 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     lacking = [k for k in needed if k not in scaling]  # else a KeyError at the first forward, not here
     if lacking:
         unsupported.append(f"rope type {kind!r} without {', '.join(lacking)}")
+    elif kind in ("linear", "llama3"):  # numbers, not an error at the first forward
+        for k in needed + (["original_max_position_embeddings"] if kind == "llama3" else []):
+            checked_float(scaling[k], f"rope_scaling.{k}", source)
+    return unsupported
+
+
+REQUIRED_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
+    """Map an HF config dict onto ModelConfig, rejecting what this engine does not implement and dimensions
+    beyond sane limits (config.py: checked_dims) before anything is built from them."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    theta, scaling = _rope_fields(raw, source)
+    unsupported = _unsupported(raw, model_type, scaling, source)
     if unsupported:
         raise CheckpointError(f"{source}: unsupported feature(s): {'; '.join(unsupported)}")
-    try:
-        return ModelConfig(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-            head_dim=raw.get("head_dim") or 0,
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            model_type=model_type,
-            extra=raw,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing") from None
+    lacking = [k for k in REQUIRED_DIMS if k not in raw]
+    if lacking:
+        raise CheckpointError(f"{source}: required field {lacking[0]!r} is missing")
+    dims = {k: raw[k] for k in REQUIRED_DIMS}
+    dims.update(num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+                head_dim=raw.get("head_dim") or 0, max_position_embeddings=raw.get("max_position_embeddings", 32768))
+    return ModelConfig(
+        **checked_dims(dims, source),
+        rms_norm_eps=checked_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        model_type=model_type,
+        extra=raw,
+    )
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -177,9 +202,13 @@ def _tensor_files(path: Path) -> dict[str, list[str]]:
     """Safetensors file name -> the tensor names it holds (from the index when sharded)."""
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
+        raw = read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map'; re-save the checkpoint")
+        odd = next((f for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f), None)
+        if odd is not None or "" in weight_map.values():  # a file of this directory, not ../elsewhere
+            raise CheckpointError(f"{index} maps a tensor to {odd!r:.80}, not a file name in {path}; re-save it")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             files.setdefault(file, []).append(name)
@@ -192,6 +221,14 @@ def _tensor_files(path: Path) -> dict[str, list[str]]:
         return {single.name: []}  # names read from the file itself
     hint = " (pytorch_model.bin is not supported: convert to safetensors)" if any(path.glob("*.bin")) else ""
     raise CheckpointError(f"{path}: no model.safetensors or {INDEX_FILE} found{hint}")
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers (read under bounds: tensor_checks.py), no data."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _tensor_files(path):
+        shapes.update(safetensors_shapes(path / file))
+    return shapes
 
 
 def _read_tensors(path: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
@@ -258,6 +295,7 @@ def load_hf_model(
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
+    check_tensor_shapes(cfg, checkpoint_shapes(path), str(path))  # before reading or building anything
     tensors = _read_tensors(path, dtype, device)
     with torch.device("meta"):
         model = Transformer(cfg)
