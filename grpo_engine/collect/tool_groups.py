@@ -20,7 +20,7 @@ from dataclasses import replace
 from ..config.tools import ToolsSection
 from ..rollout import SamplingParams
 from ..rollout.chat_turns import render_first_prompt
-from ..rollout.generate import as_seed
+from ..rollout.engine import as_seed
 from ..rollout.multiturn import BUDGET, MAX_TURNS, TURN_LENGTH, Trajectory, run_multiturn
 from ..tasks.base import Example, RewardResult
 from ..tasks.environment import ToolEnvironment, TrajectoryLimits

@@ -37,10 +37,9 @@ import torch
 
 from ..model.transformer import Transformer
 from .chat_turns import continuation_ids, render_first_prompt
-from .decode_kernels import DecodeHead, PackedWeights, packed_for_decode
-from .generate import Draws, as_seed, left_pad, prefill
-from .kv_cache import KVCache
-from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams
+from .decode_kernels import packed_for_decode
+from .engine import Draws, as_seed, decode, eager_step, prefill
+from .sampling import Sampler, SamplingParams
 from .stop_strings import StopStrings
 
 if TYPE_CHECKING:  # the protocol lives with the tasks; the sampler only calls reset/step and reads limits
@@ -89,6 +88,19 @@ class _Row:
     components: dict[str, float] = field(default_factory=dict)
     finish: str | None = None
     metrics: TrajectoryMetrics = field(default_factory=TrajectoryMetrics)
+    generator: int = 0  # its own per-trajectory generator (per-trajectory seeds)
+    tokenizer: object = None
+    params: SamplingParams | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def take(self, token: int, logp: float, filtered_logp: float) -> None:
+        _take(self, token, logp, self.tokenizer, self.params)
+
+    def steps_left(self) -> int:
+        return self.params.max_new_tokens  # a bound: each model turn takes at most that many
 
 
 def _start_row(env: Environment, example, tokenizer, params: SamplingParams) -> _Row:
@@ -165,79 +177,6 @@ def _end_turn(row: _Row, tokenizer, ended_with: int | None, out_of_tokens: bool,
     row.turn_start = len(row.tokens)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The batch
-
-
-def _prefill_rows(model: Transformer, prompts: list[list[int]], slots: int):
-    """Prefill each distinct prompt once and give every row a copy of its keys/values.
-    -> cache [R rows, L + slots], key mask [R, L + slots], logits [R, V]."""
-    distinct: dict[tuple[int, ...], int] = {}
-    index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-    cache, key_mask, logits = prefill(model, [list(p) for p in distinct], 1, slots)
-    if index != list(range(len(distinct))):
-        rows = torch.tensor(index, device=model.device)  # [R]: row -> its prompt
-        cache.select_rows(rows)
-        key_mask, logits = key_mask.index_select(0, rows), logits.index_select(0, rows)
-    return cache, key_mask, logits
-
-
-def _grow(cache: KVCache, key_mask: torch.Tensor, need: int) -> torch.Tensor:
-    """Make room for `need` slots (doubling); returns the key mask [A, new size]. Written slots are kept."""
-    if need <= cache.max_len:
-        return key_mask
-    size, end = max(need, 2 * cache.max_len), cache.start
-    for buffers in (cache.k, cache.v):
-        for i, t in enumerate(buffers):
-            grown = t.new_empty(t.shape[0], t.shape[1], size, t.shape[3])  # [A, H_kv, size, D]
-            grown[:, :, :end] = t[:, :, :end]
-            buffers[i] = grown
-    mask = key_mask.new_zeros(key_mask.shape[0], size)  # [A, size]
-    mask[:, :end] = key_mask[:, :end]
-    return mask
-
-
-def _feed(model: Transformer, head: DecodeHead, cache: KVCache, key_mask: torch.Tensor, pending: list[list[int]]):
-    """One step: every row's pending tokens, left-padded to the longest ([A, K]), through the model.
-    -> logits [A, V] at each row's last pending token, and the (possibly grown) key mask."""
-    ids, real = left_pad(pending, model.device)  # [A, K], [A, K] (a finished row's are all pads)
-    K, start = ids.shape[1], cache.start
-    key_mask = _grow(cache, key_mask, start + K)
-    key_mask[:, start : start + K] = real
-    hidden = model(ids, key_mask[:, : start + K], cache=cache, return_hidden=True)[:, -1]  # [A, hidden]
-    return head(hidden), key_mask
-
-
-def _decode(model: Transformer, rows: list[_Row], params: SamplingParams, draws: Draws, tokenizer,
-            packs: PackedWeights) -> None:
-    """Run every row to its end (see the module docstring); fills the rows in place."""
-    sample = Sampler(params)
-    cache, key_mask, logits = _prefill_rows(model, [r.tokens for r in rows], params.max_new_tokens)
-    head = DecodeHead(model, len(rows), packs)
-    active = list(range(len(rows)))  # the row of each batch position
-    while True:
-        draw = sample(logits, draws.shared, draws.uniforms(active, [rows[r].finish is None for r in active]))
-        tok_list, logp_list = draw[0].tolist(), draw[1].tolist()  # [A] tokens, [A] log-probs (see sampling.py)
-        if NAN_TOKEN in tok_list:
-            raise NonFiniteLogits("NaN or +inf logits in a multi-turn rollout: the weights or activations blew up")
-        for a, r in enumerate(active):
-            if rows[r].finish is None:
-                _take(rows[r], tok_list[a], logp_list[a], tokenizer, params)
-        keep = [a for a, r in enumerate(active) if rows[r].finish is None]
-        if not keep:
-            return
-        n_done = len(active) - len(keep)
-        if n_done > 0 and n_done >= params.compact_fraction * len(active):
-            index = torch.tensor(keep, device=model.device)
-            cache.select_rows(index)
-            key_mask, active = key_mask.index_select(0, index), [active[a] for a in keep]
-            packs.resize(len(keep), params.max_new_tokens)  # a bound: each model turn takes at most that many
-        pending = [rows[r].pending if rows[r].finish is None else [] for r in active]
-        logits, key_mask = _feed(model, head, cache, key_mask, pending)
-        for r in active:
-            rows[r].pending = []
-
-
 def run_multiturn(
     model: Transformer,
     tokenizer,
@@ -262,7 +201,13 @@ def run_multiturn(
         raise ValueError(f"got {len(seed)} seeds for {len(envs)} trajectories: give one int, or one each")
     rows = [_start_row(env, ex, tokenizer, params) for env, ex in zip(envs, examples)]
     _validate(model, rows, params)
+    for i, row in enumerate(rows):
+        row.generator, row.tokenizer, row.params = i, tokenizer, params
     if rows:
+        distinct: dict[tuple[int, ...], int] = {}
+        share = [distinct.setdefault(tuple(r.tokens), len(distinct)) for r in rows]  # a group's prompt runs once
         with torch.inference_mode(), packed_for_decode(model, len(rows), params.max_new_tokens) as packs:
-            _decode(model, rows, params, Draws(seed, model.device), tokenizer, packs)
+            cache, key_mask, logits = prefill(model, [list(p) for p in distinct], share, params.max_new_tokens)
+            decode(model, rows, cache, key_mask, logits, Sampler(params), Draws(seed, model.device), packs,
+                   eager_step(model), params.compact_fraction)
     return [Trajectory(r.tokens, r.mask, r.logps, r.reward, r.components, r.finish or DONE, r.metrics) for r in rows]

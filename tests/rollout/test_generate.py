@@ -223,7 +223,7 @@ def test_per_prompt_seeds_make_a_prompts_samples_independent_of_the_batch(tiny_d
 
 
 def test_shared_prefix_length():
-    from grpo_engine.rollout.generate import shared_prefix_length
+    from grpo_engine.rollout.engine import shared_prefix_length
 
     assert shared_prefix_length([[1, 2, 3, 4]]) == 0  # one prompt: nothing to share
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
@@ -238,7 +238,7 @@ def test_a_shared_prefix_runs_once_with_the_same_results(tiny_dir, tiny_tok, mon
 
     from grpo_engine.model.loading import load_model
 
-    gen_module = importlib.import_module("grpo_engine.rollout.generate")
+    gen_module = importlib.import_module("grpo_engine.rollout.engine")
     model = load_model(tiny_dir, dtype=torch.float64)
     header = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
     prompts = [tiny_tok.encode(header + q) for q in ("What is 2+2?", "Hi", "Name a colour, any colour.")]

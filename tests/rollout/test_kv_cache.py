@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_engine.rollout.generate import prefill
+from grpo_engine.rollout.engine import prefill
 
 
 def no_cache_logits(model, ids: list[int]) -> torch.Tensor:
@@ -19,7 +19,8 @@ def test_prefill_shared_decode_and_compaction_match_full_forwards(tiny_model, mi
     n, T = 2, 6
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        cache, key_mask, logits = prefill(tiny_model, mixed_prompts, n, T)  # rows: prompt r // n
+        share = [r // n for r in range(len(mixed_prompts) * n)]  # rows: prompt r // n
+        cache, key_mask, logits = prefill(tiny_model, mixed_prompts, share, T)
         rows = list(range(len(mixed_prompts) * n))
         seqs = {r: list(mixed_prompts[r // n]) for r in rows}
         for step in range(T - 1):
@@ -43,7 +44,7 @@ def test_prefill_shared_decode_and_compaction_match_full_forwards(tiny_model, mi
 
 def test_cache_buffers_are_preallocated_and_compaction_shrinks_them(tiny_model, mixed_prompts):
     with torch.inference_mode():
-        cache, key_mask, _ = prefill(tiny_model, mixed_prompts, 4, 10)
+        cache, key_mask, _ = prefill(tiny_model, mixed_prompts, [r // 4 for r in range(len(mixed_prompts) * 4)], 10)
     L = max(map(len, mixed_prompts))
     cfg = tiny_model.config
     assert cache.k[0].shape == (12, cfg.num_key_value_heads, L + 10, cfg.head_dim) and cache.start == L
