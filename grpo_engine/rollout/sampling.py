@@ -223,7 +223,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None,
                  uniforms: torch.Tensor | None = None) -> Draw:
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or float64 kept exact
         if self.temperature == 0:
             tokens, logp = sample_greedy(logits, generator)
             return Draw(tokens, logp, logp)
