@@ -77,8 +77,10 @@ class MemoryConfig:
 
     precision: str = option("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
     activation_checkpointing: str = option(
-        "auto", "auto (every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
-                "optimizer state and >= 256 MiB, else none) | none | all (every block) | every_k (every k-th block)")
+        "auto", "auto (CPU: every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
+                "optimizer state and >= 256 MiB, else none; CUDA: the least recompute the memory planner predicts "
+                "fits the card with micro-batches of 4,096+ tokens) | none | all (every block) | every_k (every k-th "
+                "block)")
     checkpoint_every: int = option(2, "k for activation_checkpointing=every_k")
     empty_cache_between_phases: bool = option(True, "gc + torch.cuda.empty_cache() between rollout and training")
     allow_tf32: bool = option(True, "TF32 matmuls for fp32 weights on Ampere+ GPUs")
@@ -95,11 +97,13 @@ class MemoryConfig:
 class MemorySection(MemoryConfig):
     """MemoryConfig (precision, checkpointing) plus micro-batching."""
 
-    micro_batch_tokens: int = option(1024, "token budget of one forward/backward micro-batch: padded rows x length, "
-                                           "or with share_prompt_forward prompts x prompt length + rows x "
-                                           "completion length")
+    micro_batch_tokens: int = option(0, "token budget of one forward/backward micro-batch: padded rows x length, "
+                                        "or with share_prompt_forward prompts x prompt length + rows x completion "
+                                        "length. 0 = auto: 1024 on CPU; on CUDA the largest the memory planner "
+                                        "predicts fits the card (memory.gpu_memory_gib, else the device's memory)")
     auto_halve_micro_batch: bool = option(False, "on CUDA out-of-memory halve micro_batch_tokens and retry the step")
-    logprob_chunk_size: int = option(256, "tokens per chunk when computing log-probs from hidden states")
+    logprob_chunk_size: int = option(0, "tokens per chunk when computing log-probs from hidden states. 0 = auto: "
+                                        "256 on CPU; on CUDA the largest that fits the card, as micro_batch_tokens")
     share_prompt_forward: bool = option(True, "run each prompt once per group in the update forward, its "
                                               "completions attending to its keys/values (same numbers as false, "
                                               "less compute)")
@@ -117,8 +121,8 @@ class MemorySection(MemoryConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.micro_batch_tokens >= 1, "memory.micro_batch_tokens must be >= 1")
-        require(self.logprob_chunk_size >= 1, "memory.logprob_chunk_size must be >= 1")
+        require(self.micro_batch_tokens >= 0, "memory.micro_batch_tokens must be >= 1, or 0 for auto")
+        require(self.logprob_chunk_size >= 0, "memory.logprob_chunk_size must be >= 1, or 0 for auto")
         require(self.gpu_memory_gib >= 0, "memory.gpu_memory_gib must be >= 0 (0 = no memory pre-flight check)")
         self.cpu_update_mmap = str(self.cpu_update_mmap).lower()  # YAML's true / false arrive as "True" / "False"
         one_of("memory.cpu_update_mmap", self.cpu_update_mmap, UPDATE_MMAP)

@@ -58,8 +58,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--card {card:g}: give the card's GPU memory in GiB (> 0)")
         if args.config is not None:
             cfg = load_config(args.config, args.overrides)
-            plan = plan_config(cfg, args.model, **knobs)
             card = card if card is not None else (cfg.memory.gpu_memory_gib or None)
+            plan = plan_config(cfg, args.model, card, **knobs)
         elif args.model is not None:
             plan = plan_memory(model_shape(args.model), PlanInput(**knobs))
         else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
+from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice
 from .memory import MemoryPlan, PlanInput, fits, plan_memory
 from .policy_spec import policy_spec
 from .shapes import MODEL_SHAPES, model_shape
@@ -43,7 +44,8 @@ def plan_input_from_config(cfg: Config) -> PlanInput:
         precision="bf16" if m.precision == "auto" else m.precision,
         optimizer=cfg.optimizer.name, master_weights=cfg.optimizer.master_weights,
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
-        micro_batch_rows=max(1, m.micro_batch_tokens // slots), logprob_chunk=m.logprob_chunk_size,
+        micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),
+        logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
         rollout_rows_in_flight=rollout_rows_in_flight(cfg, slots), reference=spec.reference,
     )
 
@@ -59,7 +61,7 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
 
         return tiny_config(t.arch, **t.shape())
     path = Path(cfg.model.path)
-    if cfg.model.path and (path / "config.json").is_file():
+    if cfg.model.path and ((path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())):
         return model_shape(str(path))
     name = path.name.lower()
     guess = next((s for s in MODEL_SHAPES if name.startswith(s)), None)
@@ -68,9 +70,22 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
                       f"(not downloaded yet?): download it, or plan with {hint}")
 
 
-def plan_config(cfg: Config, shape: str | None = None, **knob_overrides) -> MemoryPlan:
-    knobs = dataclasses.replace(plan_input_from_config(cfg), **knob_overrides)
-    return plan_memory(config_model_shape(cfg, shape), knobs)
+def config_memory_choice(cfg: Config, card_gib: float | None, shape: str | None = None) -> MemoryChoice:
+    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU); plan/device_defaults.py."""
+    if card_gib is None:  # the CPU defaults need no model shape
+        return memory_choice(None, None, cfg.memory, None)
+    return memory_choice(config_model_shape(cfg, shape), plan_input_from_config(cfg), cfg.memory, card_gib)
+
+
+def plan_config(cfg: Config, shape: str | None = None, card_gib: float | None = None,
+                **knob_overrides) -> MemoryPlan:
+    """The plan of one step of `cfg` on a card of card_gib (default memory.gpu_memory_gib): the memory settings
+    left to the engine are chosen for that card as a CUDA run on it chooses them; without a card, at the CPU
+    defaults."""
+    card = card_gib if card_gib is not None else (cfg.memory.gpu_memory_gib or None)
+    knobs = plan_input_from_config(cfg)
+    choice = config_memory_choice(cfg, card, shape).knobs(knobs.prompt_len + knobs.completion_len)
+    return plan_memory(config_model_shape(cfg, shape), dataclasses.replace(knobs, **{**choice, **knob_overrides}))
 
 
 def check_memory_fits(cfg: Config) -> None:

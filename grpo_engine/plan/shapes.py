@@ -21,10 +21,15 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
 
 
 def model_shape(name_or_dir: str) -> ModelConfig:
-    """A ModelConfig from a known shape name or an HF checkpoint directory (reads config.json only)."""
+    """A ModelConfig from a known shape name, an HF checkpoint directory (reads config.json only) or a .gguf file
+    (reads its header only)."""
     if name_or_dir in MODEL_SHAPES:
         return MODEL_SHAPES[name_or_dir]
     path = Path(name_or_dir)
+    if path.suffix == ".gguf" and path.is_file():
+        from ..model.gguf_io import config_from_gguf, read_gguf
+
+        return config_from_gguf(read_gguf(path).meta, str(path))
     if path.is_dir():
         from ..model.hf_io import config_from_hf, read_json
 

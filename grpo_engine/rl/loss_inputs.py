@@ -51,7 +51,7 @@ def broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.
 @dataclass
 class Finite:
     mask: torch.Tensor  # [B, T] bool: active tokens whose every input is finite
-    num_nonfinite: int  # active tokens dropped because an input was NaN or inf
+    num_nonfinite: torch.Tensor  # 0-dim: active tokens dropped because an input was NaN or inf
 
 
 def finite_inputs(mask, logp, old, adv, *optional) -> Finite:
@@ -63,4 +63,4 @@ def finite_inputs(mask, logp, old, adv, *optional) -> Finite:
         if t is not None:
             finite &= torch.isfinite(t)
     mask_in = mask.bool()
-    return Finite(mask=mask_in & finite, num_nonfinite=int((mask_in & ~finite).sum()))
+    return Finite(mask=mask_in & finite, num_nonfinite=(mask_in & ~finite).sum())

@@ -254,6 +254,7 @@ def policy_loss(
     sampler_logp: torch.Tensor | None = None,
     num_tokens_total: float | None = None,
     num_seqs_total: float | None = None,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss of one (micro-)batch and its metrics.
 
@@ -267,6 +268,8 @@ def policy_loss(
     num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (default: this
     call's): each micro-batch's loss is then its share of the big-batch loss, so the summed gradients equal the
     one-batch gradient exactly. Non-finite inputs at active positions are masked out (metrics["num_nonfinite"]).
+    with_metrics=False: the loss alone (the fused head's per-chunk gradients); the metrics are read from the
+    device once per call, not once per value.
     """
     r = resolve(cfg or LossConfig())  # a ResolvedLoss (the trainer's) is used as it is
     c = r.cfg
@@ -291,17 +294,20 @@ def policy_loss(
         pg_loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r
     )
 
-    metrics = {
-        "loss": float(loss.detach()),
-        "pg_loss": float(pg_loss.detach()),
-        "kl_mean": kl_mean,
-        "entropy_mean": ent_mean,
-        "active_tokens": float(m.sum()),
-        "num_nonfinite": float(live.num_nonfinite),
-        **_ratio_metrics(pg.ratio.detach(), pg.surr, m_bool),
-        **pg.metrics,
-    }
-    return loss, metrics
+    if not with_metrics:
+        return loss, {}
+    return loss, _read({"loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_mean": kl_mean,
+                        "entropy_mean": ent_mean, "active_tokens": m.sum(), "num_nonfinite": live.num_nonfinite,
+                        **_ratio_metrics(pg.ratio.detach(), pg.surr, m_bool), **pg.metrics})
+
+
+def _read(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """0-dim tensors and floats -> floats, with one device-to-host copy for all of them."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if keys:
+        values = torch.stack([metrics[k].detach().double() for k in keys]).tolist()
+        metrics = {**metrics, **dict(zip(keys, values))}
+    return {k: float(v) for k, v in metrics.items()}
 
 
 @dataclass
@@ -332,7 +338,7 @@ def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: Reso
         if c.rollout_correction != "none":
             fix = rollout_correction(old, sampler_logp, m_bool, c)
             per_token = per_token * fix.weight
-            hit = float(fix.hit.sum() / m_bool.sum().clamp_min(1))
+            hit = fix.hit.sum() / m_bool.sum().clamp_min(1)
         metrics["rollout_correction_frac"] = hit
     return _PolicyGradient(per_token, m, ratio, surr, metrics)
 
@@ -359,18 +365,24 @@ def _add_kl_and_entropy(loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok,
     return loss, kl_mean, ent_mean
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
-    return float((x.detach() * m).sum() / m.sum().clamp_min(1))
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return (x.detach() * m).sum() / m.sum().clamp_min(1)
 
 
-def _ratio_metrics(ratio: torch.Tensor, surr: _Surrogate, m_bool: torch.Tensor) -> dict[str, float]:
-    n = m_bool.sum().clamp_min(1)
-    active = ratio[m_bool]
-    empty = active.numel() == 0
+def _ratio_metrics(ratio: torch.Tensor, surr: _Surrogate, m_bool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Clip fractions and the ratio's min / mean / max over the active tokens (1 when there are none)."""
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    if ratio.numel() == 0:
+        return {k: one - 1 if k.startswith("clip") else one for k in
+                ("clip_frac_low", "clip_frac_high", "ratio_min", "ratio_mean", "ratio_max")}
+    count = m_bool.sum()
+    n = count.clamp_min(1)
+    inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+    some = count > 0
     return {
-        "clip_frac_low": float((surr.clipped_low & m_bool).sum() / n),
-        "clip_frac_high": float((surr.clipped_high & m_bool).sum() / n),
-        "ratio_min": 1.0 if empty else float(active.min()),
-        "ratio_mean": 1.0 if empty else float(active.mean()),
-        "ratio_max": 1.0 if empty else float(active.max()),
+        "clip_frac_low": (surr.clipped_low & m_bool).sum() / n,
+        "clip_frac_high": (surr.clipped_high & m_bool).sum() / n,
+        "ratio_min": torch.where(some, torch.where(m_bool, ratio, inf).min(), one),
+        "ratio_mean": torch.where(some, torch.where(m_bool, ratio, 0).sum() / n, one),
+        "ratio_max": torch.where(some, torch.where(m_bool, ratio, -inf).max(), one),
     }

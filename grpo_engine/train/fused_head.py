@@ -76,7 +76,7 @@ def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, objective: Objective, 
                 ent_leaf = ent.detach().requires_grad_(entropy_grad)  # [n]
                 full_ent = torch.zeros_like(full_lp).index_put(idx, ent_leaf)  # [b, T]
                 leaves += [ent_leaf] if entropy_grad else []
-            loss, _ = objective(full_lp, entropy=full_ent, sampler_logp=sampler_logp)
+            loss, _ = objective(full_lp, entropy=full_ent, sampler_logp=sampler_logp, with_metrics=False)
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0]
         return g_lp, grads[1] if len(grads) > 1 else None

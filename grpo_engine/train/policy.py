@@ -33,6 +33,8 @@ from ..kernels import (
 )
 from ..model.loading import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
+from ..plan.device_defaults import apply_memory_choice
+from ..plan.from_config import config_memory_choice, plan_input_from_config
 from ..plan.memory import resolve_checkpointing
 from ..plan.policy_spec import PolicySpec, policy_spec
 from ..world import World
@@ -113,8 +115,10 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     the base from model.path and the adapters from the checkpoint), kernels, memory options, optimizer,
     schedule and reference. A frozen reference is always the weights at model.path; a moving one is restored
     from the checkpoint by load_state_dict. Under fsdp2 the model (and a copied reference) are sharded before
-    the optimizer is built, so its state is sharded too."""
+    the optimizer is built, so its state is sharded too. The memory settings left to the engine are resolved for
+    `device` first (written into cfg.memory: plan/device_defaults.py)."""
     world = world or World()
+    apply_memory_choice(cfg.memory, config_memory_choice(cfg, card_gib(cfg, device)))
     spec = policy_spec(cfg)
     dtype = torch_dtype(cfg.memory.precision, device)
     full_resume = resume_dir is not None and spec.mode == "full"
@@ -139,6 +143,14 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     return Policy(model, optimizer, scheduler, reference, spec, kernels)
 
 
+def card_gib(cfg: Config, device: torch.device) -> float | None:
+    """The card the memory settings are chosen for: memory.gpu_memory_gib, else the CUDA device's own memory;
+    None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return cfg.memory.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def policy_model(cfg: Config, spec: PolicySpec, path, dtype: torch.dtype, device: torch.device):
     """The model at `path` on `device`, with LoRA adapters unless spec.mode is full. A QLoRA model is read onto
     the CPU and apply_lora moves it to `device` one projection at a time, each quantized before the next is
@@ -153,8 +165,6 @@ def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
     """memory.activation_checkpointing with "auto" resolved for this model (plan.memory.resolve_checkpointing:
     every block when a full micro-batch's activations would be a large share of the training state). A pure
     function of the config and the model's shape, so a resumed run resolves it the same way."""
-    from ..plan.from_config import plan_input_from_config  # plan.from_config imports this module
-
     knobs = replace(plan_input_from_config(cfg), precision="bf16" if dtype == torch.bfloat16 else "fp32")
     return resolve_checkpointing(model.config, knobs, cfg.memory.micro_batch_tokens)
 

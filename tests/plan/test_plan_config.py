@@ -116,8 +116,8 @@ def test_plan_cli_with_a_config(capsys):
     assert main(["plan", preset, "lora.enabled=false", "--model", "qwen2.5-1.5b", "--card", "80"]) == 0
     assert "FITS a 80 GiB card" in capsys.readouterr().out
     # a PlanInput flag overrides the derived knob (fragmentation has no config field)
-    assert main(["plan", preset, "--model", "qwen2.5-1.5b", "--fragmentation", "1.0"]) == 0
-    assert "+ 100% fragmentation" in capsys.readouterr().out
+    assert main(["plan", preset, "--model", "qwen2.5-1.5b", "--fragmentation", "0.2"]) == 0
+    assert "+ 20% fragmentation" in capsys.readouterr().out
 
 
 def test_plan_cli_errors(capsys, tmp_path):
@@ -171,8 +171,9 @@ def test_preflight_through_grpo_train(tmp_path, monkeypatch, capsys):
                f"run_dir={tmp_path / 'run'}", f"task.data_path={tmp_path}", "memory.gpu_memory_gib=6"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert re.match(r"grpo: error: memory.gpu_memory_gib=6: the planned peak of one step is 8.14 GiB "
-                    r"\(training phase\), more than the 6 GiB card", err), err
+    # the memory settings are chosen for the 6 GiB card, and the rollout's KV cache alone still does not fit it
+    assert re.match(r"grpo: error: memory.gpu_memory_gib=6: the planned peak of one step is 6.07 GiB "
+                    r"\(rollout phase\), more than the 6 GiB card", err), err
 
 
 def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
@@ -195,3 +196,33 @@ def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
                        "logging.progress=false"])
     with pytest.raises(Reached):  # the 4.26 GiB plan passed the 8 GiB check
         loop.train(cfg)
+
+
+def test_memory_left_to_the_engine_is_chosen_per_device():
+    """CPU: the CPU defaults; a card: the least recompute whose largest fitting micro-batch is 4,096+ tokens, the
+    largest chunk that then fits, within GPU_HEADROOM of the card; a setting the user wrote is kept; a card too
+    small for anything gets the leanest settings (and the pre-flight check refuses it)."""
+    from grpo_engine.plan.device_defaults import CHECKPOINTING_CHOICES, GPU_HEADROOM
+    from grpo_engine.plan.from_config import config_memory_choice
+
+    cfg = load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml")
+    assert (cfg.memory.micro_batch_tokens, cfg.memory.logprob_chunk_size) == (0, 0)  # the preset leaves them
+    cpu = config_memory_choice(cfg, None)
+    assert (cpu.micro_batch_tokens, cpu.logprob_chunk_size, cpu.activation_checkpointing) == (1024, 256, "auto")
+    gpu = config_memory_choice(cfg, 12.0, "qwen2.5-1.5b")
+    assert gpu.planned_gib <= 12.0 * GPU_HEADROOM and gpu.micro_batch_tokens >= 4096
+    cheaper = [m for m, _ in CHECKPOINTING_CHOICES[: [m for m, _ in CHECKPOINTING_CHOICES].index(
+        gpu.activation_checkpointing)]]
+    for mode in cheaper:  # each cheaper recompute mode fits no micro-batch of 4,096 tokens on this card
+        knobs = {"activation_checkpointing": mode, "micro_batch_tokens": 4096, "logprob_chunk_size": 256}
+        plan = plan_config(load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml",
+                                       [f"memory.{k}={v}" for k, v in knobs.items()]), "qwen2.5-1.5b", 12.0)
+        assert plan.total_gib > 12.0 * GPU_HEADROOM, mode
+    bigger = plan_config(load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml", [
+        f"memory.micro_batch_tokens={2 * gpu.micro_batch_tokens}", "memory.logprob_chunk_size=256",
+        f"memory.activation_checkpointing={gpu.activation_checkpointing}"]), "qwen2.5-1.5b", 12.0)
+    assert bigger.total_gib > 12.0 * GPU_HEADROOM  # the next larger micro-batch would not fit, even in small chunks
+    mine = load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml", ["memory.micro_batch_tokens=1536"])
+    assert config_memory_choice(mine, 80.0, "qwen2.5-1.5b").micro_batch_tokens == 1536  # the user's wins
+    tiny_card = config_memory_choice(cfg, 1.0, "qwen2.5-1.5b")
+    assert (tiny_card.micro_batch_tokens, tiny_card.activation_checkpointing) == (512, "all")

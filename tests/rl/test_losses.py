@@ -286,3 +286,27 @@ def test_presets():
     assert (r.surrogate, r.aggregation, r.ratio_level) == ("sapo", "token-mean", "token")
     r = resolve(LossConfig(loss="grpo", eps_high=0.28, aggregation="token-mean"))
     assert (r.eps_high, r.aggregation) == (0.28, "token-mean")
+
+
+def test_metrics_are_read_from_the_device_once_and_not_at_all_without_them(monkeypatch):
+    """A GPU waits for the host at every read of a device value: policy_loss reads all its metrics (rollout
+    correction and mismatch included) with one copy, and the fused head's per-chunk calls (with_metrics=False)
+    read none. Checked by counting the host reads a tensor allows (item, tolist, float, int, bool)."""
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=g) - 2
+    mask = torch.ones(3, 5)
+    mask[1, 3:] = 0
+    cfg = LossConfig(loss="dapo", beta=0.1, rollout_correction="tis")
+    kw = dict(entropy=torch.rand(3, 5, generator=g), sampler_logp=logp + 0.01, num_tokens_total=13, num_seqs_total=3)
+    args = (logp.requires_grad_(), logp.detach() + 0.02, logp.detach() - 0.05, torch.randn(3, generator=g), mask,
+            resolve(cfg))
+    reads.clear()
+    loss, metrics = policy_loss(*args, **kw)
+    assert reads == ["tolist"] and metrics["active_tokens"] == 13.0 and metrics["mismatch_max_abs"] > 0
+    reads.clear()
+    loss_only, none = policy_loss(*args, **kw, with_metrics=False)
+    assert reads == [] and none == {} and torch.equal(loss_only, loss)

@@ -1,0 +1,88 @@
+"""Memory settings left to the engine (memory.micro_batch_tokens = 0, memory.logprob_chunk_size = 0,
+memory.activation_checkpointing = auto), resolved for the device a run trains on.
+
+Why per device: a CPU step is bound by its matrix products at any micro-batch size, and small micro-batches keep
+its RSS low; a GPU step is bound by kernel launches and host work unless each forward/backward sees thousands of
+tokens, and the card's memory is what limits it. So for a card (memory.gpu_memory_gib, else the CUDA device's
+own memory) the planner picks the least recompute (no checkpointing, then every second block, then every block)
+whose largest fitting micro-batch holds at least GPU_GOOD_TOKENS tokens, with the largest log-prob chunk that
+still fits. A setting the user wrote is kept as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+from .memory import PlanInput, plan_memory
+
+CPU_MICRO_BATCH_TOKENS = 1024  # the CPU defaults (docs/benchmarks.md: larger micro-batches are no faster there)
+CPU_LOGPROB_CHUNK = 256
+MICRO_BATCH_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024, 512)  # tokens, largest first
+CHUNK_CHOICES = (4096, 2048, 1024, 512, 256)
+CHECKPOINTING_CHOICES = (("none", 2), ("every_k", 2), ("all", 1))  # least recompute first: (mode, k)
+GPU_GOOD_TOKENS = 4096  # a micro-batch this large keeps a GPU busy; below it, recompute is the cheaper trade
+GPU_HEADROOM = 0.75  # share of the card a plan may fill: the planner's error (measured peaks up to 12% above
+#                     it, docs/memory.md), what it does not count (workspaces, captured graphs), a desktop's share
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    micro_batch_tokens: int
+    logprob_chunk_size: int
+    activation_checkpointing: str  # as asked on CPU ("auto": train/policy.py resolves it per model), else a mode
+    checkpoint_every: int
+    planned_gib: float | None = None  # the planned peak on the card, None for a CPU run
+
+    def knobs(self, slots: int) -> dict:
+        """The PlanInput fields this choice sets (slots: tokens of the longest row, prompt + completion)."""
+        return {"micro_batch_rows": max(1, self.micro_batch_tokens // slots), "logprob_chunk": self.logprob_chunk_size,
+                "activation_checkpointing": self.activation_checkpointing, "checkpoint_every": self.checkpoint_every}
+
+
+def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, card_gib: float | None) -> MemoryChoice:
+    """The memory settings of a run: `memory` is the config's memory section (0 / "auto" = left to the engine),
+    `knobs` the rest of the step's plan, card_gib None for a CPU run."""
+    if card_gib is None:
+        return MemoryChoice(memory.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS,
+                            memory.logprob_chunk_size or CPU_LOGPROB_CHUNK,
+                            memory.activation_checkpointing, memory.checkpoint_every)
+    modes = CHECKPOINTING_CHOICES if memory.activation_checkpointing == "auto" else (
+        (memory.activation_checkpointing, memory.checkpoint_every),)
+    good = min(GPU_GOOD_TOKENS, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[0])
+    best = None
+    for mode, every in modes:
+        found = _largest_fitting(model, knobs, memory, card_gib * GPU_HEADROOM, mode, every)
+        if found is not None and (best is None or found.micro_batch_tokens > best.micro_batch_tokens):
+            best = found
+        if best is not None and best.micro_batch_tokens >= good:
+            break
+    if best is None:  # nothing fits: the leanest settings (with gpu_memory_gib set, `grpo train` then refuses)
+        mode, every = modes[-1]
+        best = _choice(model, knobs, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[-1],
+                       memory.logprob_chunk_size or CHUNK_CHOICES[-1], mode, every)
+    return best
+
+
+def _largest_fitting(model: ModelConfig, knobs: PlanInput, memory, budget_gib: float, mode: str,
+                     every: int) -> MemoryChoice | None:
+    """The largest micro-batch, then chunk, whose planned peak is within budget_gib (None if none is)."""
+    for tokens in (memory.micro_batch_tokens,) if memory.micro_batch_tokens else MICRO_BATCH_CHOICES:
+        for chunk in (memory.logprob_chunk_size,) if memory.logprob_chunk_size else CHUNK_CHOICES:
+            choice = _choice(model, knobs, tokens, chunk, mode, every)
+            if choice.planned_gib <= budget_gib:
+                return choice
+    return None
+
+
+def _choice(model: ModelConfig, knobs: PlanInput, tokens: int, chunk: int, mode: str, every: int) -> MemoryChoice:
+    choice = MemoryChoice(tokens, chunk, mode, every)
+    plan = plan_memory(model, dataclasses.replace(knobs, **choice.knobs(knobs.prompt_len + knobs.completion_len)))
+    return dataclasses.replace(choice, planned_gib=plan.total_gib)
+
+
+def apply_memory_choice(memory, choice: MemoryChoice) -> None:
+    """Write the choice into the config's memory section (the resolved config a run stores with checkpoints)."""
+    memory.micro_batch_tokens, memory.logprob_chunk_size = choice.micro_batch_tokens, choice.logprob_chunk_size
+    memory.activation_checkpointing, memory.checkpoint_every = choice.activation_checkpointing, choice.checkpoint_every
