@@ -15,13 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .hf_io import CheckpointError
-from .tokenizer import Tokenizer
-
-# Split patterns (the regexes are facts of each model family's tokenizer)
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+from .tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer  # (the Split patterns: model/tokenizer.py)
 
 
 def _split_then_bytes(pattern: str):
@@ -82,7 +76,7 @@ def build_tokenizer(meta: dict, source: str) -> Tokenizer:
     generation: dict = {"eos_token_id": eog} if eog else {}
     if "tokenizer.ggml.bos_token_id" in meta:
         generation["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    return Tokenizer(tok, config, generation)
+    return Tokenizer(tok, config, generation, origin=source, template_origin=f"{source} (tokenizer.chat_template)")
 
 
 def eog_token_ids(meta: dict, tokens: list[str]) -> list[int]:
