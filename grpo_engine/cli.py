@@ -12,9 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from .bench import add_bench_parser
+from .checkpoint.disk import as_os_error, error_line, user_can_fix
+from .config.trust import add_allow_code_arg, allowing_code
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 from .gguf_export import add_export_parser
@@ -31,6 +34,10 @@ def add_train_parser(sub) -> None:
                    help="start over in a run_dir that holds a run: the old run is renamed RUN_DIR.prev-<time>")
     p.add_argument("--nproc", type=_at_least_one, default=None,
                    help="data-parallel ranks on this machine: relaunches itself under torchrun --nproc_per_node N")
+    add_allow_code_arg(p, "--resume's checkpoint config.yaml (CONFIG is yours and runs as it is)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue although the task data differs from the data the checkpoint was "
+                        "trained on (refused otherwise)")
     p.set_defaults(func=_train)
 
 
@@ -46,8 +53,11 @@ def _at_least_one(text: str) -> int:
 
 
 def _train(args) -> int:
-    from .config import check_paths, load_config
+    from .config import ConfigError, check_paths, load_config
 
+    if args.allow_code and args.resume is None:
+        raise ConfigError("--allow-code is for a stored config (a checkpoint's, with --resume): CONFIG is yours and "
+                          "its code runs without it; drop --allow-code")
     cfg = load_config(args.config, args.overrides)
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -61,12 +71,24 @@ def _train(args) -> int:
     from .train.update import NonFiniteError
 
     try:
-        result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite)
+        result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
+                       allow_data_change=args.allow_data_change, command=_train_command(args))
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
+
+
+def _train_command(args) -> str:
+    """This `grpo train` command without --resume: an error about a damaged checkpoint names it + `--resume OTHER`."""
+    import shlex
+
+    ranks = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    words = ["grpo", "train", args.config, *args.overrides, *(["--nproc", str(ranks)] if ranks > 1 else [])]
+    for allowed in getattr(args, "allow_code", None) or ():
+        words += ["--allow-code", allowed]
+    return shlex.join(words + (["--allow-data-change"] if args.allow_data_change else []))
 
 
 def _relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
@@ -142,7 +164,8 @@ def _config_show(args) -> int:
 def add_plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="draw a run's metrics.jsonl as PNG curves")
     p.add_argument("run_dir", help="run directory written by `grpo train` (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png, redrawn each time)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file --out names when it exists")
     p.set_defaults(func=_plot)
 
 
@@ -150,7 +173,7 @@ def _plot(args) -> int:
     from .plot import plot_run
 
     try:
-        print(plot_run(args.run_dir, args.out))
+        print(plot_run(args.run_dir, args.out, overwrite=args.overwrite))
     except ValueError as e:  # a metrics file with nothing to plot; a missing one is a FileNotFoundError
         print(f"grpo plot: error: {e}", file=sys.stderr)
         return 2
@@ -181,29 +204,59 @@ def build_parser() -> argparse.ArgumentParser:
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+class Terminated(BaseException):
+    """SIGTERM outside a training's loop, raised where the process is, so that what is being written (a .gguf, a
+    report, a checkpoint) is removed on the way out as on Ctrl-C: by default SIGTERM ends the process at once."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises(command: str):
+    """SIGTERM raises Terminated during `command`; `grpo train` keeps its own handling (the loop finishes the
+    step and checkpoints; under torchrun the ranks are signalled)."""
+    if command == "train" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 1 a run stopped (non-finite updates, out of memory, disk full), 2 bad input, 130
-    Ctrl-C before a run started. `--debug` shows the traceback instead of the one-line message."""
+    """Exit codes: 0 done; 1 a run stopped (non-finite updates, out of memory, an I/O error); 2 bad input or a
+    failure the user fixes (a full disk, a read-only folder); 130 Ctrl-C before a run started; 143 SIGTERM outside
+    a training. `--debug` shows the traceback instead of the one-line message."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     args.debug, args.argv = debug, argv
     try:
-        return args.func(args)
+        with allowing_code(getattr(args, "allow_code", None) or ()), _sigterm_raises(args.command):
+            return args.func(args)
     except INPUT_ERRORS as e:
         if args.debug:
             raise
         print(f"grpo: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # disk full, I/O failure: the run's last checkpoint is intact (written atomically)
-        if args.debug:
+    except Exception as e:  # an OSError, or a writer's wrapped one (safetensors): a full disk, a read-only folder
+        error = as_os_error(e)
+        if args.debug or not isinstance(error, OSError):
             raise
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"grpo: error: {e.strerror or e}{where}: free space or fix the path, then --resume", file=sys.stderr)
-        return 1
+        then = "then continue with --resume (the checkpoints written are intact)" if args.command == "train" \
+            else "then run it again"
+        print(f"grpo: error: {error_line(error, then)}", file=sys.stderr)
+        return 2 if user_can_fix(error) else 1
     except KeyboardInterrupt:
         print("grpo: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("grpo: terminated (SIGTERM)", file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ from importlib.resources import files
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .config import Config, ConfigError, check_paths, load_config
+from .progress import Progress
 
 DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
 REAL_RECIPE = files("grpo_engine") / "recipes" / "demo_real.yaml"
@@ -85,7 +85,9 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
     ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=256)
     # with tools: greedy trajectories through the training rollout's code path; length = the policy's tokens
-    s = evaluate(model, tok, task, examples, ecfg, tools=cfg.tools if cfg.tools.enabled else None).summary
+    with Progress("held-out evaluation", len(examples)) as bar:
+        s = evaluate(model, tok, task, examples, ecfg, tools=cfg.tools if cfg.tools.enabled else None,
+                     progress=lambda done, _: bar.update(done, "problems")).summary
     return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems, s.tool_call_rate)
 
 
@@ -94,7 +96,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     """The tiny demo (warm start, then GRPO), with `tools` its calculator variant (recipes/demo_tools.yaml), or
     with `real` SmolLM2-135M-Instruct (GRPO only). A previous run in the run dir is renamed RUN_DIR.prev-<time>
     first (nothing deleted)."""
-    from .checkpoint.run_dir import plan_run_dir
+    from .checkpoint.run_dir import RunLock, plan_run_dir
     from .train.loop import train
     from .train.setup import task_of
 
@@ -105,12 +107,19 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
         cfg.model.path = real_model_path(model or cfg.model.path)
     check_paths(cfg)
     task = task_of(cfg)
-    plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True).apply(console.print)
-    what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model" + \
-        (f" · tools {', '.join(cfg.tools.names)}" if cfg.tools.enabled else "")
-    console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
-    start = cfg.model.path if real else _warm_start(cfg, task, console)
-    before = held_out(start, cfg, task)
+    plan = plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True)  # (a file: refused)
+    lock = RunLock(cfg.run_dir, console.print).acquire()  # a live `grpo train` there: refused, naming its pid
+    try:  # held until train() takes it: nothing is renamed under a live run
+        plan.apply(console.print)
+        if plan.move_aside:
+            lock.moved_to(plan.run_dir)
+        what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model" + \
+            (f" · tools {', '.join(cfg.tools.names)}" if cfg.tools.enabled else "")
+        console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
+        start = cfg.model.path if real else _warm_start(cfg, task, console)
+        before = held_out(start, cfg, task)
+    finally:
+        lock.release()
     console.print(f"before GRPO: held-out accuracy {before.accuracy:.1%} on {before.num_problems} problems")
     console.print(f"GRPO: {cfg.schedule.steps} steps × {cfg.rollout.prompts_per_step} prompts × "
                   f"{cfg.rollout.group_size} samples")
@@ -130,10 +139,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
 def _warm_start(cfg: Config, task, console: Console) -> Path:
     from .sft.warm_start import warm_start
 
-    with _progress(console) as bar:
-        job = bar.add_task("supervised warm start", total=cfg.warm_start.sft.steps)
-        return warm_start(cfg, task, on_sft_step=lambda step, loss: bar.update(job, completed=step + 1,
-                                                                           description=f"SFT loss {loss:.3f}"))
+    return warm_start(cfg, task)  # reports its progress (progress.py)
 
 
 def real_model_path(given: str) -> str:
@@ -148,11 +154,6 @@ def real_model_path(given: str) -> str:
                           "(93 MB, a GGUF file), or pass --model PATH (an HF directory or .gguf of an instruct "
                           "model)")
     return str(found)
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=console, disable=not console.is_terminal)
 
 
 def _plot(run_dir: str, console: Console) -> Path | None:

@@ -16,7 +16,9 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .config.trust import add_allow_code_arg
 from .model.config import CheckpointError, rope_kind
+from .progress import Progress
 
 if TYPE_CHECKING:
     from .model.transformer import Transformer
@@ -111,28 +113,37 @@ def _value_type(value):
     return GGUFValueType.STRING
 
 
-def write_tensors(w, model: Transformer, kind: str) -> None:
+def _write_tensor(w, c, hf: str, tensor, kind: str, kept_f16: list[str]) -> None:
+    """One tensor into the GGUF writer: norms and biases F32, matrices F16 or Q8_0 (rows not a multiple of the
+    Q8_0 block stay F16, noted in kept_f16)."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
+    t = tensor.float().numpy()  # [out, in] for a matrix: rows of length `in`
+    if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
+    if t.ndim == 1:
+        w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
+    elif kind == "f16" or t.shape[-1] % Q8_0_BLOCK:
+        if kind != "f16":
+            kept_f16.append(f"{gguf_name(hf)} {list(t.shape)}")
+        w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float16))
+    else:
+        q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.Q8_0)
+        w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+
+def write_tensors(w, model: Transformer, kind: str) -> None:
     from .model.hf_io import hf_name_table, hf_state_dict
 
     c = model.config
     state = hf_state_dict(model)
     kept_f16 = []  # (name, shape) of the matrices q8_0 cannot hold
-    for hf in sorted(hf_name_table(c).values()):
-        t = state[hf].float().numpy()  # [out, in] for a matrix: rows of length `in`
-        if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
-        if t.ndim == 1:
-            w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
-        elif kind == "f16" or t.shape[-1] % Q8_0_BLOCK:
-            if kind != "f16":
-                kept_f16.append(f"{gguf_name(hf)} {list(t.shape)}")
-            w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float16))
-        else:
-            q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.Q8_0)
-            w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+    names = sorted(hf_name_table(c).values())
+    with Progress(f"GGUF export ({kind})", len(names), stream=sys.stderr) as bar:
+        for i, hf in enumerate(names):
+            _write_tensor(w, c, hf, state[hf], kind, kept_f16)
+            bar.update(i + 1, "tensors")
     if kept_f16:
         shown = ", ".join(kept_f16[:4]) + (f" and {len(kept_f16) - 4} more" if len(kept_f16) > 4 else "")
         warnings.warn(f"--type q8_0: {len(kept_f16)} matri{'x' if len(kept_f16) == 1 else 'ces'} with rows not a "
@@ -193,6 +204,7 @@ def add_export_parser(sub) -> None:
                    help="matrix type: f16 or q8_0 (norms stay F32; with q8_0, a matrix whose rows are not a "
                         "multiple of 32 long stays F16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    add_allow_code_arg(p, "the checkpoint's stored config.yaml")
     p.set_defaults(func=_run)
 
 

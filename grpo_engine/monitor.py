@@ -176,14 +176,18 @@ class Monitor:
         """Keep the lines of steps up to `step`; later ones (a run stopped between checkpoints: the resumed run
         writes those steps again) move to RUN_DIR/superseded-<UTC time>/, since a config changed on resume makes
         the new lines differ. A torn last line (a crash or a full disk mid-write) is dropped with one warning
-        instead of blocking the run."""
-        from .checkpoint.run_dir import split_jsonl, utc_stamp
+        instead of blocking the run; any other unreadable line (a note someone added) moves to the same folder,
+        with one warning."""
+        from .checkpoint.run_dir import split_jsonl, unreadable_to, utc_stamp
 
         dest = self.run_dir / f"superseded-{utc_stamp()}"
         for path in (self.metrics_path, self.samples_path):
-            moved, torn = split_jsonl(path, dest / path.name, step)
+            moved, torn, unreadable = split_jsonl(path, dest / path.name, step)
             if torn:
-                print(f"warning: {path}: dropped {torn} unreadable (torn) line(s)", file=sys.stderr)
+                print(f"warning: {path}: dropped its torn (half-written) last line", file=sys.stderr)
+            if unreadable:
+                print(f"warning: {path}: {unreadable} unreadable line(s) (not a JSON record with a step) moved to "
+                      f"{unreadable_to(dest / path.name)}", file=sys.stderr)
             if moved:
                 print(f"resuming after step {step}: {path.name}'s later lines moved to {dest}", file=sys.stderr)
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from .checkpoint.disk import removed_on_failure
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,23 @@ def moving_average(ys: list[float], frac: float = 0.05) -> list[float]:
     return out
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the panels that have data into one PNG; returns its path."""
+def plot_path(run_dir: Path, out: str | Path | None, overwrite: bool) -> Path:
+    """Where the PNG goes: RUN_DIR/curves.png (grpo plot's own file, redrawn each time), or --out, which must not
+    name an existing file unless `overwrite` (it replaced whatever was there)."""
+    if out is None:
+        return run_dir / "curves.png"
+    path = Path(out)
+    if path.is_dir():  # --out a folder: the default name inside it (not a sibling FOLDER.png)
+        path = path / "curves.png"
+    elif not path.suffix:  # matplotlib appends .png itself: the path it really writes
+        path = path.with_suffix(".png")
+    if path.exists() and not overwrite:
+        raise ValueError(f"--out {path} exists; name another file, or pass --overwrite to replace it")
+    return path
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Draw the panels that have data into one PNG; returns its path. The PNG is written whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,6 +96,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         raise FileNotFoundError(f"{metrics} not found: pass the run directory that `grpo train` wrote")
+    out = plot_path(run_dir, out, overwrite)
     rows = read_metrics(metrics)
     panels = [p for p in PANELS if any(any(series(rows, k)[1]) for k in p.keys)]  # skip never-logged / all-zero
     if not panels:
@@ -104,12 +123,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_visible(False)
     fig.suptitle(f"grpo-engine run: {run_dir.name}")
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "curves.png"
-    if out.is_dir():  # --out a folder: the default name inside it (not a sibling FOLDER.png)
-        out = out / "curves.png"
-    elif not out.suffix:  # matplotlib appends .png itself: return the path it really writes
-        out = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with removed_on_failure(tmp):  # a full disk or a signal midway leaves the old PNG, no half-written one
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)
     plt.close(fig)
     return out

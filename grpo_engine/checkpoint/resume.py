@@ -4,12 +4,19 @@ The checkpoint stores the config it was trained with (config.yaml). A new learni
 other logging / evaluation / checkpoint intervals or clipping take effect when the run continues. A change to
 what was trained (the model, LoRA's shape, the task, the group size, the seed, ...) cannot: the resumed run
 would silently be a different one, so it is refused with the keys named.
+
+Settings are compared by what they mean on this machine, not as text (`effective`): paths resolved (a relative and
+an absolute model.path to one directory are the same; tokenizer.path unset is model.path), the device and dtype
+resolved (memory.precision auto is fp32 on a CPU), and under a warm start model.path is not compared at all: the
+stored one is the warm start's own RUN_DIR/base or RUN_DIR/sft, derived from the warm_start.* settings, which are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
+import torch
 
 from ..config import Config, ConfigError, config_from_yaml_text
 
@@ -20,6 +27,10 @@ FIXED = ("seed", "model.path", "tokenizer.", "task.", "lora.", "warm_start.", "r
 LR_KEYS = ("optimizer.lr", "schedule.")
 # Param-group settings that loading the optimizer's state brings back from the checkpoint: set again when changed.
 GROUP_KEYS = {"optimizer.betas": "betas", "optimizer.eps": "eps", "optimizer.weight_decay": "weight_decay"}
+# Memory settings a config may leave to the engine (plan/device_defaults.py), with the value that says so: the
+# stored config.yaml holds what the engine chose for the run, so a config that still leaves them is unchanged.
+ENGINE_CHOSEN = {"memory.micro_batch_tokens": 0, "memory.logprob_chunk_size": 0,
+                 "memory.activation_checkpointing": "auto", "memory.checkpoint_every": None}
 # Optimizers whose state has the same layout (torch AdamW's, or both the fp32-master one: train/optim.py).
 SAME_STATE = frozenset({"adamw", "adamw_fused"})
 
@@ -35,10 +46,67 @@ def flatten(obj, prefix: str = "") -> dict:
     return out
 
 
+class Meaning:
+    """A stored or new value shown with what it means here (when that is not the value itself)."""
+
+    def __init__(self, value, means):
+        self.value, self.means = value, means
+
+    def __repr__(self) -> str:
+        return f"{self.value!r} (= {self.means})"
+
+
+WARM_START_MODEL = "the warm start's model"  # model.path of a warm-started run: RUN_DIR/base or RUN_DIR/sft
+
+
+def warm_started(cfg: Config) -> bool:
+    return bool(cfg.warm_start.tiny.arch) or cfg.warm_start.sft.steps > 0
+
+
+def _resolved(path: str | None) -> str | None:
+    return str(Path(path).expanduser().resolve()) if path else path
+
+
+def device_here(cfg: Config) -> str:
+    """model.device as it resolves on this machine (model/loading.py pick_device)."""
+    name = cfg.model.device
+    return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def precision_here(cfg: Config) -> str:
+    """memory.precision as it resolves on this machine (train/memory.py torch_dtype): auto is bf16 on CUDA."""
+    if cfg.memory.precision != "auto":
+        return cfg.memory.precision
+    return "bf16" if device_here(cfg) == "cuda" else "fp32"
+
+
+def effective(cfg: Config) -> dict:
+    """flatten(cfg) with the values that mean the same compared as the same: paths resolved, tokenizer.path unset
+    as model.path, the device and the weights' dtype as this machine resolves them, a warm start's model.path as
+    WARM_START_MODEL (the warm_start.* settings it is derived from are compared instead)."""
+    flat = flatten(cfg)
+    flat["model.path"] = WARM_START_MODEL if warm_started(cfg) else _resolved(cfg.model.path)
+    flat["tokenizer.path"] = _resolved(cfg.tokenizer.path) if cfg.tokenizer.path else flat["model.path"]
+    flat["task.data_path"] = _resolved(cfg.task.data_path)
+    flat["task.options"] = {k: _resolved(v) if k.endswith("path") and isinstance(v, str) else v
+                            for k, v in dict(cfg.task.options).items()}
+    flat["model.device"], flat["memory.precision"] = device_here(cfg), precision_here(cfg)
+    return flat
+
+
 def config_changes(old: Config, new: Config) -> list[tuple[str, object, object]]:
-    """(dotted key, stored value, new value) of every field that differs."""
-    a, b = flatten(old), flatten(new)
-    return [(k, a[k], b[k]) for k in a if a[k] != b.get(k)]
+    """(dotted key, stored value, new value) of every field whose meaning differs (`effective`); a value whose
+    meaning is not itself is shown with it."""
+    a, b, mean_a, mean_b = flatten(old), flatten(new), effective(old), effective(new)
+    for key, auto in ENGINE_CHOSEN.items():  # left to the engine now: what it chose then (stored) is no change
+        if mean_b.get(key) == auto or (key == "memory.checkpoint_every" and b.get(
+                "memory.activation_checkpointing") == "auto"):
+            mean_b[key] = mean_a.get(key)
+
+    def shown(raw, means):
+        return raw if raw == means else Meaning(raw, means)
+
+    return [(k, shown(a[k], mean_a[k]), shown(b.get(k), mean_b.get(k))) for k in a if mean_a[k] != mean_b.get(k)]
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -52,7 +120,7 @@ def _changes_optimizer_state(change: tuple[str, object, object], cfg: Config) ->
     key, old, new = change
     if key == "optimizer.name":
         return not {old, new} <= SAME_STATE
-    return key == "optimizer.master_weights" and cfg.memory.precision != "fp32"
+    return key == "optimizer.master_weights" and precision_here(cfg) != "fp32"
 
 
 def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tuple[str, object, object]]:

@@ -21,6 +21,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..config import ConfigError
 
@@ -45,14 +46,19 @@ def tmp_dir_for(ckpt_root: str | Path, step: int) -> Path:
     return Path(ckpt_root) / (TMP_PREFIX + step_dir_name(step))
 
 
-def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temp dirs are never listed)."""
+def step_dirs(ckpt_root: str | Path) -> list[Path]:
+    """Every step-<digits> folder, complete or not, oldest first (temp dirs are never listed): a newest one that
+    lost its trainer state is a damaged checkpoint, not one to skip silently (checkpoint/verify.py)."""
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
-    found = [p for p in found if has_trainer_state(p)]
     return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temp dirs are never listed)."""
+    return [p for p in step_dirs(ckpt_root) if has_trainer_state(p)]
 
 
 def checkpoint_step(path: Path | None) -> int | None:
@@ -83,6 +89,7 @@ class RunDirPlan:
         if self.move_aside and self.run_dir.exists():
             target = self.run_dir.with_name(f"{self.run_dir.name}.prev-{utc_stamp()}")
             os.rename(self.run_dir, target)
+            _drop_own_lock(target)  # this process's lock moved with it; a live other holder's stays
             message(f"--overwrite: the previous run in {self.run_dir} is now {target} (nothing deleted)")
         if self.supersede_after is not None:
             supersede(self.run_dir, self.supersede_after, message)
@@ -113,34 +120,58 @@ def supersede(run_dir: Path, step: int, message=print) -> Path:
     """Move checkpoints after `step` and metrics / samples lines after it into run_dir/superseded-<stamp>/."""
     dest = run_dir / f"superseded-{utc_stamp()}"
     (dest / "checkpoints").mkdir(parents=True, exist_ok=True)
-    for ckpt in list_checkpoints(run_dir / "checkpoints"):
+    for ckpt in step_dirs(run_dir / "checkpoints"):  # incomplete ones too: a later save of that step replaced them
         if int(ckpt.name[len(STEP_PREFIX) :]) > step:
             os.rename(ckpt, dest / "checkpoints" / ckpt.name)
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        split_jsonl(run_dir / name, dest / name, step)
-    message(f"resuming from step {step}: later checkpoints and log lines moved to {dest}")
+    splits = [split_jsonl(run_dir / name, dest / name, step) for name in ("metrics.jsonl", "samples.jsonl")]
+    unreadable, torn = sum(s.unreadable for s in splits), sum(s.torn for s in splits)
+    also = (f"; {unreadable} unreadable log line(s) moved there too (*.unreadable)" if unreadable else "") + \
+        (f"; {torn} torn (half-written) last line(s) dropped" if torn else "")
+    message(f"resuming from step {step}: later checkpoints and log lines moved to {dest}{also}")
     return dest
 
 
-def split_jsonl(path: Path, later_to: Path, step: int) -> tuple[int, int]:
-    """Keep the lines of `path` up to `step`; the later ones go to `later_to`, a torn (unreadable) line is dropped.
-    Returns (lines moved, torn lines dropped)."""
+class LogSplit(NamedTuple):
+    moved: int  # lines of steps after the split, moved to `later_to`
+    torn: int  # a torn last line (half-written: no newline at its end), dropped
+    unreadable: int  # other lines that are not a record with a step (e.g. a note someone added), moved aside
+
+
+def unreadable_to(later_to: Path) -> Path:
+    """Where split_jsonl moves the unreadable lines of a log whose later lines go to `later_to`."""
+    return later_to.with_name(later_to.name + ".unreadable")
+
+
+def split_jsonl(path: Path, later_to: Path, step: int) -> LogSplit:
+    """Keep the lines of `path` up to `step`; the later ones go to `later_to`, the lines that are not a JSON record
+    with a numeric step to `unreadable_to(later_to)` (nothing a user wrote vanishes); a torn last line is dropped."""
     if not path.is_file():
-        return 0, 0
-    keep, later, torn = [], [], 0
-    for line in path.read_text(errors="replace").splitlines():  # a torn multi-byte character: not an error
+        return LogSplit(0, 0, 0)
+    lines = path.read_text(errors="replace").split("\n")  # a torn multi-byte character: not an error
+    tail = lines.pop()  # "" when the file ends with a newline; else its last line, torn unless it parses
+    torn = int(bool(tail.strip()) and parse_line(tail) is None)
+    if tail.strip() and not torn:
+        lines.append(tail)
+    keep, later, unreadable = [], [], []
+    for line in lines:
         record = parse_line(line)
-        if record is not None:
-            (keep if record.get("step", 0) <= step else later).append(line)
-        elif line.strip():
-            torn += 1
-    if later:  # appended: a second split into the same folder (within the same second) must not replace the first
-        later_to.parent.mkdir(parents=True, exist_ok=True)
-        with later_to.open("a") as f:
-            f.write("".join(ln + "\n" for ln in later))
-    if later or torn:  # untouched otherwise: every resume rewrote the whole log
+        at = record.get("step", 0) if record is not None else None
+        if not isinstance(at, (int, float)) or isinstance(at, bool):
+            unreadable += [line] if line.strip() else []
+        else:
+            (keep if at <= step else later).append(line)
+    _append_lines(later_to, later)  # appended: a second split into the same folder (within the same second)
+    _append_lines(unreadable_to(later_to), unreadable)  # must not replace the first
+    if later or torn or unreadable:  # untouched otherwise: every resume rewrote the whole log
         replace_text(path, "".join(ln + "\n" for ln in keep))
-    return len(later), torn
+    return LogSplit(len(later), torn, len(unreadable))
+
+
+def _append_lines(path: Path, lines: list[str]) -> None:
+    if lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write("".join(ln + "\n" for ln in lines))
 
 
 def replace_text(path: Path, text: str) -> None:
@@ -222,6 +253,14 @@ class RunLock:
         self.held = False
         self.path = Path(run_dir) / LOCK
         self.acquire()
+
+
+def _drop_own_lock(run_dir: Path) -> None:
+    """Remove run_dir's lock when this process holds it (it was renamed along with the folder)."""
+    path = run_dir / LOCK
+    holder = parse_line(path.read_text(errors="replace")) if path.is_file() else None
+    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

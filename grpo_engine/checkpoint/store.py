@@ -9,6 +9,9 @@ Layout: run_dir/checkpoints/step-000010/
     trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, checkpoint/state_io.py)
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
+    kernels.json, data.json   the kernel plan; the task data's fingerprint (checkpoint/data_record.py)
+    manifest.json       every other file's size and sha256, checked before a resume, eval or export
+                        (checkpoint/verify.py)
 
 A checkpoint is written into `.tmp-step-000010`, every file and the directory are fsync'ed, and only then
 renamed to `step-000010`. A crash at any moment leaves either the old set of complete checkpoints or the
@@ -21,6 +24,7 @@ import dataclasses
 import os
 import random
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,18 +36,20 @@ from ..config import ConfigError
 from ..model.hf_io import hf_name_table
 from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
+from .disk import removed_on_failure
 from .run_dir import (
     LEGACY_STATE,
     STATE,
     TMP_PREFIX,
     has_trainer_state,
     holds_run,
-    latest_checkpoint,
     list_checkpoints,
     step_dir_name,
+    step_dirs,
     tmp_dir_for,
 )
 from .state_io import StateFormatError, load_state, save_state
+from .verify import MANIFEST, MODEL_PARTS, Verdict, check, refuse, warn_once, write_manifest
 
 
 @dataclass
@@ -143,16 +149,18 @@ def save_checkpoint(
     final = root / step_dir_name(state.step)
     tmp = tmp_dir_for(root, state.step)
     tmp.mkdir()
-    save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path, full_state=full_state)
-    save_state(dict(state.__dict__), tmp / STATE)
-    (tmp / "config.yaml").write_text(config_yaml)
-    for name, text in (extra_files or {}).items():  # e.g. kernels.json: the run's kernel plan
-        (tmp / name).write_text(text)
-    if metrics_path is not None and Path(metrics_path).is_file():
-        shutil.copy2(metrics_path, tmp / "metrics.jsonl")
-    if before_publish is not None:  # e.g. every rank adding its own state (train/loop.py)
-        before_publish(tmp)
-    _fsync_tree(tmp)
+    with removed_on_failure(tmp):  # a full disk, a read-only folder, a signal: no .tmp-step-N left, one line
+        save_weights(model, tmp, tokenizer_dir=tokenizer_dir, base_model_path=base_model_path, full_state=full_state)
+        save_state(dict(state.__dict__), tmp / STATE)
+        (tmp / "config.yaml").write_text(config_yaml)
+        for name, text in (extra_files or {}).items():  # e.g. kernels.json: the run's kernel plan
+            (tmp / name).write_text(text)
+        if metrics_path is not None and Path(metrics_path).is_file():
+            shutil.copy2(metrics_path, tmp / "metrics.jsonl")
+        if before_publish is not None:  # e.g. every rank adding its own state (train/loop.py)
+            before_publish(tmp)
+        write_manifest(tmp, stamp_as=final)  # every file's sha256: checked before it is resumed, evaluated or exported
+        _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
         _delete_checkpoint(final)
     os.rename(tmp, final)
@@ -198,20 +206,40 @@ def _trainer_state(raw, source: Path) -> TrainerState:
     return TrainerState(**raw)
 
 
-def resolve_resume(resume: str | None, ckpt_root: str | Path) -> Path | None:
-    """`--resume` with no path ("latest") or a checkpoint directory -> that directory (checked)."""
+def resolve_resume(resume: str | None, ckpt_root: str | Path, message: Callable[[str], None] = print, *,
+                   command: str = "grpo train CONFIG", verify: bool = True) -> Path | None:
+    """`--resume` with no path ("latest": the newest step-* folder, complete or not) or a checkpoint directory ->
+    that directory, checked: complete, and (verify) its files as its manifest lists them (checkpoint/verify.py).
+    One that is not is refused, naming the newest checkpoint that is and `command --resume IT`: never a silent
+    fallback to an older one, and nothing deleted. One written before manifests: a warning through `message`."""
     if resume is None:
         return None
     if resume == "latest":
-        found = latest_checkpoint(ckpt_root)
-        if found is None:
+        found = step_dirs(ckpt_root)
+        if not found:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
-        return found
-    path = Path(resume)
-    if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
-    _not_into_another_run(path, Path(ckpt_root).parent)
+        path = found[-1]
+    else:
+        path = Path(resume)
+        if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
+            raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
+        _not_into_another_run(path, Path(ckpt_root).parent)
+    verdict = check(path) if verify else Verdict(path)
+    if not verdict.ok:
+        raise refuse(verdict, path.parent, lambda good: f"resume from it: {command} --resume {good}", what="--resume: ")
+    if verdict.legacy:
+        warn_once(path, message)
     return path
+
+
+def nonfinite_state(state: TrainerState) -> str | None:
+    """The first optimizer-state tensor that holds NaN/inf (a healthy run never saves one: non-finite updates are
+    skipped), or None."""
+    for index, values in state.optimizer.get("state", {}).items():
+        for key, t in values.items() if isinstance(values, dict) else ():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"optimizer state {index}.{key}"
+    return None
 
 
 def _not_into_another_run(ckpt: Path, run_dir: Path) -> None:
@@ -232,14 +260,30 @@ def model_source(path: str | Path) -> Path:
         raise FileNotFoundError(f"model {p} does not exist; pass an HF model directory, a .gguf file, a checkpoint "
                                 f"(RUN_DIR/checkpoints/step-XXXXXX) or a run directory")
     if p.suffix == ".gguf" or (p / "config.json").is_file():
-        return p
+        return _checked_model(p)
     if (p / "model" / "config.json").is_file():
-        return p / "model"
-    latest = latest_checkpoint(p / "checkpoints")
-    if latest is not None:
-        return latest / "model"
+        return _checked_model(p / "model")
+    newest = step_dirs(p / "checkpoints")
+    if newest:  # the newest, complete or not: one that lost its trainer state is damaged, not skipped silently
+        return _checked_model(newest[-1] / "model", newest=True)
     raise FileNotFoundError(f"{p / 'config.json'} not found: {p} is not a model directory, a .gguf file, a "
                             f"checkpoint (model/config.json) or a run directory with complete checkpoints")
+
+
+def _checked_model(model: Path, *, newest: bool = False) -> Path:
+    """model/ of a checkpoint, once what eval and export read of the checkpoint (model/, adapter/, config.yaml) has
+    checked out against its manifest; a plain model directory as it is."""
+    ckpt = model.parent
+    if model.name != "model" or not (newest or has_trainer_state(ckpt) or (ckpt / MANIFEST).is_file()):
+        return model
+    verdict = check(ckpt, MODEL_PARTS)
+    if verdict.ok and newest and not has_trainer_state(ckpt):
+        verdict = Verdict(ckpt, f"{STATE}.json is missing: it is incomplete")
+    if not verdict.ok:
+        raise refuse(verdict, ckpt.parent, lambda good: "pass it instead", parts=MODEL_PARTS)
+    if verdict.legacy:
+        warn_once(ckpt, lambda text: print(text, file=sys.stderr, flush=True))
+    return model
 
 
 def stored_config_text(path: str | Path) -> str | None:

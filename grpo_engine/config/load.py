@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from .fields import ConfigError
 from .run import Config
 from .safe_yaml import MAX_YAML_CHARS, load_yaml
+from .trust import mark_stored_code, unmarked
 
 
 def _dotted_names(cls=Config, prefix: str = "") -> list[str]:
@@ -147,7 +148,7 @@ def _read_yaml(path: Path) -> dict:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e)
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())  # a ReaderError has no problem: one line
         raise ConfigError(f"{where}: malformed YAML: {problem}") from None
     if data is None:
         return {}
@@ -225,11 +226,12 @@ def validate(cfg: Config) -> None:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.structured(unmarked(cfg)))  # a stored config's marks: plain text
 
 
 def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
-    """Rebuild a Config from `to_yaml` output (checkpoints and run folders store the config this way)."""
+    """Rebuild a Config from `to_yaml` output (checkpoints and run folders store the config this way). A stored
+    config is data: its values that name code (trust.CODE_KEYS) run only with the user's --allow-code."""
     try:
         data = load_yaml(text, source) or {}
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
@@ -237,4 +239,4 @@ def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
         raise ConfigError(f"{source}: malformed YAML ({str(e).splitlines()[0]})") from None
     except OmegaConfBaseException as e:
         _raise_from_omegaconf(e, source)
-    return _build(merged, source)
+    return mark_stored_code(_build(merged, source), source)  # its "module:function" values are data (trust.py)

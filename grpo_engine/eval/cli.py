@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..config.trust import add_allow_code_arg
+from ..progress import Progress
 from ..tasks import TASKS, build_task
 
 DEFAULT_KS = (1, 4, 8)
@@ -38,6 +40,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--batch-prompts", type=int, default=16, help="prompts per generate call (memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON report (with per-sample records) here")
+    p.add_argument("--overwrite", action="store_true", help="replace the file --out names when it exists")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout (table goes to stderr)")
     _tools_arg(p)
     p.set_defaults(func=run_eval)
@@ -74,6 +77,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    add_allow_code_arg(p, "the run's or checkpoint's stored config.yaml")
 
 
 def fail(command: str, error: Exception) -> int:
@@ -83,6 +87,7 @@ def fail(command: str, error: Exception) -> int:
 
 # ---------------------------------------------------------------------------------------------------- eval
 def run_eval(args) -> int:
+    from ..checkpoint.disk import user_can_fix
     from ..checkpoint.run_dir import replace_text
     from ..checkpoint.store import model_source
     from .evaluate import EvalConfig, evaluate, report_json, report_markdown
@@ -95,7 +100,7 @@ def run_eval(args) -> int:
         name, task = task_for(args)
         tools = tools_for(args)
         examples = examples_for(task, name, args)
-        check_out(args.out)
+        check_out(args.out, args.overwrite)
         model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
     except INPUT_ERRORS as e:
@@ -103,7 +108,9 @@ def run_eval(args) -> int:
     with_tools = f" with tools {', '.join(tools.names)}" if tools else ""
     print(f"evaluating {model_dir} on {name}/{args.split}{with_tools}: "
           f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
-    report = evaluate(model, tok, task, examples, cfg, progress=_progress, tools=tools)
+    with Progress("evaluation", min(len(examples), cfg.max_examples or len(examples)), stream=sys.stderr) as bar:
+        report = evaluate(model, tok, task, examples, cfg, progress=lambda done, _: bar.update(done, "problems"),
+                          tools=tools)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}
     if args.json:
         print(json.dumps(document))
@@ -116,7 +123,7 @@ def run_eval(args) -> int:
         except OSError as e:
             print(f"grpo eval: error: --out {args.out}: {e.strerror or e}; nothing written there, the results are "
                   f"printed above", file=sys.stderr)
-            return 1
+            return 2 if user_can_fix(e) else 1
         print(f"report written to {args.out}", file=sys.stderr)
     return 0
 
@@ -132,14 +139,17 @@ def examples_for(task, name: str, args) -> list:
     return examples
 
 
-def check_out(out: str | None) -> None:
+def check_out(out: str | None, overwrite: bool = False) -> None:
     """Make --out's folder and refuse a path the report cannot be written to, before sampling: found only at
-    the end, it lost the whole evaluation to a traceback."""
+    the end, it lost the whole evaluation to a traceback. An existing file is replaced only with --overwrite (it
+    replaced a run's metrics.jsonl, a data file, a checkpoint's config.yaml)."""
     if not out:
         return
     path = Path(out)
     if path.is_dir():
         raise ValueError(f"--out {out} is a directory; name a file, e.g. --out {path / 'report.json'}")
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise ValueError(f"--out {out} exists; name another file, or pass --overwrite to replace it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -196,10 +206,6 @@ def stored_run_config(model: str):
     if not text:
         return None
     return config_from_yaml_text(text, str(model_source(model).parent / "config.yaml"))  # errors name the file
-
-
-def _progress(done: int, total: int) -> None:
-    print(f"  {done}/{total} problems", file=sys.stderr, flush=True)
 
 
 def parse_ks(text: str) -> tuple[int, ...]:

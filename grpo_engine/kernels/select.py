@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..model.config import CheckpointError
 from . import attention as attention_kernels
 from . import onednn, packed
 from . import threads as thread_choice
@@ -373,7 +374,15 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
 def load_plan(directory: Path) -> KernelPlan | None:
     """The plan recorded in a run folder or checkpoint, or None when it has none (older runs)."""
     f = Path(directory) / PLAN_FILE
-    return KernelPlan.from_json(f.read_text(), "checkpoint") if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        return KernelPlan.from_json(f.read_text(errors="replace"), "checkpoint")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not a plan's fields
+        what = f"missing field {e}" if isinstance(e, KeyError) else (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{f}: not a kernel plan ({what}); copy kernels.json from another checkpoint of the "
+                              f"run, or delete it to measure the kernels on this machine again (the resumed run "
+                              f"then need not repeat the old one bit for bit)") from None
 
 
 def measured_here(plan: KernelPlan) -> bool:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..progress import Progress
 from .config import ModelConfig, checked_dims, checked_float
 from .gguf_header import gguf_module, parse_gguf
 from .hf_io import CheckpointError, load_state_dict_hf
@@ -191,22 +193,34 @@ def read_tensors(records: list, cfg: ModelConfig, dtype: torch.dtype, source: st
     un-permuted for Llama)."""
     gguf = gguf_module()
     tensors = {}
-    for t in records:
-        name = hf_name(t.name)
-        if t.name == "rope_freqs.weight":
-            raise CheckpointError(f"{source}: Llama-3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
-                                  f"load the Hugging Face checkpoint instead")
-        if name is None:
-            raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a llama/qwen2/qwen3 tensor)")
-        try:
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-                w = unpermute_qk(w, heads)
-        except (ValueError, TypeError, NotImplementedError) as e:  # a type gguf cannot dequantize, a wrong shape
-            raise CheckpointError(f"{source}: tensor {t.name!r} cannot be read ({e}); re-download the file") from None
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # a writable copy
+    with Progress(f"reading {Path(source).name}", len(records), stream=sys.stderr) as bar:
+        for i, t in enumerate(records):
+            tensors[_hf_name_of(t, source)] = _dequantized(gguf, t, cfg, dtype, source)
+            bar.update(i + 1, "tensors")
     return tensors
+
+
+def _hf_name_of(t, source: str) -> str:
+    name = hf_name(t.name)
+    if t.name == "rope_freqs.weight":
+        raise CheckpointError(f"{source}: Llama-3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
+                              f"load the Hugging Face checkpoint instead")
+    if name is None:
+        raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a llama/qwen2/qwen3 tensor)")
+    return name
+
+
+def _dequantized(gguf, t, cfg: ModelConfig, dtype: torch.dtype, source: str) -> torch.Tensor:
+    """One tensor record dequantized to `dtype` (q/k un-permuted for Llama)."""
+    name = hf_name(t.name)
+    try:
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = unpermute_qk(w, heads)
+    except (ValueError, TypeError, NotImplementedError) as e:  # a type gguf cannot dequantize, a wrong shape
+        raise CheckpointError(f"{source}: tensor {t.name!r} cannot be read ({e}); re-download the file") from None
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # a writable copy
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,

@@ -18,6 +18,7 @@ from ..checkpoint.run_dir import utc_stamp
 from ..config import Config, ConfigError
 from ..model.loading import load_model, load_tokenizer, pick_device, save_model
 from ..model.tiny import make_tiny_checkpoint
+from ..progress import Progress
 from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
 from .trainer import train_sft
@@ -124,7 +125,13 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     model = load_model(base, device=pick_device(cfg.model.device))  # model.device, as GRPO (auto: cuda if any)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
     pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split))
-    train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=on_step)
+    with Progress("supervised warm start", cfg.warm_start.sft.steps) as bar:
+        def report(step: int, loss: float) -> None:
+            bar.update(step + 1, f"loss {loss:.3f}")
+            if on_step is not None:
+                on_step(step, loss)
+
+        train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=report)
     tmp = out.with_name("sft.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)  # copies the tokenizer files too

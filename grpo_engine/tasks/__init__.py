@@ -77,7 +77,9 @@ def _typed(key: str, value, hint):
         return int(value)
     if base is float and number:
         return float(value)
-    if base is str and (isinstance(value, (str, os.PathLike)) or number):
+    if base is str and isinstance(value, str):
+        return value  # as it is: a StoredCode (config/trust.py) must stay one
+    if base is str and (isinstance(value, os.PathLike) or number):
         return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
     if base in (bool, int, float, str):
         wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]

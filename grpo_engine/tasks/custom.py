@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..config.fields import option
+from ..config.trust import check_code
 from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
 from .data import read_records, require_fields
 from .parsing import extract_answer, numeric_equal
@@ -55,7 +56,9 @@ class CustomOptions(ChatTaskOptions):
 
 
 def import_reward_fn(spec: str) -> Callable[[Example, str], float | RewardResult]:
-    """Resolve "package.module:function" to a callable, with errors that say what to fix."""
+    """Resolve "package.module:function" to a callable, with errors that say what to fix. A value from a stored
+    config (a run directory's config.yaml) is refused unless the user allowed it (config/trust.py)."""
+    check_code(spec)  # before anything is imported
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward_fn={spec!r} must look like 'package.module:function'")

@@ -11,16 +11,18 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.data_record import DATA_FILE, record_text
 from ..checkpoint.rank_state import save_rank_state
 from ..checkpoint.run_dir import step_dir_name, tmp_dir_for
 from ..checkpoint.store import TrainerState, capture_rng, save_checkpoint
+from ..checkpoint.verify import MANIFEST
 from ..config import to_yaml
 from ..eval.in_loop import EvalResult, combine_eval, evaluate_policy
 from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
-from .setup import Run, eval_params, setup_run
+from .setup import Run, StartOptions, eval_params, setup_run
 from .step import StepRecord, grpo_step, rollout_fn
 from .update import NonFiniteError
 
@@ -52,10 +54,13 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def train(cfg, *, resume: str | None = None, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
+def train(cfg, *, resume: str | None = None, stop_after: int | None = None, overwrite: bool = False,
+          allow_data_change: bool = False, command: str | None = None) -> RunResult:
     """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
-    overwrite: start over in a run_dir that holds a run, renaming the old run (checkpoint/run_dir.py)."""
-    run = setup_run(cfg, resume, overwrite)
+    overwrite: start over in a run_dir that holds a run, renaming the old run (checkpoint/run_dir.py);
+    allow_data_change: resume on task data other than the checkpoint's; command: the user's `grpo train ...`
+    (without --resume), for the command an error about a damaged checkpoint names."""
+    run = setup_run(cfg, resume, overwrite, StartOptions(allow_data_change, command or "grpo train CONFIG"))
     stopped_by, done = "completed", run.done_steps
     with GracefulStop() as stop:
         try:
@@ -64,7 +69,7 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
                     record = grpo_step(run.inputs, run.state, step, run.monitor.message)
                 except (NonFiniteError, NonFiniteLogits) as e:  # weights blew up: nothing more is saved
                     raise NonFiniteError(f"step {step}: {e}. Nothing was saved after it; the last good checkpoint "
-                                         f"is {run.last_checkpoint or 'none'}") from None
+                                         f"is {last_good(run)}") from None
                 if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.schedule.steps):
                     record.metrics.eval = evaluate(run).as_metrics()
                 log(run, record)
@@ -133,6 +138,7 @@ def checkpoint(run: Run, step: int) -> Path:
         run.last_checkpoint = run.ckpt_root / step_dir_name(step)
         return run.last_checkpoint
     policy_state = inputs.policy.state_dict()
+    files = {**inputs.policy.kernel_files(), **({DATA_FILE: record_text(run.data)} if run.data is not None else {})}
     extra = {"reference": policy_state["reference"]} if "reference" in policy_state else {}
     curriculum = inputs.curriculum.state_dict() if inputs.curriculum is not None else {}
     state = TrainerState(step, inputs.prompts.position, policy_state["optimizer"], policy_state["scheduler"],
@@ -140,7 +146,7 @@ def checkpoint(run: Run, step: int) -> Path:
     run.last_checkpoint = save_checkpoint(
         run.ckpt_root, inputs.policy.model, state, config_yaml=to_yaml(cfg), metrics_path=run.monitor.metrics_path,
         tokenizer_dir=cfg.tokenizer.path or cfg.model.path, keep_last=cfg.checkpoint.keep_last,
-        base_model_path=cfg.model.path, extra_files=inputs.policy.kernel_files(), full_state=full,
+        base_model_path=cfg.model.path, extra_files=files, full_state=full,
         before_publish=add_rank_states)
     world.barrier()
     return run.last_checkpoint
@@ -150,8 +156,20 @@ def nonfinite_message(run: Run) -> str:
     limit = run.cfg.optimizer.max_nonfinite_steps
     return (f"{run.state.nonfinite_in_row} consecutive updates had a NaN/inf loss or gradient "
             f"(optimizer.max_nonfinite_steps={limit}); stopping. Last good checkpoint: "
-            f"{run.last_checkpoint or 'none'}. Try a lower optimizer.lr, optimizer.grad_clip, or "
+            f"{last_good(run)}. Try a lower optimizer.lr, optimizer.grad_clip, or "
             f"memory.precision=fp32.")
+
+
+def last_good(run: Run) -> str:
+    """The checkpoint a message may call the last good one: the newest this run wrote, else the one it resumed from
+    (its files matched its manifest and its weights and optimizer state were finite when loaded; one written before
+    manifests is said to be unverified)."""
+    last = run.last_checkpoint
+    if last is None:
+        return "none"
+    if last == run.resumed_from and not (last / MANIFEST).is_file():
+        return f"{last} (resumed from, unverified: it has no {MANIFEST})"
+    return str(last)
 
 
 __all__ = ["RunResult", "train"]

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
 from ..checkpoint.resume import apply_learning_rate, check_resume_config
-from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, latest_checkpoint, plan_run_dir
-from ..checkpoint.store import TrainerState, load_trainer_state, resolve_resume, restore_rng
+from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
+from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
+from ..checkpoint.verify import CorruptCheckpointError, Verdict, refuse
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import PromptSampler
 from ..config import Config, ConfigError, check_paths
@@ -36,6 +38,7 @@ from .distributed import init_world
 from .metrics import RewardWatch
 from .policy import build_policy
 from .step import StepInputs, StepState
+from .update import weights_finite
 
 
 @dataclass
@@ -52,10 +55,20 @@ class Run:
     last_checkpoint: Path | None
     lock: RunLock | None = None  # rank 0's hold on run_dir
     reward_watch: RewardWatch | None = None  # warnings on failed rewards and a run without learning signal
+    data: dict | None = None  # the data files the run reads, fingerprinted (rank 0; checkpoint/data_record.py)
+    resumed_from: Path | None = None  # the checkpoint this run resumed from
 
     def __post_init__(self) -> None:
         self.reward_watch = self.reward_watch or RewardWatch(self.monitor.message,
                                                              self.cfg.logging.no_signal_warn_steps)
+
+
+@dataclass
+class StartOptions:
+    """How `grpo train` was asked to start: what the user allows, and the command an error tells them to run."""
+
+    allow_data_change: bool = False  # --allow-data-change: resume on task data that differs from the checkpoint's
+    command: str = "grpo train CONFIG"  # the user's command without --resume (errors name `command --resume CKPT`)
 
 
 @dataclass
@@ -71,12 +84,16 @@ class _Checked:
     saved: TrainerState | None  # the resumed checkpoint's state
     changes: list  # config keys changed on resume (check_resume_config)
     run_dir: RunDirPlan
+    data: dict | None  # data_record of this run (rank 0)
+    options: StartOptions
 
 
-def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Run:
+def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
+              options: StartOptions | None = None) -> Run:
     """resume: None, "latest" or a checkpoint directory; overwrite: start over in a run_dir that holds a run
     (the old run is renamed, checkpoint/run_dir.py). Under torchrun every rank runs this; rank 0 alone builds the
-    warm start, owns the run directory and writes logs."""
+    warm start, owns the run directory, checks the checkpoint's files, config and data, and writes logs."""
+    options = options or StartOptions()
     world = init_world(cfg)  # impossible layouts are config errors here, before anything is read
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
@@ -84,14 +101,21 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False) -
     train_examples = nonempty(split_examples(task, cfg, "train_split"), cfg, "train_split")
     eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
-    resume_dir = resolve_resume(resume, ckpt_root)
+    resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
     saved = load_trainer_state(resume_dir) if resume_dir else None
+    if saved is not None and world.is_main and nonfinite_state(saved):
+        raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options)
     changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
+    data = data_record(cfg, len(train_examples)) if world.is_main else None
+    if saved is not None and world.is_main:  # the data the checkpoint was trained on, or --allow-data-change
+        check_data(resume_dir, data, position=saved.data_position, allow=options.allow_data_change, message=to_stderr)
     run_dir = RunDirPlan(Path(cfg.run_dir))
-    if world.is_main:
+    if world.is_main:  # the newest step-* folder, complete or not: a later one is moved aside, never replaced
         run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
-                               newest_step=checkpoint_step(latest_checkpoint(ckpt_root)), overwrite=overwrite)
-    checked = _Checked(world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes, run_dir)
+                               newest_step=checkpoint_step(next(reversed(step_dirs(ckpt_root)), None)),
+                               overwrite=overwrite)
+    checked = _Checked(world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes, run_dir,
+                       data, options)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
     try:
         return _load_run(cfg, checked, lock)
@@ -111,6 +135,8 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, c.resume_dir, world)
+    if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
+        raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options)
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
@@ -127,7 +153,17 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     curriculum = build_curriculum(cfg, prompts, tokenizer, c.task, c.train_examples, params, world,
                                   saved.curriculum if saved else None)
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
-    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir, lock)
+    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir, lock, data=c.data,
+               resumed_from=c.resume_dir)
+
+
+def resume_refused(ckpt: Path, problem: str, options: StartOptions) -> CorruptCheckpointError:
+    """The one-line error for a checkpoint whose files verified but whose content cannot be right (NaN/inf, which a
+    run never saves): it names the newest other checkpoint that verifies and the command that resumes from it."""
+    def use(good: Path) -> str:
+        return f"resume from it: {options.command} --resume {good}"
+
+    return refuse(Verdict(ckpt, problem), ckpt.parent, use, what="--resume: ")
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
@@ -191,6 +227,7 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
         n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
         max_new_tokens=r.max_new_tokens, stop_token_ids=list(tokenizer.eos_token_ids),
         stop_strings=list(r.stop_strings), max_tokens_in_flight=r.max_tokens_in_flight or None,
+        cuda_graphs=r.cuda_graphs,
     )
 
 

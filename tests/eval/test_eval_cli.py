@@ -264,7 +264,7 @@ def test_a_failed_report_write_keeps_the_results_and_the_old_report(tiny_ckpt, t
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("os.fsync", full_disk)
-    assert main(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(out)]) == 1
+    assert main(["eval", str(tiny_ckpt), *EVAL_FAST, "--out", str(out), "--overwrite"]) == 2  # a full disk: yours
     captured = capsys.readouterr()
     assert captured.out.startswith("| task | problems | n | pass@1 |")  # the results were printed first
     assert captured.err.endswith(f"grpo eval: error: --out {out}: No space left on device; nothing written there, "

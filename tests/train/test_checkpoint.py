@@ -46,10 +46,15 @@ def test_save_keep_last_and_load(tmp_path, tiny_ckpt):
 
 
 def test_incomplete_dirs_are_not_checkpoints(tmp_path):
+    from grpo_engine.checkpoint.verify import CorruptCheckpointError
+
     root = tmp_path / "c"
-    (root / "step-000005").mkdir(parents=True)  # no trainer_state.pt
-    assert latest_checkpoint(root) is None
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_resume("latest", root)
+    (root / "step-000005").mkdir(parents=True)  # no trainer_state.json
+    assert latest_checkpoint(root) is None
+    # the newest step folder is damaged, not skipped (issue 41): refused, naming what is missing
+    with pytest.raises(CorruptCheckpointError, match="trainer_state.json and model/config.json are missing"):
         resolve_resume("latest", root)
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(str(root / "step-000005"), root)

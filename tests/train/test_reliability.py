@@ -276,7 +276,8 @@ def test_corrupt_trainer_state_names_the_file_and_the_previous_checkpoint(base, 
 @pytest.mark.slow
 def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_resume_works(base, tmp_path, capsys, monkeypatch):
     """ENOSPC raised inside the real weight writer (safetensors' save_file as save_model calls it) while
-    step 2's checkpoint is written: exit 1 with a message; step 1 and its metrics intact; --resume continues."""
+    step 2's checkpoint is written: exit 2 with one line; step 1 and its metrics intact, no .tmp-step-2 left;
+    --resume continues."""
     import grpo_engine.model.hf_io as hf_io
 
     run, real, calls = tmp_path / "r", hf_io.save_file, []
@@ -289,8 +290,8 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_resume_works(base, 
 
     monkeypatch.setattr(hf_io, "save_file", full_disk)
     code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", capsys=capsys)
-    assert code == 1 and "No space left on device" in err and "--resume" in err
-    assert steps_on_disk(run) == ["step-000001"]
+    assert code == 2 and "No space left on device" in err and "--resume" in err and "Traceback" not in err
+    assert steps_on_disk(run) == ["step-000001"] and not list((run / "checkpoints").glob(".tmp-*"))
     monkeypatch.setattr(hf_io, "save_file", real)
     assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "--resume")[0] == 0
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
@@ -335,6 +336,6 @@ def test_splitting_a_log_on_a_full_disk_keeps_it_whole(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     assert log.read_text() == text and not list(tmp_path.glob(".metrics*"))
-    assert split_jsonl(log, aside, 99) == (1, 0)
+    assert split_jsonl(log, aside, 99) == (1, 0, 0)
     assert [json.loads(ln)["step"] for ln in aside.read_text().splitlines()] == [99, 100, 100]
     assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == list(range(1, 100))
