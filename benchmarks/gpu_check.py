@@ -12,8 +12,21 @@ Sections
   weights); then the rollout/trainer mismatch under bf16: generate()'s log-probs vs the training forward's.
 - memory: one GRPO step per preset config (each in its own process) at its real shape, G=8, 8 prompts,
   512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction.
-- speed: generate() eager and compiled vs transformers' generate (dynamic and static cache), tokens/s and the
-  fraction of the HBM bound (weight + KV-cache bytes read per decode step over the measured copy bandwidth).
+- speed: at the Qwen2.5-0.5B and -1.5B shapes, bf16, 16 prompts x 8 samples x 512 new tokens, EOS ignored:
+  `ours_training`, the exact path training's rollouts take with the default config (rollout.generate with
+  train.setup.sampling_params, so rollout.cuda_graphs=auto: the static decode in CUDA graphs on CUDA; per-prompt
+  seeds as collect_groups draws them); tokens/s from a second call, the first call's capture seconds apart. Beside
+  it transformers' generate with the dynamic and the static cache, and on request (--engines all) our eager
+  dynamic loop and its torch.compile'd step. Tokens/s, the fraction of the HBM bound (weight + KV-cache bytes read
+  per decode step over the measured copy bandwidth), and per shape ours_training over the faster transformers
+  engine against the issue's 15x target.
+
+Time on an H100 / H200 (estimated from the recorded H200 figures, not yet measured with this version): parity ~1
+min, memory ~4-5 min (four presets, one process each), speed ~5 min (per shape ~45 s for each transformers engine,
+~20 s for ours_training's two calls and captures, ~20 s for the checkpoint and loads): all three ~10-11 min; the
+issue's figures alone: `--sections speed`, ~5 min. `--engines all` adds ~2.5 min (eager + compiled, two shapes).
+
+`--smoke` (CPU, toy shapes, seconds) and `--dry-run` (print the plan, run nothing) check the plumbing without a GPU.
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ class Sizes:
     group: int = 8
     completion: int = 512
     prompt_len: int = 256
-    speed_prompts: int = 64
+    speed_prompts: int = 16
     steps: int = 1
 
 
@@ -373,6 +386,7 @@ def decode_bytes(cfg, rows: int, prompt_len: float, new: int) -> float:
 
 
 def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
+    """Our dynamic decode loop, eager or with its step torch.compile'd (`grpo bench generate --cuda-graphs off`)."""
     from grpo_engine.bench.generate import bench_generate
 
     args = argparse.Namespace(
@@ -385,9 +399,50 @@ def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
         device=None,
         dtype=None,
         compile=compile,
+        cuda_graphs="off",
         seed=0,
     )
     return bench_generate(args)
+
+
+def training_speed(path: Path, sizes: Sizes) -> dict:
+    """`ours_training`: rollout.generate exactly as a training step calls it with the default config (the sampling
+    parameters of train.setup.sampling_params, rollout.cuda_graphs=auto; per-prompt seeds as collect_groups draws
+    them; the model loaded and kernel-planned as build_policy does), EOS ignored. Two calls: the first allocates the
+    static state and captures the graphs (its seconds and the capture seconds are reported apart); the second is
+    timed, as every later training step would run."""
+    from grpo_engine.bench.generate import bench_prompts
+    from grpo_engine.collect.groups import prompt_seed
+    from grpo_engine.config import load_config
+    from grpo_engine.kernels import apply_kernels
+    from grpo_engine.model.loading import load_model, load_tokenizer
+    from grpo_engine.rollout import generate
+    from grpo_engine.rollout.static_decode import release_static_decode, static_decode_stats
+    from grpo_engine.train.setup import sampling_params
+
+    cuda = torch.cuda.is_available()
+    cfg = load_config(None, [f"rollout.group_size={sizes.group}", f"rollout.max_new_tokens={sizes.completion}"])
+    tok = load_tokenizer(path)
+    params = dataclasses.replace(sampling_params(cfg, tok), stop_token_ids=[])  # EOS ignored: T tokens a row
+    model = apply_kernels(load_model(path, dtype=torch.bfloat16 if cuda else torch.float32,
+                                     device="cuda" if cuda else "cpu"))
+    prompts = bench_prompts(tok, sizes.speed_prompts)
+    seeds = [prompt_seed(cfg.seed, 1, 0, i) for i in range(len(prompts))]
+    calls = []
+    for _ in range(2):
+        sync()
+        t0 = time.perf_counter()
+        out = generate(model, prompts, params, seed=seeds)
+        sync()
+        calls.append((time.perf_counter() - t0, out.num_tokens))
+    stats = static_decode_stats(model) or {}
+    release_static_decode(model)
+    (seconds, tokens), first = calls[1], calls[0][0]
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens, "first_call_seconds": first,
+            "capture_seconds": stats.get("capture_seconds", 0.0), "captures": stats.get("captures", 0),
+            "cuda_graphs": params.cuda_graphs, "static_decode": bool(stats),
+            "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+            "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
 
 
 def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
@@ -413,7 +468,39 @@ def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens}
 
 
-def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str]) -> dict:
+ENGINES = ("ours_training", "hf_dynamic", "hf_static", "ours_eager", "ours_compiled")
+DEFAULT_ENGINES = ENGINES[:3]
+SPEED_TARGET = 15.0  # issue 42: ours_training >= 15x the faster transformers engine, same run, same shape
+
+
+def speed_runs(path: Path, sizes: Sizes, shape: str, engines: list[str], hf_static: list[str]) -> dict:
+    """engine name -> a call that times it, in the order the section runs them."""
+    runs = {
+        "ours_training": partial(training_speed, path, sizes),
+        "hf_dynamic": partial(hf_speed, path, sizes, None),
+        "hf_static": partial(hf_speed, path, sizes, "static"),
+        "ours_eager": partial(ours_speed, path, sizes, False),
+        "ours_compiled": partial(ours_speed, path, sizes, True),
+    }
+    return {name: runs[name] for name in engines if name != "hf_static" or shape in hf_static}
+
+
+def speed_targets(runs: list[dict]) -> list[dict]:
+    """Per shape: ours_training's tokens/s over the faster of transformers' engines, against SPEED_TARGET."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        rate = {r["engine"]: r["tokens_per_s"] for r in runs if r["shape"] == shape and "tokens_per_s" in r}
+        hf = max((rate[e] for e in ("hf_dynamic", "hf_static") if e in rate), default=None)
+        if "ours_training" not in rate or hf is None:
+            continue
+        ratio = rate["ours_training"] / hf
+        out.append({"shape": shape, "ours_training_tokens_per_s": rate["ours_training"], "best_hf_tokens_per_s": hf,
+                    "ratio": ratio, "target": SPEED_TARGET, "met": ratio >= SPEED_TARGET})
+    return out
+
+
+def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str],
+          engines: list[str] = DEFAULT_ENGINES) -> dict:
     from grpo_engine.model.hf_io import config_from_hf, read_json
 
     bw = copy_bandwidth()
@@ -421,14 +508,7 @@ def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str]) ->
     for shape in shapes:
         path = checkpoint(shape, smoke)
         cfg = config_from_hf(read_json(path / "config.json"))
-        runs = {
-            "ours_eager": partial(ours_speed, path, sizes, False),
-            "ours_compiled": partial(ours_speed, path, sizes, True),
-            "hf_dynamic": partial(hf_speed, path, sizes, None),
-        }
-        if shape in hf_static:
-            runs["hf_static"] = partial(hf_speed, path, sizes, "static")
-        for name, run in runs.items():
+        for name, run in speed_runs(path, sizes, shape, engines, hf_static).items():
             try:
                 r = run()
             except Exception as e:  # one engine failing must not lose the others' figures
@@ -443,6 +523,7 @@ def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str]) ->
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    result["targets"] = speed_targets(result["runs"])
     return result
 
 
@@ -504,26 +585,73 @@ def markdown(r: dict) -> str:
             if "error" in x:
                 lines.append(f"| {x['shape']} | {x['engine']} | error: {x['error'][:200]!r} | | |")
             else:
+                capture = f" (first call {x['first_call_seconds']:.1f} s, capture {x['capture_seconds']:.1f} s)" \
+                    if "capture_seconds" in x else ""
                 lines.append(
-                    f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f} | "
+                    f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f}{capture} | "
                     f"{x.get('fraction_of_hbm_bound', float('nan')):.3f} |"
                 )
+        if s.get("targets"):
+            lines += ["", "| shape | ours_training tokens/s | faster transformers | ratio | target |",
+                      "|---|---|---|---|---|"]
+            for t in s["targets"]:
+                verdict = "met" if t["met"] else "MISSED"
+                lines.append(f"| {t['shape']} | {t['ours_training_tokens_per_s']:.0f} | "
+                             f"{t['best_hf_tokens_per_s']:.0f} | {t['ratio']:.1f}x | {t['target']:.0f}x: {verdict} |")
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+SECTIONS = ("parity", "memory", "speed")
+ESTIMATE_S = {"parity": 60, "memory": 70, "speed": 45}  # an H100 / H200: parity; per preset; per engine and shape
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--sections", default="parity,memory,speed")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--speed-shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
-    ap.add_argument("--hf-static", default="qwen2.5-0.5b", help="shapes that also time HF's static cache")
-    ap.add_argument("--speed-prompts", type=int, default=None, help="prompts P of the speed runs (default 64)")
+    ap.add_argument("--hf-static", default="qwen2.5-0.5b,qwen2.5-1.5b", help="shapes that also time HF's static cache")
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help=f"speed engines, of {', '.join(ENGINES)}; `all` = every one")
+    ap.add_argument("--speed-prompts", type=int, default=None, help="prompts P of the speed runs (default 16)")
     ap.add_argument("--smoke", action="store_true", help="toy shapes on CPU: every code path, no real figures")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run and its estimated time; run nothing")
     ap.add_argument("--presets", default=",".join(PRESETS), help="preset configs of the memory section")
     ap.add_argument("--memory-steps", type=int, default=1, help="GRPO steps per preset (peaks: the last step)")
     ap.add_argument("--profile", default="", help="a preset whose last step (one extra) runs under torch.profiler")
     ap.add_argument("--one-preset", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.sections = args.sections.split(",")
+    args.engines = list(ENGINES) if args.engines == "all" else args.engines.split(",")
+    for name, given, known in (("section", args.sections, SECTIONS), ("engine", args.engines, ENGINES),
+                               ("shape", args.speed_shapes.split(","), MODEL_SHAPES)):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            ap.error(f"unknown {name} {', '.join(unknown)}; choose from {', '.join(known)}")
+    return args
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    """What the command will run and about how long it takes on an H100 / H200 (ESTIMATE_S)."""
+    shapes, static = args.speed_shapes.split(","), args.hf_static.split(",")
+    engines = {shape: [e for e in args.engines if e != "hf_static" or shape in static] for shape in shapes}
+    presets = args.presets.split(",")
+    seconds = {"parity": ESTIMATE_S["parity"], "memory": ESTIMATE_S["memory"] * len(presets),
+               "speed": ESTIMATE_S["speed"] * sum(map(len, engines.values()))}
+    seconds = {k: v for k, v in seconds.items() if k in args.sections}
+    sizes = SMOKE if args.smoke else Sizes()
+    return {"sections": args.sections, "speed_engines": engines if "speed" in args.sections else {},
+            "presets": presets if "memory" in args.sections else [],
+            "speed_size": f"{args.speed_prompts or sizes.speed_prompts} prompts x {sizes.group} x "
+                          f"{sizes.completion} new tokens", "estimated_gpu_seconds": seconds,
+            "estimated_total_minutes": round(sum(seconds.values()) / 60, 1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.dry_run:
+        print(json.dumps(run_plan(args), indent=1))
+        return
     sizes = dataclasses.replace(SMOKE if args.smoke else Sizes(), steps=args.memory_steps)
     if args.speed_prompts:
         sizes = dataclasses.replace(sizes, speed_prompts=args.speed_prompts)
@@ -536,15 +664,17 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "sizes": dataclasses.asdict(sizes),
+        "plan": run_plan(args),
     }
-    for section in args.sections.split(","):
+    for section in args.sections:
         t0 = time.perf_counter()
         if section == "parity":
             report["parity"] = parity(args.smoke, sizes)
         elif section == "memory":
             report["memory"] = memory(args.smoke, args.out, args.presets.split(","), args.memory_steps, args.profile)
         elif section == "speed":
-            report["speed"] = speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","))
+            report["speed"] = speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","),
+                                    args.engines)
         report.setdefault("seconds", {})[section] = time.perf_counter() - t0
         write_report(report, args.out)
         print(f"[{section}] done in {time.perf_counter() - t0:.0f} s", flush=True)

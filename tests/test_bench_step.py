@@ -40,9 +40,12 @@ def test_bench_step_runs_the_trainers_step(tiny_ckpt, recorded_steps):
     result = bench_step(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2)
     assert len(records) == 2 and result["step_times"] == [r.metrics.time_step_s for r in records]
     assert all(len(c) == 5 for r in records for g in r.rollout.groups for c in g.completion_ids)
+    from grpo_engine.plan.from_config import config_memory_choice
+
     defaults = load_config()
+    cpu = config_memory_choice(defaults, None)  # the settings the defaults leave to the engine, as a CPU run picks them
     assert (result["micro_batch_tokens"], result["chunk_size"], result["optimizer"]) == (
-        defaults.memory.micro_batch_tokens, defaults.memory.logprob_chunk_size, defaults.optimizer.name)
+        cpu.micro_batch_tokens, cpu.logprob_chunk_size, defaults.optimizer.name)
 
 
 def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp_path, recorded_steps):

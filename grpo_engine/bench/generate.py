@@ -50,6 +50,8 @@ class GenerateBench:
     dtype: str
     peak_memory_mb: float | None
     cpu: str  # kernels.cpu_model(): the figures depend on it even on a GPU (the host's Python and sampler)
+    cuda_graphs: bool = False  # the static decode in CUDA graphs ran (rollout.cuda_graphs)
+    capture_seconds: float = 0.0  # spent capturing them, in the untimed warm-up call
 
 
 def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -62,7 +64,9 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile", action="store_true", help="torch.compile the dynamic decode step")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="rollout.cuda_graphs: the static decode in CUDA graphs (auto = on CUDA) or the dynamic loop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a sentence")
     p.set_defaults(func=lambda args: _print(bench_generate(args), args.json))
@@ -84,6 +88,7 @@ def bench_generate(args: argparse.Namespace) -> dict:
     from ..kernels import apply_kernels, cpu_model
     from ..model.loading import load_model, load_tokenizer
     from ..rollout import SamplingParams, generate
+    from ..rollout.static_decode import cuda_graphs_on, static_decode_stats
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
@@ -93,10 +98,12 @@ def bench_generate(args: argparse.Namespace) -> dict:
     stops = [] if args.ignore_eos else tok.eos_token_ids
     params = SamplingParams(
         n=args.group, temperature=args.temperature, max_new_tokens=args.max_new, stop_token_ids=stops,
-        max_tokens_in_flight=None,
+        max_tokens_in_flight=None, cuda_graphs=getattr(args, "cuda_graphs", "auto"),
     )
     cuda = str(args.device).startswith("cuda")
-    warm = SamplingParams(**{**asdict(params), "max_new_tokens": min(4, args.max_new)})
+    graphs = cuda_graphs_on(params.cuda_graphs, model.device, bool(args.compile))
+    # the static decode sizes its state and captures its graphs in the first call of a shape: warm up at full length
+    warm = params if graphs else SamplingParams(**{**asdict(params), "max_new_tokens": min(4, args.max_new)})
     generate(model, prompts, warm, seed=args.seed, compile=args.compile)
     if cuda:
         torch.cuda.synchronize()
@@ -119,5 +126,7 @@ def bench_generate(args: argparse.Namespace) -> dict:
             dtype=dtype_name,
             peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             cpu=cpu_model(),
+            cuda_graphs=graphs,
+            capture_seconds=(static_decode_stats(model) or {}).get("capture_seconds", 0.0),
         )
     )

@@ -8,13 +8,14 @@ from typing import Any
 
 from .algorithm import AlgorithmSection, LossConfig, ReferenceConfig
 from .curriculum import CurriculumSection
-from .fields import option, require, section
+from .fields import one_of, option, require, section
 from .tools import ToolsSection
 from .training import LoRAConfig, MemorySection, OptimizerSection, ScheduleSection, WarmStartSection
 
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("auto", "ddp", "fsdp2")
 BACKENDS = ("auto", "gloo", "nccl")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass
@@ -52,8 +53,14 @@ class RolloutSection:
     min_p: float = option(0.0, "min-p sampling threshold; 0.0 = off")
     stop_strings: list[str] = option([], "extra strings that end a completion (EOS ids always do)")
     max_tokens_in_flight: int = option(0, "cap on sequences x tokens decoded at once (0 = all rows together)")
+    cuda_graphs: str = option("auto", "the decode loop of every rollout, eval and benchmark: the static KV cache with "
+                                      "each decode chunk a CUDA graph (on: CUDA only), or the eager dynamic loop "
+                                      "(off); auto = on for CUDA, off elsewhere", CUDA_GRAPHS)
 
     def __post_init__(self) -> None:
+        # YAML 1.1 reads a bare on / off (also yes / no) as a boolean, which reaches this str field as 'True' / 'False'
+        self.cuda_graphs = {"True": "on", "False": "off"}.get(str(self.cuda_graphs), self.cuda_graphs)
+        one_of("rollout.cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         for ok, message in [
             (self.group_size >= 2, "rollout.group_size must be >= 2: advantages compare completions of one prompt"),
             (self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1"),
@@ -156,6 +163,8 @@ class Config:
         require(self.seed >= 0, f"seed={self.seed} must be >= 0")
         require(a.advantage.eps > 0, f"algorithm.advantage.eps={a.advantage.eps} must be > 0: it keeps the advantage "
                                      "of a group with a tiny reward spread finite")
+        require(not (r.cuda_graphs == "on" and self.model.device == "cpu"),
+                "rollout.cuda_graphs=on needs CUDA, but model.device=cpu: set rollout.cuda_graphs=auto (or off)")
         require(a.beta == 0 or self.reference.mode != "none",
                 "algorithm.beta > 0 needs a reference policy: set reference.mode=frozen (or beta=0 for no KL term)")
         require(not (self.lora.enabled and a.beta > 0 and self.reference.mode != "frozen"),

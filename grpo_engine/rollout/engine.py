@@ -76,6 +76,21 @@ class Draws:
             u[idx] = torch.rand((len(idx), 1), generator=self.prompts[p], device=self.device)
         return u
 
+    def table(self, prompt_of_row: list[int], steps: int) -> torch.Tensor:
+        """[R, steps] uniforms drawn ahead for the static decode (column t draws a row's t-th token): a prompt's
+        rows take one [rows, steps] block from its own generator (prompts in order of first appearance), or all
+        rows one block from the shared one. A row's draws then depend on neither its batch-mates nor when any row
+        finishes. (Not the dynamic loop's stream: that draws one column per step.)"""
+        if self.prompts is None:
+            return torch.rand((len(prompt_of_row), steps), generator=self.shared, device=self.device)
+        u = torch.empty(len(prompt_of_row), steps, device=self.device)
+        rows: dict[int, list[int]] = {}
+        for a, p in enumerate(prompt_of_row):
+            rows.setdefault(p, []).append(a)
+        for p, idx in rows.items():
+            u[idx] = torch.rand((len(idx), steps), generator=self.prompts[p], device=self.device)
+        return u
+
 
 def eager_step(model: Transformer) -> DecodeStep:
     def step(ids: torch.Tensor, key_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -167,7 +182,7 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
     return c
 
 
-def _prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+def prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
     """The P prompts' keys/values -> (cache [P, L slots], key mask [P, L], last-position logits [P, V]).
 
     A prefix that every prompt shares (shared_prefix_length >= MIN_SHARED_PREFIX) runs once: its c slots are
@@ -200,7 +215,7 @@ def prefill(model: Transformer, prompts: list[list[int]], share: list[int], slot
     -> cache [R rows, L + slots], key mask [R, L + slots] (True = valid slot), logits [R, V].
     """
     device, dtype = model.device, model.embed.weight.dtype
-    prefix, mask, logits = _prefill_prompts(model, prompts)  # [P, L] cache and mask, [P, V]
+    prefix, mask, logits = prefill_prompts(model, prompts)  # [P, L] cache and mask, [P, V]
     L = mask.shape[1]
     index = torch.tensor(share, dtype=torch.long, device=device)  # [R]: row -> its prompt
     cache = KVCache.allocate(model.config, len(share), L + slots, dtype, device)

@@ -29,6 +29,7 @@ from ..model.transformer import Transformer
 from .decode_kernels import PackedWeights, packed_for_decode
 from .engine import DecodeStep, Draws, as_seed, decode, eager_step, prefill
 from .sampling import Sampler, SamplingParams
+from .static_decode import cuda_graphs_on, decode_static, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
 STOP, LENGTH = "stop", "length"
@@ -179,16 +180,17 @@ def generate(
     completions independent of the rest of the batch).
     tokenizer: needed only for stop_strings. compile: torch.compile the decode step (True = inductor,
     or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
+    params.cuda_graphs picks the loop (static_decode.cuda_graphs_on): `auto` (the default) runs the static decode
+    with CUDA graphs on CUDA (generate_static) and the dynamic loop below elsewhere.
     """
+    if cuda_graphs_on(params.cuda_graphs, model.device, bool(compile)):
+        return generate_static(model, prompt_ids, params, seed, tokenizer=tokenizer, graphs=True)
     _validate(model, prompt_ids, params, tokenizer)
     n = params.n
     rows: list[_Row | None] = [None] * (len(prompt_ids) * n)
     if not prompt_ids:
         return GenerationOutput([], [], [], [])
-    seed = as_seed(seed)
-    if not isinstance(seed, int) and len(seed) != len(prompt_ids):
-        raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
-    draws = Draws(seed, model.device)
+    draws = Draws(_seeds(seed, prompt_ids), model.device)
     sample, stops = Sampler(params), StopStrings(params.stop_strings, tokenizer)
     step = eager_step(model)
     if compile:
@@ -201,6 +203,17 @@ def generate(
             done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, packs)
             for j, i in enumerate(wave):
                 rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
+    return _output(rows, n)
+
+
+def _seeds(seed: int | Sequence[int], prompt_ids: list[list[int]]) -> int | list[int]:
+    seed = as_seed(seed)
+    if not isinstance(seed, int) and len(seed) != len(prompt_ids):
+        raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
+    return seed
+
+
+def _output(rows: list[_Row], n: int) -> GenerationOutput:
     return GenerationOutput(
         completion_ids=[r.tokens for r in rows],
         logprobs=[r.logprobs for r in rows],
@@ -208,3 +221,33 @@ def generate(
         prompt_index=[i // n for i in range(len(rows))],
         filtered_logprobs=[r.filtered_logprobs for r in rows],
     )
+
+
+def generate_static(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams,
+                    seed: int | Sequence[int] = 0, *, tokenizer=None, graphs: bool = False) -> GenerationOutput:
+    """generate() on the static decode state (static_decode.py): with graphs=True (CUDA) what rollout.cuda_graphs
+    runs; with graphs=False the same steps eagerly, on any device. Same arguments, same waves, same completions up
+    to float rounding for greedy decoding; sampled ones come from another random stream (Draws.table).
+    params.compact_fraction does not apply: finished rows leave by batch buckets (static_cache.bucket_for)."""
+    _validate(model, prompt_ids, params, tokenizer)
+    n, T = params.n, params.max_new_tokens
+    if not prompt_ids:
+        return GenerationOutput([], [], [], [])
+    draws = Draws(_seeds(seed, prompt_ids), model.device)
+    stops, rows = StopStrings(params.stop_strings, tokenizer), [None] * (len(prompt_ids) * n)
+    waves = plan_waves([len(p) for p in prompt_ids], params)
+    try:
+        with torch.inference_mode():
+            decoder = static_decoder(model, max(len(w) for w in waves) * n, max(map(len, prompt_ids)) + T, T)
+            sample = decoder.sampler(params)
+            for wave in waves:
+                share = [j for j in range(len(wave)) for _ in range(n)]  # row -> its prompt in the wave
+                done = [_Row(wave[j], set(params.stop_token_ids), stops, T) for j in share]
+                uniforms = draws.table([wave[j] for j in share], T)  # [R, T]
+                decode_static(model, decoder, done, [prompt_ids[i] for i in wave], share, sample, uniforms, graphs)
+                for j, i in enumerate(wave):
+                    rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
+    except BaseException:
+        release_static_decode(model)  # a state left mid-step (or NaN-poisoned) is not reused
+        raise
+    return _output(rows, n)

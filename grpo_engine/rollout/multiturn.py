@@ -40,6 +40,7 @@ from .chat_turns import continuation_ids, render_first_prompt
 from .decode_kernels import packed_for_decode
 from .engine import Draws, as_seed, decode, eager_step, prefill
 from .sampling import Sampler, SamplingParams
+from .static_decode import cuda_graphs_on
 from .stop_strings import StopStrings
 
 if TYPE_CHECKING:  # the protocol lives with the tasks; the sampler only calls reset/step and reads limits
@@ -193,7 +194,10 @@ def run_multiturn(
     environments of the same example; their shared prompt is prefilled once). seed: one int, or one per
     trajectory (then a trajectory's samples do not depend on the other rows). All trajectories decode as one
     batch (no waves: max_tokens_in_flight is not applied); split a large call in the caller.
+    Always the dynamic loop (engine.decode): the static decode (static_decode.py) feeds one sampled token per row
+    and step and cannot yet feed a row the environment's tokens; params.cuda_graphs is only checked here.
     """
+    cuda_graphs_on(params.cuda_graphs, model.device)  # `on` on a CPU fails here as it does in generate
     if len(envs) != len(examples):
         raise ValueError(f"{len(envs)} environments but {len(examples)} examples; pass one each")
     seed = as_seed(seed)

@@ -54,6 +54,8 @@ class SamplingParams:
     KV-cache slots; prompts are processed in waves that fit. None = everything in one wave.
     compact_fraction: finished rows are dropped from the batch once they are at least this fraction of the
     active rows (0 = as soon as any row finishes); the copy is not free, so we do not compact every step.
+    cuda_graphs: which decode loop generate() runs (rollout.cuda_graphs): `auto` = the static decode captured in
+    CUDA graphs on CUDA, the dynamic loop elsewhere; `on` = CUDA graphs (CUDA only); `off` = the dynamic loop.
     """
 
     n: int = 1
@@ -66,6 +68,7 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list)
     max_tokens_in_flight: int | None = 65536
     compact_fraction: float = 0.125
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,6 +84,7 @@ class SamplingParams:
                 f"max_tokens_in_flight={self.max_tokens_in_flight} must be positive or None",
             ),
             (all(s for s in self.stop_strings), "stop_strings must not contain an empty string"),
+            (self.cuda_graphs in ("auto", "on", "off"), f"cuda_graphs={self.cuda_graphs!r}: use auto, on or off"),
         ]
         for ok, message in checks:
             if not ok:
@@ -213,17 +217,32 @@ def sample_from_logits(
     return tokens, chosen - top[:, 0] - torch.log(total[:, 0])
 
 
-class Sampler:
-    """params -> a callable logits [R, V] -> Draw (tokens [R], full and filtered log-probs [R]), filters fixed once."""
+def sampling_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype logits are sampled in (and log-probs come out in): fp32, or float64 kept exact."""
+    return torch.promote_types(dtype, torch.float32)
 
-    def __init__(self, params: SamplingParams):
+
+def work_buffer(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """sample_from_logits' [rows, V + pad] buffer, made ahead of time (a captured decode step must not allocate
+    one mid-replay: see rollout/static_decode.py)."""
+    return torch.empty(rows, -(-vocab // SAMPLE_BLOCK) * SAMPLE_BLOCK, dtype=dtype, device=device)
+
+
+class Sampler:
+    """params -> a callable logits [R, V] -> Draw (tokens [R], full and filtered log-probs [R]), filters fixed once.
+
+    `key`: the parameters the draw's computation depends on (a captured CUDA graph bakes them in).
+    `work`: sample_from_logits' buffer, reused across decode steps; pass one (work_buffer) to fix its address."""
+
+    def __init__(self, params: SamplingParams, work: torch.Tensor | None = None):
         self.temperature = params.temperature
         self.filters = build_filters(params) if params.temperature > 0 else []
-        self._work: torch.Tensor | None = None  # sample_from_logits' buffer, reused across decode steps
+        self.key = (params.temperature, params.top_k, params.top_p, params.min_p)
+        self._work: torch.Tensor | None = work
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator | None = None,
                  uniforms: torch.Tensor | None = None) -> Draw:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, or float64 kept exact
+        logits = logits.to(sampling_dtype(logits.dtype))  # fp32, or float64 kept exact
         if self.temperature == 0:
             tokens, logp = sample_greedy(logits, generator)
             return Draw(tokens, logp, logp)

@@ -1,0 +1,147 @@
+"""The static decode state: one preallocated KV cache and per-row step buffers that a decode step reads and updates
+in place, so the same step can run again and again with nothing allocated and nothing read back to the host (and,
+on CUDA, be captured once as a graph and replayed: rollout/static_decode.py).
+
+Buffers, for a capacity of B rows and S slots plus one scratch slot:
+
+    k[l], v[l]  [B, H_kv, S + 1, D]  zeroed once: a masked slot must hold finite values (its weight, 0, multiplies
+                                     its value, and 0 * NaN is NaN)
+    key_mask    [B, S + 1] bool      the slots a row attends to: its prompt's real tokens, the tokens it has fed
+    ids         [B, 1] long          the token each row feeds next (its last sampled one)
+    positions   [B, 1] long          that token's position (the count of the row's real tokens before it)
+    write       [B] long             the slot that token goes to: every row has its own length
+    col         [B] long             the row's next column of `uniforms`
+    uniforms    [B, U] fp32          the row's uniforms, drawn ahead: column t draws its t-th token
+    hist        [3, B, 1 + CHUNK]    per step: token (as a float), full-softmax log-prob, filtered log-prob
+
+A batch of b rows (a bucket: 1, 2, 4, ... rows) runs on the views [:b] of every buffer, so all buckets share one
+allocation and rows move to a smaller bucket by a copy to the front (`move_rows`).
+
+Why the scratch slot: the model's forward (model/transformer.py) takes one `cache.start` for the whole batch and
+lets the query at slot `start` always see that slot. Here `start` is S for every row: the new key/value goes to the
+scratch slot S (what the query sees of itself) and to the row's own slot `write[r]`, masked during this step and
+unmasked after it, when it becomes history. So each row attends exactly to its own tokens, whatever its length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.transformer import ModelConfig
+from .kv_cache import KVCache
+from .sampling import Draw
+
+CHUNK = 16  # decode steps between two reads of the sampled tokens by the host (one device-to-host sync)
+
+
+def bucket_for(rows: int) -> int:
+    """The batch size a step runs at for `rows` live rows: the next power of two up to 512, then multiples of 512
+    (each bucket is one captured graph; a finished row stays in its bucket until the live rows fit a smaller one)."""
+    if rows <= 512:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 512) * 512
+
+
+class BucketCache:
+    """The KVCacheLike (model/transformer.py) of the first b rows: the model writes each row's new key/value at the
+    row's own slot `write[r]` and at the scratch slot S, and attends over all S + 1 slots under the key mask."""
+
+    def __init__(self, state: StaticDecodeState, b: int):
+        self.k, self.v = [t[:b] for t in state.k], [t[:b] for t in state.v]  # [b, H_kv, S + 1, D] views
+        self.write, self.scratch = state.write[:b], state.slots
+
+    @property
+    def start(self) -> int:
+        return self.scratch  # the query's slot: start + T == S + 1, the key mask's width
+
+    @start.setter
+    def start(self, value: int) -> None:
+        pass  # the model advances `start` after a forward; here each row's length is in `write`
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [b, H_kv, 1, D] -> every slot [b, H_kv, S + 1, D], the new key/value at write[r] and at S."""
+        index = self.write.view(-1, 1, 1, 1).expand_as(k)  # [b, H_kv, 1, D]
+        for buf, new in ((self.k[layer], k), (self.v[layer], v)):
+            buf.scatter_(2, index, new)
+            buf[:, :, self.scratch :] = new
+        return self.k[layer], self.v[layer]
+
+
+class StaticDecodeState:
+    """The buffers above for B rows, S slots and U uniforms per row (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, slots: int, columns: int, dtype: torch.dtype,
+                 sample_dtype: torch.dtype, device: torch.device):
+        assert cfg.vocab_size < 2**24, "token ids travel to the host as floats in `hist`"
+        shape = (rows, cfg.num_key_value_heads, slots + 1, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.rows, self.slots, self.columns, self.dtype, self.device = rows, slots, columns, dtype, device
+        self.key_mask = torch.zeros(rows, slots + 1, dtype=torch.bool, device=device)
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.write = torch.zeros(rows, dtype=torch.long, device=device)
+        self.col = torch.zeros(rows, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(rows, columns, device=device)
+        self.hist = torch.zeros(3, rows, 1 + CHUNK, dtype=sample_dtype, device=device)
+        self.views: dict[int, BucketCache] = {}
+
+    def fits(self, rows: int, slots: int, columns: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (rows <= self.rows and slots <= self.slots and columns <= self.columns and dtype == self.dtype
+                and device == self.device)
+
+    def view(self, b: int) -> BucketCache:
+        if b not in self.views:
+            self.views[b] = BucketCache(self, b)
+        return self.views[b]
+
+    def step_buffers(self) -> list[torch.Tensor]:
+        """The per-row buffers a step advances (a graph's warm-up run restores them: static_decode.py)."""
+        return [self.key_mask, self.ids, self.positions, self.write, self.col]
+
+    def start_rows(self, prefix: KVCache, prompt_mask: torch.Tensor, share: torch.Tensor,
+                   uniforms: torch.Tensor) -> None:
+        """Rows 0..R-1 start from the prefilled prompts: prefix [P, L slots] and prompt_mask [P, L] (True = real
+        token), share [R] (row -> its prompt), uniforms [R, T]. Rows R.. are pads: they attend to the scratch
+        slot only, and what they compute is never read."""
+        R, L = share.shape[0], prompt_mask.shape[1]
+        for dst, src in zip((*self.k, *self.v), (*prefix.k, *prefix.v)):
+            dst[:R, :, :L] = src[:, :, :L].index_select(0, share)  # [R, H_kv, L, D]: a prompt shared by its rows
+        self.key_mask.zero_()
+        self.key_mask[:R, :L] = prompt_mask.index_select(0, share)
+        self.key_mask[:, self.slots] = True
+        self.positions.zero_()
+        self.positions[:R, 0] = prompt_mask.sum(dim=1).index_select(0, share)
+        self.write.fill_(L)
+        self.col.zero_()
+        self.col[:R] = 1  # column 0 drew the first token (record_first)
+        self.uniforms[:R, : uniforms.shape[1]] = uniforms
+        self.ids.zero_()
+
+    def record_first(self, draw: Draw) -> None:
+        """The first tokens, drawn from the prefill's logits ([R] each): fed by the next step, read with its chunk."""
+        R = draw.tokens.shape[0]
+        self.ids[:R, 0] = draw.tokens.clamp(min=0)  # a NaN row's flag (-1) must not index the embedding
+        for i, x in enumerate(draw):
+            self.hist[i, :R, 0] = x
+
+    def advance(self, b: int, draw: Draw, j: int) -> None:
+        """After step j of a chunk: record its draw in column j, and move every row [b] one token on."""
+        for i, x in enumerate(draw):
+            self.hist[i, :b, j] = x
+        self.key_mask[:b].scatter_(1, self.write[:b, None], True)  # the fed token's slot becomes history
+        self.write[:b].add_(1).clamp_(max=self.slots - 1)  # finished rows still step until they leave the bucket
+        self.positions[:b].add_(1)
+        self.ids[:b, 0] = draw.tokens.clamp(min=0)
+        self.col[:b].add_(1).clamp_(max=self.columns - 1)
+
+    def read(self, b: int, first: int) -> torch.Tensor:
+        """hist [3, b, columns first..CHUNK] on the host: the one device-to-host copy of a chunk."""
+        return self.hist[:, :b, first:].cpu()
+
+    def move_rows(self, slots: list[int]) -> None:
+        """Rows at `slots` (live, in order) move to the front, rows 0..len(slots)-1: the batch steps down a bucket."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        n = len(slots)
+        for t in (*self.k, *self.v, self.key_mask, self.ids, self.positions, self.write, self.col, self.uniforms):
+            t[:n] = t.index_select(0, index)

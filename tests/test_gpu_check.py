@@ -1,0 +1,74 @@
+"""benchmarks/gpu_check.py without a GPU: its arguments, its plan (--dry-run), the speed section's report
+(ours_training against the faster transformers engine) and the whole speed section at a toy shape on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from benchmark_scripts import BENCHMARKS
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    """benchmarks/gpu_check.py as a module, registered while the tests run (its dataclasses look themselves up)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCHMARKS / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_check", None)
+
+
+def test_arguments_and_the_dry_run_plan(gpu_check, tmp_path, capsys):
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    assert args.sections == ["parity", "memory", "speed"] and args.engines == ["ours_training", "hf_dynamic",
+                                                                              "hf_static"]
+    plan = gpu_check.run_plan(args)
+    assert plan["speed_size"] == "16 prompts x 8 x 512 new tokens"
+    assert plan["speed_engines"] == {s: ["ours_training", "hf_dynamic", "hf_static"]
+                                     for s in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+    assert 8 <= plan["estimated_total_minutes"] <= 11
+    gpu_check.main(["--out", str(tmp_path / "dry"), "--sections", "speed", "--engines", "all", "--dry-run"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sections"] == ["speed"] and len(printed["speed_engines"]["qwen2.5-1.5b"]) == 5
+    assert not (tmp_path / "dry").exists()  # a dry run runs and writes nothing
+    for bad in (["--sections", "speeed"], ["--engines", "vllm"], ["--speed-shapes", "qwen9"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--out", str(tmp_path), *bad])
+
+
+def test_speed_targets_and_their_table(gpu_check):
+    runs = [
+        {"shape": "a", "engine": "ours_training", "tokens_per_s": 32000.0, "seconds": 2.0, "first_call_seconds": 5.0,
+         "capture_seconds": 2.5},
+        {"shape": "a", "engine": "hf_dynamic", "tokens_per_s": 1500.0, "seconds": 40.0},
+        {"shape": "a", "engine": "hf_static", "tokens_per_s": 2000.0, "seconds": 30.0},
+        {"shape": "b", "engine": "ours_training", "tokens_per_s": 9000.0, "seconds": 7.0, "first_call_seconds": 9.0,
+         "capture_seconds": 1.0},
+        {"shape": "b", "engine": "hf_dynamic", "tokens_per_s": 1000.0, "seconds": 60.0},
+        {"shape": "c", "engine": "hf_dynamic", "error": "RuntimeError: boom"},
+    ]
+    targets = gpu_check.speed_targets(runs)
+    assert [(t["shape"], t["ratio"], t["met"]) for t in targets] == [("a", 16.0, True), ("b", 9.0, False)]
+    md = gpu_check.markdown({"gpu": "x", "torch": "y", "date": "z",
+                             "speed": {"copy_bandwidth_gb_s": 3000.0, "runs": runs, "targets": targets}})
+    assert "| a | ours_training | 32000 | 2.0 (first call 5.0 s, capture 2.5 s) |" in md
+    assert "| a | 32000 | 2000 | 16.0x | 15x: met |" in md and "| b | 9000 | 1000 | 9.0x | 15x: MISSED |" in md
+
+
+def test_speed_section_runs_at_a_toy_shape_on_the_cpu(gpu_check, tmp_path, monkeypatch):
+    """--smoke: every engine's code path at toy sizes (ours_training takes the CPU default, the dynamic loop)."""
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path)
+    sizes = gpu_check.SMOKE
+    result = gpu_check.speed(True, sizes, ["qwen2.5-0.5b"], ["qwen2.5-0.5b"], ["ours_training", "hf_dynamic"])
+    runs = {r["engine"]: r for r in result["runs"]}
+    assert "error" not in runs["ours_training"], runs["ours_training"]
+    ours = runs["ours_training"]
+    assert ours["new_tokens"] == sizes.speed_prompts * sizes.group * sizes.completion and ours["tokens_per_s"] > 0
+    assert ours["cuda_graphs"] == "auto" and ours["static_decode"] is False and ours["capture_seconds"] == 0.0
+    assert [t["shape"] for t in result["targets"]] == ["qwen2.5-0.5b"] or "error" in runs["hf_dynamic"]
