@@ -11,7 +11,9 @@ Sections
 - parity: logits of our bf16 model vs transformers' bf16 model, both against our fp32 forward (the same
   weights); then the rollout/trainer mismatch under bf16: generate()'s log-probs vs the training forward's.
 - memory: one GRPO step per preset config (each in its own process) at its real shape, G=8, 8 prompts,
-  512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction.
+  512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction; the
+  report's `step` entry (per preset file: seconds per step, generate / log-probs / update seconds, the update's
+  MFU over 989 TFLOP/s bf16, recompute not counted, and the peak reserved) comes from the same steps.
 - speed: at the Qwen2.5-0.5B and -1.5B shapes, bf16, 16 prompts x 8 samples x 512 new tokens, EOS ignored:
   `ours_training`, the exact path training's rollouts take with the default config (rollout.generate with
   train.setup.sampling_params, so rollout.cuda_graphs=auto: the static decode in CUDA graphs on CUDA; per-prompt
@@ -312,7 +314,35 @@ def one_preset(config: str, smoke: bool, sizes: Sizes, profile_last: bool = Fals
         "time_update_s": m.time_update_s,
         "train_tokens": m.train_tokens,
         "step_times": [r.metrics.time_step_s for r in records],
+        **update_mfu(plan, m, sizes),
     }
+
+
+PEAK_BF16_FLOPS = 989e12  # H100 / H200 dense bf16, the datasheet's figure
+
+
+def update_mfu(plan, m, sizes: Sizes) -> dict:
+    """The update's model FLOPs utilisation as issue 44 counts it (recompute not counted): 4 N T for every weight's
+    forward and input gradients, 2 N_trainable T for the trained weights' gradients, and causal attention's
+    6 L^2 d per row and layer (forward 2 L^2 d, backward twice that). T = the tokens the update runs: the step's
+    completion tokens plus each group's shared prompt once."""
+    c = plan.model
+    groups = max(1, m.rows // sizes.group)
+    tokens = m.train_tokens + groups * sizes.prompt_len
+    row_len = sizes.prompt_len + m.train_tokens / max(1, m.rows)
+    attention = 6 * c.num_hidden_layers * c.hidden_size * m.rows * row_len**2
+    flops = 4 * plan.n_params * tokens + 2 * plan.n_trainable * tokens + attention
+    return {"update_tokens": tokens, "update_flops": flops,
+            "update_mfu": flops / max(m.time_update_s, 1e-9) / PEAK_BF16_FLOPS}
+
+
+def step_summary(memory_results: list[dict]) -> dict:
+    """The report's `step` entry: per preset file, the step's seconds by phase, the update's MFU and the peak."""
+    return {Path(r["config"]).name: {"seconds_per_step": r["sec_per_step"], "generate_s": r["time_generate_s"],
+                                     "logprobs_s": r["time_logprobs_s"], "update_s": r["time_update_s"],
+                                     "update_mfu": r["update_mfu"], "peak_reserved_gib": r["max_reserved_gib"],
+                                     "planned_gib": r["plan_total_gib"]}
+            for r in memory_results if "error" not in r}
 
 
 def memory(smoke: bool, out: Path, presets: list[str], steps: int, profile: str) -> list[dict]:
@@ -560,8 +590,9 @@ def markdown(r: dict) -> str:
             "",
             "## memory per preset (one GRPO step)",
             "",
-            "| config | max reserved GiB | max allocated GiB | planned GiB | s/step | generate | log-probs | update |",
-            "|---|---|---|---|---|---|---|---|",
+            "| config | max reserved GiB | max allocated GiB | planned GiB | s/step | generate | log-probs | update | "
+            "update MFU |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for m in r["memory"]:
             if "error" in m:
@@ -570,7 +601,7 @@ def markdown(r: dict) -> str:
             lines.append(
                 f"| {m['config']} | {m['max_reserved_gib']:.2f} | {m['max_allocated_gib']:.2f} | "
                 f"{m['plan_total_gib']:.2f} | {m['sec_per_step']:.1f} | {m['time_generate_s']:.1f} | "
-                f"{m['time_logprobs_s']:.1f} | {m['time_update_s']:.1f} |"
+                f"{m['time_logprobs_s']:.1f} | {m['time_update_s']:.1f} | {m.get('update_mfu', float('nan')):.1%} |"
             )
     if "speed" in r:
         s = r["speed"]
@@ -672,6 +703,7 @@ def main(argv: list[str] | None = None) -> None:
             report["parity"] = parity(args.smoke, sizes)
         elif section == "memory":
             report["memory"] = memory(args.smoke, args.out, args.presets.split(","), args.memory_steps, args.profile)
+            report["step"] = step_summary(report["memory"])
         elif section == "speed":
             report["speed"] = speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","),
                                     args.engines)

@@ -72,3 +72,23 @@ def test_speed_section_runs_at_a_toy_shape_on_the_cpu(gpu_check, tmp_path, monke
     assert ours["new_tokens"] == sizes.speed_prompts * sizes.group * sizes.completion and ours["tokens_per_s"] > 0
     assert ours["cuda_graphs"] == "auto" and ours["static_decode"] is False and ours["capture_seconds"] == 0.0
     assert [t["shape"] for t in result["targets"]] == ["qwen2.5-0.5b"] or "error" in runs["hf_dynamic"]
+
+
+def test_the_step_sections_mfu_and_summary_by_hand(gpu_check):
+    """update_mfu counts 4 N T + 2 N_trainable T + 6 L^2 d per row and layer over the update's seconds at the bf16
+    peak; the `step` entry is keyed by preset file name and skips presets that failed."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(model=SimpleNamespace(num_hidden_layers=2, hidden_size=8), n_params=1000, n_trainable=10)
+    m = SimpleNamespace(rows=4, train_tokens=40, time_update_s=2.0)
+    sizes = gpu_check.Sizes(prompts=2, group=2, completion=10, prompt_len=5)
+    out = gpu_check.update_mfu(plan, m, sizes)
+    tokens = 40 + 2 * 5  # completions, and each of the 2 groups' prompt once
+    flops = 4 * 1000 * tokens + 2 * 10 * tokens + 6 * 2 * 8 * 4 * (5 + 10) ** 2
+    assert out == {"update_tokens": tokens, "update_flops": flops, "update_mfu": flops / 2.0 / 989e12}
+    ok = {"config": "configs/gpu8gb_x.yaml", "sec_per_step": 3.0, "time_generate_s": 1.0, "time_logprobs_s": 0.5,
+          "time_update_s": 1.5, "update_mfu": 0.2, "max_reserved_gib": 4.0, "plan_total_gib": 4.5}
+    summary = gpu_check.step_summary([ok, {"config": "configs/bad.yaml", "error": "oom"}])
+    assert summary == {"gpu8gb_x.yaml": {"seconds_per_step": 3.0, "generate_s": 1.0, "logprobs_s": 0.5,
+                                         "update_s": 1.5, "update_mfu": 0.2, "peak_reserved_gib": 4.0,
+                                         "planned_gib": 4.5}}
