@@ -47,6 +47,7 @@ def plan_input_from_config(cfg: Config) -> PlanInput:
         micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
         rollout_rows_in_flight=rollout_rows_in_flight(cfg, slots), reference=spec.reference,
+        static_decode=r.cuda_graphs != "off" and not cfg.tools.enabled,  # a CUDA card: auto is on (single-turn)
     )
 
 

@@ -56,6 +56,9 @@ class PlanInput:
     logprob_chunk: int = field(default=1024, metadata={"help": "tokens per log-prob chunk"})
     rollout_rows_in_flight: int = field(default=0, metadata={"help": "rows decoded at once (0 = all P*G)"})
     reference: str = field(default="none", metadata={"help": "KL ref: none | gpu_copy | cpu | adapters"})
+    static_decode: bool = field(default=True, metadata={
+        "help": "rollout.cuda_graphs on: the static decode state (KV cache of a batch bucket, captured graphs) "
+                "stays allocated through every phase"})
     cuda_context_gib: float = field(default=0.5, metadata={"help": "CUDA context + kernels, outside torch"})
     fragmentation: float = field(default=0.10, metadata={"help": "allocator slack as a fraction of the peak"})
 
@@ -281,6 +284,18 @@ def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
     return rows * slots * per_slot
 
 
+def static_decode_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    """The static decode state (rollout/static_cache.py) kept across phases: the KV cache of the rows' batch bucket
+    with one scratch slot, and the captured graphs' pool, which holds a decode step's [rows, V] fp32 logits and
+    sampling buffers (three of them)."""
+    from ..rollout.static_cache import bucket_for  # torch: `grpo --help` imports this module without it
+
+    rows = bucket_for(rollout_rows(k))
+    slots = k.prompt_len + k.completion_len + 1
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[k.precision]
+    return rows * slots * per_slot + 3 * rows * cfg.vocab_size * 4
+
+
 def rollout_rows(k: PlanInput) -> int:
     rows = k.prompts_per_step * k.group_size
     return min(rows, k.rollout_rows_in_flight) if k.rollout_rows_in_flight else rows
@@ -309,9 +324,11 @@ def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
     saved, recompute = activation_bytes(c, k, tokens)
     rows = rollout_rows(k)
     prefill_tokens = min(k.prompts_per_step, rows) * k.prompt_len
+    kept = {"static decode state (kept)": static_decode_bytes(c, k)} if k.static_decode else {}
+    resident = {**resident, **kept}
     rollout = Phase("rollout", {
         **resident,
-        "kv cache": kv_cache_bytes(c, k),
+        **({} if k.static_decode else {"kv cache": kv_cache_bytes(c, k)}),
         "prefill/decode transients": max(layer_transient_bytes(c, k, prefill_tokens)
                                          + prefill_tokens * c.hidden_size * DTYPE_BYTES[k.precision] * 2,
                                          3 * rows * c.vocab_size * 4),
