@@ -160,8 +160,9 @@ def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_s
 @torch.no_grad()
 def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature: float,
                    chunk_size: int) -> torch.Tensor:
-    """[B, T] log-probs of all rows, micro-batch by micro-batch, in eval mode (old / reference policy)."""
-    out = torch.zeros(batch.input_ids.shape)  # [B, T]
+    """[B, T] log-probs of all rows, micro-batch by micro-batch, in eval mode (old / reference policy). Gathered on
+    the model's device and copied to the host once, so a GPU does not wait for the host after every micro-batch."""
+    out = torch.zeros(batch.input_ids.shape, device=model.device)  # [B, T]
     was_training = model.training
     model.eval()  # no (LoRA) dropout: these are the log-probs of the policy itself
     try:
@@ -169,8 +170,8 @@ def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature
             idx = torch.tensor(rows)
             sub = batch.select(idx).to(model.device)
             logp, _ = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size)
-            out[idx, : logp.shape[1]] = logp.float().cpu()
+            out[idx.to(out.device), : logp.shape[1]] = logp.float()
     finally:
         model.train(was_training)
-    return out
+    return out.cpu()
 
