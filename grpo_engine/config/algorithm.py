@@ -158,6 +158,9 @@ class AlgorithmSection(LossConfig):
         SemanticEntropyConfig, "SEED-GRPO modulation (the step's mean semantic entropy is always logged)")
     overlong: OverlongConfig = section(OverlongConfig, "truncated completions (max_len 0 = rollout.max_new_tokens)")
     group_filter: GroupFilterConfig = section(GroupFilterConfig, "DAPO dynamic sampling of informative groups")
+    random_reward: bool = option(False, "a control experiment: each completion's reward is a seeded coin flip (0 or "
+                                        "1) instead of the task's, before dynamic sampling and advantages; accuracy "
+                                        "is still the task's answer check (grpo demo --control random-reward)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -234,11 +234,11 @@ def run_generate(args) -> int:
     parse = getattr(task, "parse_question", None)  # a generated task's own example (e.g. its named operands)
     example = (parse(args.question, args.answer or "") if parse else None) or \
         Example("cli", args.question, args.answer or "")
+    if tools is not None:  # (its first prompt declares the tools: shown from the rollout itself)
+        return _generate_with_tools(model, tok, task, example, params, args, tools)
     prompt = render_prompt(task, tok, example)
     if args.show_prompt:
         print(f"--- prompt ---\n{prompt}")
-    if tools is not None:
-        return _generate_with_tools(model, tok, task, example, params, args, tools)
     model.eval()
     with torch.no_grad():
         out = generate(model, [tok.encode(prompt)], params, seed=args.seed, tokenizer=tok)
@@ -257,6 +257,8 @@ def _generate_with_tools(model, tok, task, example, params, args, tools) -> int:
 
     with torch.no_grad():
         (group,), _ = generate_tool_groups(model, tok, task, [example], params, args.seed, None, tools=tools)
+    if args.show_prompt:
+        print(f"--- prompt ---\n{group.prompt_text}")
     for i, (text, metrics, result, reason) in enumerate(zip(group.texts, group.trajectory_metrics, group.rewards,
                                                             group.finish_reasons)):
         print(f"--- trajectory {i + 1}/{len(group.texts)} ({metrics.model_tokens} model + {metrics.env_tokens} tool "

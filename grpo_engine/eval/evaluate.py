@@ -9,7 +9,8 @@ Each problem gets n samples from the generate-and-score path training uses (`tra
 - mean length: completion tokens, stop token included; truncation rate: fraction that hit max_new_tokens.
 - with tools (`evaluate(..., tools=ToolsSection(enabled=True, ...))`) every sample is a multi-turn trajectory
   sampled as in training (train.tool_rollouts.generate_tool_groups): its length counts the policy's own
-  tokens, and the tool-call rate is the fraction of samples that called a tool at least once.
+  tokens, the tool-call rate is the fraction of samples that called a tool at least once, and the tool-error rate
+  the fraction of all calls that failed (malformed, unknown tool, bad arguments, refused expression, ...).
 
 Correctness rule, the same for every task and for training metrics (RewardResult.correct): a sample is
 correct iff its RewardResult has an "answer" component >= 1.0. Every built-in task scores "answer" as 0 or 1
@@ -117,6 +118,7 @@ class EvalSummary:
     reward_errors: int  # samples whose reward raised or timed out (scored 0, counted incorrect)
     tool_call_rate: float | None = None  # with tools: fraction of samples that called a tool at least once
     tool_errors: int | None = None  # with tools: failed calls over all samples
+    tool_error_rate: float | None = None  # with tools: failed calls / calls (malformed, unknown tool, refused; 0: none)
 
 
 @dataclass(frozen=True)
@@ -231,11 +233,12 @@ def summarize(problems: list[ProblemRecord], cfg: EvalConfig) -> EvalSummary:
 
 
 def _tool_summary(samples: list[SampleRecord]) -> dict:
-    """tool_call_rate / tool_errors when the samples were trajectories with tools, else nothing."""
+    """tool_call_rate / tool_errors / tool_error_rate when the samples were trajectories with tools, else nothing."""
     if not samples or samples[0].tool_calls is None:
         return {}
-    return {"tool_call_rate": _mean([float(s.tool_calls > 0) for s in samples]),
-            "tool_errors": sum(s.tool_errors for s in samples)}
+    calls, errors = sum(s.tool_calls for s in samples), sum(s.tool_errors for s in samples)
+    return {"tool_call_rate": _mean([float(s.tool_calls > 0) for s in samples]), "tool_errors": errors,
+            "tool_error_rate": errors / calls if calls else 0.0}
 
 
 def _mean(xs: list[float]) -> float:
@@ -263,7 +266,8 @@ def report_json(report: EvalReport) -> dict:
     summary |= {"format_rate": s.format_rate, "mean_length": s.mean_length, "truncation_rate": s.truncation_rate,
                 "mean_reward": s.mean_reward, "reward_errors": s.reward_errors}
     if s.tool_call_rate is not None:
-        summary |= {"tool_call_rate": s.tool_call_rate, "tool_errors": s.tool_errors}
+        summary |= {"tool_call_rate": s.tool_call_rate, "tool_errors": s.tool_errors,
+                    "tool_error_rate": s.tool_error_rate}
     problems = [
         {"id": p.example_id, "question": p.question, "reference": p.reference, "num_correct": p.num_correct,
          "majority": p.majority, **{f"pass@{k}": v for k, v in p.pass_at.items()},
@@ -284,7 +288,7 @@ def report_markdown(report: EvalReport) -> str:
     values += [_pct(s.format_rate), f"{s.mean_length:.1f}", _pct(s.truncation_rate), f"{s.mean_reward:.3f}"]
     if s.tool_call_rate is not None:
         columns += ["tool calls", "tool errors"]
-        values += [_pct(s.tool_call_rate), str(s.tool_errors)]
+        values += [_pct(s.tool_call_rate), f"{s.tool_errors} ({_pct(s.tool_error_rate)} of calls)"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|",
              "| " + " | ".join(values) + " |"]
     if s.reward_errors:

@@ -46,11 +46,17 @@ class EvalResult:
     length_mean: float  # mean completion length in tokens
     truncation_rate: float  # fraction cut at max_new_tokens
     num_examples: int
+    tool_call_rate: float | None = None  # with tools: fraction of trajectories that called a tool
+    tool_error_rate: float | None = None  # with tools: failed calls / calls (0 when there were none)
+    tool_calls: int = 0  # with tools: calls over all trajectories (combine_eval weighs the error rate by it)
 
     def as_metrics(self) -> dict[str, float]:
-        """Keys as they appear in metrics.jsonl (eval/accuracy, ...)."""
+        """Keys as they appear in metrics.jsonl (eval/accuracy, ...; eval/tool_call_rate and eval/tool_error_rate
+        when the run samples with tools)."""
+        tools = {} if self.tool_call_rate is None else {"eval/tool_call_rate": self.tool_call_rate,
+                                                        "eval/tool_error_rate": self.tool_error_rate}
         return {"eval/accuracy": self.accuracy, "eval/format_rate": self.format_rate,
-                "eval/length_mean": self.length_mean, "eval/truncation_rate": self.truncation_rate}
+                "eval/length_mean": self.length_mean, "eval/truncation_rate": self.truncation_rate, **tools}
 
 
 def evaluate_policy(model, tokenizer, task, examples: list[Example], params: SamplingParams, *, seed: int,
@@ -70,7 +76,17 @@ def evaluate_policy(model, tokenizer, task, examples: list[Example], params: Sam
         length_mean=statistics.fmean(lengths),
         truncation_rate=statistics.fmean(g.finish_reasons[0] == "length" for g in groups),
         num_examples=len(groups),
+        **tool_rates([g.trajectory_metrics[0] for g in groups if g.trajectory_metrics]),
     )
+
+
+def tool_rates(trajectories: list) -> dict:
+    """tool_call_rate / tool_error_rate / tool_calls of trajectories' TrajectoryMetrics ({} for none: no tools)."""
+    if not trajectories:
+        return {}
+    calls, errors = sum(t.tool_calls for t in trajectories), sum(t.tool_errors for t in trajectories)
+    return {"tool_call_rate": statistics.fmean(t.tool_calls > 0 for t in trajectories),
+            "tool_error_rate": errors / calls if calls else 0.0, "tool_calls": calls}
 
 
 def combine_eval(parts: list[EvalResult]) -> EvalResult:
@@ -83,4 +99,11 @@ def combine_eval(parts: list[EvalResult]) -> EvalResult:
         values = [(getattr(p, field), p.num_examples) for p in parts if not math.isnan(getattr(p, field))]
         return sum(v * k for v, k in values) / sum(k for _, k in values) if values else math.nan
 
-    return EvalResult(mean("accuracy"), mean("format_rate"), mean("length_mean"), mean("truncation_rate"), n)
+    tools = {}
+    if parts[0].tool_call_rate is not None:
+        calls = sum(p.tool_calls for p in parts)
+        errors = sum(p.tool_error_rate * p.tool_calls for p in parts)
+        tools = {"tool_call_rate": mean("tool_call_rate"), "tool_error_rate": errors / calls if calls else 0.0,
+                 "tool_calls": calls}
+    return EvalResult(mean("accuracy"), mean("format_rate"), mean("length_mean"), mean("truncation_rate"), n,
+                      **tools)

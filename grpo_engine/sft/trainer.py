@@ -5,6 +5,11 @@ parseable answer gets no signal at all. A short supervised phase on (prompt, ref
 fixes that; the demo uses it to bring a random tiny model to "sometimes right" before reinforcement.
 Only completion tokens are scored: the prompt is context, not a target (with an empty prompt the first
 completion token is context too: nothing precedes it to predict it).
+
+A prefix every row of a batch starts with (e.g. a system prompt that declares tools: 165 of SmolLM2's ~250 tokens
+per row in the tools demo) runs once per batch, with gradients, and every row attends to its keys and values
+(`shared_prefix_length`, `PrefixKV`): the same loss and gradients as running it in every row, for a fraction of
+the compute.
 """
 
 from __future__ import annotations
@@ -62,11 +67,51 @@ def check_pairs(pairs: list[tuple]) -> None:
             )
 
 
+class PrefixKV:
+    """The model's cache protocol (model/transformer.py KVCacheLike) for a shared prefix: the prefix pass (batch 1)
+    records each layer's keys/values with their autograd history; every later pass attends to them, expanded to
+    its batch, followed by its own (the expand's backward sums the rows' gradients into the one prefix pass)."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # per layer [1, H_kv, L, D]
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.start = 0
+        self.recording = True
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recording:
+            self.k[layer], self.v[layer] = k, v
+            return k, v
+        B = k.shape[0]
+        return (torch.cat([self.k[layer].expand(B, -1, -1, -1), k], dim=2),
+                torch.cat([self.v[layer].expand(B, -1, -1, -1), v], dim=2))
+
+
+def shared_prefix_length(batch: SFTBatch) -> int:
+    """Input positions [0, L) that every row has in common and that predict no target (so their hidden states are
+    not needed): the prefix one pass can run for the whole batch. 0 for a single row."""
+    ids, mask = batch.input_ids[:, :-1], batch.loss_mask  # [B, T-1]
+    if ids.shape[0] < 2:
+        return 0
+    common = int((ids == ids[:1]).all(0).long().cumprod(0).sum())
+    first_target = int(mask.any(0).long().argmax()) if bool(mask.any()) else ids.shape[1]
+    return min(common, first_target)
+
+
 def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
-    """Mean next-token cross-entropy over completion tokens (logits only at those positions)."""
-    hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [B, T-1, D]
-    targets = batch.input_ids[:, 1:][batch.loss_mask]  # [N]
-    logits = model.lm_head(hidden[batch.loss_mask])  # [N, V]
+    """Mean next-token cross-entropy over completion tokens (logits only at those positions); a prefix shared by
+    every row runs once (see the module docstring)."""
+    ids, mask = batch.input_ids[:, :-1], batch.loss_mask  # [B, T-1]
+    L = shared_prefix_length(batch)
+    if L < 2:
+        hidden = model(ids, return_hidden=True)  # [B, T-1, D]
+    else:
+        prefix = PrefixKV(len(model.layers))
+        model(ids[:1, :L], cache=prefix, return_hidden=True)  # records the keys/values; no target sits here
+        prefix.recording = False
+        hidden, mask = model(ids[:, L:], cache=prefix, return_hidden=True), mask[:, L:]  # [B, T-1-L, D]
+    targets = batch.input_ids[:, 1:][batch.loss_mask]  # [N], row-major: mask[:, :L] holds no target
+    logits = model.lm_head(hidden[mask])  # [N, V]
     return F.cross_entropy(logits.float(), targets)
 
 

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint.run_dir import utc_stamp
+from ..collect.tool_groups import first_prompt_text, rollout_tokenizer
 from ..config import Config, ConfigError
+from ..config.tools import ToolsSection
 from ..model.loading import load_model, load_tokenizer, pick_device, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..progress import Progress
@@ -77,14 +79,16 @@ def build_tiny_base(cfg: Config) -> Path:
     return out
 
 
-def sft_pairs(task, tokenizer, examples) -> list[tuple]:
+def sft_pairs(task, tokenizer, examples, tools: ToolsSection | None = None) -> list[tuple]:
     """(prompt ids, reference completion ids + EOS) for every example the task can complete; examples without
     a reference (e.g. loaded Countdown rows with no known solution) are left out. A task's
     `reference_conversation` (a teacher that calls tools) takes precedence: the completion is the whole
     conversation as a tool rollout would tokenize it, with a third element, the per-token target flags: the
     tool's responses (and turn markers) are context, not targets, as in the rollout's loss mask. Learning to
     predict a product the tool computed only teaches a tiny model to guess it, which delays the copy of the
-    result into the answer (docs/tools.md)."""
+    result into the answer (docs/tools.md). tools: when enabled, every prompt is the rollout's first prompt with
+    the tool declarations (collect/tool_groups.py first_prompt_text), and the teacher's tool turns are rendered
+    as the rollout renders them: the warm start sees the tokens GRPO will sample after."""
     reference = getattr(task, "reference_completion", None)
     if reference is None:
         raise ConfigError(
@@ -93,11 +97,13 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple]:
         )
     eos = tokenizer.eos_token_ids[0]
     conversation = getattr(task, "reference_conversation", lambda ex: None)  # a teacher that calls tools
+    with_tools = tools is not None and tools.enabled
+    turns_tok = rollout_tokenizer(tokenizer, tools) if with_tools else tokenizer
 
     def target(ex) -> tuple[list[int], list[bool]] | None:
         turns = conversation(ex)
         if turns is not None:
-            return conversation_ids_and_mask(tokenizer, turns)
+            return conversation_ids_and_mask(turns_tok, turns)
         text = reference(ex)
         return None if text is None else (tokenizer.encode(text), [])
 
@@ -107,7 +113,8 @@ def sft_pairs(task, tokenizer, examples) -> list[tuple]:
         if found is None:
             continue
         ids, own = found
-        prompt = tokenizer.encode(render_prompt(task, tokenizer, ex))
+        text = first_prompt_text(tokenizer, task, ex, tools) if with_tools else render_prompt(task, tokenizer, ex)
+        prompt = tokenizer.encode(text)
         # a tool's response in the teacher's conversation is context, never a target (as in a rollout's loss)
         pairs.append((prompt, ids + [eos], own + [True]) if own else (prompt, ids + [eos]))
     if not pairs:
@@ -124,7 +131,7 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
         return out
     model = load_model(base, device=pick_device(cfg.model.device))  # model.device, as GRPO (auto: cuda if any)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
-    pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split))
+    pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split), cfg.tools)
     with Progress("supervised warm start", cfg.warm_start.sft.steps) as bar:
         def report(step: int, loss: float) -> None:
             bar.update(step + 1, f"loss {loss:.3f}")

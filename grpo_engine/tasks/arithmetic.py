@@ -30,7 +30,10 @@ class ArithmeticOptions(ChatTaskOptions):
     format_weight: float = option(0.0, "reported, not rewarded by default: rewarding bare numbers taught "
                                        "SmolLM2-135M-Instruct to drop its '38 + 45 =' working and lose accuracy")
     digits: int = option(2, "operands have 1..digits digits")
-    full_width: bool = option(False, "operands have exactly `digits` digits (no leading zeros, e.g. 100..999)")
+    digits_b: int = option(0, "digits of the second operand b (0: `digits`), e.g. digits 3 and digits_b 2 for "
+                              "'What is 347 x 58?'")
+    full_width: bool = option(False, "operands have exactly their number of digits (no leading zeros, e.g. "
+                                     "100..999)")
     operations: tuple[str, ...] = option(("+", "*"), "operators to draw from (subset of + * -)")
     seed: int = option(0, "generator seed")
     n_train: int = option(2000, "train examples (capped by how many distinct problems exist)")
@@ -42,6 +45,8 @@ class ArithmeticOptions(ChatTaskOptions):
     teacher_restates: bool = option(
         False, "the SFT teacher's answers in its head restate the problem first ('287*232=66584'); its answers "
                "after a tool call do not")
+    restatement: str = option("{a}{op}{b}=", "with teacher_restates: the restatement before the answer; fields a, op, "
+                                             "b (e.g. '{a} x {b} = ', as SmolLM2 restates a product)")
     named_operands: bool = option(
         False, "the calculator knows the operands as `a` and `b` (a call may say a*b; the teacher's does); "
                "name them in the template, e.g. 'a={a} b={b} a{op}b='")
@@ -54,12 +59,18 @@ class ArithmeticOptions(ChatTaskOptions):
             raise ValueError(f"operations {list(self.operations)} must be a non-empty subset of {valid}")
         if not 1 <= self.digits <= 9:
             raise ValueError(f"digits must be in 1..9, got {self.digits}")
+        if not 0 <= self.digits_b <= 9:
+            raise ValueError(f"digits_b must be in 0..9 (0: digits), got {self.digits_b}")
         if not 0.0 <= self.teacher_carry_drop <= 1.0:
             raise ValueError(f"teacher_carry_drop must be in [0, 1], got {self.teacher_carry_drop}")
         if not 0.0 <= self.teacher_tool_rate <= 1.0:
             raise ValueError(f"teacher_tool_rate must be in [0, 1], got {self.teacher_tool_rate}")
         if "{a}" not in self.template or "{b}" not in self.template:
             raise ValueError(f"template {self.template!r} must contain {{a}} and {{b}}")
+        try:
+            self.restatement.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"restatement {self.restatement!r} may only use the fields a, op, b ({e!r})") from None
 
 
 @dataclass(frozen=True)
@@ -72,9 +83,8 @@ class ArithmeticExample(Example):
 def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[ArithmeticExample]]:
     """{"train": [...], "test": [...]}: distinct problems, test first so train can exclude it."""
     o = options
-    hi = 10**o.digits - 1
-    lo = 10 ** (o.digits - 1) if o.full_width and o.digits > 1 else 0
-    n_distinct = (hi - lo + 1) ** 2 * len(o.operations)
+    (lo, hi), (lo_b, hi_b) = operand_range(o.digits, o.full_width), operand_range(o.digits_b or o.digits, o.full_width)
+    n_distinct = (hi - lo + 1) * (hi_b - lo_b + 1) * len(o.operations)
     if o.n_test + 1 > n_distinct:
         raise ValueError(f"only {n_distinct} distinct problems with digits={o.digits}; lower n_test")
     seen: set[tuple[int, str, int]] = set()
@@ -83,7 +93,7 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
         rng = random.Random(f"arithmetic-{o.seed}-{split}")
         rows: list[ArithmeticExample] = []
         while len(rows) < count:
-            key = (rng.randint(lo, hi), rng.choice(o.operations), rng.randint(lo, hi))
+            key = (rng.randint(lo, hi), rng.choice(o.operations), rng.randint(lo_b, hi_b))
             if key in seen:
                 continue
             seen.add(key)
@@ -93,6 +103,11 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
             rows.append(ArithmeticExample(f"{split}-{len(rows)}", question, answer, a, op, b))
         out[split] = rows
     return out
+
+
+def operand_range(digits: int, full_width: bool) -> tuple[int, int]:
+    """(lowest, highest) operand of `digits` digits: from 0, or with full_width from 10**(digits-1)."""
+    return (10 ** (digits - 1) if full_width and digits > 1 else 0), 10**digits - 1
 
 
 def add_without_carries(a: int, b: int) -> int:
@@ -149,7 +164,9 @@ class ArithmeticTask:
             if draw < self.options.teacher_carry_drop:
                 answer = str(add_without_carries(example.a, example.b))
         said = formatted_answer(self.options.format, answer)
-        return f"{example.a}{example.op}{example.b}={said}" if self.options.teacher_restates else said
+        if not self.options.teacher_restates:
+            return said
+        return self.options.restatement.format(a=example.a, op=example.op, b=example.b) + said
 
     def reference_conversation(self, example: ArithmeticExample) -> list[dict] | None:
         """A supervised target that goes through the calculator: the call, the tool's result, then the answer.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from ..collect.curriculum import Curriculum, PoolReport
-from ..collect.groups import PromptSampler, RolloutRound, collect_groups
+from ..collect.groups import PromptSampler, RolloutRound, coin_flip_rewards, collect_groups
 from ..config import Config, loss_config
 from ..monitor import StepMetrics
 from ..rl.losses import zero_advantage_is_inert
@@ -85,7 +85,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
                                  prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                                  group_filter=cfg.algorithm.group_filter, world=run.world,
-                                 generate_fn=rollout_fn(cfg))
+                                 generate_fn=training_rollout_fn(cfg))
     if cfg.memory.empty_cache_between_phases:
         free_rollout_memory()
 
@@ -150,6 +150,13 @@ def rollout_fn(cfg: Config):
     from ..collect.tool_groups import generate_tool_groups
 
     return partial(generate_tool_groups, tools=cfg.tools)
+
+
+def training_rollout_fn(cfg: Config):
+    """rollout_fn, and with algorithm.random_reward its rewards replaced by seeded coin flips (the control
+    experiment; the in-loop evaluation keeps rollout_fn and the task's reward)."""
+    fn = rollout_fn(cfg)
+    return coin_flip_rewards(*([fn] if fn is not None else [])) if cfg.algorithm.random_reward else fn
 
 
 def curriculum_metrics(m: StepMetrics, pool: PoolReport | None) -> None:

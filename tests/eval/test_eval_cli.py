@@ -217,14 +217,16 @@ def test_eval_and_generate_with_tools(tiny_ckpt, tmp_path, capsys):
     assert main(["eval", str(step), *EVAL_FAST, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert 0.0 <= summary["tool_call_rate"] <= 1.0 and summary["tool_errors"] >= 0
+    assert 0.0 <= summary["tool_error_rate"] <= 1.0
     assert main(["eval", str(step), *EVAL_FAST, "--json", "--tools", "none"]) == 0
     assert "tool_call_rate" not in json.loads(capsys.readouterr().out)["summary"]
 
     argv = ["generate", str(tiny_ckpt), "a=287 b=232 a*b=", "--tools", "calculator", "--max-new", "6", "--n", "2",
-            "--task-option", "template=a={a} b={b} a{op}b=", "--task-option", "named_operands=true"]
+            "--task-option", "template=a={a} b={b} a{op}b=", "--task-option", "named_operands=true", "--show-prompt"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("--- trajectory ") == 2 and "tool calls" in out
+    assert "--- prompt ---\n<|im_start|>system\n# Tools\n" in out  # the prompt the trajectories had: tools declared
     assert main(["generate", str(tiny_ckpt), "1+1=", "--tools", "shell"]) == 2  # refused before loading
     assert "unknown tool 'shell'; choose one of ['calculator', 'check_countdown']" in capsys.readouterr().err
 

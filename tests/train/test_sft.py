@@ -115,3 +115,32 @@ def test_a_dataset_smaller_than_the_batch_fills_every_batch(tiny_ckpt, monkeypat
     assert [len(b) for b in seen] == [4, 4, 4]
     drawn = [p for b in seen for p in b]  # 12 draws = 4 epochs, each a permutation of the 3 pairs
     assert all(sorted(drawn[e * 3 : e * 3 + 3]) == sorted(pairs) for e in range(4))
+
+
+def test_shared_prefix_runs_once_with_the_same_loss_and_gradients(tiny_ckpt):
+    """Rows that start with the same tokens (a system prompt declaring tools): the prefix runs once per batch and
+    every row attends to its keys/values; loss and every gradient equal the plain forward's (float64)."""
+    from grpo_engine.sft.trainer import shared_prefix_length
+
+    pairs = [([1, 2, 3, 4, 5, 6, 10], [11, 12, 13]), ([1, 2, 3, 4, 5, 6, 20, 21], [22, 23], [False, True]),
+             ([1, 2, 3, 4, 5, 6], [31, 32, 33, 34])]
+    batch = make_sft_batch(pairs, pad_id=0, device="cpu")
+    assert shared_prefix_length(batch) == 5  # position 5 predicts row 2's first target
+    model = load_model(tiny_ckpt).double()
+
+    def loss_and_grads(loss_fn):
+        model.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    shared, plain = loss_and_grads(sft_loss), loss_and_grads(_plain_loss)
+    assert abs(shared[0] - plain[0]) < 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(shared[1], plain[1])) < 1e-6
+    assert max(g.abs().max().item() for g in plain[1]) > 1e-3  # (gradients that are there to compare)
+
+
+def _plain_loss(model, batch):
+    hidden = model(batch.input_ids[:, :-1], return_hidden=True)
+    logits = model.lm_head(hidden[batch.loss_mask])
+    return F.cross_entropy(logits.float(), batch.input_ids[:, 1:][batch.loss_mask])  # as sft_loss: fp32 logits
