@@ -58,8 +58,7 @@ def test_cold_start_teacher_writes_the_literal_expression_in_the_models_idiom(ti
     call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{ex.a}*{ex.b}"}}}}</tool_call>'
     assert tok.decode(ids).startswith(call) and tok.decode(ids).endswith(f"\n{ex.answer}<|im_end|>")
     assert own[: len(tok.encode(call))] == [True] * len(tok.encode(call))
-    ex = next(e for e in examples if task.reference_conversation(e) is None)
-    assert tok.decode(pairs[examples.index(ex)][1]) == f"{ex.a} x {ex.b} = {ex.answer}<|im_end|>"  # in its head
+    assert cfg.warm_start.sft.own_answers  # the others: the model's own replies (tests/train/test_sft.py)
 
 
 @pytest.mark.parametrize("control, changed", [("random-reward", {"algorithm.random_reward": (False, True)}),
@@ -131,3 +130,19 @@ def test_a_control_runs_in_its_own_run_dir(tmp_path):
     assert json.loads((tmp_path / "demo-random-reward" / "demo.json").read_text())["control"] == "random-reward"
     rows = [json.loads(line) for line in (tmp_path / "demo-random-reward" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["reward_components"]["answer"]["mean"] == r["accuracy"] for r in rows)  # the truth is logged
+
+
+def test_second_operand_digits_and_the_restatement():
+    from grpo_engine.tasks.arithmetic import ArithmeticExample, ArithmeticOptions, ArithmeticTask
+
+    task = ArithmeticTask(ArithmeticOptions(digits=3, digits_b=1, full_width=True, operations=("*",), n_train=50,
+                                            n_test=10, teacher_restates=True, restatement="{a} x {b} = "))
+    assert all(100 <= e.a <= 999 and 0 <= e.b <= 9 for e in task.examples("train") + task.examples("test"))
+    ex = ArithmeticExample("x", "What is 347 x 58?", "20126", 347, "*", 58)
+    assert task.reference_completion(ex) == "347 x 58 = 20126"
+    assert ArithmeticTask(ArithmeticOptions(digits=2)).examples("test") == \
+        ArithmeticTask(ArithmeticOptions(digits=2, digits_b=2)).examples("test")  # digits_b 0: as before
+    with pytest.raises(ValueError, match="restatement"):
+        ArithmeticOptions(restatement="{a} {c}")
+    with pytest.raises(ValueError, match="digits_b"):
+        ArithmeticOptions(digits_b=10)

@@ -170,9 +170,19 @@ class SFTConfig:
     adam_beta2: float = option(0.95, "AdamW beta2; < 0.999 so the large format-learning gradients of the first "
                                      "steps do not damp later updates for long")
     seed: int = option(0, "seed for batch order")
+    examples: int = option(0, "train on the first N examples of the task's training split (0: all of it); a short "
+                              "cold start of a real model needs only steps x batch_size of them")
+    own_answers: bool = option(False, "examples the task's teacher answers without a tool get the model's own greedy "
+                                      "reply (before the warm start, same prompt) as their target: the warm start "
+                                      "teaches the calls and leaves the model's other answers as they were")
+    top_layers: int = option(0, "train only the last N transformer blocks and the final norm (0: every weight); the "
+                                "embeddings and the blocks below stay as they were: a cold start that teaches a "
+                                "format without disturbing what the lower layers compute (and a cheaper backward)")
 
     def __post_init__(self) -> None:
         require(self.steps >= 0 and self.batch_size >= 1, "warm_start.sft: steps must be >= 0, batch_size >= 1")
+        require(self.examples >= 0, f"warm_start.sft.examples={self.examples} must be >= 0 (0: all)")
+        require(self.top_layers >= 0, f"warm_start.sft.top_layers={self.top_layers} must be >= 0 (0: all)")
         require(math.isfinite(self.lr) and self.lr > 0, f"warm_start.sft.lr={self.lr} must be finite and > 0")
         require(self.warmup_steps >= 0 and 0 <= self.adam_beta2 < 1,
                 "warm_start.sft: warmup_steps must be >= 0 and adam_beta2 in [0, 1)")

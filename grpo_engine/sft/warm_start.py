@@ -21,6 +21,7 @@ from ..config.tools import ToolsSection
 from ..model.loading import load_model, load_tokenizer, pick_device, save_model
 from ..model.tiny import make_tiny_checkpoint
 from ..progress import Progress
+from ..rollout import SamplingParams, generate
 from ..rollout.chat_turns import conversation_ids_and_mask
 from ..tasks import render_prompt
 from .trainer import train_sft
@@ -57,12 +58,21 @@ def _mark_complete(tmp: Path, final: Path, settings: dict) -> None:
     tmp.rename(final)
 
 
+# SFT settings added later: left out of a stage's recorded settings while they have their default, so the warm
+# starts recorded before them still match
+LATER_SFT_SETTINGS = {"examples": 0, "own_answers": False, "top_layers": 0}
+
+
 def _settings(cfg: Config, stage: str) -> dict:
     """What a stage's result depends on, JSON-comparable."""
     tiny = dataclasses.asdict(cfg.warm_start.tiny)
     if stage == "base":
         return {"tiny": tiny}
-    return {"tiny": tiny, "sft": dataclasses.asdict(cfg.warm_start.sft), "task": cfg.task.name,
+    sft = {k: v for k, v in dataclasses.asdict(cfg.warm_start.sft).items()
+           if k not in LATER_SFT_SETTINGS or LATER_SFT_SETTINGS[k] != v}
+    declared = cfg.tools.enabled and cfg.tools.format != "undeclared"  # the tools are in its prompts
+    tools = {"tools": [cfg.tools.format, list(cfg.tools.names)]} if declared else {}
+    return {**tools, "tiny": tiny, "sft": sft, "task": cfg.task.name,
             "options": json.loads(json.dumps(dict(cfg.task.options), default=list)),
             "data_path": cfg.task.data_path, "model": "" if cfg.warm_start.tiny.arch else cfg.model.path}
 
@@ -124,6 +134,37 @@ def sft_pairs(task, tokenizer, examples, tools: ToolsSection | None = None) -> l
     return pairs
 
 
+def own_answers(model, tokenizer, pairs: list[tuple], max_new_tokens: int) -> list[tuple]:
+    """Pairs whose target the teacher answered without a tool (no per-token flags) get the model's own greedy reply
+    to the same prompt instead (its stop token included when it stopped; a reply cut at max_new_tokens stays cut):
+    supervised on them, the model keeps its own habits there, and only the teacher's tool calls are new to it."""
+    mine = [i for i, pair in enumerate(pairs) if len(pair) == 2]
+    if not mine:
+        return pairs
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.eos_token_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate(model, [pairs[i][0] for i in mine], params, seed=0, tokenizer=tokenizer)
+    finally:
+        model.train(was_training)
+    replies = dict(zip(mine, out.completion_ids))
+    return [(pair[0], list(replies[i])) if i in replies else pair for i, pair in enumerate(pairs)]
+
+
+def train_only_top(model, top_layers: int) -> None:
+    """top_layers > 0: every weight but the last `top_layers` blocks' and the final norm's stops taking gradients
+    (the optimizer skips weights without one); the tied embedding / LM head among them. 0: all train."""
+    if top_layers <= 0:
+        return
+    if top_layers > len(model.layers):
+        raise ConfigError(f"warm_start.sft.top_layers={top_layers} but the model has {len(model.layers)} blocks")
+    trained = {id(p) for block in model.layers[-top_layers:] for p in block.parameters()}
+    trained |= {id(p) for p in model.norm.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trained)
+
+
 def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None] | None = None) -> Path:
     """run_dir/sft: `base` after the supervised phase on the task's training split (written once)."""
     out = Path(cfg.run_dir) / "sft"
@@ -131,7 +172,12 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
         return out
     model = load_model(base, device=pick_device(cfg.model.device))  # model.device, as GRPO (auto: cuda if any)
     tokenizer = load_tokenizer(cfg.tokenizer.path or base)
-    pairs = sft_pairs(task, tokenizer, task.examples(cfg.task.train_split), cfg.tools)
+    examples = task.examples(cfg.task.train_split)
+    examples = examples[: cfg.warm_start.sft.examples] if cfg.warm_start.sft.examples else examples
+    pairs = sft_pairs(task, tokenizer, examples, cfg.tools)
+    if cfg.warm_start.sft.own_answers:
+        pairs = own_answers(model, tokenizer, pairs, cfg.rollout.max_new_tokens)
+    train_only_top(model, cfg.warm_start.sft.top_layers)
     with Progress("supervised warm start", cfg.warm_start.sft.steps) as bar:
         def report(step: int, loss: float) -> None:
             bar.update(step + 1, f"loss {loss:.3f}")

@@ -1,5 +1,6 @@
 """Supervised warm start: the loss counts only completion tokens, and training fits a tiny dataset."""
 
+import json
 import math
 
 import pytest
@@ -144,3 +145,57 @@ def _plain_loss(model, batch):
     hidden = model(batch.input_ids[:, :-1], return_hidden=True)
     logits = model.lm_head(hidden[batch.loss_mask])
     return F.cross_entropy(logits.float(), batch.input_ids[:, 1:][batch.loss_mask])  # as sft_loss: fp32 logits
+
+
+def _cold_start_config(tmp_path, tiny_ckpt, *overrides):
+    """A cold start of an existing model (no tiny base) on the real tools demo's task and teacher, with tools."""
+    from grpo_engine.config import load_config
+    from grpo_engine.demo import REAL_TOOLS_RECIPE
+
+    return load_config(str(REAL_TOOLS_RECIPE), [f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'run'}",
+                                                "task.options.n_train=40", "warm_start.sft.steps=2",
+                                                "warm_start.sft.batch_size=4", "warm_start.sft.warmup_steps=0",
+                                                "warm_start.sft.examples=8", "rollout.max_new_tokens=6", *overrides])
+
+
+def test_cold_start_trains_only_the_top_blocks_on_its_first_examples(tiny_ckpt, tmp_path, monkeypatch):
+    """warm_start.sft.top_layers=1: only the last block and the final norm change (the tied embedding / LM head and
+    the blocks below keep their weights); warm_start.sft.examples=8: the first 8 training problems are its data."""
+    from grpo_engine.sft import warm_start as ws
+    from grpo_engine.train.setup import task_of
+
+    cfg = _cold_start_config(tmp_path, tiny_ckpt, "warm_start.sft.top_layers=1")
+    task, seen = task_of(cfg), []
+    make = ws.sft_pairs
+    monkeypatch.setattr(ws, "sft_pairs", lambda t, tok, ex, tools: seen.append(list(ex)) or make(t, tok, ex, tools))
+    out = ws.warm_start(cfg, task)
+    assert seen == [task.examples("train")[:8]]
+    before, after = load_model(tiny_ckpt).state_dict(), load_model(out).state_dict()
+    last = len([k for k in before if k.endswith("attn_norm.weight")]) - 1
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith(f"layers.{last}.") or k.startswith("norm.") for k in changed), changed
+    assert json.loads((out / ws.DONE_MARKER).read_text())["sft"]["top_layers"] == 1
+    bare = ws._settings(_cold_start_config(tmp_path, tiny_ckpt, "warm_start.sft.examples=0",
+                                           "warm_start.sft.top_layers=0", "warm_start.sft.own_answers=false"), "sft")
+    assert set(bare["sft"]) == {"steps", "batch_size", "lr", "warmup_steps", "weight_decay", "adam_beta2", "seed"}
+    # (the settings added later, at their defaults, are left out: older warm starts' records still match)
+
+
+def test_own_answers_replace_the_in_head_targets_with_the_models_replies(tiny_ckpt, tmp_path):
+    """warm_start.sft.own_answers: a target the teacher answered in its head becomes the model's own greedy reply
+    to the same prompt; the teacher's tool conversations (with their target flags) stay."""
+    from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.rollout import SamplingParams, generate
+    from grpo_engine.sft.warm_start import own_answers, sft_pairs
+    from grpo_engine.train.setup import task_of
+
+    cfg = _cold_start_config(tmp_path, tiny_ckpt)
+    task, tok, model = task_of(cfg), load_tokenizer(tiny_ckpt), load_model(tiny_ckpt)
+    pairs = sft_pairs(task, tok, task.examples("train")[:8], cfg.tools)
+    mine = own_answers(model, tok, pairs, max_new_tokens=6)
+    head = [i for i, p in enumerate(pairs) if len(p) == 2]
+    assert head and len(head) < len(pairs)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=tok.eos_token_ids)
+    replies = generate(model, [pairs[i][0] for i in head], params, tokenizer=tok).completion_ids
+    assert [mine[i] for i in head] == [(pairs[i][0], list(r)) for i, r in zip(head, replies)]
+    assert [p for i, p in enumerate(mine) if i not in head] == [p for i, p in enumerate(pairs) if i not in head]
