@@ -21,6 +21,7 @@ from .config.trust import add_allow_code_arg, allowing_code
 from .demo import add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 from .gguf_export import add_export_parser
+from .plan.cli import add_plan_parser
 
 
 def add_train_parser(sub) -> None:
@@ -178,12 +179,6 @@ def _plot(args) -> int:
         print(f"grpo plot: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def add_plan_parser(sub) -> None:
-    from .plan.cli import add_plan_parser as add  # grpo plan CONFIG [overrides] [--card GIB] ...
-
-    add(sub)
 
 
 PARSERS = [add_demo_parser, add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser,

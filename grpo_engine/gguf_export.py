@@ -216,4 +216,3 @@ def _run(args) -> int:
         return 2
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.type})")
     return 0
-

@@ -8,13 +8,13 @@ moving average, since a step's reward over a few dozen samples is noisy. Held-ou
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint.disk import removed_on_failure
+from .checkpoint.run_dir import parse_line
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,7 @@ PANELS = (
 
 def read_metrics(path: Path) -> list[dict]:
     """metrics.jsonl rows; a torn last line (a run killed mid-write) is skipped, not fatal."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return [row for line in path.read_text().splitlines() if (row := parse_line(line)) is not None]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

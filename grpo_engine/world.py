@@ -82,8 +82,6 @@ def on_main_first(world: World, make):
     return make()
 
 
-
-
 class RankFailed(RuntimeError):
     """Another rank failed with an error whose type cannot be rebuilt here from its message alone."""
 

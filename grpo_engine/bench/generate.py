@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 QUESTIONS = [
     "Using the numbers 3, 7, 25 and 50, write an equation that equals 124. Show your reasoning step by step.",
@@ -25,33 +25,8 @@ QUESTIONS = [
 
 def bench_prompts(tokenizer, count: int) -> list[list[int]]:
     """`count` chat-templated prompts, cycling through QUESTIONS (lengths differ a little)."""
-    texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            add_generation_prompt=True,
-        )
-        for i in range(count)
-    ]
-    return [tokenizer.encode(t) for t in texts]
-
-
-@dataclass
-class GenerateBench:
-    """Figures of one timed generate() call."""
-
-    tokens_per_s: float
-    seconds: float
-    new_tokens: int
-    prompts: int
-    group: int
-    max_new_tokens: int
-    mean_prompt_tokens: float
-    device: str
-    dtype: str
-    peak_memory_mb: float | None
-    cpu: str  # kernels.cpu_model(): the figures depend on it even on a GPU (the host's Python and sampler)
-    cuda_graphs: bool = False  # the static decode in CUDA graphs ran (rollout.cuda_graphs)
-    capture_seconds: float = 0.0  # spent capturing them, in the untimed warm-up call
+    messages = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
+    return [tokenizer.encode(tokenizer.apply_chat_template(m, add_generation_prompt=True)) for m in messages]
 
 
 def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
@@ -73,16 +48,13 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _print(result: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(result))
-    else:
-        r = result
-        print(f"{r['tokens_per_s']:.1f} tokens/s ({r['new_tokens']} tokens in {r['seconds']:.2f} s)")
+def _print(r: dict, as_json: bool) -> None:
+    sentence = f"{r['tokens_per_s']:.1f} tokens/s ({r['new_tokens']} tokens in {r['seconds']:.2f} s)"
+    print(json.dumps(r) if as_json else sentence)
 
 
 def bench_generate(args: argparse.Namespace) -> dict:
-    """Warm up once with a short run, then time one full generate() call."""
+    """Warm up once with a short run, then time one full generate() call; its figures as one JSON-ready dict."""
     import torch
 
     from ..kernels import apply_kernels, cpu_model
@@ -113,20 +85,10 @@ def bench_generate(args: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return asdict(
-        GenerateBench(
-            tokens_per_s=out.num_tokens / seconds,
-            seconds=seconds,
-            new_tokens=out.num_tokens,
-            prompts=len(prompts),
-            group=args.group,
-            max_new_tokens=args.max_new,
-            mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
-            device=str(args.device),
-            dtype=dtype_name,
-            peak_memory_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-            cpu=cpu_model(),
-            cuda_graphs=graphs,
-            capture_seconds=(static_decode_stats(model) or {}).get("capture_seconds", 0.0),
-        )
-    )
+    return {"tokens_per_s": out.num_tokens / seconds, "seconds": seconds, "new_tokens": out.num_tokens,
+            "prompts": len(prompts), "group": args.group, "max_new_tokens": args.max_new,
+            "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), "device": str(args.device),
+            "dtype": dtype_name, "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "cpu": cpu_model(),  # the figures depend on it even on a GPU (the host's Python and sampler)
+            "cuda_graphs": graphs,  # the static decode in CUDA graphs ran (rollout.cuda_graphs)
+            "capture_seconds": (static_decode_stats(model) or {}).get("capture_seconds", 0.0)}  # in the warm-up

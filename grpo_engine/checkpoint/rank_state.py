@@ -51,4 +51,3 @@ def _as_shards(saved: dict, optimizer) -> dict:
                 values[key] = DTensor.from_local(t.to(p.device), p.device_mesh, p.placements, run_check=False,
                                                  shape=p.shape, stride=p.stride())
     return saved
-

@@ -25,16 +25,12 @@ MAX_STAMPS = 1000  # past this many, stamps of checkpoints that no longer exist 
 _memory: dict[str, dict] = {}  # this process's stamps (also when the cache cannot be written)
 
 
-def stamp_dir() -> Path:
-    return cache_path().parent / "verified"
-
-
 def _key(ckpt: Path) -> str:
     return str(Path(ckpt).resolve())
 
 
 def _file_of(key: str) -> Path:
-    return stamp_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    return cache_path().parent / "verified" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
 def _stat(path: Path) -> list[int] | None:

@@ -96,15 +96,12 @@ def _fsync_tree(path: Path) -> None:
     """fsync every file, then every directory bottom-up, so the rename publishes durable data."""
     for dirpath, _, files in os.walk(path, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(Path(dirpath, name))
+        _fsync(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -164,7 +161,7 @@ def save_checkpoint(
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
         _delete_checkpoint(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    _fsync(root)
     for old in list_checkpoints(root)[:-keep_last]:
         if old != final:  # never the checkpoint just written (a stray later step must not push it out)
             _delete_checkpoint(old)
@@ -289,6 +286,5 @@ def _checked_model(model: Path, *, newest: bool = False) -> Path:
 def stored_config_text(path: str | Path) -> str | None:
     """The config.yaml a run stored next to the model `path` resolves to (None for a plain model)."""
     model = model_source(path)
-    candidates = [model.parent / "config.yaml"] if model.name == "model" else []
-    found = next((c for c in candidates if c.is_file()), None)
-    return found.read_text() if found else None
+    stored = model.parent / "config.yaml"
+    return stored.read_text() if model.name == "model" and stored.is_file() else None

@@ -17,7 +17,7 @@ from .algorithm import (
 from .curriculum import CURRICULUM_MODES, CurriculumSection
 from .docs import config_docs_markdown, iter_config_docs
 from .fields import ConfigError
-from .load import config_from_yaml_text, load_config, to_yaml, validate
+from .load import config_from_yaml_text, load_config, to_yaml
 from .paths import check_paths
 from .run import (
     CheckpointSection,
@@ -53,5 +53,5 @@ __all__ = [
     "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TOOL_FORMATS", "TaskSection", "TinyModelSection",
     "TokenizerSection", "ToolsSection",
     "WarmStartSection", "check_paths", "config_docs_markdown", "config_from_yaml_text", "iter_config_docs",
-    "load_config", "loss_config", "to_yaml", "validate",
+    "load_config", "loss_config", "to_yaml",
 ]

@@ -42,7 +42,3 @@ class CurriculumSection:
         require(0.0 <= self.band_low <= self.band_high <= 1.0,
                 f"curriculum.band_low={self.band_low}, band_high={self.band_high}: need 0 <= band_low <= band_high "
                 "<= 1")
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "none"

@@ -208,23 +208,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return _build(merged, str(path or "config"))
 
 
-def validate(cfg: Config) -> None:
-    """Re-run every section's checks (after a Config was changed in code)."""
-    def walk(obj) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value)
-        post = getattr(obj, "__post_init__", None)
-        if post is not None:
-            post()
-
-    try:
-        walk(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(unmarked(cfg)))  # a stored config's marks: plain text
 

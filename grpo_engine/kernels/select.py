@@ -31,7 +31,7 @@ from ..model.config import CheckpointError
 from . import attention as attention_kernels
 from . import onednn, packed
 from . import threads as thread_choice
-from .cpu import cpu_model, describe_cpu  # noqa: F401 - describe_cpu: part of this module's interface
+from .cpu import cpu_model
 
 ROWS = (32, 512)  # products timed per weight: decode-sized and training-sized row counts
 PLAN_FILE = "kernels.json"
@@ -140,11 +140,6 @@ def faster_gemm(times: dict[str, float]) -> str:
     ONEDNN_GAIN, so that on a CPU where both are level (timer noise, a busy host) the plan is plain torch and does
     not change from one measurement to the next."""
     return "onednn" if times.get("onednn", math.inf) * ONEDNN_GAIN < times["torch"] else "torch"
-
-
-def measure_plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan:
-    gemm = {shape_key(shape): faster_gemm(measure_shape(*shape)) for shape in shapes}
-    return KernelPlan(cpu_model(), torch.__version__, threads, gemm)
 
 
 def cache_path() -> Path:
@@ -323,7 +318,7 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
     try:
-        known.update(measure_plan(missing, threads).gemm)
+        known.update({shape_key(s): faster_gemm(measure_shape(*s)) for s in missing})
         if attention_missing:
             known_attention[attention] = measure_attention(attention)
         for s in lacking(grads):

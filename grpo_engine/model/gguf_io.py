@@ -43,10 +43,6 @@ BLOCK_NAMES = {
 }
 
 
-def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix == ".gguf"
-
-
 def reader(path: str | Path):
     """An open GGUFReader (memory-maps the file; tensors are read when dequantized), for tools that want the gguf
     package's own view of a file: the engine reads files with read_gguf. The header is checked first

@@ -141,24 +141,11 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     (transformers 5.x and vLLM read it too)."""
     raw = {k: v for k, v in cfg.extra.items() if k not in ("rope_parameters", "rope_scaling", "torch_dtype")}
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-    raw.update(
-        architectures=[arch[cfg.model_type]],
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        hidden_act="silu",
-        dtype=str(dtype).removeprefix("torch."),
-    )
+    ours = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+            "tie_word_embeddings")  # ModelConfig fields under their config.json names
+    raw.update(architectures=[arch[cfg.model_type]], model_type=cfg.model_type, **{k: getattr(cfg, k) for k in ours},
+               hidden_act="silu", dtype=str(dtype).removeprefix("torch."))
     if cfg.model_type != "qwen2":
         raw["attention_bias"] = cfg.attention_bias
     return raw

@@ -71,4 +71,3 @@ def pick_device(name: str, local_rank: int | None = None) -> torch.device:
     if name == "cpu" or not cuda:
         return torch.device("cpu")
     return torch.device("cuda", local_rank if local_rank is not None else torch.cuda.current_device())
-

@@ -20,10 +20,9 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import TemplateError, compile_template, one_line, render_template
+from .chat_template import compile_template, one_line, render_template
 from .hf_io import CheckpointError, read_json
 
-__all__ = ["SPECIAL_TOKEN_KEYS", "TemplateError", "Tokenizer", "load_hf_tokenizer"]
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 

@@ -27,4 +27,3 @@ def policy_spec(cfg: Config) -> PolicySpec:
         reference = "cpu" if cfg.reference.park_on_cpu else "gpu_copy"
     moves = reference in ("cpu", "gpu_copy") and cfg.reference.mode != "frozen"
     return PolicySpec(mode, reference, moves)
-

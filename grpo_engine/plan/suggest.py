@@ -110,5 +110,3 @@ def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
         lines.append(f"  {'FITS' if fits(plan, card_gib) else 'DOES NOT FIT'} a {card_gib:g} GiB card")
         lines += [f"  - {s}" for s in suggest(plan, card_gib)]
     return "\n".join(lines)
-
-

@@ -67,14 +67,7 @@ class Draws:
         row waiting for compaction draws nothing (its token is discarded), so no generator depends on it."""
         if self.prompts is None:
             return None
-        u = torch.full((len(prompt_of_row), 1), 0.5, device=self.device)
-        rows: dict[int, list[int]] = {}
-        for a, (p, alive) in enumerate(zip(prompt_of_row, live)):
-            if alive:
-                rows.setdefault(p, []).append(a)
-        for p, idx in rows.items():
-            u[idx] = torch.rand((len(idx), 1), generator=self.prompts[p], device=self.device)
-        return u
+        return self._by_prompt(torch.full((len(prompt_of_row), 1), 0.5, device=self.device), prompt_of_row, live)
 
     def table(self, prompt_of_row: list[int], steps: int) -> torch.Tensor:
         """[R, steps] uniforms drawn ahead for the static decode (column t draws a row's t-th token): a prompt's
@@ -83,12 +76,17 @@ class Draws:
         finishes. (Not the dynamic loop's stream: that draws one column per step.)"""
         if self.prompts is None:
             return torch.rand((len(prompt_of_row), steps), generator=self.shared, device=self.device)
-        u = torch.empty(len(prompt_of_row), steps, device=self.device)
+        return self._by_prompt(torch.empty(len(prompt_of_row), steps, device=self.device), prompt_of_row)
+
+    def _by_prompt(self, u: torch.Tensor, prompt_of_row: list[int], live: list[bool] | None = None) -> torch.Tensor:
+        """u [R, C] with each prompt's (live) rows drawn as one block from that prompt's generator, prompts in order
+        of first appearance; the other rows keep their values."""
         rows: dict[int, list[int]] = {}
         for a, p in enumerate(prompt_of_row):
-            rows.setdefault(p, []).append(a)
+            if live is None or live[a]:
+                rows.setdefault(p, []).append(a)
         for p, idx in rows.items():
-            u[idx] = torch.rand((len(idx), steps), generator=self.prompts[p], device=self.device)
+            u[idx] = torch.rand((len(idx), u.shape[1]), generator=self.prompts[p], device=self.device)
         return u
 
 

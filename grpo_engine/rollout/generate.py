@@ -186,8 +186,6 @@ def generate(
     if cuda_graphs_on(params.cuda_graphs, model.device, bool(compile)):
         return generate_static(model, prompt_ids, params, seed, tokenizer=tokenizer, graphs=True)
     _validate(model, prompt_ids, params, tokenizer)
-    n = params.n
-    rows: list[_Row | None] = [None] * (len(prompt_ids) * n)
     if not prompt_ids:
         return GenerationOutput([], [], [], [])
     draws = Draws(_seeds(seed, prompt_ids), model.device)
@@ -196,14 +194,13 @@ def generate(
     if compile:
         step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
     waves = plan_waves([len(p) for p in prompt_ids], params)
-    rows_in_flight = max(len(w) for w in waves) * n
+    rows_in_flight = max(len(w) for w in waves) * params.n
     pack_steps = 0 if compile else params.max_new_tokens  # a compiled step keeps the plain weights
+    rows: list[_Row] = []
     with torch.inference_mode(), packed_for_decode(model, rows_in_flight, pack_steps) as packs:
         for wave in waves:
-            done = _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, packs)
-            for j, i in enumerate(wave):
-                rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
-    return _output(rows, n)
+            rows += _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, packs)
+    return _output(rows, params.n)
 
 
 def _seeds(seed: int | Sequence[int], prompt_ids: list[list[int]]) -> int | list[int]:
@@ -214,6 +211,8 @@ def _seeds(seed: int | Sequence[int], prompt_ids: list[list[int]]) -> int | list
 
 
 def _output(rows: list[_Row], n: int) -> GenerationOutput:
+    """The rows of every wave in prompt order (a stable sort: a prompt's samples stay in sampling order)."""
+    rows = sorted(rows, key=lambda r: r.generator)
     return GenerationOutput(
         completion_ids=[r.tokens for r in rows],
         logprobs=[r.logprobs for r in rows],
@@ -234,7 +233,7 @@ def generate_static(model: Transformer, prompt_ids: list[list[int]], params: Sam
     if not prompt_ids:
         return GenerationOutput([], [], [], [])
     draws = Draws(_seeds(seed, prompt_ids), model.device)
-    stops, rows = StopStrings(params.stop_strings, tokenizer), [None] * (len(prompt_ids) * n)
+    stops, rows = StopStrings(params.stop_strings, tokenizer), []
     waves = plan_waves([len(p) for p in prompt_ids], params)
     try:
         with torch.inference_mode():
@@ -245,8 +244,7 @@ def generate_static(model: Transformer, prompt_ids: list[list[int]], params: Sam
                 done = [_Row(wave[j], set(params.stop_token_ids), stops, T) for j in share]
                 uniforms = draws.table([wave[j] for j in share], T)  # [R, T]
                 decode_static(model, decoder, done, [prompt_ids[i] for i in wave], share, sample, uniforms, graphs)
-                for j, i in enumerate(wave):
-                    rows[i * n : (i + 1) * n] = done[j * n : (j + 1) * n]
+                rows += done
     except BaseException:
         release_static_decode(model)  # a state left mid-step (or NaN-poisoned) is not reused
         raise

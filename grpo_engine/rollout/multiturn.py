@@ -98,7 +98,20 @@ class _Row:
         return self.finish is not None
 
     def take(self, token: int, logp: float, filtered_logp: float) -> None:
-        _take(self, token, logp, self.tokenizer, self.params)
+        """Record one sampled token; end the turn when a stop, the turn length or the budget says so."""
+        self.tokens.append(token)
+        self.mask.append(1)
+        self.logps.append(logp)
+        self.metrics.model_tokens += 1
+        turn_len = len(self.tokens) - self.turn_start
+        tail = self.tokens[max(self.turn_start, len(self.tokens) - self.stops.window) :]  # all a stop string spans
+        out_of_tokens = len(self.tokens) >= self.budget_end
+        if token in self.params.stop_token_ids:
+            _end_turn(self, self.tokenizer, token, out_of_tokens, cut=False)
+        elif (stopped := self.stops(tail)) or turn_len >= self.params.max_new_tokens or out_of_tokens:
+            _end_turn(self, self.tokenizer, None, out_of_tokens, cut=not stopped)
+        else:
+            self.pending = [token]
 
     def steps_left(self) -> int:
         return self.params.max_new_tokens  # a bound: each model turn takes at most that many
@@ -130,23 +143,6 @@ def _validate(model: Transformer, rows: list[_Row], params: SamplingParams) -> N
 
 # ----------------------------------------------------------------------------------------------------
 # Turns
-
-
-def _take(row: _Row, token: int, logp: float, tokenizer, params: SamplingParams) -> None:
-    """Record one sampled token; end the turn when a stop, the turn length or the budget says so."""
-    row.tokens.append(token)
-    row.mask.append(1)
-    row.logps.append(logp)
-    row.metrics.model_tokens += 1
-    turn_len = len(row.tokens) - row.turn_start
-    tail = row.tokens[max(row.turn_start, len(row.tokens) - row.stops.window) :]  # all a stop string can span
-    out_of_tokens = len(row.tokens) >= row.budget_end
-    if token in params.stop_token_ids:
-        _end_turn(row, tokenizer, token, out_of_tokens, cut=False)
-    elif (stopped := row.stops(tail)) or turn_len >= params.max_new_tokens or out_of_tokens:
-        _end_turn(row, tokenizer, None, out_of_tokens, cut=not stopped)
-    else:
-        row.pending = [token]
 
 
 def _end_turn(row: _Row, tokenizer, ended_with: int | None, out_of_tokens: bool, cut: bool) -> None:

@@ -164,9 +164,7 @@ def _broken(top: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(top)
 
 
-def sample_greedy(
-    logits: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top, tokens = logits.max(dim=-1)  # [R], [R]
     tokens = torch.where(_broken(top), NAN_TOKEN, tokens)
     total = torch.exp(logits - top[:, None]).sum(dim=-1)  # [R]; cheaper than torch.logsumexp on CPU
@@ -244,7 +242,7 @@ class Sampler:
                  uniforms: torch.Tensor | None = None) -> Draw:
         logits = logits.to(sampling_dtype(logits.dtype))  # fp32, or float64 kept exact
         if self.temperature == 0:
-            tokens, logp = sample_greedy(logits, generator)
+            tokens, logp = sample_greedy(logits)
             return Draw(tokens, logp, logp)
         if self.temperature != 1.0:
             logits = logits / self.temperature

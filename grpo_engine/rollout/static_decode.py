@@ -44,7 +44,6 @@ from .engine import Row, prefill_prompts
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams, sampling_dtype, work_buffer
 from .static_cache import CHUNK, StaticDecodeState, bucket_for
 
-CUDA_GRAPHS = ("auto", "on", "off")
 SLOT_ROUNDING = 64  # slots are allocated in multiples of this, so prompts a little longer reuse the graphs
 
 

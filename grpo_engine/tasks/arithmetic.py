@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..config.fields import option
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
+from .base import ChatTask, ChatTaskOptions, Example, RewardResult, formatted_answer, weighted_reward
 from .parsing import extract_answer, numeric_equal, parse_number
 
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b: a - b}
@@ -121,25 +121,20 @@ def add_without_carries(a: int, b: int) -> int:
     return total
 
 
-class ArithmeticTask:
-    name = "arithmetic"
+class ArithmeticTask(ChatTask):
+    name, Options = "arithmetic", ArithmeticOptions
 
     def __init__(self, options: ArithmeticOptions | None = None):
-        self.options = options or ArithmeticOptions()
-        self._splits = cache(lambda: generate_arithmetic(self.options))
+        super().__init__(options)
+        self._splits = cache(lambda: generate_arithmetic(self.options))  # both splits at once: they are disjoint
 
-    def examples(self, split: str) -> list[ArithmeticExample]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    def _load(self, split: str) -> list[ArithmeticExample]:
         return self._splits()[split]
-
-    def prompt(self, example: ArithmeticExample) -> Prompt:
-        return chat_prompt(self.options, example.question)
 
     def reward(self, example: ArithmeticExample, completion: str) -> RewardResult:
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
         value = parse_number(found) if found is not None else None
-        answer = None if value is None else (str(value.numerator) if value.denominator == 1 else str(value))
+        answer = None if value is None else str(value)  # a Fraction: '47', not '47.0'
         # exact: the answers are integers, and the default relative tolerance (1e-6) accepted a 4-digit
         # product that was off by up to 100, or a non-integer next to it
         correct = numeric_equal(answer, example.answer, tol=0.0)

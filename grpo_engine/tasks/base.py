@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Protocol, runtime_checkable
 
 from ..config.fields import option
@@ -106,6 +107,29 @@ def chat_prompt(options: ChatTaskOptions, user_text: str) -> Prompt:
     text = f"{user_text}\n\n{options.instruction}" if options.instruction else user_text
     messages.append({"role": "user", "content": text})
     return Prompt(messages, options.prefill)
+
+
+class ChatTask:
+    """What the built-in tasks share: their options (`Options()` by default), the prompt made from them, and each
+    split's examples, loaded once by the task's `_load(split)`."""
+
+    Options: type[ChatTaskOptions] = ChatTaskOptions
+    splits: tuple[str, ...] | None = ("train", "test")  # None: whatever splits the data has
+
+    def __init__(self, options: ChatTaskOptions | None = None):
+        self.options = options or self.Options()
+        self._examples = cache(self._load)
+
+    def _load(self, split: str) -> list[Example]:
+        raise NotImplementedError
+
+    def examples(self, split: str) -> list[Example]:
+        if self.splits is not None and split not in self.splits:
+            raise ValueError(f"split must be {' or '.join(map(repr, self.splits))}, got {split!r}")
+        return self._examples(split)
+
+    def prompt(self, example: Example) -> Prompt:
+        return chat_prompt(self.options, example.question)
 
 
 def formatted_answer(format: str, answer: str) -> str:

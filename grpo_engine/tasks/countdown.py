@@ -10,10 +10,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cache
 
 from ..config.fields import option
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, formatted_answer, weighted_reward
+from .base import ChatTask, ChatTaskOptions, Example, RewardResult, formatted_answer, weighted_reward
 from .data import DataError, field_error, read_records, require_fields
 from .expressions import evaluate_arithmetic
 from .parsing import extract_answer, numbers_close
@@ -148,17 +147,8 @@ def check_equation(
     return CountdownCheck(True, "ok")
 
 
-class CountdownTask:
-    name = "countdown"
-
-    def __init__(self, options: CountdownOptions | None = None):
-        self.options = options or CountdownOptions()
-        self._examples = cache(self._load)
-
-    def examples(self, split: str) -> list[CountdownExample]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return self._examples(split)
+class CountdownTask(ChatTask):
+    name, Options = "countdown", CountdownOptions
 
     def _load(self, split: str) -> list[CountdownExample]:
         o = self.options
@@ -172,9 +162,6 @@ class CountdownTask:
         if len(rows) <= o.test_size:
             raise DataError(f"{o.data_path}: {len(rows)} rows but test_size={o.test_size}; lower test_size")
         return rows[len(rows) - o.test_size :] if split == "test" else rows[: len(rows) - o.test_size]
-
-    def prompt(self, example: CountdownExample) -> Prompt:
-        return chat_prompt(self.options, example.question)
 
     def reward(self, example: CountdownExample, completion: str) -> RewardResult:
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer

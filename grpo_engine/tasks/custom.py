@@ -12,11 +12,10 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 from ..config.fields import option
 from ..config.trust import check_code
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .base import ChatTask, ChatTaskOptions, Example, RewardResult, weighted_reward
 from .data import read_records, require_fields
 from .parsing import extract_answer, numeric_equal
 
@@ -79,26 +78,17 @@ def load_custom(path: str) -> list[Example]:
     return [Example(i, str(r["prompt"]), str(r["answer"])) for i, r in zip(ids, rows)]
 
 
-class CustomTask:
+class CustomTask(ChatTask):
     name = "custom"
 
     def __init__(self, options: CustomOptions):
-        self.options = options
+        super().__init__(options)
         self._equal = VERIFIERS[options.verifier]()
         self._reward_fn = import_reward_fn(options.reward_fn) if options.reward_fn else None
-        self._examples = cache(self._load)
-
-    def examples(self, split: str) -> list[Example]:
-        if split not in ("train", "test"):
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return self._examples(split)
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
         return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
-
-    def prompt(self, example: Example) -> Prompt:
-        return chat_prompt(self.options, example.question)
 
     def reward(self, example: Example, completion: str) -> RewardResult:
         if self._reward_fn is not None:

@@ -8,10 +8,9 @@ read from a local JSONL / parquet file, a directory with train/test files, or a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 from ..config.fields import option
-from .base import ChatTaskOptions, Example, Prompt, RewardResult, chat_prompt, weighted_reward
+from .base import ChatTask, ChatTaskOptions, Example, RewardResult, weighted_reward
 from .data import DataError, field_error, load_hub, read_records, require_fields, split_source
 from .parsing import extract_answer, numeric_equal, parse_number
 
@@ -46,15 +45,8 @@ def load_gsm8k(rows: list[dict], source: str) -> list[Example]:
     return out
 
 
-class GSM8KTask:
-    name = "gsm8k"
-
-    def __init__(self, options: GSM8KOptions | None = None):
-        self.options = options or GSM8KOptions()
-        self._examples = cache(self._load)
-
-    def examples(self, split: str) -> list[Example]:
-        return self._examples(split)
+class GSM8KTask(ChatTask):
+    name, Options, splits = "gsm8k", GSM8KOptions, None
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
@@ -66,23 +58,15 @@ class GSM8KTask:
             raise DataError(f"{o.hub_name} split {split!r} is empty")
         return load_gsm8k(rows, f"{o.hub_name}:{split}")
 
-    def prompt(self, example: Example) -> Prompt:
-        return chat_prompt(self.options, example.question)
-
     def reward(self, example: Example, completion: str) -> RewardResult:
         found = extract_answer(self.options.prefill + completion, self.options.extractors)
         value = parse_number(found.answer) if found.answer is not None else None
         if value is None:
             return weighted_reward(self.options, completion, 0.0, None, {"reason": "no numeric answer"})
-        answer = _normalise(value)
+        answer = str(value)  # a Fraction: '47', '-3' or '3/4' (never '47.0'), so equal answers have equal text
         correct = numeric_equal(answer, example.answer, self.options.tolerance)
         info = {"method": found.method or ""}
         return weighted_reward(self.options, completion, float(correct), answer, info)
 
     def equivalent(self, a: str, b: str) -> bool:
         return numeric_equal(a, b, self.options.tolerance) or (a.strip() == b.strip())
-
-
-def _normalise(value) -> str:
-    """A Fraction as '47', '-3' or '3/4' (never '47.0'), so equal answers have equal text."""
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"

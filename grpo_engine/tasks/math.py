@@ -15,19 +15,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 
 from ..config.fields import option
-from .base import (
-    ChatTaskOptions,
-    Example,
-    InnerTimeout,
-    Prompt,
-    RewardResult,
-    chat_prompt,
-    inner_time_limit,
-    weighted_reward,
-)
+from .base import ChatTask, ChatTaskOptions, Example, InnerTimeout, RewardResult, inner_time_limit, weighted_reward
 from .data import field_error, load_hub, read_records, require_fields, split_source
 from .parsing import extract_answer, extract_boxed
 
@@ -102,17 +93,13 @@ def load_math(rows: list[dict], source: str) -> list[Example]:
     return out
 
 
-class MathTask:
-    name = "math"
+class MathTask(ChatTask):
+    name, Options, splits = "math", MathOptions, None
 
     def __init__(self, options: MathOptions | None = None):
-        self.options = options or MathOptions()
+        super().__init__(options)
         self._mv = import_math_verify()
-        self._examples = cache(self._load)
         self._parse_cached = lru_cache(maxsize=8192)(self._parse)
-
-    def examples(self, split: str) -> list[Example]:
-        return self._examples(split)
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
@@ -120,9 +107,6 @@ class MathTask:
             source = split_source(o.data_path, split)
             return load_math(read_records(source), str(source))
         return load_math(load_hub(o.hub_name, split, o.hub_config), f"{o.hub_name}:{split}")
-
-    def prompt(self, example: Example) -> Prompt:
-        return chat_prompt(self.options, example.question)
 
     def reward(self, example: Example, completion: str) -> RewardResult:
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer

@@ -6,8 +6,8 @@ construction* rather than by a timer (timers based on signals only work in the m
 - tags and braces are found with str.find / rfind and explicit loops, never with a lazy `.*?` regex that
   could go quadratic on many unclosed tags;
 - the few regexes used have no nested quantifiers, so they run in linear time;
-- the arithmetic evaluator (expressions.py, re-exported here) rejects long input and deep nesting *before*
-  parsing, caps literal sizes and the magnitude of every intermediate value, and has no exponentiation.
+- the arithmetic evaluator (expressions.py) rejects long input and deep nesting *before* parsing, caps literal
+  sizes and the magnitude of every intermediate value, and has no exponentiation.
 
 Digits: only ASCII 0-9 count as digits. Unicode digits such as Arabic-Indic '٣' are treated as ordinary
 characters (an answer written with them is wrong, never a crash). We decided this because Python's int()
@@ -20,8 +20,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-
-from .expressions import MAX_EXPR_CHARS, MAX_PAREN_DEPTH, Evaluation, evaluate_arithmetic  # noqa: F401 (re-export)
 
 MAX_SCAN_CHARS = 16_384  # extraction looks at most at this many trailing characters of a completion
 MAX_ANSWER_CHARS = 1_024  # an extracted answer longer than this is rejected (None)
@@ -52,6 +50,20 @@ def _tail(text: str, n: int = MAX_SCAN_CHARS) -> str:
 def _accept(answer: str) -> str | None:
     answer = answer.strip()
     return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
+
+
+def _last(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last match of `pattern` in `text` (the model's final word), or None."""
+    last = None
+    for last in pattern.finditer(text):  # noqa: B007 - only the last one is kept
+        pass
+    return last
+
+
+def _answer_text(line: str) -> str | None:
+    """The answer a line states after its marker: bold, LaTeX \\( \\) and $ delimiters and a final period dropped."""
+    line = line.strip().strip("*").strip().removeprefix("\\(").removesuffix("\\)").strip("$ ")
+    return _accept(line.rstrip(".").strip("$ *"))
 
 
 # ----------------------------------------------------------------------------------------------- extraction
@@ -93,38 +105,25 @@ def extract_boxed(text: str) -> str | None:
 def extract_answer_is(text: str) -> str | None:
     """Text after the last 'the (final) answer is', up to the end of its line or sentence ('. ')."""
     t = _tail(text)
-    last = None
-    for last in _ANSWER_IS_RE.finditer(t):  # noqa: B007 - we want the last match
-        pass
+    last = _last(_ANSWER_IS_RE, t)
     if last is None:
         return None
-    line = t[last.end() : last.end() + 256].split("\n", 1)[0].split(". ", 1)[0]  # to end of line/sentence
-    line = line.strip().strip("*").strip()
-    line = line.removeprefix("\\(").removesuffix("\\)").strip("$ ")
-    return _accept(line.rstrip(".").strip("$ *"))
+    return _answer_text(t[last.end() : last.end() + 256].split("\n", 1)[0].split(". ", 1)[0])  # line or sentence
 
 
 def extract_last_number(text: str) -> str | None:
     """The last ASCII number in the text (thousands separators, decimals and a/b fractions allowed); None when
     it is only the tail of a longer token ('2^{10}', '1e3', '12-7': see parse_number)."""
     t = _tail(text).replace("{,}", ",")  # LaTeX's 1{,}000
-    last = None
-    for last in _NUMBER_RE.finditer(t):  # noqa: B007 - the last number of the text
-        pass
+    last = _last(_NUMBER_RE, t)
     return last.group(0) if last is not None and not _glued(t, last.start()) else None
 
 
 def extract_answer_line(text: str) -> str | None:
     """The rest of the last line that starts with 'Answer:' (or 'Final answer:'), trailing period dropped."""
     t = _tail(text)
-    last = None
-    for last in _ANSWER_LINE_RE.finditer(t):  # noqa: B007 - we want the last match
-        pass
-    if last is None:
-        return None
-    line = t[last.end() : last.end() + MAX_ANSWER_CHARS].split("\n", 1)[0].strip().strip("*").strip()
-    line = line.removeprefix("\\(").removesuffix("\\)").strip("$ ")
-    return _accept(line.rstrip(".").strip("$ *"))
+    last = _last(_ANSWER_LINE_RE, t)
+    return None if last is None else _answer_text(t[last.end() : last.end() + MAX_ANSWER_CHARS].split("\n", 1)[0])
 
 
 def extract_final_number(text: str) -> str | None:
@@ -132,9 +131,7 @@ def extract_final_number(text: str) -> str | None:
     gives 5. Unlike last_number, a completion cut off mid-sentence by the length limit rarely ends on one, so
     a number that merely appears in it does not count as an answer."""
     tail = _tail(text).rstrip(_TRAILER)[-(MAX_NUMBER_DIGITS + 16) :]
-    last = None
-    for last in _NUMBER_RE.finditer(tail):  # noqa: B007 - the last number of the tail
-        pass
+    last = _last(_NUMBER_RE, tail)
     if last is None or last.end() != len(tail) or _glued(tail, last.start()):
         return None  # no number at the very end, or only the tail of one ('2^{10}', '1e3': not 10 or 3)
     return last.group(0)
@@ -248,11 +245,7 @@ def parse_number(text: str) -> Fraction | None:
     ('10,00', '1.2.3') or a difference ('12-7'). Read alone, such a tail is a different number (10, 3, 0, -7)
     and scored a wrong answer as right whenever it happened to equal the reference."""
     s = text[:MAX_ANSWER_CHARS].replace("\\!", "").replace("\\,", ",").replace("{,}", ",")
-    frac = number = None
-    for frac in _FRAC_RE.finditer(s):  # noqa: B007 - the last \frac wins
-        pass
-    for number in _NUMBER_RE.finditer(s):  # noqa: B007 - the last number wins
-        pass
+    frac, number = _last(_FRAC_RE, s), _last(_NUMBER_RE, s)  # the last of each wins
     if frac is not None and (number is None or number.start() < frac.end()):
         if _glued(s, frac.start()):
             return None

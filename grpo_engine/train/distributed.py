@@ -33,11 +33,6 @@ from ..world import World
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of at most this many elements
 
 
-def launched_size() -> int:
-    """Ranks torchrun started (1 when not launched by torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def check_layout(cfg: Config, size: int) -> None:
     """Layouts that cannot work are config errors, reported before any process group or model exists."""
     if size == 1:
@@ -57,7 +52,7 @@ def check_layout(cfg: Config, size: int) -> None:
 
 def init_world(cfg: Config) -> World:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA) and pick the strategy."""
-    size = launched_size()
+    size = int(os.environ.get("WORLD_SIZE", "1"))  # the ranks torchrun started (1 without torchrun)
     check_layout(cfg, size)
     if size == 1:
         return World()
@@ -231,9 +226,3 @@ def full_state(model: nn.Module, world: World) -> dict[str, torch.Tensor]:
             t = t.full_tensor()
         out[name] = t.cpu()
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Work that one rank does for all, and per-rank state in checkpoints
-
-

@@ -174,4 +174,3 @@ def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature
     finally:
         model.train(was_training)
     return out.cpu()
-

@@ -135,12 +135,9 @@ def adamw_update(state: dict, grad: torch.Tensor, group: dict) -> None:
 # The variants, chosen by name
 
 
-def _needs_master(params: list[torch.Tensor], cfg: OptimizerConfig) -> bool:
-    return cfg.master_weights and any(p.dtype != torch.float32 for p in params)
-
-
 def _torch_adamw(params: list, cfg: OptimizerConfig, device: torch.device, fused: bool):
-    if _needs_master(params, cfg):  # torch keeps state in the param dtype: use our fp32-master path
+    if cfg.master_weights and any(p.dtype != torch.float32 for p in params):
+        # torch keeps state in the param dtype: use our fp32-master path
         return OffloadedAdamW(params, cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, state_device=None)
     kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if fused:
@@ -220,4 +217,3 @@ def make_scheduler(optimizer: torch.optim.Optimizer, *, total: int, warmup: int,
         raise ValueError(f"unknown lr schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     fn = lambda step: lr_factor(step, total=total, warmup=warmup, kind=kind, min_ratio=min_ratio)  # noqa: E731
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
-

@@ -196,19 +196,8 @@ def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The KL reference. Reference policy for the KL term: none, frozen copy, periodic hard reset, or TR-DPO style mix-in.
-#
-# The trainer uses it like this:
-#
-#     ref = make_reference(policy, cfg.reference, beta=cfg.loss.beta)   # None when beta == 0 or mode "none"
-#     ...
-#     if ref is not None:
-#         ref.before_pass(device)           # moves a CPU-parked copy to the policy's device
-#         with torch.no_grad():
-#             hidden = ref.module(ids, return_hidden=True)
-#         ref.after_pass()                  # parks it back on CPU (if park_on_cpu)
-#     ...
-#     optimizer.step(); ref.on_step(step, policy)   # hard reset / mix-in on their schedule
+# The KL reference. Reference policy for the KL term: none, frozen copy, periodic hard reset, or TR-DPO style mix-in
+# (Policy.ref_logprobs runs it between before_pass and after_pass; Policy.after_update calls on_step).
 #
 # Why these options: a frozen reference anchors the policy to the start (DeepSeekMath); a periodic hard
 # reset lets it drift far over a long run while still keeping each stretch close (the "reference reset" of

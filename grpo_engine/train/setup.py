@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
@@ -202,7 +203,7 @@ def make_monitor(cfg: Config, world: World, done: int):
         return RankMessages(world.rank)
     return Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
                    tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                   wandb_project=cfg.logging.wandb_project, config=cfg_dict(cfg))
+                   wandb_project=cfg.logging.wandb_project, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def seed_everything(seed: int) -> None:
@@ -235,12 +236,6 @@ def eval_params(cfg: Config, tokenizer) -> SamplingParams:
     """Rollout sampling with the eval section's temperature (0 = greedy) and length cap, one per prompt."""
     return replace(sampling_params(cfg, tokenizer), n=1, temperature=cfg.eval.temperature,
                    max_new_tokens=cfg.eval.max_new_tokens)
-
-
-def cfg_dict(cfg: Config) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 def resumed_micro_tokens(saved: TrainerState | None, cfg: Config) -> int:

@@ -153,10 +153,6 @@ def clip_and_check(model, max_norm: float) -> float:
     return float(norm)
 
 
-def is_finite(*values: float) -> bool:
-    return all(math.isfinite(v) for v in values)
-
-
 # ----------------------------------------------------------------------------------------------------
 # The update phase of a step: mu passes, each ending in one optimizer step
 
@@ -232,7 +228,7 @@ def optimizer_step(model, optimizer, s: UpdateSettings, world: World, outcome: U
     outcome.grad_norm = clip_and_check(model, s.grad_clip)
     stats = outcome.stats
     outcome.loss = world.sum([stats.loss if stats is not None else 0.0])[0]  # each rank's share of the loss
-    outcome.nonfinite = outcome.skipped = not is_finite(outcome.loss, outcome.grad_norm)
+    outcome.nonfinite = outcome.skipped = not (math.isfinite(outcome.loss) and math.isfinite(outcome.grad_norm))
     if outcome.skipped:
         return False
     optimizer.step()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo_engine.kernels import KernelPlan, activate, onednn, packed, select
+from grpo_engine.kernels.cpu import describe_cpu
 from grpo_engine.kernels.select import choose_plan, shape_key, weight_shapes
 from grpo_engine.model.loading import load_model
 
@@ -341,8 +342,8 @@ def _cpuinfo(model: int, flags: str) -> str:
 
 def test_cpu_identity_tells_apart_parts_that_share_a_model_name():
     """A plan measured on one part must not be read back on another that a VM also calls "AMD EPYC"."""
-    zen3 = select.describe_cpu(_cpuinfo(1, "fma avx2"))
-    zen4 = select.describe_cpu(_cpuinfo(17, "fma avx2 avx512f avx512_bf16"))
+    zen3 = describe_cpu(_cpuinfo(1, "fma avx2"))
+    zen4 = describe_cpu(_cpuinfo(17, "fma avx2 avx512f avx512_bf16"))
     assert zen3 == "AMD EPYC (cpu family 25, model 1, stepping 1; avx2)"  # the first processor's fields
     assert zen4 == "AMD EPYC (cpu family 25, model 17, stepping 1; avx2 avx512f avx512_bf16)"
-    assert select.describe_cpu("model name\t: Some CPU\n") == "Some CPU"  # nothing else known: the name alone
+    assert describe_cpu("model name\t: Some CPU\n") == "Some CPU"  # nothing else known: the name alone

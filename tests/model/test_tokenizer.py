@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from grpo_engine import CheckpointError, load_tokenizer
-from grpo_engine.model.tokenizer import TemplateError
+from grpo_engine.model.chat_template import TemplateError
 
 transformers = pytest.importorskip("transformers")
 

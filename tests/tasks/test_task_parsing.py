@@ -12,11 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_engine.tasks import make_task
+from grpo_engine.tasks.expressions import MAX_EXPR_CHARS, MAX_PAREN_DEPTH, evaluate_arithmetic
 from grpo_engine.tasks.parsing import (
-    MAX_EXPR_CHARS,
-    MAX_PAREN_DEPTH,
     bare_number_format,
-    evaluate_arithmetic,
     extract_answer,
     extract_answer_is,
     extract_answer_tag,
