@@ -182,7 +182,8 @@ def product_time(shape: tuple[int, int]) -> float:
 
 
 def choose_threads(model: nn.Module, cache: dict) -> int:
-    """The thread count: fixed by the user, cached for this CPU / torch / shape, or measured (into `cache`)."""
+    """The thread count: fixed by the user, cached for this CPU / torch / shape, or measured (into `cache`, unless
+    other work was running: thread_choice.others_busy)."""
     fixed = thread_choice.fixed_threads()
     shape = largest_block_shape(model)
     if fixed is not None or shape is None:  # told, or nothing runs on the CPU
@@ -191,6 +192,8 @@ def choose_threads(model: nn.Module, cache: dict) -> int:
     key = f"threads | {cpu_model()} | torch {torch.__version__} | {available} available | {shape_key(shape)}"
     if key not in cache:
         times = thread_choice.measure(thread_choice.candidates(available), lambda: product_time(shape))
+        if thread_choice.others_busy():
+            return thread_choice.pick(times)
         cache[key] = {"threads": thread_choice.pick(times), "seconds": {str(n): t for n, t in times.items()}}
     return int(cache[key]["threads"])
 

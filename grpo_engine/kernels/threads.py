@@ -24,6 +24,7 @@ AVAILABLE = torch.get_num_threads()  # torch's default, read before any choice m
 MARGIN = 0.95  # a smaller count must take at most 95% of the largest count's time to be chosen
 ROWS = 512  # rows of the timed product: a training-sized micro-batch slice
 ENV = "GRPO_THREADS"
+BUSY_LOAD = 0.5  # runnable threads of other work (1-minute average) that make a timing unfit to remember
 
 
 def fixed_threads() -> int | None:
@@ -65,6 +66,17 @@ def pick(times: dict[int, float]) -> int:
     most = max(times)
     fastest = min(times, key=times.get)
     return fastest if times[fastest] < MARGIN * times[most] else most
+
+
+def others_busy() -> bool:
+    """Whether other work shares the CPUs now: the 1-minute load average beyond this process's one busy thread is at
+    least BUSY_LOAD. More threads then wait at every barrier on a core someone else holds, so the timing favours
+    fewer threads than the machine can use: the count measured then serves this run but is not cached."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return False  # no load average on this OS: trust the timing
+    return load - 1.0 >= BUSY_LOAD
 
 
 def fix_threads(count: int) -> None:

@@ -225,6 +225,7 @@ def test_plan_measures_threads_first_times_gemms_at_that_count_and_applies_it(ti
     monkeypatch.delenv("GRPO_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "AVAILABLE", 4)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.2, 1.0, 1.0))  # only this process: a quiet machine
     timed_counts = []
     monkeypatch.setattr(threads, "measure", lambda counts, fn: timed_counts.append(counts) or {1: 1.0, 2: 1.5, 4: 2.0})
     gemm_threads = []
@@ -347,3 +348,20 @@ def test_cpu_identity_tells_apart_parts_that_share_a_model_name():
     assert zen3 == "AMD EPYC (cpu family 25, model 1, stepping 1; avx2)"  # the first processor's fields
     assert zen4 == "AMD EPYC (cpu family 25, model 17, stepping 1; avx2 avx512f avx512_bf16)"
     assert describe_cpu("model name\t: Some CPU\n") == "Some CPU"  # nothing else known: the name alone
+
+
+@pytest.mark.parametrize("load, cached", [(1.2, True), (1.6, False), (3.0, False)])
+def test_a_thread_count_timed_beside_other_work_is_not_cached(load, cached, tiny_ckpt, tmp_path, monkeypatch):
+    """Timed while other work held a core, two threads looked slower than one (each waits on the busy core): that
+    run uses what it measured, but the next run measures again instead of inheriting it."""
+    from grpo_engine.kernels import threads
+
+    model = load_model(tiny_ckpt)
+    monkeypatch.delenv("GRPO_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "AVAILABLE", 2)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(threads, "measure", lambda counts, fn: {1: 1.0, 2: 1.5})
+    cache = {}
+    assert select.choose_threads(model, cache) == 1
+    assert any(k.startswith("threads |") for k in cache) == cached
