@@ -94,7 +94,8 @@ def test_demo_json_of_the_real_tools_demo(tmp_path):
     assert doc["before"] == {"accuracy": 0.3, "tool_call_rate": 0.2, "tool_error_rate": 0.1, "mean_length": 20.0}
     assert (doc["control"], doc["problems"], doc["seed"]) == ("no-tools", 200, 1)
     plain = dataclasses.replace(demo, pretrained=None, control=None).to_json()
-    assert set(plain) == {"before", "after", "control", "problems", "seconds", "seed", "tool_call_rate"}
+    assert set(plain) == {"before", "after", "control", "problems", "seconds", "seed"}  # `grpo demo`, `--real`
+    assert plain["before"] == {"accuracy": 0.3, "format_rate": 0.0, "mean_length": 20.0}
 
 
 @pytest.mark.slow
