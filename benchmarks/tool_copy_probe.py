@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 from grpo_engine.config import SFTConfig  # noqa: E402
 from grpo_engine.model.loading import load_model, load_tokenizer  # noqa: E402
 from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402
-from grpo_engine.rollout.chat_turns import conversation_ids  # noqa: E402
+from grpo_engine.rollout.chat_turns import conversation_ids_and_mask  # noqa: E402
 from grpo_engine.sft.trainer import make_sft_batch, train_sft  # noqa: E402
 from grpo_engine.sft.warm_start import sft_pairs  # noqa: E402
 from grpo_engine.tasks import build_task, render_prompt  # noqa: E402
@@ -52,7 +52,7 @@ def probe_rows(task, tok, n: int):
     for ex in task.examples("test")[:n]:
         turns = forced.reference_conversation(ex)
         prompt = tok.encode(render_prompt(task, tok, ex))
-        ids = conversation_ids(tok, turns) + [tok.eos_token_ids[0]]
+        ids = conversation_ids_and_mask(tok, turns)[0] + [tok.eos_token_ids[0]]
         call = turns[0]["content"]
         expr = f"a{ex.op}b" if task.options.named_operands else f"{ex.a}{ex.op}{ex.b}"
         start = len(prompt) + len(tok.encode(call[: call.index(expr)]))

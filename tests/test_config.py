@@ -189,7 +189,7 @@ def test_config_choices_are_the_library_tables():
              (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
              (tuple(c for c in T.CHECKPOINTING if c != "auto"), plan_memory.CHECKPOINT_MODES),
              (T.LORA_INITS, lora.LORA_A_INIT),
-             (T.NF4_BACKENDS, lora.NF4_BACKENDS), (T.LORA_TARGETS, lora.ALL_LINEAR),
+             (T.NF4_BACKENDS, lora.NF4_BACKENDS),
              (tuple(p for p in T.PRECISIONS if p != "auto"), memory.PRECISIONS)]
     for names, table in pairs:
         assert sorted(names) == sorted(table), (names, sorted(table))

@@ -137,13 +137,11 @@ def test_second_operand_digits_and_the_restatement():
     from grpo_engine.tasks.arithmetic import ArithmeticExample, ArithmeticOptions, ArithmeticTask
 
     task = ArithmeticTask(ArithmeticOptions(digits=3, digits_b=1, full_width=True, operations=("*",), n_train=50,
-                                            n_test=10, teacher_restates=True, restatement="{a} x {b} = "))
+                                            n_test=10, teacher_restates=True))
     assert all(100 <= e.a <= 999 and 0 <= e.b <= 9 for e in task.examples("train") + task.examples("test"))
     ex = ArithmeticExample("x", "What is 347 x 58?", "20126", 347, "*", 58)
-    assert task.reference_completion(ex) == "347 x 58 = 20126"
+    assert task.reference_completion(ex) == "347*58=20126"
     assert ArithmeticTask(ArithmeticOptions(digits=2)).examples("test") == \
         ArithmeticTask(ArithmeticOptions(digits=2, digits_b=2)).examples("test")  # digits_b 0: as before
-    with pytest.raises(ValueError, match="restatement"):
-        ArithmeticOptions(restatement="{a} {c}")
     with pytest.raises(ValueError, match="digits_b"):
         ArithmeticOptions(digits_b=10)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..config.algorithm import GroupFilterConfig
-from ..rl.group_filter import select_groups, take_groups
+from ..rl.group_filter import select_groups
 from ..rollout import SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
@@ -178,6 +178,6 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
         if group_filter.enabled and rounds:
             rewards = [torch.tensor([g.totals for g in r], dtype=torch.float64) for r in rounds]  # [P_r, G] each
             selection = select_groups(rewards, local, group_filter.tol)
-    kept = take_groups(rounds, selection, group_size=1) if selection is not None else [g for r in rounds for g in r]
     generated = [g for r in rounds for g in r]
+    kept = [rounds[r][p] for r, p in selection.keep] if selection is not None else generated
     return RolloutRound(kept, generated, max(0, len(rounds) - 1), gen_tokens, time.perf_counter() - t0)

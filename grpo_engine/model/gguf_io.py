@@ -22,7 +22,7 @@ import torch
 from ..progress import Progress
 from .config import ModelConfig, checked_dims, checked_float
 from .gguf_header import gguf_module, parse_gguf
-from .hf_io import CheckpointError, load_state_dict_hf
+from .hf_io import CheckpointError, model_from_hf_tensors
 from .tensor_checks import check_tensor_shapes
 from .transformer import Transformer
 
@@ -227,10 +227,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     shapes = {name: tuple(reversed(t.shape)) for t in contents.tensors if (name := hf_name(t.name))}
     check_tensor_shapes(cfg, shapes, str(path))  # before dequantizing or building anything
     tensors = {k: v.to(device) for k, v in read_tensors(contents.tensors, cfg, dtype, str(path)).items()}
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    load_state_dict_hf(model, tensors, source=str(path))
-    return model.eval()
+    return model_from_hf_tensors(cfg, tensors, str(path))
 
 
 def find_smollm2_gguf() -> Path | None:

@@ -238,9 +238,9 @@ def _read_tensors(path: Path, dtype: torch.dtype, device: str | torch.device) ->
     return tensors
 
 
-def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Fill every parameter of `model` from HF-named tensors, strictly, through the name table."""
-    cfg = model.config
+def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> Transformer:
+    """A Transformer (eval mode) whose every parameter is filled from HF-named tensors, strictly, through the name
+    table. Built on the meta device, so weights are allocated once."""
     table = hf_name_table(cfg)
     wanted = set(table.values())
     # RoPE buffers that transformers < 4.31 saved: derived from config.json, and transformers skips them too
@@ -262,6 +262,8 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
             f"{source}: config.json has tie_word_embeddings=true but lm_head.weight differs from "
             f"model.embed_tokens.weight; set it to false to use that lm_head, or delete the tensor to tie"
         )
+    with torch.device("meta"):
+        model = Transformer(cfg)
     params = dict(model.named_parameters(remove_duplicate=False))
     state = {}
     for ours, theirs in table.items():
@@ -273,21 +275,18 @@ def load_state_dict_hf(model: Transformer, tensors: dict[str, torch.Tensor], sou
         state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
+    return model.eval()
 
 
 def load_hf_model(
     path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
-    """Load an HF checkpoint directory. Built on the meta device, so weights are allocated once."""
+    """Load an HF checkpoint directory."""
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     cfg = config_from_hf(read_json(path / "config.json"), source=str(path / "config.json"))
     check_tensor_shapes(cfg, checkpoint_shapes(path), str(path))  # before reading or building anything
-    tensors = _read_tensors(path, dtype, device)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    load_state_dict_hf(model, tensors, source=str(path))
-    return model.eval()
+    return model_from_hf_tensors(cfg, _read_tensors(path, dtype, device), str(path))
 
 
 # ----------------------------------------------------------------------------------------------------

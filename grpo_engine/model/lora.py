@@ -40,7 +40,6 @@ from .hf_io import hf_name_table
 from .nf4 import NF4_BACKENDS, choose_nf4_backend
 from .transformer import Transformer
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ENGINE_CONFIG = "grpo_lora.json"  # the engine's own LoRA settings, kept out of PEFT's adapter_config.json

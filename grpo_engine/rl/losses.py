@@ -50,14 +50,9 @@ PRESETS: dict[str, _Preset] = {
 
 
 @dataclass(frozen=True)
-class ResolvedLoss:
+class ResolvedLoss(_Preset):
     """A LossConfig with the preset applied: every variant named, every number set."""
 
-    ratio_level: str
-    surrogate: str
-    eps_low: float
-    eps_high: float
-    aggregation: str
     cfg: LossConfig
 
 

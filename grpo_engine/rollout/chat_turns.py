@@ -131,17 +131,14 @@ def _encode_continuation(tokenizer, appended: list[dict[str, Any]]) -> list[int]
     return ids
 
 
-def conversation_ids(tokenizer, turns: list[dict[str, Any]]) -> list[int]:
+def conversation_ids_and_mask(tokenizer, turns: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
     """Token ids of a whole scripted conversation after the first prompt, exactly as a rollout would build
     them: each assistant turn's text tokenized alone (it ends without a stop token, as a turn stopped at
     `</tool_call>` does), each run of other messages as its continuation. A teacher's multi-turn target for
-    supervised training is then token-for-token what the policy sees when it behaves the same way."""
-    return conversation_ids_and_mask(tokenizer, turns)[0]
+    supervised training is then token-for-token what the policy sees when it behaves the same way.
 
-
-def conversation_ids_and_mask(tokenizer, turns: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
-    """conversation_ids, and per token whether the assistant wrote it (True) or the environment (False):
-    the rollout's loss mask, so supervised training on a teacher's conversation learns only its turns."""
+    And per token whether the assistant wrote it (True) or the environment (False): the rollout's loss mask, so
+    supervised training on a teacher's conversation learns only its turns."""
     ids: list[int] = []
     mask: list[bool] = []
     pending: list[dict[str, Any]] = []

@@ -13,7 +13,6 @@ import json
 import random
 import re
 from dataclasses import dataclass
-from functools import cache
 
 from ..config.fields import option
 from .base import ChatTask, ChatTaskOptions, Example, RewardResult, formatted_answer, weighted_reward
@@ -45,8 +44,6 @@ class ArithmeticOptions(ChatTaskOptions):
     teacher_restates: bool = option(
         False, "the SFT teacher's answers in its head restate the problem first ('287*232=66584'); its answers "
                "after a tool call do not")
-    restatement: str = option("{a}{op}{b}=", "with teacher_restates: the restatement before the answer; fields a, op, "
-                                             "b (e.g. '{a} x {b} = ', as SmolLM2 restates a product)")
     named_operands: bool = option(
         False, "the calculator knows the operands as `a` and `b` (a call may say a*b; the teacher's does); "
                "name them in the template, e.g. 'a={a} b={b} a{op}b='")
@@ -67,10 +64,6 @@ class ArithmeticOptions(ChatTaskOptions):
             raise ValueError(f"teacher_tool_rate must be in [0, 1], got {self.teacher_tool_rate}")
         if "{a}" not in self.template or "{b}" not in self.template:
             raise ValueError(f"template {self.template!r} must contain {{a}} and {{b}}")
-        try:
-            self.restatement.format(a=1, op="+", b=2)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"restatement {self.restatement!r} may only use the fields a, op, b ({e!r})") from None
 
 
 @dataclass(frozen=True)
@@ -80,17 +73,16 @@ class ArithmeticExample(Example):
     b: int  # right operand
 
 
-def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[ArithmeticExample]]:
-    """{"train": [...], "test": [...]}: distinct problems, test first so train can exclude it."""
+def generate_arithmetic(options: ArithmeticOptions, split: str) -> list[ArithmeticExample]:
+    """One split's distinct problems: test is drawn first, so train (drawn after it) can exclude it."""
     o = options
     (lo, hi), (lo_b, hi_b) = operand_range(o.digits, o.full_width), operand_range(o.digits_b or o.digits, o.full_width)
     n_distinct = (hi - lo + 1) * (hi_b - lo_b + 1) * len(o.operations)
     if o.n_test + 1 > n_distinct:
         raise ValueError(f"only {n_distinct} distinct problems with digits={o.digits}; lower n_test")
     seen: set[tuple[int, str, int]] = set()
-    out = {}
-    for split, count in (("test", o.n_test), ("train", min(o.n_train, n_distinct - o.n_test))):
-        rng = random.Random(f"arithmetic-{o.seed}-{split}")
+    for name, count in (("test", o.n_test), ("train", min(o.n_train, n_distinct - o.n_test))):
+        rng = random.Random(f"arithmetic-{o.seed}-{name}")
         rows: list[ArithmeticExample] = []
         while len(rows) < count:
             key = (rng.randint(lo, hi), rng.choice(o.operations), rng.randint(lo_b, hi_b))
@@ -100,9 +92,10 @@ def generate_arithmetic(options: ArithmeticOptions) -> dict[str, list[Arithmetic
             a, op, b = key
             question = o.template.format(a=a, op=op, b=b)
             answer = str(OPERATIONS[op](a, b))
-            rows.append(ArithmeticExample(f"{split}-{len(rows)}", question, answer, a, op, b))
-        out[split] = rows
-    return out
+            rows.append(ArithmeticExample(f"{name}-{len(rows)}", question, answer, a, op, b))
+        if name == split:  # "test" or "train": ChatTask.examples admits no other
+            break
+    return rows
 
 
 def operand_range(digits: int, full_width: bool) -> tuple[int, int]:
@@ -124,12 +117,8 @@ def add_without_carries(a: int, b: int) -> int:
 class ArithmeticTask(ChatTask):
     name, Options = "arithmetic", ArithmeticOptions
 
-    def __init__(self, options: ArithmeticOptions | None = None):
-        super().__init__(options)
-        self._splits = cache(lambda: generate_arithmetic(self.options))  # both splits at once: they are disjoint
-
     def _load(self, split: str) -> list[ArithmeticExample]:
-        return self._splits()[split]
+        return generate_arithmetic(self.options, split)
 
     def reward(self, example: ArithmeticExample, completion: str) -> RewardResult:
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
@@ -159,9 +148,7 @@ class ArithmeticTask(ChatTask):
             if draw < self.options.teacher_carry_drop:
                 answer = str(add_without_carries(example.a, example.b))
         said = formatted_answer(self.options.format, answer)
-        if not self.options.teacher_restates:
-            return said
-        return self.options.restatement.format(a=example.a, op=example.op, b=example.b) + said
+        return f"{example.a}{example.op}{example.b}={said}" if self.options.teacher_restates else said
 
     def reference_conversation(self, example: ArithmeticExample) -> list[dict] | None:
         """A supervised target that goes through the calculator: the call, the tool's result, then the answer.

@@ -53,8 +53,7 @@ def tasks_docs_markdown() -> str:
         lines += [f"## {name}", ""]
         module_doc = __import__(spec.task.__module__, fromlist=["x"]).__doc__ or ""
         lines += [module_doc.strip().split("\n\n")[0], "", "| option | default | meaning |", "| --- | --- | --- |"]
-        defaults = {f.name: f for f in dataclasses.fields(spec.options)}
-        for f in defaults.values():
+        for f in dataclasses.fields(spec.options):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = repr(default).replace("|", "/")
             lines.append(f"| `{f.name}` | `{shown}` | {f.metadata.get('help', '').replace('|', '/')} |")

@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 
+from grpo_engine.config.training import LORA_TARGETS
 from grpo_engine.model.hf_io import hf_name_table
 from grpo_engine.model.loading import load_model, save_model
 from grpo_engine.model.lora import (
-    ALL_LINEAR,
     LoRAConfig,
     adapters_disabled,
     apply_lora,
@@ -89,11 +89,11 @@ def test_merged_equals_unmerged_and_unmerge_restores(ckpt):
     x = ids()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     unmerged = model(x)
-    assert merge_lora(model) == 2 * len(ALL_LINEAR)
+    assert merge_lora(model) == 2 * len(LORA_TARGETS)
     torch.testing.assert_close(model(x), unmerged, rtol=1e-5, atol=1e-5)
     w = model.layers[0].attn.q_proj
     assert (w.weight - before["layers.0.attn.q_proj.weight"]).abs().max() > 1e-4  # really merged
-    assert unmerge_lora(model) == 2 * len(ALL_LINEAR)
+    assert unmerge_lora(model) == 2 * len(LORA_TARGETS)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, before[n], rtol=0, atol=1e-6)
     torch.testing.assert_close(model(x), unmerged, rtol=0, atol=1e-6)

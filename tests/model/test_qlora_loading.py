@@ -15,8 +15,9 @@ from torch import nn
 
 import grpo_engine.model.lora as lora_mod
 import grpo_engine.train.policy as policy_mod
+from grpo_engine.config.training import LORA_TARGETS
 from grpo_engine.model.loading import load_model
-from grpo_engine.model.lora import ALL_LINEAR, NF4_BACKENDS, LoRAConfig, LoRALinear, apply_lora, lora_modules
+from grpo_engine.model.lora import NF4_BACKENDS, LoRAConfig, LoRALinear, apply_lora, lora_modules
 from grpo_engine.model.tiny import make_tiny_checkpoint
 from grpo_engine.plan.policy_spec import PolicySpec
 from grpo_engine.train.policy import policy_model
@@ -52,7 +53,7 @@ QLORA = LoRAConfig(rank=4, quantize_base="nf4")
 def projection_weights(model: nn.Module) -> list[tuple[nn.Module, torch.Tensor]]:
     """(module, base weight) of every targeted projection, in module order."""
     return [(m, m.weight) for name, m in model.named_modules()
-            if name.rsplit(".", 1)[-1] in ALL_LINEAR and isinstance(m, (nn.Linear, LoRALinear))]
+            if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(m, (nn.Linear, LoRALinear))]
 
 
 def test_each_projection_is_quantized_before_the_next_reaches_the_device(ckpt, fake_backend):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_engine.rl.group_filter import informative_groups, select_groups, take_groups
+from grpo_engine.rl.group_filter import select_groups
 from grpo_engine.rl.overlong import overlong_keep_mask, soft_overlong_penalty
 
 
@@ -22,19 +22,13 @@ def test_overlong_keep_mask():
         overlong_keep_mask(["eos"])
 
 
-def test_informative_groups():
+def test_select_until_target():
     r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [float("nan"), 1.0, 1.0], [float("nan"), 0.0, 1.0]])
-    assert informative_groups(r).tolist() == [False, True, False, True]
-    assert informative_groups(torch.tensor([[0.0, 0.05]]), tol=0.1).tolist() == [False]
-
-
-def test_select_until_target_and_take():
+    assert select_groups([r], target_groups=4).keep == [(0, 1), (0, 3)]  # informative: two finite rewards differ
+    assert select_groups([torch.tensor([[0.0, 0.05]])], target_groups=1, tol=0.1).keep == []
     round0 = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # only group 1 informative
     round1 = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.5, 1.0]])  # groups 0 and 2 informative
     sel = select_groups([round0], target_groups=2)
-    assert sel.keep == [(0, 1)] and not sel.done and sel.num_dropped == 2
+    assert sel.keep == [(0, 1)] and sel.num_informative == 1
     sel = select_groups([round0, round1], target_groups=2)
-    assert sel.keep == [(0, 1), (1, 0)] and sel.done
-    assert sel.num_informative == 3 and sel.num_dropped == 3
-    rows = [["a0", "a1", "b0", "b1", "c0", "c1"], ["d0", "d1", "e0", "e1", "f0", "f1"]]
-    assert take_groups(rows, sel, group_size=2) == ["b0", "b1", "d0", "d1"]
+    assert sel.keep == [(0, 1), (1, 0)] and sel.num_informative == 3
