@@ -12,12 +12,15 @@ save_checkpoint, then times, interleaved:
 - eval: model_source (what `grpo eval` / `grpo export` check: model/, config.yaml) + load_model (memory-mapped);
 - resume: resolve_resume (every file) + load_trainer_state + load_model;
 - export: the whole of `grpo export CKPT OUT.gguf` (f16): the check, reading the weights, writing them out;
+- train --resume: the whole set-up of `grpo train CONFIG --resume` (setup_run: checks, optimizer state, model,
+  tokenizer, task data) on a run of one step of configs/tiny_arithmetic.yaml with the same model (--no-train: not);
 
-each in four ways (export: the last three): `load only` (no check: the reference), `stamped` (a checkpoint this
-machine wrote or already checked: its files' stats), `copied, hashed first` (a checkpoint from elsewhere, every
-file hashed before it is loaded) and `copied, hashed while loading` (what the engine does: files over SOON_BYTES
-hashed on background threads while they load, the caller joining in before use). "Copied" is a fresh stamp cache
-for each repeat. The files are in the page cache (read once before timing): where hashing costs the most.
+each in three ways (export and train --resume: the last two): `load only` (no check: the reference), `stamped` (a
+checkpoint this machine wrote or already checked: its files' stats) and `copied` (a checkpoint from elsewhere: a
+fresh stamp cache for each repeat, so every file read is hashed in full before it is used). The files are in the
+page cache (read once before timing): where hashing costs the most next to loading. The weights are
+memory-mapped, so `load only` of eval and resume is mostly the mapping; the whole commands show the cost a user
+waits for.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -47,11 +52,15 @@ from grpo_engine.checkpoint.store import (  # noqa: E402
     resolve_resume,
     save_checkpoint,
 )
-from grpo_engine.checkpoint.verify import MODEL_PARTS, check, settle  # noqa: E402
+from grpo_engine.checkpoint.verify import check  # noqa: E402
+from grpo_engine.config import load_config  # noqa: E402
 from grpo_engine.gguf_export import export_gguf  # noqa: E402
-from grpo_engine.model.loading import load_model  # noqa: E402
+from grpo_engine.kernels.select import cache_path  # noqa: E402
+from grpo_engine.model.loading import load_model, save_model  # noqa: E402
 from grpo_engine.model.tiny import tiny_config, write_byte_tokenizer  # noqa: E402
 from grpo_engine.model.transformer import Transformer  # noqa: E402
+from grpo_engine.train.loop import train  # noqa: E402
+from grpo_engine.train.setup import setup_run  # noqa: E402
 
 
 def write_checkpoint(root: Path, args) -> Path:
@@ -70,59 +79,77 @@ def write_checkpoint(root: Path, args) -> Path:
                            tokenizer_dir=root / "tokenizer", keep_last=2)
 
 
+def write_run(root: Path, args) -> tuple[Path, Path]:
+    """(config file, its step-000001): one step of configs/tiny_arithmetic.yaml on a random model of the shape."""
+    cfg = tiny_config("qwen2-tied", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads)
+    write_byte_tokenizer(root / "tokenizer")
+    save_model(Transformer(cfg), root / "base", tokenizer_dir=root / "tokenizer")
+    config = yaml.safe_load((REPO / "configs" / "tiny_arithmetic.yaml").read_text())
+    config.update(run_dir=str(root / "run"))
+    config["model"]["path"], config["schedule"]["steps"] = str(root / "base"), 1
+    (root / "train.yaml").write_text(yaml.safe_dump(config))
+    train(load_config(str(root / "train.yaml")))
+    return root / "train.yaml", root / "run" / "checkpoints" / "step-000001"
+
+
 def fresh_stamps() -> None:
-    """As if the checkpoint were copied here: no stamp of this machine's for it."""
+    """As if the checkpoint were copied here: no stamp of this machine's for it (the kernel plan is kept)."""
+    plan = Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine" / "kernels.json"
     os.environ["GRPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="stamps-")
+    if plan.is_file():
+        (Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine").mkdir()
+        shutil.copy(plan, Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine" / "kernels.json")
     stamps._memory.clear()
 
 
 def eval_load(ckpt: Path, way: str) -> None:
-    if way == "copied, hashed first":
-        assert check(ckpt, MODEL_PARTS).ok
-        load_model(ckpt / "model")
-    elif way == "load only":
-        load_model(ckpt / "model")
-    else:
-        load_model(model_source(ckpt))
-        settle()
+    load_model(ckpt / "model" if way == "load only" else model_source(ckpt))
 
 
 def export(ckpt: Path, way: str) -> None:
-    if way == "copied, hashed first":
-        assert check(ckpt, MODEL_PARTS).ok
     export_gguf(str(ckpt), str(ckpt.parent.parent / "out.gguf"), "f16", overwrite=True)
 
 
 def resume_load(ckpt: Path, way: str) -> None:
-    if way == "copied, hashed first":
-        assert check(ckpt).ok
-    elif way != "load only":
+    if way != "load only":
         resolve_resume(str(ckpt), ckpt.parent, command="bench")
     load_trainer_state(ckpt)
     load_model(ckpt / "model")
-    settle()
 
 
-WAYS = ("load only", "stamped", "copied, hashed first", "copied, hashed while loading")
+def train_resume(config: Path, way: str) -> None:
+    """The whole set-up of `grpo train CONFIG --resume` (model, tokenizer, optimizer state, task data, checks)."""
+    ckpt = config.parent / "run" / "checkpoints" / "step-000001"
+    run = setup_run(load_config(str(config)), resume=str(ckpt))
+    run.monitor.close()
+    run.lock.release()
 
 
-def measure(ckpt: Path, repeats: int) -> dict:
-    kinds = {"eval": (eval_load, WAYS), "resume": (resume_load, WAYS), "export": (export, WAYS[1:])}
-    times = {kind: {way: [] for way in ways} for kind, (_, ways) in kinds.items()}
-    for kind, (load, ways) in kinds.items():
+WAYS = ("load only", "stamped", "copied")
+
+
+def measure(ckpt: Path, config: Path | None, repeats: int) -> dict:
+    """Median seconds per load and way; config: a run to resume whole (train_resume), or None to skip that."""
+    kinds = {"eval": (eval_load, ckpt, WAYS), "resume": (resume_load, ckpt, WAYS), "export": (export, ckpt, WAYS[1:])}
+    if config is not None:
+        kinds["train --resume"] = (train_resume, config, WAYS[1:])
+    times = {kind: {way: [] for way in ways} for kind, (_, _, ways) in kinds.items()}
+    for kind, (load, target, ways) in kinds.items():
         fresh_stamps()
         time.sleep(max(0.0, 2 * stamps.RACY_NS / 1e9))  # files stamped within RACY_NS of being written are hashed again
-        check(ckpt)  # stamps every file and reads it into the page cache
-        load(ckpt, ways[0])
+        check(ckpt if target == ckpt else target.parent / "run" / "checkpoints" / "step-000001")  # stamps, caches
+        load(target, ways[0])
         stamped_cache = os.environ["GRPO_CACHE_DIR"]
         for _ in range(repeats):
             for way in ways:
-                if way.startswith("copied"):
+                if way == "copied":
                     fresh_stamps()
                 else:
                     os.environ["GRPO_CACHE_DIR"] = stamped_cache
                 t0 = time.perf_counter()
-                load(ckpt, way)
+                load(target, way)
                 times[kind][way].append(time.perf_counter() - t0)
     return {kind: {way: statistics.median(ts) for way, ts in ways.items()} for kind, ways in times.items()}
 
@@ -136,13 +163,20 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-train", action="store_true", help="skip the whole `grpo train --resume` set-up")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="manifest-cost-") as tmp:
+        os.environ["GRPO_CACHE_DIR"] = str(Path(tmp) / "cache")  # stamps and plans of its own, the user's plan kept
+        user_plan = cache_path()
+        if user_plan.is_file():
+            (Path(tmp) / "cache" / "grpo-engine").mkdir(parents=True)
+            shutil.copy(user_plan, Path(tmp) / "cache" / "grpo-engine" / "kernels.json")
         ckpt = write_checkpoint(Path(tmp), args)
+        config = None if args.no_train else write_run(Path(tmp) / "train", args)[0]
         sizes = {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in ckpt.rglob("*.safetensors")}
         result = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                  "torch": torch.__version__, "bytes": sizes, "seconds": measure(ckpt, args.repeats)}
+                  "torch": torch.__version__, "bytes": sizes, "seconds": measure(ckpt, config, args.repeats)}
     if args.json:
         print(json.dumps(result, indent=1))
         return

@@ -222,12 +222,6 @@ def _sigterm_raises(command: str):
         signal.signal(signal.SIGTERM, previous)
 
 
-def _verify():
-    """checkpoint/verify.py if this command imported it, else None: a command that read no checkpoint has no check
-    pending, and `grpo config` or `grpo plot` need not import torch to find that out."""
-    return sys.modules.get("grpo_engine.checkpoint.verify")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 1 a run stopped (non-finite updates, out of memory, an I/O error); 2 bad input or a
     failure the user fixes (a full disk, a read-only folder); 130 Ctrl-C before a run started; 143 SIGTERM outside
@@ -238,14 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     args.debug, args.argv = debug, argv
     try:
         with allowing_code(getattr(args, "allow_code", None) or ()), _sigterm_raises(args.command):
-            code = args.func(args)
-            if _verify():  # every checkpoint the command read checked out (each command waits before using one)
-                _verify().settle()
-            return code
+            return args.func(args)
     except INPUT_ERRORS as e:
         if args.debug:
             raise
-        print(f"grpo: error: {_verify().refusal_or(e) if _verify() else e}", file=sys.stderr)  # damaged: said so
+        print(f"grpo: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # an OSError, or a writer's wrapped one (safetensors): a full disk, a read-only folder
         error = as_os_error(e)

@@ -1,5 +1,5 @@
 """benchmarks/manifest_cost.py's plumbing on a tiny model: every load it times runs, and each way does what it
-says (a copied checkpoint is hashed, a stamped one is not)."""
+says (a copied checkpoint is hashed, a stamped one and the reference are not)."""
 
 import argparse
 
@@ -13,23 +13,19 @@ def test_manifest_cost_times_every_way_and_only_copied_checkpoints_are_hashed(tm
     bench = load_benchmark("manifest_cost")
     monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(stamps, "RACY_NS", -10**18)  # as if written long before they are stamped
-    monkeypatch.setattr(verify_mod, "SOON_BYTES", 1024)  # the tiny weights count as large: hashed in the background
     args = argparse.Namespace(vocab=300, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
     ckpt = bench.write_checkpoint(tmp_path, args)
-    real, hashed = verify_mod._Blocks, []
-
-    def counting(root, names):
-        hashed.extend(names)
-        return real(root, names)
-
-    monkeypatch.setattr(verify_mod, "_Blocks", counting)
+    real, hashed = verify_mod.hash_files, []
+    monkeypatch.setattr(verify_mod, "hash_files", lambda root, names: hashed.extend(names) or real(root, names))
     for way in bench.WAYS:
         bench.fresh_stamps()
         if way == "stamped":
             verify_mod.check(ckpt)
         hashed.clear()
         bench.resume_load(ckpt, way)
-        assert ("model/model.safetensors" in hashed) == way.startswith("copied"), (way, hashed)
-    seconds = bench.measure(ckpt, repeats=1)
-    assert set(seconds) == {"eval", "resume", "export"} and set(seconds["export"]) == set(bench.WAYS[1:])
+        assert ("model/model.safetensors" in hashed) == (way == "copied"), (way, hashed)
+    config, _ = bench.write_run(tmp_path / "train", args)
+    seconds = bench.measure(ckpt, config, repeats=1)
+    assert set(seconds) == {"eval", "resume", "export", "train --resume"}
+    assert set(seconds["export"]) == set(seconds["train --resume"]) == set(bench.WAYS[1:])
     assert all(s > 0 for ways in seconds.values() for s in ways.values())

@@ -10,8 +10,8 @@ Layout: run_dir/checkpoints/step-000010/
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
     kernels.json, data.json   the kernel plan; the task data's fingerprint (checkpoint/data_record.py)
-    manifest.json       every other file's size and sha256, checked on a resume, eval or export (the weights
-                        and optimizer state while they load: checkpoint/verify.py)
+    manifest.json       every other file's size and sha256, checked before a resume, eval or export
+                        (checkpoint/verify.py)
 
 A checkpoint is written into `.tmp-step-000010`, every file and the directory are fsync'ed, and only then
 renamed to `step-000010`. A crash at any moment leaves either the old set of complete checkpoints or the
@@ -49,16 +49,7 @@ from .run_dir import (
     tmp_dir_for,
 )
 from .state_io import StateFormatError, load_state, save_state
-from .verify import (
-    MANIFEST,
-    MODEL_PARTS,
-    CorruptCheckpointError,
-    Verdict,
-    check_soon,
-    refuse,
-    warn_once,
-    write_manifest,
-)
+from .verify import MANIFEST, MODEL_PARTS, Verdict, check, refuse, warn_once, write_manifest
 
 
 @dataclass
@@ -230,12 +221,9 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path, message: Callable[
         if not has_trainer_state(path) or not (path / "model" / "config.json").is_file():
             raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (needs {STATE}.json and model/)")
         _not_into_another_run(path, Path(ckpt_root).parent)
-    def refusal(bad: Verdict) -> CorruptCheckpointError:
-        return refuse(bad, path.parent, lambda good: f"resume from it: {command} --resume {good}", what="--resume: ")
-
-    verdict = check_soon(path, None, refusal) if verify else Verdict(path)  # the weights: settle() before use
+    verdict = check(path) if verify else Verdict(path)
     if not verdict.ok:
-        raise refusal(verdict)
+        raise refuse(verdict, path.parent, lambda good: f"resume from it: {command} --resume {good}", what="--resume: ")
     if verdict.legacy:
         warn_once(path, message)
     return path
@@ -285,14 +273,11 @@ def _checked_model(model: Path, *, newest: bool = False) -> Path:
     ckpt = model.parent
     if model.name != "model" or not (newest or has_trainer_state(ckpt) or (ckpt / MANIFEST).is_file()):
         return model
-    def refusal(bad: Verdict) -> CorruptCheckpointError:
-        return refuse(bad, ckpt.parent, lambda good: "pass it instead", parts=MODEL_PARTS)
-
-    verdict = check_soon(ckpt, MODEL_PARTS, refusal)  # the weights: settle() before use
+    verdict = check(ckpt, MODEL_PARTS)
     if verdict.ok and newest and not has_trainer_state(ckpt):
         verdict = Verdict(ckpt, f"{STATE}.json is missing: it is incomplete")
     if not verdict.ok:
-        raise refusal(verdict)
+        raise refuse(verdict, ckpt.parent, lambda good: "pass it instead", parts=MODEL_PARTS)
     if verdict.legacy:
         warn_once(ckpt, lambda text: print(text, file=sys.stderr, flush=True))
     return model

@@ -13,12 +13,6 @@ file is hashed on every core at once (the blocks are independent) and a mismatch
 Sizes are compared before any hashing, so a truncated file is found at once, and a file stamped as verified and
 unchanged since (checkpoint/stamps.py: what this machine wrote or already checked) is not hashed again.
 
-A command that loads a checkpoint (resume, eval, generate, export) calls check_soon(): the small files (configs,
-tokenizer, trainer_state.json) are hashed at once, the large ones (weights, optimizer state) on background threads
-while the command loads them, and settle() joins in and waits before anything loaded is used or written from.
-Hashing them first cost more than the load itself: sha256 runs at about 1 GB/s per core, and the weights are
-memory-mapped.
-
 A checkpoint without a manifest was written before manifests existed: it is used with a one-line warning (nothing
 can be verified). A checkpoint whose manifest, files or trainer state do not check out is never used silently, and
 nothing is ever deleted because of it: the error names the newest checkpoint of the run that does verify.
@@ -29,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +37,6 @@ FORMAT = "grpo-engine checkpoint manifest"
 VERSION = 1
 BLOCK_BYTES = 16 << 20  # the unit hashed on one core
 READ_BYTES = 1 << 20  # one read of a block (the buffer each hashing thread holds)
-SOON_BYTES = BLOCK_BYTES  # larger files are hashed in the background while they load (check_soon)
 MAX_MANIFEST_BYTES = 64 << 20  # about 900k blocks: a 14 TB checkpoint
 REQUIRED = (f"{STATE}.json", "model/config.json")  # what a resumable checkpoint has, manifest or not
 MODEL_PARTS = ("model/", "adapter/", "config.yaml")  # what `grpo eval` / `grpo export` read of a checkpoint
@@ -67,68 +60,35 @@ class Verdict:
 def _hash_block(path: Path, start: int, length: int) -> str:
     h, buf = hashlib.sha256(), bytearray(min(READ_BYTES, max(length, 1)))
     view = memoryview(buf)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start)
-            while length > 0:
-                n = f.readinto(view[: min(len(buf), length)])
-                if not n:
-                    break  # the file shrank under us: the hash differs
-                h.update(view[:n])  # hashlib releases the GIL: the blocks of a file hash on every core
-                length -= n
-    except OSError as e:  # gone or unreadable since it was listed: it cannot match
-        return f"unreadable ({e.strerror or e})"
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        while length > 0:
+            n = f.readinto(view[: min(len(buf), length)])
+            if not n:
+                break  # the file shrank under us: the hash differs
+            h.update(view[:n])  # hashlib releases the GIL: the blocks of a file hash on every core
+            length -= n
     return h.hexdigest()
 
 
-class _Blocks:
-    """The BLOCK_BYTES blocks of some files, hashed by every thread that calls work(): background threads and, once
-    it has nothing else to do, the caller itself (so that waiting for the hashes leaves no core idle)."""
-
-    def __init__(self, root: Path, names: Iterable[str]):
-        self.root, self.jobs = root, []
-        for name in names:
-            size = (root / name).stat().st_size
-            starts = range(0, max(size, 1), BLOCK_BYTES)
-            self.jobs += [(name, start, min(BLOCK_BYTES, size - start)) for start in starts]
-        self.total = sum(length for _, _, length in self.jobs)
-        self.digests = [""] * len(self.jobs)
-        self._todo, self._lock = iter(range(len(self.jobs))), threading.Lock()
-
-    def work(self) -> None:
-        while True:
-            with self._lock:
-                i = next(self._todo, None)
-            if i is None:
-                return
-            name, start, length = self.jobs[i]
-            self.digests[i] = _hash_block(self.root / name, start, length)
-
-    def start(self, threads: int) -> list[threading.Thread]:
-        """Daemon threads: an interrupted process does not wait for them."""
-        started = [threading.Thread(target=self.work, name="sha256", daemon=True)
-                   for _ in range(min(threads, len(self.jobs)))]
-        for t in started:
-            t.start()
-        return started
-
-    def hashes(self, threads: list[threading.Thread]) -> dict[str, list[str]]:
-        """name -> the sha256 of each of its blocks, once the caller has helped and `threads` are done."""
-        self.work()
-        for t in threads:
-            t.join()
-        out: dict[str, list[str]] = {}
-        for (name, _, _), digest in zip(self.jobs, self.digests):
-            out.setdefault(name, []).append(digest)
-        return out
-
-
 def hash_files(root: Path, names: Iterable[str]) -> dict[str, list[str]]:
-    """name -> the sha256 of each BLOCK_BYTES block of root/name (one hash for a file of one block or less), on
-    every core (at most 16) for more than a few MiB."""
-    blocks = _Blocks(root, names)
-    workers = min(os.cpu_count() or 1, 16) if blocks.total > 4 * READ_BYTES else 1
-    return blocks.hashes(blocks.start(workers - 1))
+    """name -> the sha256 of each BLOCK_BYTES block of root/name (one hash for a file of one block or less)."""
+    jobs = []
+    for name in names:
+        size = (root / name).stat().st_size
+        jobs += [(name, start, min(BLOCK_BYTES, size - start)) for start in range(0, max(size, 1), BLOCK_BYTES)]
+    total = sum(length for _, _, length in jobs)
+    workers = min(len(jobs), os.cpu_count() or 1, 16) if total > 4 * READ_BYTES else 1
+    run = (lambda job: _hash_block(root / job[0], job[1], job[2]))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="sha256") as pool:
+            digests = list(pool.map(run, jobs))
+    else:
+        digests = [run(job) for job in jobs]
+    out: dict[str, list[str]] = {}
+    for (name, _, _), digest in zip(jobs, digests):
+        out.setdefault(name, []).append(digest)
+    return out
 
 
 def files_of(ckpt: Path) -> list[str]:
@@ -180,27 +140,11 @@ def _selected(files: dict[str, dict], parts: tuple[str, ...] | None) -> dict[str
     return {n: e for n, e in files.items() if any(n == p or (p.endswith("/") and n.startswith(p)) for p in parts)}
 
 
-@dataclass(frozen=True)
-class _Hashing:
-    """What is left of a check once the manifest and every size are right: the files it lists that are not stamped
-    as verified and unchanged since (checkpoint/stamps.py), to hash and compare."""
-    ckpt: Path
-    block: int
-    listed: dict[str, dict]  # name -> its manifest entry, for the files still to hash
-    digest: str  # the manifest's own sha256 (what stamps are keyed on)
-
-    def run(self, names: list[str]) -> Verdict:
-        return self.finish(names, hash_files(self.ckpt, names))
-
-    def finish(self, names: list[str], hashes: dict[str, list[str]]) -> Verdict:
-        verdict = _compare(self.ckpt, self.block, {n: self.listed[n] for n in names}, hashes)
-        if verdict.ok:
-            remember(self.ckpt, names, self.digest)
-        return verdict
-
-
-def _before_hashing(ckpt: Path, parts: tuple[str, ...] | None) -> Verdict | _Hashing:
-    """The checks that read no file's content: manifest, presence, sizes, stamps. A Verdict when they decide."""
+def verify(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
+    """Check ckpt's files against its manifest: all of them (parts=None: a resume), or those under `parts` (e.g.
+    MODEL_PARTS: eval / export). Sizes first; then the hashes of every file not stamped as verified and unchanged
+    since (checkpoint/stamps.py: what this machine wrote or verified is not hashed again)."""
+    ckpt = Path(ckpt)
     if not (ckpt / MANIFEST).is_file():
         return Verdict(ckpt, legacy=True)
     try:
@@ -217,16 +161,11 @@ def _before_hashing(ckpt: Path, parts: tuple[str, ...] | None) -> Verdict | _Has
                                  f"{listed[name]['bytes']:,}")
     if block != BLOCK_BYTES:
         return Verdict(ckpt, f"its {MANIFEST} uses {block}-byte blocks; this version writes {BLOCK_BYTES}")
-    unsure = set(listed) - trusted(ckpt, sorted(listed), digest)
-    return _Hashing(ckpt, block, {n: listed[n] for n in sorted(unsure)}, digest)
-
-
-def verify(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
-    """Check ckpt's files against its manifest: all of them (parts=None: a resume), or those under `parts` (e.g.
-    MODEL_PARTS: eval / export). Sizes first; then the hashes of every file not stamped as verified and unchanged
-    since (checkpoint/stamps.py: what this machine wrote or verified is not hashed again)."""
-    first = _before_hashing(Path(ckpt), parts)
-    return first if isinstance(first, Verdict) else first.run(sorted(first.listed))
+    unsure = sorted(set(listed) - trusted(ckpt, sorted(listed), digest))
+    verdict = _compare(ckpt, block, {n: listed[n] for n in unsure}, hash_files(ckpt, unsure))
+    if verdict.ok:
+        remember(ckpt, unsure, digest)
+    return verdict
 
 
 def _compare(ckpt: Path, block: int, listed: dict[str, dict], hashes: dict[str, list[str]]) -> Verdict:
@@ -238,77 +177,17 @@ def _compare(ckpt: Path, block: int, listed: dict[str, dict], hashes: dict[str, 
     return Verdict(ckpt)
 
 
-def _incomplete(ckpt: Path, parts: tuple[str, ...] | None) -> Verdict | None:
-    """What a checkpoint without a manifest can still be checked for: its trainer state and model config (a resume,
-    parts=None) or its model config (eval / export) are there."""
+def check(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
+    """verify() plus what a checkpoint without a manifest can still be checked for: its trainer state and model
+    config (a resume, parts=None) or its model config (eval / export) are there."""
     required = REQUIRED if parts is None else ("model/config.json",)
     if parts is None and (ckpt / LEGACY_STATE).is_file():
         required = ("model/config.json",)  # load_trainer_state refuses the pickle in its own words
     missing = [name for name in required if not (ckpt / name).is_file()]
-    if not missing:
-        return None
-    return Verdict(ckpt, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: it is incomplete")
-
-
-def check(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
-    """verify(), once the files every checkpoint has are there (_incomplete)."""
-    return _incomplete(Path(ckpt), parts) or verify(ckpt, parts)
-
-
-class _Pending:
-    """The hashing of a checkpoint's large files on background threads (every core but the caller's, which is
-    loading those files), joined by the caller in settle()."""
-
-    def __init__(self, hashing: _Hashing, names: list[str], refusal: Callable[[Verdict], Exception]):
-        self.hashing, self.names, self.refusal = hashing, names, refusal
-        self.blocks = _Blocks(hashing.ckpt, names)
-        self.threads = self.blocks.start(max(1, min((os.cpu_count() or 1) - 1, 16)))
-
-    def verdict(self) -> Verdict:
-        return self.hashing.finish(self.names, self.blocks.hashes(self.threads))
-
-
-_pending: dict[tuple[str, tuple[str, ...] | None], _Pending] = {}
-
-
-def check_soon(ckpt: Path, parts: tuple[str, ...] | None, refusal: Callable[[Verdict], Exception]) -> Verdict:
-    """check(), with the files over SOON_BYTES (weights, optimizer state) hashed in the background while the caller
-    loads them: settle() waits for that and raises refusal(verdict) on a mismatch. Hashing them first would cost
-    more than loading them (sha256 runs at about 1 GB/s per core). Returns what is known now: a problem found
-    without those hashes, or a checkpoint that is fine (or legacy) so far."""
-    ckpt = Path(ckpt)
-    key = (str(ckpt.resolve()), parts)
-    if key in _pending:
-        return Verdict(ckpt)
-    first = _incomplete(ckpt, parts) or _before_hashing(ckpt, parts)
-    if isinstance(first, Verdict):
-        return first
-    large = [name for name, entry in first.listed.items() if entry["bytes"] > SOON_BYTES]
-    verdict = first.run(sorted(set(first.listed) - set(large)))
-    if verdict.ok and large:
-        _pending[key] = _Pending(first, large, refusal)
-    return verdict
-
-
-def settle() -> None:
-    """Wait for the background hashing check_soon started; raise the refusal of the first checkpoint whose files do
-    not match. Called before anything loaded from a checkpoint is used or written from (and by `grpo` on exit)."""
-    while _pending:
-        pending = _pending.pop(next(iter(_pending)))
-        verdict = pending.verdict()
-        if not verdict.ok:
-            _pending.clear()  # the command stops here: the rest are its own checks
-            raise pending.refusal(verdict)
-
-
-def refusal_or(error: BaseException) -> BaseException:
-    """The refusal of a checkpoint still being checked that does not match, else `error`: a checkpoint that fails to
-    load because it is damaged is reported as damaged."""
-    try:
-        settle()
-    except CorruptCheckpointError as refused:
-        return refused
-    return error
+    if missing:
+        return Verdict(ckpt, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: it is "
+                             f"incomplete")
+    return verify(ckpt, parts)
 
 
 def newest_verified(ckpt_root: Path, *, but: Path, parts: tuple[str, ...] | None = None) -> Verdict | None:

@@ -81,9 +81,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def fail(command: str, error: Exception) -> int:
-    from ..checkpoint.verify import refusal_or
-
-    print(f"grpo {command}: error: {refusal_or(error)}", file=sys.stderr)  # a damaged checkpoint named as such
+    print(f"grpo {command}: error: {error}", file=sys.stderr)
     return 2
 
 
@@ -92,7 +90,6 @@ def run_eval(args) -> int:
     from ..checkpoint.disk import user_can_fix
     from ..checkpoint.run_dir import replace_text
     from ..checkpoint.store import model_source
-    from ..checkpoint.verify import settle
     from .evaluate import EvalConfig, evaluate, report_json, report_markdown
 
     try:
@@ -106,7 +103,6 @@ def run_eval(args) -> int:
         check_out(args.out, args.overwrite)
         model_dir = model_source(args.model)
         model, tok = load_model_and_tokenizer(model_dir, args.tokenizer, args.device, args.dtype)
-        settle()  # its weights, hashed while they loaded, match the checkpoint's manifest
     except INPUT_ERRORS as e:
         return fail("eval", e)
     with_tools = f" with tools {', '.join(tools.names)}" if tools else ""
@@ -224,7 +220,6 @@ def run_generate(args) -> int:
     import torch
 
     from ..checkpoint.store import model_source
-    from ..checkpoint.verify import settle
     from ..rollout import SamplingParams, generate
     from ..tasks import Example, render_prompt, safe_reward
 
@@ -232,7 +227,6 @@ def run_generate(args) -> int:
         _, task = task_for(args)
         tools = tools_for(args)
         model, tok = load_model_and_tokenizer(model_source(args.model), args.tokenizer, args.device, args.dtype)
-        settle()  # its weights, hashed while they loaded, match the checkpoint's manifest
         params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new,
                                 stop_token_ids=tok.eos_token_ids)
     except INPUT_ERRORS as e:

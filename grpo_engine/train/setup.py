@@ -22,7 +22,7 @@ from ..checkpoint.rank_state import load_rank_state
 from ..checkpoint.resume import apply_learning_rate, check_resume_config
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
-from ..checkpoint.verify import CorruptCheckpointError, Verdict, refuse, settle
+from ..checkpoint.verify import CorruptCheckpointError, Verdict, refuse
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import PromptSampler
 from ..config import Config, ConfigError, check_paths
@@ -130,14 +130,12 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     """setup_run's second half, under the run lock: the warm start, model, tokenizer, optimizer and resumed state."""
     world, saved = c.world, c.saved
     if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
-        settle()  # the resumed checkpoint's files match its manifest before the run directory changes
         take_run_dir(c.run_dir, lock)
         cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, c.task)))
     device = pick_device(cfg.model.device, world.local_rank)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, c.resume_dir, world)
-    settle()  # the weights and optimizer state just loaded match the manifest (hashed while they loaded)
     if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
         raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options)
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
@@ -163,8 +161,6 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
 def resume_refused(ckpt: Path, problem: str, options: StartOptions) -> CorruptCheckpointError:
     """The one-line error for a checkpoint whose files verified but whose content cannot be right (NaN/inf, which a
     run never saves): it names the newest other checkpoint that verifies and the command that resumes from it."""
-    settle()  # a checkpoint whose files do not match its manifest is refused as such, not for their content
-
     def use(good: Path) -> str:
         return f"resume from it: {options.command} --resume {good}"
 

@@ -17,7 +17,6 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-import grpo_engine.checkpoint.verify as verify_mod
 from grpo_engine.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +58,7 @@ def trained(tiny_ckpt_factory, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def work(trained, tmp_path, monkeypatch, capsys) -> Path:
-    """A copy of the trained run's folder as the working directory; every file over 1 KiB (the weights and the
-    optimizer state among them) is hashed in the background while it loads, as a real checkpoint's are."""
-    monkeypatch.setattr(verify_mod, "SOON_BYTES", 1024)
+    """A copy of the trained run's folder as the working directory."""
     copy = shutil.copytree(trained, tmp_path / "w")
     monkeypatch.chdir(copy)
     capsys.readouterr()
