@@ -10,7 +10,7 @@ Layout: run_dir/checkpoints/step-000010/
     config.yaml         the resolved config of the run
     metrics.jsonl       copy of the metrics so far
     kernels.json, data.json   the kernel plan; the task data's fingerprint (checkpoint/data_record.py)
-    manifest.json       every other file's size and sha256, checked before a resume, eval or export
+    manifest.json       every other file's size and block hashes, checked before a resume, eval or export
                         (checkpoint/verify.py)
 
 A checkpoint is written into `.tmp-step-000010`, every file and the directory are fsync'ed, and only then
@@ -156,7 +156,7 @@ def save_checkpoint(
             shutil.copy2(metrics_path, tmp / "metrics.jsonl")
         if before_publish is not None:  # e.g. every rank adding its own state (train/loop.py)
             before_publish(tmp)
-        write_manifest(tmp, stamp_as=final)  # every file's sha256: checked before it is resumed, evaluated or exported
+        write_manifest(tmp, stamp_as=final)  # every file's hashes: checked before it is resumed, evaluated or exported
         _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
         _delete_checkpoint(final)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 import grpo_engine.checkpoint.stamps as stamps_mod
 import grpo_engine.checkpoint.verify as verify_mod
@@ -31,14 +32,15 @@ def test_the_manifest_lists_every_file_with_plain_sha256_per_block(ckpt):
         "empty", "model/config.json", "model/model.safetensors", "trainer_state.json"]
     data = (ckpt / "model/model.safetensors").read_bytes()
     assert manifest["files"]["model/model.safetensors"] == {
-        "bytes": 10240, "sha256": [hashlib.sha256(data[i:i + 4096]).hexdigest() for i in (0, 4096, 8192)]}
+        "bytes": 10240, "sha256": [hashlib.sha256(data[i:i + 4096]).hexdigest() for i in (0, 4096, 8192)],
+        "xxh3_128": [xxhash.xxh3_128(data[i:i + 4096]).hexdigest() for i in (0, 4096, 8192)]}
     assert manifest["files"]["empty"]["sha256"] == [hashlib.sha256(b"").hexdigest()]  # what sha256sum prints
     assert check(ckpt).ok and not check(ckpt).legacy
 
 
 @pytest.mark.parametrize("damage,problem", [
-    (lambda c: _flip(c / "model/model.safetensors", 5000), "model/model.safetensors differs from its manifest (sha256 "
-                                                           "of bytes 4,096-8,192)"),
+    (lambda c: _flip(c / "model/model.safetensors", 5000), "model/model.safetensors differs from its manifest "
+                                                           "(xxh3_128 of bytes 4,096-8,192)"),
     (lambda c: (c / "model/model.safetensors").write_bytes(b"x"), "has 1 bytes where its manifest says 10,240"),
     (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json is missing"),
     (lambda c: (c / MANIFEST).write_text("{not json"), "manifest.json is unreadable"),
@@ -53,6 +55,20 @@ def test_what_checking_finds(ckpt, damage, problem):
     assert not verdict.ok and problem in verdict.problem
 
 
+def test_a_manifest_without_xxh3_hashes_is_checked_by_its_sha256(ckpt):
+    """Manifests written before XXH3 was added list sha256 only: they are checked by it, damage found as before."""
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    for entry in manifest["files"].values():
+        del entry["xxh3_128"]
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    assert check(ckpt).ok
+    _flip(ckpt / "model/model.safetensors", 9000)
+    assert "model/model.safetensors differs from its manifest (sha256 of bytes 8,192-10,240)" in check(ckpt).problem
+    manifest["files"]["empty"]["xxh3_128"] = []  # one block, no hash
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    assert "its entry for 'empty' is malformed" in check(ckpt).problem
+
+
 def test_eval_checks_only_what_it_reads_and_a_checkpoint_without_manifest_is_legacy(ckpt):
     _flip(ckpt / "trainer_state.json", 0)
     assert check(ckpt, ("model/", "config.yaml")).ok and not check(ckpt).ok
@@ -65,7 +81,7 @@ def test_a_stamped_checkpoint_is_not_hashed_again_until_a_file_changes(ckpt, mon
     milliseconds; a file rewritten since, even to the same size, is hashed again and caught."""
     write_manifest(ckpt, stamp_as=ckpt)
     real, hashed = verify_mod.hash_files, []
-    monkeypatch.setattr(verify_mod, "hash_files", lambda root, names: hashed.append(list(names)) or real(root, names))
+    monkeypatch.setattr(verify_mod, "hash_files", lambda root, names, *a: hashed.append(names) or real(root, names, *a))
     assert check(ckpt).ok and hashed[-1] != []  # just written: racy (same clock tick), so hashed
     monkeypatch.setattr(stamps_mod, "RACY_NS", -10**18)  # as if the files were written long before their stamp
     assert check(ckpt).ok and hashed[-1] == []
