@@ -43,17 +43,20 @@ _active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(pl
 def op_works() -> bool:
     """One-time check that the op exists and matches torch.mm on a small fp32 problem."""
     if "ok" not in _state:
-        ok = os.environ.get("GRPO_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
-        if ok:
-            try:
-                g = torch.Generator().manual_seed(0)
-                x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
-                y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                ok = bool(torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-5))
-            except (RuntimeError, AttributeError):
-                ok = False
-        _state["ok"] = ok
+        _state["ok"] = (os.environ.get("GRPO_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+                        and matches_mm(_op))
     return _state["ok"]
+
+
+def matches_mm(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether product(x, w) runs and matches x @ w^T on a small fp32 problem: the one-time check of an op that is
+    not a public API (a missing op raises AttributeError, a failing one RuntimeError)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
+        return bool(torch.allclose(product(x, w), x @ w.t(), rtol=1e-5, atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 MIN_WEIGHT_NUMEL = 1 << 18  # without a plan: below ~1 MB of weight the call overhead wins
@@ -111,15 +114,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def pack_works() -> bool:
     """One-time check that weights can be packed (`pack`) and their products match torch.mm."""
     if "pack" not in _state:
-        ok = op_works()
-        if ok:
-            try:
-                g = torch.Generator().manual_seed(0)
-                x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
-                ok = bool(torch.allclose(packed_linear(x, pack(w, 3)), x @ w.t(), rtol=1e-5, atol=1e-5))
-            except (RuntimeError, AttributeError):
-                ok = False
-        _state["pack"] = ok
+        _state["pack"] = op_works() and matches_mm(lambda x, w: packed_linear(x, pack(w, 3)))
     return _state["pack"]
 
 
@@ -262,5 +257,4 @@ class OneDNNLinear(torch.nn.Linear):
     def _torch_grad_in_place(self, x2: torch.Tensor) -> bool:
         """A product on torch's GEMM whose weight gradient is to be accumulated in place (fp32 CPU training)."""
         w = self.weight
-        return (torch.is_grad_enabled() and w.requires_grad and x2.device.type == "cpu"
-                and x2.dtype == w.dtype == torch.float32 and _grad_in_place(w))
+        return torch.is_grad_enabled() and w.requires_grad and fp32_cpu_matrices(x2, w) and _grad_in_place(w)

@@ -30,14 +30,14 @@ from .packed import PackedWeight
 from .select import KernelPlan, shape_key
 
 
-def _pack_plan(weight: torch.Tensor, plan: KernelPlan) -> tuple[int, str]:
-    """(decode steps from which packing this weight pays, by which kind) in `plan`; (0, "") = never."""
-    fp32_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-    if not weight.requires_grad or not fp32_cpu:
-        return 0, ""
+def _pack_if_pays(weight: torch.Tensor, rows: int, steps: int, plan: KernelPlan) -> PackedWeight | None:
+    """`weight` packed for `rows` rows by the kind `plan` chose, when packing it pays within `steps` decode steps
+    (the plan's steps for its shape, 0 = never); else None."""
+    if not (weight.requires_grad and onednn.fp32_cpu_matrices(weight, weight)):
+        return None
     key = shape_key(tuple(weight.shape))
     after, kind = plan.decode_packing.get(key, 0), plan.pack_kind(tuple(weight.shape))
-    return (after, kind) if after > 0 and packed.works(kind) else (0, "")
+    return packed.pack(weight, rows, kind) if 0 < after <= steps and packed.works(kind) else None
 
 
 class DecodePacks:
@@ -52,14 +52,13 @@ class DecodePacks:
         self.plan = plan
         self.modules: list[onednn.OneDNNLinear] = []
         for m in model.modules():
-            after, kind = _pack_plan(m.weight, self.plan) if isinstance(m, onednn.OneDNNLinear) else (0, "")
-            if 0 < after <= steps:
-                m.packed = packed.pack(m.weight, rows, kind)
+            p = _pack_if_pays(m.weight, rows, steps, plan) if isinstance(m, onednn.OneDNNLinear) else None
+            if p is not None:
+                m.packed = p
                 self.modules.append(m)
         head = getattr(model, "lm_head", None)
         self.head_weight = head.weight if isinstance(head, nn.Linear) and head.bias is None else None  # [V, hidden]
-        after, kind = _pack_plan(self.head_weight, self.plan) if self.head_weight is not None else (0, "")
-        self.head: PackedWeight | None = packed.pack(self.head_weight, rows, kind) if 0 < after <= steps else None
+        self.head = _pack_if_pays(self.head_weight, rows, steps, plan) if self.head_weight is not None else None
 
     def resize(self, rows: int, steps_left: int) -> None:
         """The batch now has `rows` rows and at most `steps_left` decode steps to go."""
@@ -79,8 +78,7 @@ def _repacked(p: PackedWeight | None, weight: torch.Tensor, rows: int, steps_lef
     """p, or for an MKL pack of another row count: `weight` packed for `rows` if that pays in `steps_left` steps."""
     if p is None or p.kind != "mkl" or p.rows == rows:
         return p
-    after, kind = _pack_plan(weight, plan)
-    return packed.pack(weight, rows, kind) if 0 < after <= steps_left else None
+    return _pack_if_pays(weight, rows, steps_left, plan)
 
 
 def planned_decode_kernels(plan: KernelPlan, model: nn.Module) -> DecodeKernels | None:

@@ -27,6 +27,8 @@ DIM_LIMITS = {
     "max_position_embeddings": 1 << 24,  # 16,777,216
 }
 MAX_PARAMETERS = 10**12  # 10x a ~100B model
+# the dimensions ModelConfig has no default for: a checkpoint's config (config.json, GGUF metadata) must give them
+REQUIRED_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def checked_dims(dims: dict, source: str, keys: dict | None = None) -> dict:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..progress import Progress
-from .config import ModelConfig, checked_dims, checked_float
+from .config import REQUIRED_DIMS, ModelConfig, checked_dims, checked_float
 from .gguf_header import gguf_module, parse_gguf
 from .hf_io import CheckpointError, model_from_hf_tensors
 from .tensor_checks import check_tensor_shapes
@@ -90,7 +90,6 @@ GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "int
              "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
              "num_key_value_heads": "attention.head_count_kv", "max_position_embeddings": "context_length",
              "head_dim": "attention.key_length"}  # ModelConfig field -> GGUF key after "ARCH."
-GGUF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def config_from_gguf(meta: dict, source: str) -> ModelConfig:
@@ -104,7 +103,7 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
     keys = {k: f"{arch}.{v}" for k, v in GGUF_KEYS.items()}
     dims = {ours: meta.get(theirs) for ours, theirs in keys.items()}
     dims["vocab_size"] = dims["vocab_size"] or (len(tokens) if isinstance(tokens, list) else None)
-    missing = [keys[k] for k in GGUF_REQUIRED if dims[k] is None]
+    missing = [keys[k] for k in REQUIRED_DIMS if dims[k] is None]
     if missing:
         raise CheckpointError(f"{source}: required metadata is missing ({', '.join(missing)}); re-download the file")
     absent = {"num_key_value_heads": dims["num_attention_heads"], "max_position_embeddings": 32768, "head_dim": 0}

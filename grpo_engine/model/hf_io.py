@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import CheckpointError, checked_dims, checked_float, rope_kind
+from .config import REQUIRED_DIMS, CheckpointError, checked_dims, checked_float, rope_kind
 from .tensor_checks import check_tensor_shapes, safetensors_shapes
 from .transformer import ModelConfig, Transformer
 
@@ -98,9 +98,6 @@ def _unsupported(raw: dict, model_type: str, scaling: dict | None, source: str) 
         for k in needed + (["original_max_position_embeddings"] if kind == "llama3" else []):
             checked_float(scaling[k], f"rope_scaling.{k}", source)
     return unsupported
-
-
-REQUIRED_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:

@@ -190,21 +190,18 @@ def prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCac
     """
     device, dtype = model.device, model.embed.weight.dtype
     c = shared_prefix_length(prompts)
-    if c < MIN_SHARED_PREFIX:
-        ids, mask = left_pad(prompts, device)  # [P, L]
-        cache = KVCache.allocate(model.config, len(prompts), ids.shape[1], dtype, device)
-        hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L, hidden]
-        return cache, mask, model.lm_head(hidden[:, -1])  # the LM head at the last position only
-    shared = KVCache.allocate(model.config, 1, c, dtype, device)
-    model(torch.tensor([prompts[0][:c]], device=device), torch.ones(1, c, dtype=torch.bool, device=device),
-          cache=shared, return_hidden=True)  # [1, c]
-    ids, own_mask = left_pad([p[c:] for p in prompts], device)  # [P, L - c]
+    c = c if c >= MIN_SHARED_PREFIX else 0  # 0: the plain prefill
+    ids, mask = left_pad([p[c:] for p in prompts], device)  # [P, L - c]
     P, L = ids.shape[0], c + ids.shape[1]
     cache = KVCache.allocate(model.config, P, L, dtype, device)
-    cache.copy_prefix_from(shared, torch.zeros(P, dtype=torch.long, device=device))  # slots [0, c), start = c
-    mask = torch.cat([torch.ones(P, c, dtype=torch.bool, device=device), own_mask], dim=1)  # [P, L]
+    if c:
+        shared = KVCache.allocate(model.config, 1, c, dtype, device)
+        model(torch.tensor([prompts[0][:c]], device=device), torch.ones(1, c, dtype=torch.bool, device=device),
+              cache=shared, return_hidden=True)  # [1, c]
+        cache.copy_prefix_from(shared, torch.zeros(P, dtype=torch.long, device=device))  # slots [0, c), start = c
+        mask = torch.cat([torch.ones(P, c, dtype=torch.bool, device=device), mask], dim=1)  # [P, L]
     hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L - c, hidden]
-    return cache, mask, model.lm_head(hidden[:, -1])
+    return cache, mask, model.lm_head(hidden[:, -1])  # the LM head at the last position only
 
 
 def prefill(model: Transformer, prompts: list[list[int]], share: list[int], slots: int):
