@@ -87,7 +87,7 @@ def _train_command(args) -> str:
 
     ranks = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     words = ["grpo", "train", args.config, *args.overrides, *(["--nproc", str(ranks)] if ranks > 1 else [])]
-    for allowed in getattr(args, "allow_code", None) or ():
+    for allowed in args.allow_code:
         words += ["--allow-code", allowed]
     return shlex.join(words + (["--allow-data-change"] if args.allow_data_change else []))
 

@@ -152,9 +152,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     plan = plan_run_dir(cfg.run_dir, resume_step=None, newest_step=None, overwrite=True)  # (a file: refused)
     lock = RunLock(cfg.run_dir, console.print).acquire()  # a live `grpo train` there: refused, naming its pid
     try:  # held until train() takes it: nothing is renamed under a live run
-        plan.apply(console.print)
-        if plan.move_aside:
-            lock.moved_to(plan.run_dir)
+        plan.apply(console.print, lock)
         console.print(f"[bold]grpo demo[/bold]: {cfg.task.name} · {_what(cfg, real)} · run dir {cfg.run_dir}")
         pretrained, start, before = _starting_point(cfg, task, tools, console)
     finally:
@@ -188,12 +186,14 @@ def _what(cfg: Config, real: bool) -> str:
 def _starting_point(cfg: Config, task, pretrained_row: bool, console: Console) -> tuple[HeldOut | None, Path, HeldOut]:
     """(the pretrained model's results when they are a row of the table, the model GRPO starts from, its results).
     The warm start runs when the recipe has one: a tiny model's, or a real model's supervised cold start."""
+    from .sft.warm_start import warm_start
+
     warm = bool(cfg.warm_start.tiny.arch) or cfg.warm_start.sft.steps > 0
     pretrained = None
     if pretrained_row:
         console.print("held-out evaluation of the pretrained model")
         pretrained = held_out(cfg.model.path, cfg, task)
-    start = _warm_start(cfg, task, console) if warm else Path(cfg.model.path)
+    start = warm_start(cfg, task) if warm else Path(cfg.model.path)  # reports its progress (progress.py)
     if pretrained is not None and not warm:
         return pretrained, start, pretrained
     if warm:
@@ -205,12 +205,6 @@ def peak_rss_gib() -> float:
     """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def _warm_start(cfg: Config, task, console: Console) -> Path:
-    from .sft.warm_start import warm_start
-
-    return warm_start(cfg, task)  # reports its progress (progress.py)
 
 
 def real_model_path(given: str) -> str:

@@ -23,9 +23,9 @@ def save_rank_state(ckpt_dir: Path, world: World, policy) -> None:
     save_state(state, rank_file(ckpt_dir, world.rank))
 
 
-def load_rank_state(ckpt_dir: Path | None, world: World, policy) -> None:
+def load_rank_state(ckpt_dir: Path, world: World, policy) -> None:
     """Restore save_rank_state's file of this rank (a run resumed on the same number of ranks)."""
-    if ckpt_dir is None or world.size == 1:
+    if world.size == 1:
         return
     f = rank_file(ckpt_dir, world.rank)
     if not f.with_suffix(".json").is_file():

@@ -53,7 +53,7 @@ def step_dirs(ckpt_root: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    return sorted(found, key=checkpoint_step)
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
@@ -85,12 +85,15 @@ class RunDirPlan:
     supersede_after: int | None = None  # --resume from step N < newest: move later steps aside
     applied: bool = False
 
-    def apply(self, message=print) -> None:
+    def apply(self, message=print, lock: RunLock | None = None) -> None:
+        """lock: this process's lock of run_dir, held again in the (new) run_dir after a rename."""
         if self.move_aside and self.run_dir.exists():
             target = self.run_dir.with_name(f"{self.run_dir.name}.prev-{utc_stamp()}")
             os.rename(self.run_dir, target)
             _drop_own_lock(target)  # this process's lock moved with it; a live other holder's stays
             message(f"--overwrite: the previous run in {self.run_dir} is now {target} (nothing deleted)")
+            if lock is not None:
+                lock.moved_to(self.run_dir)
         if self.supersede_after is not None:
             supersede(self.run_dir, self.supersede_after, message)
         self.applied = True
@@ -121,7 +124,7 @@ def supersede(run_dir: Path, step: int, message=print) -> Path:
     dest = run_dir / f"superseded-{utc_stamp()}"
     (dest / "checkpoints").mkdir(parents=True, exist_ok=True)
     for ckpt in step_dirs(run_dir / "checkpoints"):  # incomplete ones too: a later save of that step replaced them
-        if int(ckpt.name[len(STEP_PREFIX) :]) > step:
+        if checkpoint_step(ckpt) > step:
             os.rename(ckpt, dest / "checkpoints" / ckpt.name)
     splits = [split_jsonl(run_dir / name, dest / name, step) for name in ("metrics.jsonl", "samples.jsonl")]
     unreadable, torn = sum(s.unreadable for s in splits), sum(s.torn for s in splits)

@@ -49,7 +49,7 @@ from .run_dir import (
     tmp_dir_for,
 )
 from .state_io import StateFormatError, load_state, save_state
-from .verify import MANIFEST, MODEL_PARTS, Verdict, check, refuse, warn_once, write_manifest
+from .verify import MANIFEST, MODEL_PARTS, Verdict, check, refuse, resume_refused, warn_once, write_manifest
 
 
 @dataclass
@@ -223,7 +223,7 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path, message: Callable[
         _not_into_another_run(path, Path(ckpt_root).parent)
     verdict = check(path) if verify else Verdict(path)
     if not verdict.ok:
-        raise refuse(verdict, path.parent, lambda good: f"resume from it: {command} --resume {good}", what="--resume: ")
+        raise resume_refused(path, verdict.problem, command)
     if verdict.legacy:
         warn_once(path, message)
     return path

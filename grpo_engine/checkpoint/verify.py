@@ -233,6 +233,14 @@ def refuse(bad: Verdict, ckpt_root: Path, use: Callable[[Path], str], *, what: s
     return CorruptCheckpointError(f"{what}{bad.ckpt}: {bad.problem}; nothing was deleted or used; {tail}")
 
 
+def resume_refused(ckpt: Path, problem: str, command: str) -> CorruptCheckpointError:
+    """The one-line error for a checkpoint --resume cannot use (files that do not check out, or that verified but
+    whose content cannot be right: NaN/inf, which a run never saves): it names the newest other checkpoint that
+    verifies and `command --resume IT`, the command that resumes from it."""
+    return refuse(Verdict(ckpt, problem), ckpt.parent, lambda good: f"resume from it: {command} --resume {good}",
+                  what="--resume: ")
+
+
 def _step(ckpt: Path) -> int:
     digits = ckpt.name.rpartition("-")[2]
     return int(digits) if digits.isdigit() else -1

@@ -106,9 +106,9 @@ def run_eval(args) -> int:
     except INPUT_ERRORS as e:
         return fail("eval", e)
     with_tools = f" with tools {', '.join(tools.names)}" if tools else ""
-    print(f"evaluating {model_dir} on {name}/{args.split}{with_tools}: "
-          f"{min(len(examples), cfg.max_examples or len(examples))} problems", file=sys.stderr)
-    with Progress("evaluation", min(len(examples), cfg.max_examples or len(examples)), stream=sys.stderr) as bar:
+    problems = min(len(examples), cfg.max_examples or len(examples))
+    print(f"evaluating {model_dir} on {name}/{args.split}{with_tools}: {problems} problems", file=sys.stderr)
+    with Progress("evaluation", problems, stream=sys.stderr) as bar:
         report = evaluate(model, tok, task, examples, cfg, progress=lambda done, _: bar.update(done, "problems"),
                           tools=tools)
     document = {"model": str(model_dir), "split": args.split, **report_json(report)}

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint.run_dir import utc_stamp
@@ -165,7 +164,7 @@ def train_only_top(model, top_layers: int) -> None:
         p.requires_grad_(id(p) in trained)
 
 
-def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None] | None = None) -> Path:
+def run_sft(cfg: Config, base: Path, task) -> Path:
     """run_dir/sft: `base` after the supervised phase on the task's training split (written once)."""
     out = Path(cfg.run_dir) / "sft"
     if _complete(out, _settings(cfg, "sft")):
@@ -179,12 +178,8 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
         pairs = own_answers(model, tokenizer, pairs, cfg.rollout.max_new_tokens)
     train_only_top(model, cfg.warm_start.sft.top_layers)
     with Progress("supervised warm start", cfg.warm_start.sft.steps) as bar:
-        def report(step: int, loss: float) -> None:
-            bar.update(step + 1, f"loss {loss:.3f}")
-            if on_step is not None:
-                on_step(step, loss)
-
-        train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id, on_step=report)
+        train_sft(model, pairs, cfg.warm_start.sft, pad_id=tokenizer.pad_token_id,
+                  on_step=lambda step, loss: bar.update(step + 1, f"loss {loss:.3f}"))
     tmp = out.with_name("sft.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(model, tmp, tokenizer_dir=cfg.tokenizer.path or base)  # copies the tokenizer files too
@@ -192,9 +187,9 @@ def run_sft(cfg: Config, base: Path, task, on_step: Callable[[int, float], None]
     return out
 
 
-def warm_start(cfg: Config, task, on_sft_step: Callable[[int, float], None] | None = None) -> Path:
+def warm_start(cfg: Config, task) -> Path:
     """Run the configured warm-start stages; returns the checkpoint directory GRPO starts from."""
     base = build_tiny_base(cfg) if cfg.warm_start.tiny.arch else Path(cfg.model.path)
     if cfg.warm_start.sft.steps > 0:
-        return run_sft(cfg, base, task, on_sft_step)
+        return run_sft(cfg, base, task)
     return base

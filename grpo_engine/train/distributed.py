@@ -217,12 +217,6 @@ def _closing_micro_batch(model: nn.Module) -> None:
     (0.0 * model.lm_head(hidden).float().sum()).backward()
 
 
-def full_state(model: nn.Module, world: World) -> dict[str, torch.Tensor]:
-    """Our-named full (unsharded) tensors of every parameter, on CPU; a collective under fsdp2."""
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        t = p.detach()
-        if world.strategy == "fsdp2":
-            t = t.full_tensor()
-        out[name] = t.cpu()
-    return out
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our-named full (unsharded) tensors of every parameter of an fsdp2 model, on CPU; a collective."""
+    return {name: p.detach().full_tensor().cpu() for name, p in model.named_parameters(remove_duplicate=False)}

@@ -124,7 +124,7 @@ def checkpoint(run: Run, step: int) -> Path:
     writes the model (gathered from the shards under fsdp2) and the shared state, every rank its own state
     into the same temp directory, and rank 0 publishes it."""
     cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
-    full = full_state(inputs.policy.model, world) if world.strategy == "fsdp2" else None  # a collective
+    full = full_state(inputs.policy.model) if world.strategy == "fsdp2" else None  # a collective
 
     def add_rank_states(tmp: Path) -> None:
         world.barrier()  # rank 0's temp directory exists

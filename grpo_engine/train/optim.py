@@ -135,7 +135,7 @@ def adamw_update(state: dict, grad: torch.Tensor, group: dict) -> None:
 # The variants, chosen by name
 
 
-def _torch_adamw(params: list, cfg: OptimizerConfig, device: torch.device, fused: bool):
+def _torch_adamw(params: list, cfg: OptimizerConfig, fused: bool):
     if cfg.master_weights and any(p.dtype != torch.float32 for p in params):
         # torch keeps state in the param dtype: use our fp32-master path
         return OffloadedAdamW(params, cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, state_device=None)
@@ -146,7 +146,7 @@ def _torch_adamw(params: list, cfg: OptimizerConfig, device: torch.device, fused
 
 
 def build_adamw(params, cfg, device):
-    return _torch_adamw(params, cfg, device, fused=False)
+    return _torch_adamw(params, cfg, fused=False)
 
 
 def build_adamw_fused(params, cfg, device):
@@ -155,8 +155,8 @@ def build_adamw_fused(params, cfg, device):
     if device.type not in ("cuda", "cpu"):
         _fallback(cfg, f"adamw_fused has torch kernels for cuda and cpu, and the device is {device.type}",
                   "adamw (foreach)")
-        return _torch_adamw(params, cfg, device, fused=False)
-    return _torch_adamw(params, cfg, device, fused=True)
+        return _torch_adamw(params, cfg, fused=False)
+    return _torch_adamw(params, cfg, fused=True)
 
 
 def build_adamw_offload(params, cfg, device):

@@ -206,10 +206,6 @@ def kernel_plan(model, resume_dir: Path | None) -> KernelPlan:
 # whole weight memory on a small GPU.
 
 
-def _no_update(ref: nn.Module, policy: nn.Module, cfg: ReferenceConfig) -> None:
-    pass
-
-
 @torch.no_grad()
 def _hard_reset(ref: nn.Module, policy: nn.Module, cfg: ReferenceConfig) -> None:
     for r, p in _paired_tensors(ref, policy):
@@ -226,8 +222,7 @@ def _mixin(ref: nn.Module, policy: nn.Module, cfg: ReferenceConfig) -> None:
             r.copy_(p)
 
 
-UPDATES: dict[str, Callable[[nn.Module, nn.Module, ReferenceConfig], None]] = {
-    "frozen": _no_update,
+UPDATES: dict[str, Callable[[nn.Module, nn.Module, ReferenceConfig], None]] = {  # a frozen reference has none
     "hard_reset": _hard_reset,
     "mixin": _mixin,
 }
@@ -249,7 +244,7 @@ class Reference:
         self.cfg = cfg
         self.home = torch.device("cpu") if cfg.park_on_cpu else _device_of(policy)
         self.module = _detached_copy(policy, self.home)
-        self._update = UPDATES[cfg.mode]
+        self._update = UPDATES.get(cfg.mode)
 
     def before_pass(self, device: torch.device | str) -> None:
         """Put the reference on `device` for its forward pass (a no-op when it already lives there)."""

@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
-from ..checkpoint.resume import apply_learning_rate, check_resume_config
+from ..checkpoint.resume import apply_learning_rate, check_resume_config, warm_started
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
-from ..checkpoint.verify import CorruptCheckpointError, Verdict, refuse
+from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import PromptSampler
 from ..config import Config, ConfigError, check_paths
@@ -54,14 +54,10 @@ class Run:
     ckpt_root: Path
     done_steps: int  # optimizer steps already taken (the resumed checkpoint's step)
     last_checkpoint: Path | None
+    reward_watch: RewardWatch  # warnings on failed rewards and a run without learning signal
     lock: RunLock | None = None  # rank 0's hold on run_dir
-    reward_watch: RewardWatch | None = None  # warnings on failed rewards and a run without learning signal
     data: dict | None = None  # the data files the run reads, fingerprinted (rank 0; checkpoint/data_record.py)
     resumed_from: Path | None = None  # the checkpoint this run resumed from
-
-    def __post_init__(self) -> None:
-        self.reward_watch = self.reward_watch or RewardWatch(self.monitor.message,
-                                                             self.cfg.logging.no_signal_warn_steps)
 
 
 @dataclass
@@ -99,13 +95,16 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     check_paths(cfg)
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     task = task_of(cfg)
-    train_examples = nonempty(split_examples(task, cfg, "train_split"), cfg, "train_split")
+    train_examples = split_examples(task, cfg, "train_split")
+    if not train_examples:
+        raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples: "
+                          f"check task.data_path / the task's options")
     eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
     saved = load_trainer_state(resume_dir) if resume_dir else None
     if saved is not None and world.is_main and nonfinite_state(saved):
-        raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options)
+        raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options.command)
     changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
     data = data_record(cfg, len(train_examples)) if world.is_main else None
     if saved is not None and world.is_main:  # the data the checkpoint was trained on, or --allow-data-change
@@ -129,7 +128,7 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
 def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     """setup_run's second half, under the run lock: the warm start, model, tokenizer, optimizer and resumed state."""
     world, saved = c.world, c.saved
-    if cfg.warm_start.tiny.arch or cfg.warm_start.sft.steps > 0:  # base/, sft/ under run_dir: it is ours now
+    if warm_started(cfg):  # base/, sft/ under run_dir: it is ours now
         take_run_dir(c.run_dir, lock)
         cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, c.task)))
     device = pick_device(cfg.model.device, world.local_rank)
@@ -137,7 +136,7 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     policy = build_policy(cfg, device, c.resume_dir, world)
     if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
-        raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options)
+        raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options.command)
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
@@ -154,26 +153,14 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
     curriculum = build_curriculum(cfg, prompts, tokenizer, c.task, c.train_examples, params, world,
                                   saved.curriculum if saved else None)
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
-    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir, lock, data=c.data,
-               resumed_from=c.resume_dir)
-
-
-def resume_refused(ckpt: Path, problem: str, options: StartOptions) -> CorruptCheckpointError:
-    """The one-line error for a checkpoint whose files verified but whose content cannot be right (NaN/inf, which a
-    run never saves): it names the newest other checkpoint that verifies and the command that resumes from it."""
-    def use(good: Path) -> str:
-        return f"resume from it: {options.command} --resume {good}"
-
-    return refuse(Verdict(ckpt, problem), ckpt.parent, use, what="--resume: ")
+    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
+               RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
     """Apply the run-dir plan once (rank 0): move an old run aside, or supersede later checkpoints."""
-    if lock is None or plan.applied:
-        return
-    plan.apply()
-    if plan.move_aside:
-        lock.moved_to(plan.run_dir)
+    if lock is not None and not plan.applied:
+        plan.apply(lock=lock)
 
 
 def to_stderr(text: str) -> None:
@@ -187,14 +174,6 @@ def split_examples(task, cfg: Config, split_field: str) -> list:
         return list(task.examples(getattr(cfg.task, split_field)))
     except ValueError as e:
         raise ConfigError(f"task.{split_field}={getattr(cfg.task, split_field)!r}: {e}") from None
-
-
-def nonempty(examples, cfg: Config, split_field: str) -> list:
-    examples = list(examples)
-    if not examples:
-        raise ConfigError(f"task.{split_field}={getattr(cfg.task, split_field)!r} of task {cfg.task.name!r} has no "
-                          f"examples: check task.data_path / the task's options")
-    return examples
 
 
 def make_monitor(cfg: Config, world: World, done: int):

@@ -47,11 +47,10 @@ class StepInputs:
     params: SamplingParams  # rollout sampling (G completions per prompt)
     world: World = field(default_factory=World)  # this rank among the data-parallel ranks (size 1: alone)
     curriculum: Curriculum | None = None  # curriculum.mode != none: a scored queue in front of `prompts`
-    update: UpdateSettings | None = None  # what the update phase reads, the loss resolved once (default: from cfg)
+    update: UpdateSettings = field(init=False)  # what the update phase reads, the loss resolved once (from cfg)
 
     def __post_init__(self):
-        if self.update is None:
-            self.update = update_settings(self.cfg)
+        self.update = update_settings(self.cfg)
 
 
 @dataclass
