@@ -182,10 +182,11 @@ def test_config_choices_are_the_library_tables():
 
     semantic_entropy = import_module("grpo_engine.rl.semantic_entropy")  # the package re-exports a function
 
+    # reference modes: "none" and "frozen" have no update rule, the others one each
     pairs = [(A.LOSSES, losses.PRESETS), (A.RATIO_LEVELS, losses.RATIOS), (A.AGGREGATIONS, losses.AGGREGATIONS),
              (A.KL_ESTIMATORS, losses.KL_ESTIMATORS), (A.ADVANTAGE_ESTIMATORS, advantages.ESTIMATORS),
              (A.ROLLOUT_CORRECTIONS, correction.CORRECTIONS), (A.CORRECTION_LEVELS, correction.LEVELS),
-             (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", *reference.UPDATES]),
+             (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", "frozen", *reference.UPDATES]),
              (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
              (tuple(c for c in T.CHECKPOINTING if c != "auto"), plan_memory.CHECKPOINT_MODES),
              (T.LORA_INITS, lora.LORA_A_INIT),
