@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -55,6 +54,7 @@ from grpo_engine.checkpoint.store import (  # noqa: E402
 from grpo_engine.checkpoint.verify import check  # noqa: E402
 from grpo_engine.config import load_config  # noqa: E402
 from grpo_engine.gguf_export import export_gguf  # noqa: E402
+from grpo_engine.kernels import cpu_model  # noqa: E402
 from grpo_engine.kernels.select import cache_path  # noqa: E402
 from grpo_engine.model.loading import load_model, save_model  # noqa: E402
 from grpo_engine.model.tiny import tiny_config, write_byte_tokenizer  # noqa: E402
@@ -63,12 +63,15 @@ from grpo_engine.train.loop import train  # noqa: E402
 from grpo_engine.train.setup import setup_run  # noqa: E402
 
 
+def model_config(args):
+    return tiny_config("qwen2-tied", vocab_size=args.vocab, hidden_size=args.hidden,
+                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+
+
 def write_checkpoint(root: Path, args) -> Path:
     """step-000001 under root/checkpoints: random weights and a full fine-tune's AdamW state."""
-    cfg = tiny_config("qwen2-tied", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads)
-    model = Transformer(cfg)
+    model = Transformer(model_config(args))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -79,29 +82,29 @@ def write_checkpoint(root: Path, args) -> Path:
                            tokenizer_dir=root / "tokenizer", keep_last=2)
 
 
-def write_run(root: Path, args) -> tuple[Path, Path]:
-    """(config file, its step-000001): one step of configs/tiny_arithmetic.yaml on a random model of the shape."""
-    cfg = tiny_config("qwen2-tied", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads)
+def write_run(root: Path, args) -> Path:
+    """The step-000001 of one step of configs/tiny_arithmetic.yaml (root/train.yaml) on a random model."""
     write_byte_tokenizer(root / "tokenizer")
-    save_model(Transformer(cfg), root / "base", tokenizer_dir=root / "tokenizer")
+    save_model(Transformer(model_config(args)), root / "base", tokenizer_dir=root / "tokenizer")
     config = yaml.safe_load((REPO / "configs" / "tiny_arithmetic.yaml").read_text())
     config.update(run_dir=str(root / "run"))
     config["model"]["path"], config["schedule"]["steps"] = str(root / "base"), 1
     (root / "train.yaml").write_text(yaml.safe_dump(config))
     train(load_config(str(root / "train.yaml")))
-    return root / "train.yaml", root / "run" / "checkpoints" / "step-000001"
+    return root / "run" / "checkpoints" / "step-000001"
+
+
+def use_cache(root: Path, plan_from: Path | None) -> None:
+    """GRPO_CACHE_DIR=root (a stamp cache of its own) with plan_from's kernel plan, so that no plan is measured."""
+    os.environ["GRPO_CACHE_DIR"] = str(root)
+    if plan_from is not None and plan_from.is_file():
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(plan_from, cache_path())
 
 
 def fresh_stamps() -> None:
     """As if the checkpoint were copied here: no stamp of this machine's for it (the kernel plan is kept)."""
-    plan = Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine" / "kernels.json"
-    os.environ["GRPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="stamps-")
-    if plan.is_file():
-        (Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine").mkdir()
-        shutil.copy(plan, Path(os.environ["GRPO_CACHE_DIR"]) / "grpo-engine" / "kernels.json")
-    stamps._memory.clear()
+    use_cache(Path(tempfile.mkdtemp(prefix="stamps-")), cache_path())
 
 
 def eval_load(ckpt: Path, way: str) -> None:
@@ -119,10 +122,9 @@ def resume_load(ckpt: Path, way: str) -> None:
     load_model(ckpt / "model")
 
 
-def train_resume(config: Path, way: str) -> None:
+def train_resume(ckpt: Path, way: str) -> None:
     """The whole set-up of `grpo train CONFIG --resume` (model, tokenizer, optimizer state, task data, checks)."""
-    ckpt = config.parent / "run" / "checkpoints" / "step-000001"
-    run = setup_run(load_config(str(config)), resume=str(ckpt))
+    run = setup_run(load_config(str(ckpt.parents[2] / "train.yaml")), resume=str(ckpt))
     run.monitor.close()
     run.lock.release()
 
@@ -130,16 +132,16 @@ def train_resume(config: Path, way: str) -> None:
 WAYS = ("load only", "stamped", "copied")
 
 
-def measure(ckpt: Path, config: Path | None, repeats: int) -> dict:
-    """Median seconds per load and way; config: a run to resume whole (train_resume), or None to skip that."""
+def measure(ckpt: Path, run_ckpt: Path | None, repeats: int) -> dict:
+    """Median seconds per load and way; run_ckpt: write_run's checkpoint to resume whole, or None to skip that."""
     kinds = {"eval": (eval_load, ckpt, WAYS), "resume": (resume_load, ckpt, WAYS), "export": (export, ckpt, WAYS[1:])}
-    if config is not None:
-        kinds["train --resume"] = (train_resume, config, WAYS[1:])
+    if run_ckpt is not None:
+        kinds["train --resume"] = (train_resume, run_ckpt, WAYS[1:])
     times = {kind: {way: [] for way in ways} for kind, (_, _, ways) in kinds.items()}
     for kind, (load, target, ways) in kinds.items():
         fresh_stamps()
         time.sleep(max(0.0, 2 * stamps.RACY_NS / 1e9))  # files stamped within RACY_NS of being written are hashed again
-        check(ckpt if target == ckpt else target.parent / "run" / "checkpoints" / "step-000001")  # stamps, caches
+        check(target)  # stamps every file and reads it into the page cache
         load(target, ways[0])
         stamped_cache = os.environ["GRPO_CACHE_DIR"]
         for _ in range(repeats):
@@ -167,20 +169,16 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="manifest-cost-") as tmp:
-        os.environ["GRPO_CACHE_DIR"] = str(Path(tmp) / "cache")  # stamps and plans of its own, the user's plan kept
-        user_plan = cache_path()
-        if user_plan.is_file():
-            (Path(tmp) / "cache" / "grpo-engine").mkdir(parents=True)
-            shutil.copy(user_plan, Path(tmp) / "cache" / "grpo-engine" / "kernels.json")
+        use_cache(Path(tmp) / "cache", cache_path())  # stamps of its own; the user's kernel plan, not measured again
         ckpt = write_checkpoint(Path(tmp), args)
-        config = None if args.no_train else write_run(Path(tmp) / "train", args)[0]
+        run_ckpt = None if args.no_train else write_run(Path(tmp) / "train", args)
         sizes = {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in ckpt.rglob("*.safetensors")}
-        result = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                  "torch": torch.__version__, "bytes": sizes, "seconds": measure(ckpt, config, args.repeats)}
+        result = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "bytes": sizes,
+                  "seconds": measure(ckpt, run_ckpt, args.repeats)}
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"{os.cpu_count()} cores, torch {torch.__version__}; files: "
+    print(f"{result['cpu']}, {os.cpu_count()} cores, torch {torch.__version__}; files: "
           + ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in sizes.items()))
     for kind, ways in result["seconds"].items():
         base = next(iter(ways.values()))

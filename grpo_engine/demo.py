@@ -186,9 +186,10 @@ def _what(cfg: Config, real: bool) -> str:
 def _starting_point(cfg: Config, task, pretrained_row: bool, console: Console) -> tuple[HeldOut | None, Path, HeldOut]:
     """(the pretrained model's results when they are a row of the table, the model GRPO starts from, its results).
     The warm start runs when the recipe has one: a tiny model's, or a real model's supervised cold start."""
+    from .checkpoint.resume import warm_started
     from .sft.warm_start import warm_start
 
-    warm = bool(cfg.warm_start.tiny.arch) or cfg.warm_start.sft.steps > 0
+    warm = warm_started(cfg)
     pretrained = None
     if pretrained_row:
         console.print("held-out evaluation of the pretrained model")

@@ -24,8 +24,7 @@ def test_manifest_cost_times_every_way_and_only_copied_checkpoints_are_hashed(tm
         hashed.clear()
         bench.resume_load(ckpt, way)
         assert ("model/model.safetensors" in hashed) == (way == "copied"), (way, hashed)
-    config, _ = bench.write_run(tmp_path / "train", args)
-    seconds = bench.measure(ckpt, config, repeats=1)
+    seconds = bench.measure(ckpt, bench.write_run(tmp_path / "train", args), repeats=1)
     assert set(seconds) == {"eval", "resume", "export", "train --resume"}
     assert set(seconds["export"]) == set(seconds["train --resume"]) == set(bench.WAYS[1:])
     assert all(s > 0 for ways in seconds.values() for s in ways.values())

@@ -22,7 +22,7 @@ from ..kernels.select import cache_path
 RACY_NS = 100_000_000  # 0.1 s
 MAX_STAMPS = 1000  # past this many, stamps of checkpoints that no longer exist are dropped
 
-_memory: dict[str, dict] = {}  # this process's stamps (also when the cache cannot be written)
+_memory: dict[Path, dict] = {}  # this process's stamps by stamp file (also when the cache cannot be written)
 
 
 def _key(ckpt: Path) -> str:
@@ -42,7 +42,7 @@ def _stat(path: Path) -> list[int] | None:
 
 
 def _load(key: str) -> dict:
-    stamp = _memory.get(key)
+    stamp = _memory.get(_file_of(key))
     if stamp is None:
         try:
             stamp = json.loads(_file_of(key).read_text())
@@ -78,9 +78,9 @@ def remember(ckpt: Path, names: list[str], manifest_sha256: str, *, as_path: Pat
         if stat is not None:
             files[name] = [*stat, at]
     stamp = {"path": key, "manifest": manifest_sha256, "files": files}
-    _memory[key] = stamp
+    path = _file_of(key)
+    _memory[path] = stamp
     try:
-        path = _file_of(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(stamp))
