@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "grpo_engine"
 MAX_FUNCTION_LINES = 60
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 600
 
 
 def _sources():
@@ -33,7 +33,7 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_function_over_60_lines_and_no_file_over_400():
+def test_no_function_over_60_lines_and_no_file_over_600():
     long_functions, long_files = [], []
     for path in _sources():
         text = path.read_text()
