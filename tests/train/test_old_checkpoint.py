@@ -85,7 +85,8 @@ def test_a_v0_1_checkpoint_resumes_bit_for_bit(fixture_dir):
     if not made_here(fresh):
         for step, (a, b) in {2: (fresh2, old2), 3: (fresh3, resumed3)}.items():
             for k in a:
-                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k, s=step: f"step {s} {k}: {m}")
+                msg = lambda m, k=k, s=step: f"step {s} {k}: {m}"  # noqa: E731
+                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=msg)
         got, want = metrics(run)[3], metrics(fresh)[3]
         assert got.keys() == want.keys()
         for k, v in want.items():
