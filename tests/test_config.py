@@ -176,7 +176,7 @@ def test_config_choices_are_the_library_tables():
     from grpo_engine.config import training as T
     from grpo_engine.model import lora
     from grpo_engine.plan import memory as plan_memory
-    from grpo_engine.rl import advantages, correction, losses, schedule
+    from grpo_engine.rl import advantages, correction, losses
     from grpo_engine.train import memory, optim
     from grpo_engine.train import policy as reference
 
@@ -187,7 +187,7 @@ def test_config_choices_are_the_library_tables():
              (A.KL_ESTIMATORS, losses.KL_ESTIMATORS), (A.ADVANTAGE_ESTIMATORS, advantages.ESTIMATORS),
              (A.ROLLOUT_CORRECTIONS, correction.CORRECTIONS), (A.CORRECTION_LEVELS, correction.LEVELS),
              (A.MODULATIONS, semantic_entropy.MODULATIONS), (A.REFERENCE_MODES, ["none", "frozen", *reference.UPDATES]),
-             (T.OPTIMIZERS, optim.OPTIMIZERS), (T.LR_SCHEDULES, schedule.SCHEDULES),
+             (T.OPTIMIZERS, optim.OPTIMIZERS),
              (tuple(c for c in T.CHECKPOINTING if c != "auto"), plan_memory.CHECKPOINT_MODES),
              (T.LORA_INITS, lora.LORA_A_INIT),
              (T.NF4_BACKENDS, lora.NF4_BACKENDS),

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..config.algorithm import GroupFilterConfig
-from ..rl.group_filter import select_groups
+from ..rl.advantages import select_groups
 from ..rollout import SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
@@ -150,7 +150,7 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
                    world: World | None = None, generate_fn=None) -> RolloutRound:
     """Generate this rank's groups of the step's `prompts` (the global count); with group_filter.enabled keep
     only informative groups (rewards differ), drawing fresh prompts for the missing ones, for at most
-    group_filter.max_rounds rounds (rl.group_filter).
+    group_filter.max_rounds rounds (rl.advantages.select_groups).
 
     Every rank draws the same global prompts from the stream and generates its own share of them, each
     prompt seeded by its global index: the completions of a prompt do not depend on the number of ranks.

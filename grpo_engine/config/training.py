@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .fields import one_of, option, require, section
@@ -10,7 +11,6 @@ from .fields import one_of, option, require, section
 UPDATE_MMAP = ("auto", "true", "false")  # memory.cpu_update_mmap (train/memory.py update_mmap_on)
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
-LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING = ("auto", "none", "all", "every_k")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -55,6 +55,29 @@ class OptimizerSection(OptimizerConfig):
         super().__post_init__()
         require(self.grad_clip >= 0, "optimizer.grad_clip must be >= 0 (0 = off)")
         require(self.max_nonfinite_steps >= 1, "optimizer.max_nonfinite_steps must be >= 1")
+
+
+def _constant(progress: float, min_ratio: float) -> float:
+    return 1.0
+
+
+def _cosine(progress: float, min_ratio: float) -> float:
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+SCHEDULES: dict[str, Callable[[float, float], float]] = {"constant": _constant, "cosine": _cosine}
+LR_SCHEDULES = tuple(SCHEDULES)
+
+
+def lr_factor(step: int, *, total: int, warmup: int, kind: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): warmup ramps 1/warmup ... 1, then the shape
+    `kind` (SCHEDULES) over the remaining steps. Plain arithmetic, so GRPO's scheduler (train/optim.py) and the
+    warm start's trainer (sft/trainer.py) share it."""
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_steps = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return SCHEDULES[kind](progress, min_ratio)
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Group-relative advantages on an explicit [P, G] layout (P prompts, G completions each).
+"""Group-relative advantages on an explicit [P, G] layout (P prompts, G completions each), and the decisions
+taken on the same rewards: which groups carry signal (DAPO dynamic sampling, `select_groups`) and DAPO's
+overlong handling (`soft_overlong_penalty` on the reward, `overlong_keep_mask` on the loss).
 
 Row p holds the G completions of prompt p, in the order the sampler returned them (row i of a flat rollout
 belongs to prompt i // G), so `rewards.view(P, G)` is the layout. Each estimator is a small function chosen
@@ -13,7 +15,7 @@ Guarantees the training loop relies on:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -152,3 +154,64 @@ def compute_advantages(rewards: torch.Tensor, cfg: AdvantageConfig | None = None
         num_zero_variance=int(zero_var.sum()),
         num_nonfinite=int((~valid).sum()),
     )
+
+
+# ---- group filtering (DAPO dynamic sampling, Yu et al. 2025) ---------------------------------------------
+# A group whose G completions all got the same reward has zero advantage everywhere and contributes no
+# gradient, only cost. DAPO over-samples: the loop keeps drawing rounds of prompts until it has
+# `target_groups` informative groups (or hits its round cap), then trains on exactly those. The loop owns
+# sampling; select_groups is the bookkeeping: which groups of which round to keep.
+
+
+@dataclass(frozen=True)
+class GroupSelection:
+    """Which groups to train on, in sampling order."""
+
+    keep: list[tuple[int, int]]  # (round, group index within that round), at most target_groups entries
+    num_informative: int  # informative groups seen over all rounds (may exceed len(keep))
+
+
+def select_groups(rounds: Sequence[torch.Tensor], target_groups: int, tol: float = 0.0) -> GroupSelection:
+    """Select informative groups (at least two finite rewards that differ by more than tol) from the reward
+    tensors [P_r, G] of the rounds sampled so far.
+
+    The loop calls this after every round and draws prompts for the groups still missing, until it has
+    target_groups or reaches its round cap; it then trains on the kept groups.
+    """
+    if target_groups < 1:
+        raise ValueError(f"target_groups must be >= 1, got {target_groups}")
+    keep, informative = [], 0
+    for r, rewards in enumerate(rounds):
+        ok = ~zero_variance_groups(rewards, tol)  # [P_r]
+        informative += int(ok.sum())
+        keep += [(r, int(p)) for p in torch.nonzero(ok).flatten().tolist()]
+    return GroupSelection(keep[:target_groups], informative)
+
+
+# ---- overlong completions (DAPO, Yu et al. 2025) ---------------------------------------------------------
+# A completion cut at max_new_tokens has no final answer, so its reward says "wrong" for a reasoning that may
+# have been fine -- noise. Two remedies, usable together: mask truncated completions out of the loss
+# (overlong_keep_mask), or add a length penalty to the reward before advantages that ramps linearly from 0 to
+# -1 over the last `cache_len` tokens before `max_len` (soft_overlong_penalty).
+
+
+def overlong_keep_mask(finish_reason: Sequence[str]) -> torch.Tensor:
+    """Bool [N]: True for completions to keep in the loss (stopped on their own), False for truncated ones."""
+    unknown = sorted(set(finish_reason) - {"stop", "length"})
+    if unknown:
+        raise ValueError(f"finish_reason must be 'stop' or 'length', got {unknown}")
+    return torch.tensor([r != "length" for r in finish_reason], dtype=torch.bool)
+
+
+def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO soft overlong punishment R_length(|y|) for completion lengths [N] -> [N] float, in [-1, 0].
+
+        0                                 if |y| <= L_max - L_cache
+        (L_max - L_cache - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+        -1                                if |y| > L_max
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    n = lengths.float()  # [N]
+    ramp = ((max_len - cache_len) - n) / cache_len  # [N], negative inside the cache window
+    return torch.where(n > max_len, torch.full_like(n, -1.0), ramp.clamp(max=0.0))

@@ -27,7 +27,6 @@ import torch
 
 from ..config.algorithm import LossConfig
 from .correction import mismatch_metrics, rollout_correction
-from .loss_inputs import broadcast_advantages, check_inputs, finite_inputs, normalisers
 
 
 @dataclass(frozen=True)
@@ -209,6 +208,63 @@ AGGREGATIONS: dict[str, Callable] = {
 }
 
 
+# ---- inputs: shapes, advantages [B] -> [B, T], normalisers, finite masking --------------------------------
+
+
+def check_inputs(c: LossConfig, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Shapes agree with mask [B, T], and the inputs the config's terms need are there."""
+    if c.rollout_correction != "none" and tensors["sampler_logp"] is None:
+        raise ValueError(f"rollout_correction {c.rollout_correction!r} needs sampler_logp (the sampler's log-probs)")
+    if c.beta > 0 and tensors["ref_logp"] is None:
+        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
+    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and tensors["entropy"] is None:
+        raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
+
+
+def normalisers(m: torch.Tensor, num_tokens_total, num_seqs_total) -> tuple[float, float]:
+    """Active tokens and sequences the aggregation divides by: the whole step's when given, else this call's."""
+    n_tok = float(num_tokens_total) if num_tokens_total is not None else float(m.sum().clamp_min(1))
+    n_seq = float(num_seqs_total) if num_seqs_total is not None else float((m.sum(1) > 0).sum().clamp_min(1))
+    if n_tok <= 0 or n_seq <= 0:
+        raise ValueError(f"num_tokens_total and num_seqs_total must be > 0, got {num_tokens_total}, {num_seqs_total}")
+    return n_tok, n_seq
+
+
+def broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] per-sequence or [B, T] per-token advantages -> [B, T]."""
+    if advantages.shape == mask.shape[:1]:
+        return advantages[:, None].expand_as(mask)
+    if advantages.shape != mask.shape:
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)} but mask has shape {tuple(mask.shape)}; "
+            f"expected [B] or [B, T]"
+        )
+    return advantages
+
+
+@dataclass
+class Finite:
+    mask: torch.Tensor  # [B, T] bool: active tokens whose every input is finite
+    num_nonfinite: torch.Tensor  # 0-dim: active tokens dropped because an input was NaN or inf
+
+
+def finite_inputs(mask, logp, old, adv, *optional) -> Finite:
+    """Drop active tokens with a non-finite input: one NaN would turn the whole loss (and every weight) into NaN.
+
+    optional: the [B, T] inputs the config uses, or None (ref_logp, entropy, sampler_logp)."""
+    finite = torch.isfinite(logp) & torch.isfinite(old) & torch.isfinite(adv)  # [B, T]
+    for t in optional:
+        if t is not None:
+            finite &= torch.isfinite(t)
+    mask_in = mask.bool()
+    return Finite(mask=mask_in & finite, num_nonfinite=(mask_in & ~finite).sum())
+
+
 # ---- the loss --------------------------------------------------------------------------------------------
 
 
@@ -309,7 +365,7 @@ def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: Reso
     if c.entropy_top_quantile < 1:
         # The low-entropy tokens' terms are zeroed, not dropped from the mask: the aggregation must still divide
         # by every active token (Wang et al. 2025; docs/algorithms.md). Aggregating over the top-entropy mask
-        # made seq-mean-token-mean divide by each sequence's kept tokens, scaling its gradient by 1/q.
+        # would make seq-mean-token-mean divide by each sequence's kept tokens, scaling its gradient by 1/q.
         per_token = per_token * _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
     if sampler_logp is not None:
         metrics = mismatch_metrics(old, sampler_logp, m_bool)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import SFTConfig
+from ..config.training import lr_factor
 from ..model.transformer import Transformer
-from ..rl.schedule import lr_factor
 
 
 @dataclass
@@ -116,7 +116,7 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
-    """Linear warmup, then cosine decay to 0: the schedule of GRPO's optimizer (rl/schedule.py)."""
+    """Linear warmup, then cosine decay to 0: the schedule of GRPO's optimizer (config/training.py)."""
     return cfg.lr * lr_factor(step, total=cfg.steps, warmup=cfg.warmup_steps, kind="cosine", min_ratio=0.0)
 
 

@@ -23,8 +23,7 @@ import torch
 
 from ..collect.groups import Group
 from ..config import Config, ConfigError
-from ..rl.advantages import combine_rewards, compute_advantages
-from ..rl.overlong import overlong_keep_mask, soft_overlong_penalty
+from ..rl.advantages import combine_rewards, compute_advantages, overlong_keep_mask, soft_overlong_penalty
 from ..rl.semantic_entropy import group_semantic_entropy, modulate_advantages
 from ..world import World
 

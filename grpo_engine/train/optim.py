@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..config.fields import ConfigError
-from ..config.training import OptimizerConfig
-from ..rl.schedule import SCHEDULES, lr_factor
+from ..config.training import SCHEDULES, OptimizerConfig, lr_factor
 
 # ----------------------------------------------------------------------------------------------------
 # Offloaded / master-weight AdamW

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from grpo_engine.rl.group_filter import select_groups
-from grpo_engine.rl.overlong import overlong_keep_mask, soft_overlong_penalty
+from grpo_engine.rl.advantages import overlong_keep_mask, select_groups, soft_overlong_penalty
 
 
 def test_soft_overlong_penalty_hand_computed():

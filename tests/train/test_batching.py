@@ -2,7 +2,7 @@
 
 import torch
 
-from grpo_engine.rl.schedule import lr_factor
+from grpo_engine.config.training import lr_factor
 from grpo_engine.train.batch import build_rollout_batch, micro_batches
 
 
