@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, config_from_yaml_text
+from ..plan.precision import resolve_precision
 
 # Dotted keys (or prefixes ending in ".") whose change a resumed run cannot honour.
 FIXED = ("seed", "model.path", "tokenizer.", "task.", "lora.", "warm_start.", "rollout.group_size",
@@ -74,10 +75,9 @@ def device_here(cfg: Config) -> str:
 
 
 def precision_here(cfg: Config) -> str:
-    """memory.precision as it resolves on this machine (train/memory.py torch_dtype): auto is bf16 on CUDA."""
-    if cfg.memory.precision != "auto":
-        return cfg.memory.precision
-    return "bf16" if device_here(cfg) == "cuda" else "fp32"
+    """memory.precision as it resolves on this machine (plan/precision.py resolve_precision, as the trainer
+    resolves it): auto is bf16 on a CUDA card with native bf16, fp32 elsewhere."""
+    return resolve_precision(cfg.memory.precision, device_here(cfg))
 
 
 def effective(cfg: Config) -> dict:

@@ -98,7 +98,10 @@ class ScheduleSection:
 class MemoryConfig:
     """How weights and activations are held during training."""
 
-    precision: str = option("auto", "weights dtype: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
+    precision: str = option("auto", "weights dtype: auto (bf16 on a CUDA card with native bf16, compute "
+                                            "capability 8.0+; fp32 on older cards, not fp16, which would need loss "
+                                            "scaling the engine does not do; fp32 on CPU) | fp32 | bf16 (refused "
+                                            "on a card without native bf16)")
     activation_checkpointing: str = option(
         "auto", "auto (CPU: every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
                 "optimizer state and >= 256 MiB, else none; CUDA: the least recompute the memory planner predicts "

@@ -2,8 +2,9 @@
 
 memory.py knows knobs (PlanInput), not configs; this module is the one place that says which config field
 decides which knob, so `grpo plan configs/x.yaml` and the check `grpo train` runs before loading the model
-plan exactly the same thing. The planner predicts GPU memory, so it always plans for a CUDA card:
-memory.precision=auto means bf16 here, whatever device this machine has.
+plan exactly the same thing. The planner predicts GPU memory, so it always plans for a CUDA card, in the dtype
+the trainer will load there (plan/precision.py resolve_precision): this machine's card when it has one, else a card
+with native bf16 (memory.precision=auto plans bf16 then; plan an older card with memory.precision=fp32).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..model.config import ModelConfig
 from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice
 from .memory import MemoryPlan, PlanInput, fits, plan_memory
 from .policy_spec import policy_spec
+from .precision import planned_card_native_bf16, resolve_precision
 from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
 
@@ -30,7 +32,14 @@ def rollout_rows_in_flight(cfg: Config, slots: int) -> int:
     return min(r.prompts_per_step, groups) * r.group_size
 
 
-def plan_input_from_config(cfg: Config) -> PlanInput:
+def planned_precision(cfg: Config, bf16_native: bool | None = None) -> str:
+    """memory.precision as the trainer resolves it on the planned card (bf16_native: whether that card has native
+    bf16; None = this machine's card, or a card with it when there is none)."""
+    native = planned_card_native_bf16 if bf16_native is None else (lambda: bf16_native)
+    return resolve_precision(cfg.memory.precision, "cuda", native)
+
+
+def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> PlanInput:
     """The planner's knobs for one step of `cfg`. Lengths are the caps (rollout.max_prompt_tokens,
     rollout.max_new_tokens), so the plan is the worst step, not the average one; a training micro-batch
     holds memory.micro_batch_tokens // (prompt + completion) rows of that worst length (at least one)."""
@@ -41,7 +50,7 @@ def plan_input_from_config(cfg: Config) -> PlanInput:
         prompts_per_step=r.prompts_per_step, group_size=r.group_size,
         prompt_len=r.max_prompt_tokens, completion_len=r.max_new_tokens,
         mode=spec.mode, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
-        precision="bf16" if m.precision == "auto" else m.precision,
+        precision=planned_precision(cfg, bf16_native),
         optimizer=cfg.optimizer.name, master_weights=cfg.optimizer.master_weights,
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
         micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),

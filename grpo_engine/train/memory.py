@@ -22,19 +22,16 @@ from torch import nn
 from ..config.training import MemoryConfig
 from ..kernels import apply_activation_checkpointing, checkpointed_blocks
 from ..plan.memory import checkpoint_every
+from ..plan.precision import resolve_precision
 
 MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """The weights dtype; "auto" is bf16 on CUDA (half the memory, full speed) and fp32 on CPU (bf16 matmuls
-    are slow there and tests compare numbers in fp32)."""
-    if precision == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}; choose from {sorted(PRECISIONS)}")
-    return PRECISIONS[precision]
+    """The weights dtype memory.precision resolves to on `device` (plan/precision.py resolve_precision: "auto" is
+    bf16 on a CUDA card with native bf16, fp32 on older cards and on CPU; bf16 on a card without it is refused)."""
+    return PRECISIONS[resolve_precision(precision, device)]
 
 
 def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
