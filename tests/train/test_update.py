@@ -1,10 +1,13 @@
 """The update phase: micro-batched gradients through rl.policy_loss equal the one-big-batch gradients."""
 
+import itertools
+
 import pytest
 import torch
 
+from grpo_engine.config import algorithm as A
 from grpo_engine.model.loading import load_model
-from grpo_engine.rl.losses import LossConfig, is_tokenwise
+from grpo_engine.rl.losses import LossConfig, is_tokenwise, resolve
 from grpo_engine.train.batch import build_rollout_batch, micro_batches
 from grpo_engine.train.forward import batch_logprobs
 from grpo_engine.train.update import accumulate_gradients, combine_metrics
@@ -53,19 +56,54 @@ def _old_and_ref(model, batch):
     return (old + noise) * batch.completion_mask, old - 0.05
 
 
+def _tokenwise_losses() -> list[LossConfig]:
+    """Every per-token loss the config can name: each combination of preset, ratio level, rollout correction,
+    correction level and top-entropy masking for which is_tokenwise holds (GSPO with a token ratio; TIS and MIS
+    per token), one case per distinct loss. The KL estimators, the entropy bonus and the dual clip are spread
+    over the cases, and each correction's cap is one that this test's mismatch reaches."""
+    cases, seen = [], set()
+    axes = itertools.product(A.LOSSES, A.RATIO_LEVELS, A.ROLLOUT_CORRECTIONS, A.CORRECTION_LEVELS, (1.0, 0.2))
+    for loss, ratio, correction, level, top_q in axes:
+        cfg = LossConfig(loss=loss, ratio_level=ratio, rollout_correction=correction,
+                         rollout_correction_level=level, entropy_top_quantile=top_q, max_completion_len=9)
+        key = (loss, ratio, correction, level if correction != "none" else "-")
+        if not is_tokenwise(cfg) or key in seen:
+            continue
+        seen.add(key)
+        i = len(cases)
+        cases.append(LossConfig(
+            loss=loss, ratio_level=ratio, rollout_correction=correction, rollout_correction_level=level,
+            rollout_correction_cap=1.3, max_completion_len=9, beta=0.04 if i % 2 == 0 else 0.0,
+            kl_estimator=A.KL_ESTIMATORS[i % 3], entropy_coef=0.01 if i % 3 != 1 else 0.0,
+            dual_clip_c=3.0 if i % 4 == 1 else None))
+    return cases
+
+
+TOKENWISE_LOSSES = _tokenwise_losses()
+
+
+def test_the_tokenwise_losses_cover_every_preset_and_token_correction():
+    """18 losses: the six presets (GSPO only with a token ratio) x no / TIS / MIS correction per token."""
+    assert len(TOKENWISE_LOSSES) == 18
+    assert {c.loss for c in TOKENWISE_LOSSES} == set(A.LOSSES)
+    assert {(c.loss, c.rollout_correction) for c in TOKENWISE_LOSSES} == set(
+        itertools.product(A.LOSSES, A.ROLLOUT_CORRECTIONS))
+    assert {c.kl_estimator for c in TOKENWISE_LOSSES if c.beta > 0} == set(A.KL_ESTIMATORS)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2-tied"])
-@pytest.mark.parametrize("cfg", [
-    LossConfig(loss="grpo", beta=0.04, entropy_coef=0.01),
-    LossConfig(loss="dapo", dual_clip_c=3.0),
-    LossConfig(loss="dr_grpo", beta=0.1, kl_estimator="k2", max_completion_len=9),
-    LossConfig(loss="cispo", entropy_coef=0.05, beta=0.02, kl_estimator="k1"),
-], ids=["grpo-kl-ent", "dapo-dualclip", "drgrpo-k2", "cispo-k1-ent"])
+@pytest.mark.parametrize("cfg", TOKENWISE_LOSSES,
+                         ids=[f"{c.loss}-{c.rollout_correction}-{c.kl_estimator if c.beta else 'nokl'}"
+                              for c in TOKENWISE_LOSSES])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cfg, temperature):
-    """The head's in-forward gradients == autograd through policy_loss, for every per-token loss variant."""
+    """The head's in-forward gradients == autograd through policy_loss, for every loss is_tokenwise admits."""
     model = load_model(tiny_ckpt_factory(arch), dtype=torch.float64)
     batch = _batch(model.config.vocab_size)
     batch.old_logp, batch.ref_logp = _old_and_ref(model, batch)
+    if cfg.rollout_correction != "none":
+        noise = 0.4 * torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(4))  # [B, T]
+        batch.sampler_logp = (batch.old_logp + noise) * batch.completion_mask
     grads, stats = {}, {}
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
@@ -73,8 +111,10 @@ def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cf
                                             fused_head=fused)
         grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert grads[True].keys() == grads[False].keys()
-    if cfg.loss != "cispo":  # (CISPO's weight cap of 5 is not reached by this noise)
+    if resolve(cfg).surrogate == "clip":  # (CISPO's weight cap of 5 is not reached by this noise; SAPO never clips)
         assert stats[True].metrics["clip_frac_low"] + stats[True].metrics["clip_frac_high"] > 0  # clips are live
+    if cfg.rollout_correction != "none":
+        assert 0 < stats[True].metrics["rollout_correction_frac"] < 1  # the correction is live
     assert stats[True].metrics == pytest.approx(stats[False].metrics, rel=1e-12, abs=1e-12)
     for name, g in grads[False].items():
         torch.testing.assert_close(grads[True][name], g, rtol=0, atol=1e-10)
