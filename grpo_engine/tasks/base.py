@@ -19,6 +19,7 @@ from functools import cache
 from typing import Protocol, runtime_checkable
 
 from ..config.fields import option
+from .data import MAX_FILE_MIB, MAX_LINE_KIB, Limits, data_limits
 from .parsing import FORMAT_REWARDS, check_cascade
 
 R1_SYSTEM_PROMPT = (
@@ -94,11 +95,22 @@ class ChatTaskOptions:
     answer_weight: float = option(1.0, "weight of the answer-correctness component in the total reward")
     extractors: tuple[str, ...] = option(("answer_tag", "boxed", "answer_line", "answer_is", "final_number"),
                                          "answer cascade: the first that finds an answer wins")
+    max_data_file_mib: int = option(MAX_FILE_MIB, "largest data file read, MiB (checked before reading: a data "
+                                                  "file is untrusted input)")
+    max_data_line_kib: int = option(MAX_LINE_KIB, "longest JSON-lines row read, KiB (reading stops there)")
 
     def __post_init__(self) -> None:
         if self.format not in FORMAT_REWARDS:
             raise ValueError(f"format={self.format!r} is not one of {list(FORMAT_REWARDS)}")
         self.extractors = check_cascade(self.extractors)
+        for name in ("max_data_file_mib", "max_data_line_kib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(file_mib=self.max_data_file_mib, line_kib=self.max_data_line_kib)
 
 
 def chat_prompt(options: ChatTaskOptions, user_text: str) -> Prompt:
@@ -126,7 +138,8 @@ class ChatTask:
     def examples(self, split: str) -> list[Example]:
         if self.splits is not None and split not in self.splits:
             raise ValueError(f"split must be {' or '.join(map(repr, self.splits))}, got {split!r}")
-        return self._examples(split)
+        with data_limits(self.options.limits):  # every data file the task reads, under its options' budgets
+            return self._examples(split)
 
     def prompt(self, example: Example) -> Prompt:
         return chat_prompt(self.options, example.question)

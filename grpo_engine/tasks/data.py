@@ -7,15 +7,52 @@ position ("record 3").
 
 Everything works offline. Loading by hub name (`load_hub`) is only a convenience: it needs the optional
 `datasets` package and a network, and says so clearly when either is missing.
+
+A data file may come with a run someone handed over, so it is read as untrusted input: only a regular file (a link
+to /dev/zero or a FIFO is refused by a stat, before anything is opened), under a size budget checked before a byte
+is read (`Limits.file_mib`), JSON lines one at a time under a per-line budget (`Limits.line_kib`: a 300 MB row is
+found after reading 1 MiB of it). A row that is not text (a lone surrogate such as "\\ud800", which no tokenizer
+takes) or that nests deeper than the JSON reader can follow is one line naming the file and the line.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
+from ..config.paths import open_regular, read_regular, regular_path
+
 Record = dict[str, object]  # one raw row as read from a file; tasks turn rows into typed Examples at once
+MAX_FILE_MIB = 1024  # GSM8K's train split is 4 MiB, MATH's 20 MiB: a gigabyte of rows is a deliberate choice
+MAX_LINE_KIB = 1024  # a row is a problem and its answer; the chat template refuses a prompt over 1 MiB anyway
+FILE_OPTION, LINE_OPTION = "task.options.max_data_file_mib", "task.options.max_data_line_kib"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much of a data file is read: the file's size and (JSON lines) one line's, checked before reading.
+    Raised by the task options max_data_file_mib / max_data_line_kib (FILE_OPTION, LINE_OPTION)."""
+
+    file_mib: int = MAX_FILE_MIB
+    line_kib: int = MAX_LINE_KIB
+
+
+_LIMITS: ContextVar[Limits | None] = ContextVar("data_limits", default=None)
+
+
+@contextmanager
+def data_limits(limits: Limits) -> Iterator[None]:
+    """Read every data file under `limits` inside the block: a task's options set them once around its loading
+    (ChatTask.examples), so each task's reader need not pass them down."""
+    token = _LIMITS.set(limits)
+    try:
+        yield
+    finally:
+        _LIMITS.reset(token)
 
 
 class DataError(ValueError):
@@ -37,51 +74,111 @@ def place(rows: Sequence[Record], i: int) -> str:
     return f"line {lines[i]}" if lines is not None else f"record {i + 1}"
 
 
-def read_records(path: str | Path) -> list[Record]:
-    """All rows of a .jsonl / .json / .parquet file or of a saved `datasets` directory (one split)."""
-    p = Path(path)
-    if not p.exists():
+def read_records(path: str | Path, limits: Limits | None = None) -> list[Record]:
+    """All rows of a .jsonl / .json / .parquet file or of a saved `datasets` directory (one split), read under
+    `limits` (default: those data_limits set, else Limits()); anything but a regular file or a directory is refused
+    before it is opened."""
+    p, limits = Path(path), limits or _LIMITS.get() or Limits()
+    if not p.exists() and not p.is_symlink():
         raise DataError(f"data file {p} does not exist; set data_path to a local .jsonl/.parquet file")
+    regular_path(p, "data file", error=DataError, directory=True, fix="set data_path to a local .jsonl/.parquet file")
     if p.is_dir():
-        return _read_saved_dataset(p)
+        return _read_saved_dataset(p, limits)
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     reader = readers.get(p.suffix.lower())
     if reader is None:
         raise DataError(f"{p}: unknown data format {p.suffix!r}; use {list(readers)} or a datasets dir")
     try:
-        return reader(p)
+        return reader(p, limits)
     except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
-                        f"re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        raise DataError(f"{p}: {_not_utf8(e, 0)}") from None
 
 
-def _read_jsonl(p: Path) -> Records:
-    rows, lines = [], []
-    with p.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
+    """What a UnicodeDecodeError means, the byte and its offset in the file (the text began at `offset`)."""
+    return (f"not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {offset + e.start}); "
+            f"re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def _open_data(p: Path, limits: Limits):
+    return open_regular(p, "data file", max_bytes=limits.file_mib << 20, option=FILE_OPTION, error=DataError)
+
+
+def _lines(p: Path, limits: Limits):
+    """(1-based line number, text) of each line of p, one at a time: no line longer than limits.line_kib is ever
+    held whole (reading stops at the limit, the error names the line and the option that raises it)."""
+    most, offset = limits.line_kib << 10, 0
+    with _open_data(p, limits) as f:
+        line_no = 0
+        while raw := f.readline(most + 1):
+            line_no += 1
+            if len(raw) > most and not raw.endswith(b"\n"):
+                raise DataError(f"{p}: line {line_no} is longer than {limits.line_kib:,} KiB (the limit, "
+                                f"{LINE_OPTION}); shorten the row, or raise {LINE_OPTION} if it is meant to be "
+                                f"this long")
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}: line {line_no} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p}: line {line_no} is a {type(row).__name__}, expected a JSON object")
-            rows.append(row)
-            lines.append(line_no)
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}: {_not_utf8(e, offset)}") from None
+            offset += len(raw)
+
+
+def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
+    rows, lines = [], []
+    for line_no, line in _lines(p, limits):
+        if not line.strip():
+            continue
+        row = _parse(line, f"{p}: line {line_no}")
+        if not isinstance(row, dict):
+            raise DataError(f"{p}: line {line_no} is a {type(row).__name__}, expected a JSON object")
+        if "\\u" in line:  # only a \\u escape makes a lone surrogate
+            _check_text(row, f"{p}: line {line_no}")
+        rows.append(row)
+        lines.append(line_no)
     return Records(rows, lines)
 
 
-def _read_json(p: Path) -> list[Record]:
+def _parse(text: str, where: str):
+    """json.loads(text); a malformed or too deeply nested text is a DataError naming `where`."""
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DataError(f"{where} nests deeper than the JSON reader follows (about 1,000 levels); a row is an "
+                        f"object of text fields") from None
+
+
+def _check_text(row: Record, where: str) -> None:
+    """Refuse a row whose text is not Unicode text: a lone surrogate ("\\ud800" in JSON) parses, then every
+    tokenizer rejects it (a TypeError deep inside the rollout). Only rows with a \\u escape can hold one."""
+    for name, value in row.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.start + 1].encode("unicode_escape").decode()
+            raise DataError(f"{where}: field {name!r} holds a lone surrogate ({bad}), which is not text; fix the "
+                            f"row's \\u escapes") from None
+        except (RecursionError, ValueError):
+            raise DataError(f"{where}: field {name!r} nests deeper than the JSON reader follows") from None
+
+
+def _read_json(p: Path, limits: Limits = Limits()) -> list[Record]:
+    raw = read_regular(p, "data file", max_bytes=limits.file_mib << 20, option=FILE_OPTION, error=DataError)
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError:
-        return _read_jsonl(p)  # many ".json" files are really JSON lines
+        return _read_jsonl(p, limits)  # many ".json" files are really JSON lines
+    except RecursionError:
+        raise DataError(f"{p} nests deeper than the JSON reader follows (about 1,000 levels)") from None
     if not isinstance(data, list):
         raise DataError(f"{p}: is a JSON {type(data).__name__}; expected a JSON list of objects (or JSON lines)")
+    escapes = b"\\u" in raw  # only a \\u escape makes a lone surrogate
     for i, r in enumerate(data):
         if not isinstance(r, dict):
             raise DataError(f"{p}: {place(data, i)} of the JSON list is a {type(r).__name__}, expected an object")
+        if escapes:
+            _check_text(r, f"{p}: {place(data, i)}")
     return data
 
 
@@ -97,15 +194,16 @@ def _pyarrow():
     return pyarrow
 
 
-def _read_parquet(p: Path) -> list[Record]:
+def _read_parquet(p: Path, limits: Limits = Limits()) -> list[Record]:
     pa = _pyarrow()
-    try:
-        return pa.parquet.read_table(p).to_pylist()
-    except pa.ArrowException as e:
-        raise DataError(f"{p}: cannot read parquet file ({e})") from None
+    with _open_data(p, limits) as f:  # a regular file under the size budget, read from the descriptor checked
+        try:
+            return pa.parquet.read_table(f).to_pylist()
+        except pa.ArrowException as e:
+            raise DataError(f"{p}: cannot read parquet file ({e})") from None
 
 
-def _read_saved_dataset(d: Path) -> list[Record]:
+def _read_saved_dataset(d: Path, limits: Limits = Limits()) -> list[Record]:
     """A directory written by `Dataset.save_to_disk`: state.json lists its arrow (IPC stream) files."""
     state = d / "state.json"
     if (d / "dataset_dict.json").exists():
@@ -113,10 +211,18 @@ def _read_saved_dataset(d: Path) -> list[Record]:
     if not state.exists():
         raise DataError(f"{d}: not a saved datasets directory (no state.json); pass a .jsonl/.parquet file")
     pa = _pyarrow()
-    files = [d / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    listed = _parse(read_regular(state, "data file", max_bytes=limits.line_kib << 10, option=LINE_OPTION,
+                                 error=DataError).decode("utf-8"), str(state))
+    try:
+        names = [f["filename"] for f in listed["_data_files"]]
+    except (TypeError, KeyError):
+        raise DataError(f"{state}: no _data_files list of {{'filename': ...}}; re-save the dataset") from None
+    files = [d / str(name) for name in names if Path(str(name)).name == name]  # files of d, not ../elsewhere
+    if len(files) != len(names):
+        raise DataError(f"{state} names a file outside {d}; re-save the dataset")
     rows: list[Record] = []
     for f in files:
-        with pa.memory_map(str(f)) as source:
+        with _open_data(f, limits) as source:
             rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
     return rows
 
@@ -145,7 +251,10 @@ def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | 
     """Raise DataError naming the file, the record (place()) and the field when a record lacks a field."""
     for i, row in enumerate(rows):
         for name in fields:
-            if name not in row or row[name] is None:
+            if name in row and row[name] is None:
+                raise DataError(f"{source}: {place(rows, i)} has no field {name!r}: it is null; every record needs "
+                                f"a value for each of {list(fields)}")
+            if name not in row:
                 raise DataError(
                     f"{source}: {place(rows, i)} has no field {name!r} (fields present: {sorted(row)}); "
                     f"every record needs {list(fields)}"
