@@ -18,7 +18,7 @@ from pathlib import Path
 from .bench import add_bench_parser
 from .checkpoint.disk import as_os_error, error_line, user_can_fix
 from .config.trust import add_allow_code_arg, allowing_code
-from .demo import add_demo_parser
+from .demo import CONTROLS, add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 from .gguf_export import add_export_parser
 from .plan.cli import add_plan_parser
@@ -39,6 +39,12 @@ def add_train_parser(sub) -> None:
     p.add_argument("--allow-data-change", action="store_true",
                    help="with --resume: continue although the task data differs from the data the checkpoint was "
                         "trained on (refused otherwise)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the signal check before step 1 (= check.enabled=false; check.stop=false runs it and goes "
+                        "on whatever it finds)")
+    p.add_argument("--control", choices=list(CONTROLS), default=None,
+                   help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
+                        "RUN_DIR-<control>, with its own before_after.json")
     p.set_defaults(func=_train)
 
 
@@ -54,12 +60,15 @@ def _at_least_one(text: str) -> int:
 
 
 def _train(args) -> int:
-    from .config import ConfigError, check_paths, load_config
+    import time
 
+    from .config import ConfigError, check_paths
+
+    t0 = time.perf_counter()
     if args.allow_code and args.resume is None:
         raise ConfigError("--allow-code is for a stored config (a checkpoint's, with --resume): CONFIG is yours and "
                           "its code runs without it; drop --allow-code")
-    cfg = load_config(args.config, args.overrides)
+    cfg = _train_config(args)
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from .train.distributed import check_layout
@@ -73,12 +82,29 @@ def _train(args) -> int:
 
     try:
         result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
-                       allow_data_change=args.allow_data_change, command=_train_command(args))
+                       allow_data_change=args.allow_data_change, command=_train_command(args),
+                       check=not args.no_check, held_out=True)
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
+    if result.after is not None and int(os.environ.get("RANK", "0")) == 0:
+        from .demo import report_train
+
+        report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control)
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
+
+
+def _train_config(args):
+    """CONFIG with its overrides, and with --control the control's changes (which win) in RUN_DIR-<control>."""
+    from .config import ConfigError, load_config
+
+    cfg = load_config(args.config, [*args.overrides, *CONTROLS.get(args.control or "", ())])
+    if args.control == "no-tools" and not load_config(args.config, args.overrides).tools.enabled:
+        raise ConfigError("--control no-tools is the control of a run with tools (tools.enabled): this config has none")
+    if args.control is not None:
+        cfg.run_dir = f"{cfg.run_dir}-{args.control}"
+    return cfg
 
 
 def _train_command(args) -> str:
@@ -89,6 +115,7 @@ def _train_command(args) -> str:
     words = ["grpo", "train", args.config, *args.overrides, *(["--nproc", str(ranks)] if ranks > 1 else [])]
     for allowed in args.allow_code:
         words += ["--allow-code", allowed]
+    words += ["--control", args.control] if args.control else []
     return shlex.join(words + (["--allow-data-change"] if args.allow_data_change else []))
 
 
@@ -146,6 +173,25 @@ def _child_pids(pid: int) -> list[int]:
     return out
 
 
+def add_check_parser(sub) -> None:
+    p = sub.add_parser("check", help="the signal check alone: sample a few groups of the training split with the "
+                                     "config's settings and say whether GRPO has anything to learn from them")
+    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_new_tokens=64")
+    p.set_defaults(func=_check)
+
+
+def _check(args) -> int:
+    """Exit 0 when the check finds a learning signal, 2 when it finds none or too little (its last line says why and
+    what to change)."""
+    from .config import load_config
+    from .train.setup import check_config
+
+    report = check_config(load_config(args.config, args.overrides))
+    print("\n".join(report.lines()), flush=True)
+    return 0 if report.verdict.ok else 2
+
+
 def add_config_parser(sub) -> None:
     p = sub.add_parser("config", help="inspect configs")
     csub = p.add_subparsers(dest="config_command", required=True)
@@ -181,7 +227,7 @@ def _plot(args) -> int:
     return 0
 
 
-PARSERS = [add_demo_parser, add_train_parser, add_eval_parser, add_generate_parser, add_plot_parser,
+PARSERS = [add_demo_parser, add_train_parser, add_check_parser, add_eval_parser, add_generate_parser, add_plot_parser,
            add_config_parser, add_plan_parser, add_bench_parser, add_export_parser]
 
 

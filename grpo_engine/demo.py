@@ -271,6 +271,33 @@ def _points(delta: float) -> str:
     return f"{100 * delta:+.1f} pts"
 
 
+def report_train(cfg: Config, before, after, seconds: float, control: str | None = None,
+                 console: Console | None = None) -> DemoResult:
+    """`grpo train`'s before and after (eval/in_loop.EvalResults; `before` None on --resume: then the `before` of
+    RUN_DIR/before_after.json, the run's true start): RUN_DIR/before_after.json in demo.json's form, and the demo's
+    table. seconds: from the command's start (the load) to the table."""
+    path = Path(cfg.run_dir) / "before_after.json"
+    row = lambda e: HeldOut(e.accuracy, e.format_rate, e.length_mean, e.num_examples)  # noqa: E731
+    start = row(before) if before is not None else stored_before(path)
+    result = DemoResult(start or row(after), row(after), Path(cfg.run_dir), None, seconds, cfg.seed, control=control)
+    if start is not None:
+        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    (console or Console()).print(_table(result.before, result.after, "start") if start is not None else
+                                 f"held-out accuracy of the final model {result.after.accuracy:.1%} (no {path} "
+                                 f"from the run's start to compare with)")
+    return result
+
+
+def stored_before(path: Path) -> HeldOut | None:
+    """The `before` row a run's first call wrote into before_after.json (None when there is none)."""
+    try:
+        data = json.loads(path.read_text())
+        b = data["before"]
+        return HeldOut(b["accuracy"], b["format_rate"], b["mean_length"], data["problems"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes); "
                                     "--real: SmolLM2-135M-Instruct; --tools: SmolLM2 with a calculator")

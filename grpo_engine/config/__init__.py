@@ -21,6 +21,7 @@ from .load import config_from_yaml_text, load_config, to_yaml
 from .paths import check_paths
 from .run import (
     CheckpointSection,
+    CheckSection,
     Config,
     DistributedSection,
     EvalSection,
@@ -45,7 +46,8 @@ from .training import (
 )
 
 __all__ = [
-    "AdvantageConfig", "AlgorithmSection", "CURRICULUM_MODES", "CheckpointSection", "Config", "ConfigError",
+    "AdvantageConfig", "AlgorithmSection", "CURRICULUM_MODES", "CheckSection", "CheckpointSection", "Config",
+    "ConfigError",
     "CurriculumSection", "DistributedSection",
     "EvalSection",
     "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",

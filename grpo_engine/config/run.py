@@ -119,6 +119,21 @@ class EvalSection:
 
 
 @dataclass
+class CheckSection:
+    enabled: bool = option(True, "grpo train samples a few groups before step 1, after any warm start, and reports "
+                                 "the learning signal (skipped on --resume; --no-check skips it)")
+    groups: int = option(16, "prompts the check samples, each with rollout.group_size completions at the rollout's "
+                             "settings (rollout.prompts_per_step at a time)")
+    min_spread: float = option(0.05, "the share of groups with a reward spread below which the signal is too little")
+    stop: bool = option(True, "stop before step 1 (exit 2) when the check finds no or too little signal; false = "
+                              "report it and go on")
+
+    def __post_init__(self) -> None:
+        require(self.groups >= 1, "check.groups must be >= 1")
+        require(0 <= self.min_spread <= 1, "check.min_spread must be in [0, 1]")
+
+
+@dataclass
 class DistributedSection:
     strategy: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the model, gradients "
                                    "summed once per pass) | fsdp2 (fully_shard: weights, gradients, optimizer state "
@@ -154,6 +169,7 @@ class Config:
     logging: LoggingSection = section(LoggingSection, "console, metrics and sample logs")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpoint interval and retention")
     eval: EvalSection = section(EvalSection, "periodic evaluation")
+    check: CheckSection = section(CheckSection, "the signal check before training (grpo check, grpo train)")
     warm_start: WarmStartSection = section(WarmStartSection, "tiny base model and supervised phase before GRPO")
     distributed: DistributedSection = section(DistributedSection, "data-parallel training under torchrun")
 

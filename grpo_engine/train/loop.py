@@ -16,13 +16,14 @@ from ..checkpoint.rank_state import save_rank_state
 from ..checkpoint.run_dir import step_dir_name, tmp_dir_for
 from ..checkpoint.store import TrainerState, capture_rng, save_checkpoint
 from ..checkpoint.verify import MANIFEST
+from ..collect.signal_check import SignalCheckError, rng_untouched
 from ..config import to_yaml
 from ..eval.in_loop import EvalResult, combine_eval, evaluate_policy
 from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
-from .setup import Run, StartOptions, eval_params, setup_run
+from .setup import Run, StartOptions, eval_params, setup_run, signal_of, split_examples
 from .step import StepRecord, grpo_step, rollout_fn
 from .update import NonFiniteError
 
@@ -32,6 +33,8 @@ class RunResult:
     last_step: int  # optimizer steps completed
     checkpoint: Path | None  # the checkpoint written last
     stopped_by: str  # "completed" | "signal" | "stop_after"
+    before: EvalResult | None = None  # held_out: the starting model on the held-out examples (not on --resume)
+    after: EvalResult | None = None  # held_out: the final model on them (not after a Ctrl-C / SIGTERM)
 
 
 class GracefulStop:
@@ -55,15 +58,20 @@ class GracefulStop:
 
 
 def train(cfg, *, resume: str | None = None, stop_after: int | None = None, overwrite: bool = False,
-          allow_data_change: bool = False, command: str | None = None) -> RunResult:
+          allow_data_change: bool = False, command: str | None = None, check: bool = False,
+          held_out: bool = False) -> RunResult:
     """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
     overwrite: start over in a run_dir that holds a run, renaming the old run (checkpoint/run_dir.py);
     allow_data_change: resume on task data other than the checkpoint's; command: the user's `grpo train ...`
-    (without --resume), for the command an error about a damaged checkpoint names."""
+    (without --resume), for the command an error about a damaged checkpoint names. check: the signal check before
+    step 1 (with check.enabled; not on resume): SignalCheckError when it finds no signal and check.stop is set.
+    held_out: the starting and the final model on the held-out examples (RunResult.before / .after). Neither moves
+    the run's random states or prompt stream: the steps are the same with or without them."""
     run = setup_run(cfg, resume, overwrite, StartOptions(allow_data_change, command or "grpo train CONFIG"))
-    stopped_by, done = "completed", run.done_steps
+    stopped_by, done, before, after = "completed", run.done_steps, None, None
     with GracefulStop() as stop:
         try:
+            before = before_first_step(run, check, held_out)
             for step in range(run.done_steps + 1, cfg.schedule.steps + 1):
                 try:
                     record = grpo_step(run.inputs, run.state, step, run.monitor.message)
@@ -88,6 +96,8 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
                     run.monitor.message(f"stopped after step {step} ({why}); "
                                         f"checkpoint: {run.last_checkpoint}")
                     break
+            if held_out and stopped_by != "signal":
+                after = held_out_result(run, "the final model")
         finally:
             run.monitor.close()
             if run.lock is not None:
@@ -95,14 +105,41 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
             world, last = run.inputs.world, run.last_checkpoint
             del run  # the wrapped model and its collectives' state go before the process group does
             close_world(world)
-    return RunResult(done, last, stopped_by)
+    return RunResult(done, last, stopped_by, before, after)
 
 
-def evaluate(run: Run) -> EvalResult:
-    """The policy on the fixed eval subset, with the same (LoRA-merged when exact) weights as rollout; under
-    torchrun each rank evaluates every size-th example and the results are combined."""
+def before_first_step(run: Run, check: bool, held_out: bool) -> EvalResult | None:
+    """A fresh run's signal check (check and check.enabled), then its starting model on the held-out examples
+    (held_out); None on resume, whose starting model is the checkpoint's."""
+    if run.resumed_from is not None:
+        return None
+    if check and run.cfg.check.enabled:
+        report = signal_of(run.cfg, run.inputs)
+        stop = not report.verdict.ok and run.cfg.check.stop
+        if run.inputs.world.is_main:  # when it stops, its verdict is the error's line
+            for line in report.lines()[: -1 if stop else None]:
+                run.monitor.message(line)
+        if stop:
+            raise SignalCheckError(f"{report.verdict.line()}; stopped before step 1 (to go on anyway: --no-check or "
+                                   f"check.stop=false)")
+    return held_out_result(run, "the starting model") if held_out else None
+
+
+def held_out_result(run: Run, which: str) -> EvalResult:
+    """The policy on the first eval.max_examples of task.eval_split at eval.temperature and eval.max_new_tokens (the
+    in-loop evaluation's examples and settings, whether or not eval.every is set)."""
+    examples = split_examples(run.inputs.task, run.cfg, "eval_split")[: run.cfg.eval.max_examples]
+    run.monitor.message(f"held-out evaluation of {which}: {len(examples)} problems of task.eval_split="
+                        f"{run.cfg.task.eval_split!r}")
+    with rng_untouched():
+        return evaluate(run, examples)
+
+
+def evaluate(run: Run, examples: list | None = None) -> EvalResult:
+    """The policy on the fixed eval subset (or `examples`), with the same (LoRA-merged when exact) weights as
+    rollout; under torchrun each rank evaluates every size-th example and the results are combined."""
     cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
-    mine = run.eval_examples[world.rank :: world.size]
+    mine = (run.eval_examples if examples is None else examples)[world.rank :: world.size]
     with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world), fail_together(world, "eval"):
         result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
                                  eval_params(cfg, inputs.tokenizer), seed=cfg.seed,

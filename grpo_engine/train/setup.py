@@ -25,6 +25,7 @@ from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import PromptSampler
+from ..collect.signal_check import CheckSettings, SignalReport, check_signal
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
 from ..model.loading import load_tokenizer, pick_device
@@ -35,10 +36,10 @@ from ..sft.warm_start import warm_start
 from ..tasks import build_task
 from ..tasks.base import Example, Task
 from ..world import World, on_main_first
-from .distributed import init_world
+from .distributed import gathered, init_world
 from .metrics import RewardWatch
 from .policy import build_policy
-from .step import StepInputs, StepState
+from .step import StepInputs, StepState, rollout_fn
 from .update import weights_finite
 
 
@@ -222,3 +223,34 @@ def resumed_micro_tokens(saved: TrainerState | None, cfg: Config) -> int:
     CUDA out-of-memory (it would otherwise run out of memory, and halve, again), whichever is smaller."""
     budget = cfg.memory.micro_batch_tokens
     return min(budget, saved.micro_tokens) if saved is not None and saved.micro_tokens > 0 else budget
+
+
+def signal_of(cfg: Config, inputs: StepInputs) -> SignalReport:
+    """The signal check (collect/signal_check.py) on the policy as it is now, with the run's rollout settings and
+    tools; `check.groups` prompts of the training split, `rollout.prompts_per_step` at a time. Every rank samples
+    the same prompts (under fsdp2 the weights are gathered for it); no random state of the run moves."""
+    settings = CheckSettings(cfg.check.groups, cfg.rollout.prompts_per_step, cfg.check.min_spread,
+                             cfg.algorithm.advantage.zero_variance_tol)
+    policy = inputs.policy
+    with policy.rollout_weights(), gathered(policy.model, inputs.world):
+        return check_signal(policy.model, inputs.tokenizer, inputs.task, inputs.examples, inputs.params, settings,
+                            seed=cfg.seed, max_prompt_tokens=cfg.rollout.max_prompt_tokens, generate_fn=rollout_fn(cfg))
+
+
+def check_config(cfg: Config) -> SignalReport:
+    """`grpo check CONFIG`: the signal check of the model at model.path with the config's settings, as `grpo train`
+    runs it before step 1, without a run directory. A config with a warm start is checked by `grpo train` after it."""
+    if warm_started(cfg):
+        raise ConfigError("grpo check samples model.path as it is, but this config warm-starts (warm_start.*): "
+                          "`grpo train` runs the check after the warm start (check.enabled, --no-check)")
+    check_paths(cfg)
+    task = task_of(cfg)
+    examples = split_examples(task, cfg, "train_split")
+    if not examples:
+        raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples")
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
+    policy = build_policy(cfg, pick_device(cfg.model.device, 0))
+    inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed),
+                        sampling_params(cfg, tokenizer))
+    return signal_of(cfg, inputs)

@@ -1,0 +1,216 @@
+"""The signal check before training: a few groups sampled with the run's own settings, and a verdict on whether
+GRPO has anything to learn from them.
+
+GRPO learns only from groups whose rewards differ (the advantages of an all-equal group are zero). A run whose
+groups are all equal updates nothing, step after step, and the console shows only `reward 0.000`; the cause is
+usually a setting, not the algorithm: replies cut at `rollout.max_new_tokens`, answers the extractor cannot find
+(the instruction or the extractor cascade), data the model always gets right, or a reward that is constant. This
+module samples `check.groups` prompts of the training split, each with `rollout.group_size` completions at the
+rollout's temperature, length cap, chat template and tools, and reports what a person needs to tell these
+apart: the reward distribution, the share of groups with any spread, the truncation rate, the rate at which the
+extractor finds an answer and the rate of correct answers. `verdict` turns those figures into a verdict that
+names the likely cause and the setting that fixes it (a pure function, tested on synthetic figures).
+
+The check must not change the run it precedes: it draws its prompts with its own seeded generator (never from the
+prompt stream), samples with seeds of its own (the sampler's generators are local), and `rng_untouched` puts the
+process's global random states back, so a run with the check is bit-identical to one without.
+
+Cost: `check.groups` (16 by default) prompts x G completions, sampled `rollout.prompts_per_step` prompts at a time
+(the memory of one rollout round): about two steps' generation, without any update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..rl.advantages import zero_variance_groups
+from ..rollout import SamplingParams
+from ..tasks.base import Example
+from .groups import Group, generate_groups, prompt_seed
+
+TRUNCATION_CAUSE = 0.25  # replies cut at max_new_tokens: a share this high is named as the cause
+EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is named as the cause
+ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share this high is named as the cause
+
+
+class SignalCheckError(ValueError):
+    """`grpo train` stopped before step 1: the check found no or too little learning signal (exit 2, one line)."""
+
+
+@contextlib.contextmanager
+def rng_untouched():
+    """Every global random state (Python, NumPy, torch CPU and CUDA) as it was on entry, whatever the block draws."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+@dataclass
+class SignalStats:
+    """What the sampled groups say about the learning signal (rates are fractions of all completions)."""
+
+    groups: int  # prompts sampled
+    group_size: int  # completions per prompt
+    rewards: list[float]  # every completion's total reward
+    spread_share: float  # groups whose rewards differ: the only ones GRPO learns from
+    truncation_rate: float  # replies cut at max_new_tokens
+    extracted_rate: float | None  # replies in which the extractor found an answer; None: the task reports none
+    accuracy: float | None  # correct replies; None: the task has no notion of correctness (a bare reward_fn)
+    all_correct_share: float = 0.0  # groups whose every reply is correct
+    correct_spread_share: float = 0.0  # groups whose replies differ in correctness
+    error_rate: float = 0.0  # rewards that failed (exception, timeout, non-finite)
+    first_error: str | None = None  # the first failed reward's message
+    max_new_tokens: int = 0  # the length cap the replies were sampled with
+    seconds: float = 0.0
+
+    def distribution(self, most: int = 4) -> str:
+        """The reward values as 'value xcount', most common first, e.g. '0 x120, 1 x8'."""
+        counts = Counter(round(r, 4) for r in self.rewards).most_common()
+        shown = ", ".join(f"{v:g} x{n}" for v, n in counts[:most])
+        return shown + (f", {len(counts) - most} more values" if len(counts) > most else "")
+
+
+@dataclass
+class Verdict:
+    """The check's conclusion: `level` ok (signal), weak (too little), or none (no group has any spread)."""
+
+    level: str
+    cause: str | None = None  # the likely cause when the signal is weak or absent
+    fix: str | None = None  # the setting that fixes it
+    notes: list[str] = field(default_factory=list)  # worth knowing even when the signal is there
+
+    @property
+    def ok(self) -> bool:
+        return self.level == "ok"
+
+    def line(self) -> str:
+        """One line: what was found and what to change."""
+        if self.ok:
+            return "signal check: learning signal present" + "".join(f"; note: {n}" for n in self.notes)
+        what = "no learning signal" if self.level == "none" else "too little learning signal"
+        return f"signal check: {what}: {self.cause}: {self.fix}"
+
+
+def signal_stats(groups: list[Group], max_new_tokens: int, tol: float = 0.0, seconds: float = 0.0) -> SignalStats:
+    """The figures of `groups` (each with the same number of completions)."""
+    results = [r for g in groups for r in g.rewards]
+    totals = torch.tensor([g.totals for g in groups], dtype=torch.float64)  # [P, G]
+    graded = any("answer" in r.components for r in results)
+    correct = torch.tensor([[float(r.correct) for r in g.rewards] for g in groups], dtype=torch.float64)  # [P, G]
+    errors = [r.info for r in results if "error" in r.info]
+    return SignalStats(
+        groups=len(groups), group_size=len(groups[0].rewards), rewards=[r.total for r in results],
+        spread_share=float((~zero_variance_groups(totals, tol)).double().mean()),
+        truncation_rate=statistics.fmean(f == "length" for g in groups for f in g.finish_reasons),
+        extracted_rate=statistics.fmean(r.answer is not None for r in results) if graded else None,
+        accuracy=float(correct.mean()) if graded else None,
+        all_correct_share=float((correct.amin(1) >= 1.0).double().mean()) if graded else 0.0,
+        correct_spread_share=float((~zero_variance_groups(correct)).double().mean()) if graded else 0.0,
+        error_rate=len(errors) / len(results), first_error=errors[0].get("message") if errors else None,
+        max_new_tokens=max_new_tokens, seconds=seconds)
+
+
+def verdict(s: SignalStats, min_spread: float = 0.05) -> Verdict:
+    """The verdict on `s`: ok when at least `min_spread` of the groups have a reward spread, else weak (some
+    spread) or none, with the first cause that fits, in the order a person should look: rewards that fail,
+    replies cut at the length cap, answers the extractor cannot find, groups all correct, a reward that ignores
+    correctness, replies never correct, a reward that is constant."""
+    notes = []
+    if s.truncation_rate >= TRUNCATION_CAUSE:
+        notes.append(f"{s.truncation_rate:.0%} of replies cut at rollout.max_new_tokens={s.max_new_tokens}")
+    if s.spread_share >= min_spread and s.spread_share > 0:
+        return Verdict("ok", notes=notes)
+    level = "none" if s.spread_share == 0 else "weak"
+    cause, fix = likely_cause(s)
+    return Verdict(level, cause, fix, notes)
+
+
+def likely_cause(s: SignalStats) -> tuple[str, str]:
+    """(cause, fix) of a missing or tiny signal: verdict's ordered list of causes."""
+    if s.error_rate >= ERROR_CAUSE:
+        return (f"{s.error_rate:.0%} of rewards failed ({s.first_error})",
+                "fix the reward function (task.options.reward_fn) or the task's data")
+    if s.truncation_rate >= TRUNCATION_CAUSE:
+        return (f"{s.truncation_rate:.0%} of replies were cut at rollout.max_new_tokens={s.max_new_tokens}",
+                f"raise rollout.max_new_tokens (e.g. {4 * s.max_new_tokens})")
+    if s.extracted_rate is not None and s.extracted_rate < EXTRACTION_CAUSE:
+        return (f"the extractor found an answer in only {s.extracted_rate:.0%} of replies",
+                "say how to state the answer in task.options.instruction, or widen task.options.extractors")
+    if s.accuracy is not None and s.all_correct_share >= 0.5:
+        return (f"{s.all_correct_share:.0%} of groups are all correct ({s.accuracy:.0%} of replies)",
+                "use harder data: the model already solves it")
+    if s.correct_spread_share > 0:
+        return (f"correctness differs in {s.correct_spread_share:.0%} of groups but the reward does not",
+                "check the reward's weights (task.options.answer_weight) or reward function")
+    if s.accuracy is not None and s.accuracy == 0:
+        return (f"no reply was correct (answers found in {s.extracted_rate:.0%})",
+                "use easier data or a warm start, or raise rollout.group_size / rollout.temperature")
+    return (f"every group's rewards are equal ({s.distribution()})",
+            "check the reward function: it gives the same score to different replies")
+
+
+@dataclass
+class SignalReport:
+    stats: SignalStats
+    verdict: Verdict
+
+    def lines(self) -> list[str]:
+        """The report as a person reads it, verdict last."""
+        s = self.stats
+        pct = lambda x: "n/a (the reward reports none)" if x is None else f"{x:.1%}"  # noqa: E731
+        mean, std = statistics.fmean(s.rewards), statistics.pstdev(s.rewards)
+        return [
+            f"signal check: {s.groups} prompts x {s.group_size} replies with the rollout's settings "
+            f"({s.seconds:.1f} s)",
+            f"  reward: mean {mean:.3f}, std {std:.3f}; values {s.distribution()}",
+            f"  groups with a reward spread (the only ones GRPO learns from): {s.spread_share:.1%}",
+            f"  replies cut at rollout.max_new_tokens={s.max_new_tokens}: {s.truncation_rate:.1%}",
+            f"  answer found by the extractor: {pct(s.extracted_rate)}",
+            f"  correct: {pct(s.accuracy)}",
+            *([f"  failed rewards: {s.error_rate:.1%} ({s.first_error})"] if s.error_rate else []),
+            self.verdict.line(),
+        ]
+
+
+@dataclass
+class CheckSettings:
+    """How much the check samples and what counts as enough signal (the config's `check` section)."""
+
+    groups: int = 16  # prompts sampled, each with params.n completions
+    batch: int = 8  # prompts per generate call (rollout.prompts_per_step: one rollout round's memory)
+    min_spread: float = 0.05  # below this share of groups with a spread, the signal is too little
+    tol: float = 0.0  # rewards within tol of each other count as equal (algorithm.advantage.zero_variance_tol)
+
+
+def check_signal(model, tokenizer, task, examples: list[Example], params: SamplingParams, settings: CheckSettings,
+                 *, seed: int, max_prompt_tokens: int | None, generate_fn=None) -> SignalReport:
+    """Sample `settings.groups` prompts of `examples` (chosen by a generator of their own, not the prompt stream) with
+    `params`, score them with the task's reward, and judge the signal. generate_fn: generate_groups' stand-in (the
+    run's tools); the process's random states are left as they were."""
+    generate_fn = generate_fn or generate_groups
+    chosen = random.Random(f"signal-check-{seed}").sample(range(len(examples)), min(settings.groups, len(examples)))
+    t0, groups = time.perf_counter(), []
+    with rng_untouched():
+        for start in range(0, len(chosen), settings.batch):
+            part = chosen[start : start + settings.batch]
+            seeds = [prompt_seed(seed, 0, 0, start + i) for i in range(len(part))]  # step 0: no training step's
+            batch, _ = generate_fn(model, tokenizer, task, [examples[i] for i in part], params, seeds,
+                                   max_prompt_tokens)
+            groups.extend(batch)
+    stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
+    return SignalReport(stats, verdict(stats, settings.min_spread))

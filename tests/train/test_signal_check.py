@@ -1,0 +1,175 @@
+"""The signal check before training (collect/signal_check.py, `grpo check`, `grpo train`'s default), and `grpo
+train`'s before / after on held-out examples with its random-reward control."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from test_e2e import CFG, VOLATILE, _metrics, custom_task_config
+
+from grpo_engine.cli import main
+from grpo_engine.collect.groups import Group
+from grpo_engine.collect.signal_check import SignalStats, rng_untouched, signal_stats, verdict
+from grpo_engine.config import load_config
+from grpo_engine.model.loading import load_model
+from grpo_engine.tasks.base import Example, RewardResult
+from grpo_engine.train.loop import train
+
+
+def stats(**kw) -> SignalStats:
+    """Figures of 16 groups x 8 replies; `kw` overrides."""
+    base = dict(groups=16, group_size=8, rewards=[0.0] * 128, spread_share=0.0, truncation_rate=0.0,
+                extracted_rate=1.0, accuracy=0.0, max_new_tokens=16)
+    return SignalStats(**{**base, **kw})
+
+
+# ------------------------------------------------------------------------------------ verdicts, synthetic figures
+def test_signal_present_is_ok_and_notes_a_high_truncation_rate():
+    v = verdict(stats(spread_share=0.25, accuracy=0.1, rewards=[1.0] * 13 + [0.0] * 115, truncation_rate=0.3))
+    assert v.ok and v.level == "ok" and v.cause is None
+    assert v.notes == ["30% of replies cut at rollout.max_new_tokens=16"]
+
+
+def test_truncated_replies_name_max_new_tokens():
+    v = verdict(stats(truncation_rate=0.805, extracted_rate=0.1))  # the issue's 16-token case: 80.5% cut, 0% right
+    assert v.level == "none"
+    assert "80% of replies were cut at rollout.max_new_tokens=16" in v.cause  # 80.5% rounds half to even
+    assert v.fix == "raise rollout.max_new_tokens (e.g. 64)"
+
+
+def test_answers_the_extractor_cannot_find_name_the_instruction_and_extractors():
+    v = verdict(stats(extracted_rate=0.2))
+    assert v.level == "none" and "extractor found an answer in only 20%" in v.cause
+    assert "task.options.instruction" in v.fix and "task.options.extractors" in v.fix
+
+
+def test_all_correct_groups_ask_for_harder_data():
+    v = verdict(stats(rewards=[1.0] * 128, accuracy=1.0, all_correct_share=1.0))
+    assert v.level == "none" and "100% of groups are all correct" in v.cause and "harder data" in v.fix
+
+
+def test_a_reward_blind_to_correctness_names_the_weights():
+    v = verdict(stats(accuracy=0.3, correct_spread_share=0.5))
+    assert "correctness differs in 50% of groups" in v.cause and "answer_weight" in v.fix
+
+
+def test_never_correct_and_a_constant_reward():
+    assert "no reply was correct" in verdict(stats()).cause
+    v = verdict(stats(extracted_rate=None, accuracy=None, rewards=[0.5] * 128))  # a bare reward_fn
+    assert "every group's rewards are equal (0.5 x128)" in v.cause and "reward function" in v.fix
+
+
+def test_failed_rewards_come_first():
+    v = verdict(stats(error_rate=0.9, first_error="RuntimeError: boom", truncation_rate=0.9))
+    assert "90% of rewards failed (RuntimeError: boom)" in v.cause and "reward_fn" in v.fix
+
+
+def test_tiny_spread_is_weak_and_the_threshold_is_a_setting():
+    weak = stats(spread_share=1 / 32, truncation_rate=0.5)
+    assert verdict(weak).level == "weak" and "max_new_tokens" in verdict(weak).fix
+    assert verdict(weak, min_spread=0.01).ok
+    assert verdict(weak).line().startswith("signal check: too little learning signal: 50% of replies were cut")
+
+
+def test_stats_of_groups_hand_counted():
+    def group(totals, answers, finish):
+        rewards = [RewardResult(t, {"answer": t, "format": 0.0}, a) for t, a in zip(totals, answers)]
+        return Group(Example("x", "q", "1"), "p", [1], [[2]] * 2, [[0.0]] * 2, finish, ["a"] * 2, rewards)
+
+    s = signal_stats([group([1.0, 0.0], ["1", "2"], ["stop", "length"]), group([0.0, 0.0], [None, "3"],
+                                                                           ["length", "length"])], max_new_tokens=4)
+    assert (s.groups, s.group_size, s.rewards) == (2, 2, [1.0, 0.0, 0.0, 0.0])
+    assert s.spread_share == 0.5 and s.truncation_rate == 0.75 and s.extracted_rate == 0.75
+    assert s.accuracy == 0.25 and s.correct_spread_share == 0.5 and s.all_correct_share == 0.0
+    assert s.distribution() == "0 x3, 1 x1"
+
+
+def test_rng_untouched_restores_every_global_stream():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    with rng_untouched():
+        random.random(), np.random.rand(3), torch.rand(5)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+# ----------------------------------------------------------------------------------------- on a tiny model
+def test_a_truncating_length_stops_grpo_train_before_step_1(tmp_path, tiny_ckpt, capsys):
+    run = tmp_path / "r"
+    args = [CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "rollout.max_new_tokens=2", "check.stop=true"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the report (its figures), then the one error line
+    assert [ln for ln in err if ln.startswith("grpo:")] == err[-1:] and "  correct: 0.0%" in err
+    assert err[-1].startswith("grpo: error: signal check: no learning signal: ")
+    assert "replies were cut at rollout.max_new_tokens=2: raise rollout.max_new_tokens (e.g. 8)" in err[-1]
+    assert "--no-check" in err[-1]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())  # no step ran
+    assert main(["check", *args[:1], f"model.path={tiny_ckpt}", "rollout.max_new_tokens=2"]) == 2
+    out = capsys.readouterr().out
+    assert "replies cut at rollout.max_new_tokens=2: 9" in out and "raise rollout.max_new_tokens" in out
+
+
+def test_check_and_held_out_leave_the_run_bit_identical(tmp_path, tiny_ckpt, monkeypatch, capsys):
+    """grpo train with the check (and before / after), with --no-check, and the bare library train(): the same
+    metrics and weights, and the check ran (with a varying reward it finds a signal and goes on)."""
+    custom = custom_task_config(tmp_path, monkeypatch)
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=2", "rollout.max_new_tokens=6", "algorithm.mu=2",
+            "check.groups=3", "algorithm.group_filter.enabled=true"]
+    assert main(["train", custom, *over, f"run_dir={tmp_path / 'a'}"]) == 0
+    out = capsys.readouterr()
+    assert "signal check: 3 prompts x 4 replies" in out.out + out.err
+    assert "signal check: learning signal present" in out.out + out.err
+    assert main(["train", custom, *over, f"run_dir={tmp_path / 'b'}", "--no-check"]) == 0
+    assert "signal check" not in "".join(capsys.readouterr())
+    train(load_config(custom, over + [f"run_dir={tmp_path / 'c'}"]))
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows]  # noqa: E731
+    a, b, c = (strip(_metrics(tmp_path / x)) for x in "abc")
+    assert len(a) == 2 and a == b == c
+    weights = [load_model(tmp_path / x / "checkpoints/step-000002/model").state_dict() for x in "abc"]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+
+
+def test_before_after_json_and_the_random_reward_control(tmp_path, tiny_ckpt, capsys):
+    run = tmp_path / "r"
+    args = ["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "eval.max_examples=4",
+            "eval.max_new_tokens=4", "schedule.steps=2"]
+    assert main([*args, "--no-check"]) == 0
+    assert "Held-out greedy results (4 problems)" in capsys.readouterr().out
+    got = json.loads((run / "before_after.json").read_text())
+    assert set(got["before"]) == set(got["after"]) == {"accuracy", "format_rate", "mean_length"}
+    assert got["problems"] == 4 and got["control"] is None and got["seconds"] > 0
+    assert 1 <= got["before"]["mean_length"] <= 4 and 0 <= got["after"]["accuracy"] <= 1
+    assert main([*args, "--control", "random-reward", "--no-check"]) == 0
+    control = Path(f"{run}-random-reward")
+    assert json.loads((control / "before_after.json").read_text())["control"] == "random-reward"
+    stored = yaml.safe_load((control / "checkpoints/step-000002/config.yaml").read_text())
+    assert stored["algorithm"]["random_reward"] is True and stored["run_dir"] == str(control)
+    assert json.loads((run / "before_after.json").read_text()) == got  # the main run untouched
+    assert main([*args, "schedule.steps=3", "--resume"]) == 0  # resumed: the run's start stays its `before`
+    resumed = json.loads((run / "before_after.json").read_text())
+    assert resumed["before"] == got["before"]
+
+
+def test_no_tools_control_needs_a_run_with_tools(tmp_path, tiny_ckpt, capsys):
+    assert main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "--control", "no-tools"]) == 2
+    assert "tools.enabled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_the_two_data_path_spellings_are_one_setting(tmp_path, both):
+    from grpo_engine.tasks import build_task
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p in (a, b):
+        p.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    if both:
+        task = build_task("custom", {"data_path": str(a)}, str(a))
+        assert len(task.examples("train")) == 9
+        with pytest.raises(ValueError, match="name two files: they are one setting"):
+            build_task("custom", {"data_path": str(a)}, str(b))
+    else:
+        assert build_task("custom", {}, str(a)).options.data_path == str(a)
