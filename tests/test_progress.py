@@ -61,11 +61,12 @@ def test_an_error_ends_without_a_done_line(monkeypatch):
 
 def test_the_warm_start_reports_its_steps_when_stdout_is_a_file(tmp_path, monkeypatch, capsys):
     from grpo_engine.config import load_config
+    from grpo_engine.demo import DEMO_RECIPE
     from grpo_engine.sft.warm_start import warm_start
     from grpo_engine.train.setup import task_of
 
     monkeypatch.setattr(progress_mod, "EVERY_S", 0.0)  # a line at every step
-    cfg = load_config("configs/demo.yaml", [f"run_dir={tmp_path}", "warm_start.sft.steps=3", "model.device=cpu"])
+    cfg = load_config(str(DEMO_RECIPE), [f"run_dir={tmp_path}", "warm_start.sft.steps=3", "model.device=cpu"])
     warm_start(cfg, task_of(cfg))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("supervised warm start")]
     assert [line.split()[3] for line in lines[:3]] == ["1/3", "2/3", "3/3"] and "loss" in lines[0]

@@ -136,7 +136,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
-        raise ConfigError(f"config path {path} is a directory; give the YAML file (e.g. configs/demo.yaml)")
+        raise ConfigError(f"config path {path} is a directory; give the YAML file (e.g. configs/tiny_arithmetic.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     if path.stat().st_size > MAX_YAML_CHARS:  # refused before it is read

@@ -209,11 +209,11 @@ TINY_WARM_START = ["warm_start.tiny.hidden_size=32", "warm_start.tiny.num_hidden
                    "logging.samples_every=0", "logging.progress=false"]
 
 
-@pytest.mark.parametrize("recipe", ["demo.yaml", "tiny_tools.yaml"])
+@pytest.mark.parametrize("recipe", ["grpo_engine/recipes/demo.yaml", "configs/tiny_tools.yaml"])
 def test_a_warm_started_run_resumes(tmp_path, capsys, recipe):
-    """configs/demo.yaml and tiny_tools.yaml stored model.path=RUN_DIR/sft; the config's is empty: --resume was
+    """The demo recipe and configs/tiny_tools.yaml stored model.path=RUN_DIR/sft; the config's is empty: --resume was
     refused after --stop-after, Ctrl-C or SIGTERM (each leaves the same checkpoint) for a change nobody made."""
-    args = ["train", REPO / "configs" / recipe, *TINY_WARM_START, f"run_dir={tmp_path / 'r'}"]
+    args = ["train", REPO / recipe, *TINY_WARM_START, f"run_dir={tmp_path / 'r'}"]
     assert grpo(*args, "--stop-after", "1", capsys=capsys)[0] == 0
     code, err = grpo(*args, "--resume", capsys=capsys)
     assert code == 0 and "model.path" not in err, err
