@@ -95,7 +95,12 @@ def make_task(name: str, **options) -> Task:
 
 def build_task(name: str, options: dict, data_path: str | None = None) -> Task:
     """make_task with a data path given apart from the options (a config's task.data_path, `grpo eval --data`);
-    a task that generates its problems refuses one. ValueError names the problem."""
+    a task that generates its problems refuses one. Both spellings (task.data_path, task.options.data_path) name one
+    setting: the same file twice is that file, two different files an error. ValueError names the problem."""
+    given = options.get("data_path")
+    if data_path is not None and given and os.path.realpath(str(given)) != os.path.realpath(str(data_path)):
+        raise ValueError(f"task.data_path={data_path!r} and task.options.data_path={given!r} name two files: they are "
+                         f"one setting; keep one")
     if data_path is not None:
         if name in TASKS and "data_path" not in {f.name for f in dataclasses.fields(TASKS[name].options)}:
             raise ValueError(f"task {name!r} generates its problems and reads no data file; drop --data / "

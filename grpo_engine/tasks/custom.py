@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +44,11 @@ VERIFIERS: dict[str, Callable[[], Callable[[str, str], bool]]] = {
 @dataclass
 class CustomOptions(ChatTaskOptions):
     data_path: str = option("", "JSONL (or parquet) with `prompt` and `answer` fields: the train split")
-    test_path: str | None = option(None, "file for the test split; None = data_path")
+    test_path: str | None = option(None, "file for the test split; None = a seeded `holdout` share of data_path's "
+                                         "rows, left out of training")
+    holdout: float = option(0.1, "without test_path: the share of data_path's rows held out as the test split "
+                                 "(0 = test on the training rows)")
+    holdout_seed: int = option(0, "which rows are held out without test_path")
     verifier: str = option("exact", "answer check: exact | numeric | math (math needs grpo-engine[math])")
     reward_fn: str | None = option(None, "\"module:function\" called as fn(example, completion); replaces the verifier")
 
@@ -52,6 +58,9 @@ class CustomOptions(ChatTaskOptions):
             raise ValueError("custom task needs data_path: a .jsonl file with 'prompt' and 'answer' fields")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"verifier={self.verifier!r} is not one of {list(VERIFIERS)}")
+        if not 0 <= self.holdout < 1:
+            raise ValueError(f"holdout={self.holdout} must be in [0, 1): the share of data_path's rows held out for "
+                             f"testing when there is no test_path")
 
 
 def import_reward_fn(spec: str) -> Callable[[Example, str], float | RewardResult]:
@@ -88,7 +97,25 @@ class CustomTask(ChatTask):
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
-        return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
+        if o.test_path or not o.holdout:
+            return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
+        train, test = self._held_out()
+        return test if split == "test" else train
+
+    def _held_out(self) -> tuple[list[Example], list[Example]]:
+        """(train, test) of data_path without a test_path: a seeded `holdout` share of its rows is the test split and
+        is left out of training, so the test split measures what the model learned, not what it saw. Said once."""
+        if getattr(self, "_split", None) is None:
+            o = self.options
+            self._split = holdout_split(load_custom(o.data_path), o.holdout, o.holdout_seed)
+            train, test = self._split
+            said = (f"{len(test)} of {len(train) + len(test)} rows of {o.data_path} held out as the test split "
+                    f"(task.options.holdout={o.holdout}, holdout_seed={o.holdout_seed}); training on the other "
+                    f"{len(train)}") if train is not test else \
+                f"{o.data_path} has {len(train)} row: it is the test split too (add rows or a test_path)"
+            print(f"task custom: no test_path: {said}", file=sys.stderr, flush=True)
+        return self._split
+
 
     def reward(self, example: Example, completion: str) -> RewardResult:
         if self._reward_fn is not None:
@@ -101,6 +128,17 @@ class CustomTask(ChatTask):
         """The verifier's equivalence, and identical answers always: `numeric` alone says two copies of a
         non-number differ, so maj@k split ['12', 'x', 'x'] into three single votes and '12' won the tie."""
         return exact_match(a, b) or self._equal(a, b)
+
+
+def holdout_split(examples: list[Example], share: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, test): round(share * n) rows (at least 1, at most n - 1) chosen by `seed` form the test split, the
+    rest the train split, each in file order. A single row cannot be split: it is both (the same list)."""
+    if len(examples) < 2:
+        return examples, examples
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held = set(order[: min(len(examples) - 1, max(1, round(share * len(examples))))])
+    return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
 
 
 def _checked(value: object, spec: str | None) -> RewardResult:

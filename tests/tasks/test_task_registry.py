@@ -282,3 +282,26 @@ def test_sloppy_teacher_share_and_determinism():
     assert all(clean.reference_completion(ex) == ex.answer for ex in carry[:200])
     with pytest.raises(ValueError, match="teacher_carry_drop must be in"):
         make_task("arithmetic", teacher_carry_drop=1.5)
+
+
+def test_custom_without_test_path_holds_out_a_seeded_split(tmp_path, capsys):
+    path = write_rows(tmp_path, [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)])
+    task = make_task("custom", data_path=path)
+    train, test = task.examples("train"), task.examples("test")
+    assert len(test) == 2 and len(train) == 18  # holdout 0.1 of 20
+    assert {e.id for e in train}.isdisjoint(e.id for e in test)
+    assert sorted(e.answer for e in train + test) == sorted(str(i) for i in range(20))
+    assert [int(e.answer) for e in train] == sorted(int(e.answer) for e in train)  # file order
+    err = capsys.readouterr().err
+    assert err.count("task custom: no test_path: 2 of 20 rows") == 1 and "training on the other 18" in err
+    again = make_task("custom", data_path=path)
+    assert [e.id for e in again.examples("test")] == [e.id for e in test]  # seeded: the same rows every time
+    other = make_task("custom", data_path=path, holdout=0.25, holdout_seed=1)
+    assert len(other.examples("test")) == 5 and [e.id for e in other.examples("test")] != [e.id for e in test]
+    everything = make_task("custom", data_path=path, holdout=0)  # asked for: test on the training rows
+    assert everything.examples("test") == everything.examples("train") and len(everything.examples("test")) == 20
+    (tmp_path / "t").mkdir()
+    given = make_task("custom", data_path=path, test_path=write_rows(tmp_path / "t", [{"prompt": "t", "answer": "0"}]))
+    assert len(given.examples("train")) == 20 and [e.question for e in given.examples("test")] == ["t"]
+    with pytest.raises(ValueError, match=r"holdout=1.0 must be in \[0, 1\)"):
+        make_task("custom", data_path=path, holdout=1.0)
