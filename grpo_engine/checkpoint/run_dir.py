@@ -65,11 +65,6 @@ def checkpoint_step(path: Path | None) -> int | None:
     return None if path is None else int(path.name[len(STEP_PREFIX) :])
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    found = list_checkpoints(ckpt_root)
-    return found[-1] if found else None
-
-
 def utc_stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 

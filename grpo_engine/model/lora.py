@@ -251,11 +251,6 @@ def _resolve_quantization(model: Transformer, cfg: LoRAConfig, device: torch.dev
     return None
 
 
-def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable adapter parameters (what the optimizer should get)."""
-    return [p for _, m in _require_lora(model) for p in (m.lora_A, m.lora_B)]
-
-
 def merge_lora(model: nn.Module) -> int:
     """Fold adapters into the base weights (rollout speed). Returns how many modules were merged."""
     return sum(m.merge() for _, m in _require_lora(model))

@@ -15,7 +15,6 @@ from grpo_engine.model.lora import (
     apply_lora,
     load_adapter,
     lora_merged,
-    lora_parameters,
     lora_state_dict,
     merge_lora,
     merged_model_state,
@@ -38,8 +37,8 @@ def randomize_b(model, seed=3, std=0.05):
     """LoRA B starts at zero; give it values so the adapter actually changes the output."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in lora_parameters(model):
-            if p.shape[1] == model.lora_config.rank:  # lora_B [out, r]
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):  # [out, r]
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_engine.checkpoint.run_dir import latest_checkpoint, list_checkpoints
+from grpo_engine.checkpoint.run_dir import list_checkpoints
 from grpo_engine.checkpoint.state_io import StateFormatError
 from grpo_engine.checkpoint.store import (
     TrainerState,
@@ -37,7 +37,7 @@ def test_save_keep_last_and_load(tmp_path, tiny_ckpt):
                         tokenizer_dir=tiny_ckpt, keep_last=2)
     assert [p.name for p in list_checkpoints(root)] == ["step-000002", "step-000003"]
     assert not list(root.glob(".tmp-*"))
-    latest = latest_checkpoint(root)
+    latest = list_checkpoints(root)[-1]
     assert latest.name == "step-000003" and resolve_resume("latest", root) == latest
     assert load_trainer_state(latest).data_position == 9
     hf = AutoModelForCausalLM.from_pretrained(latest / "model")
@@ -52,7 +52,7 @@ def test_incomplete_dirs_are_not_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_resume("latest", root)
     (root / "step-000005").mkdir(parents=True)  # no trainer_state.json
-    assert latest_checkpoint(root) is None
+    assert list_checkpoints(root) == []
     # the newest step folder is damaged, not skipped (issue 41): refused, naming what is missing
     with pytest.raises(CorruptCheckpointError, match="trainer_state.json and model/config.json are missing"):
         resolve_resume("latest", root)

@@ -14,7 +14,7 @@ import torch
 
 import grpo_engine.train.policy as policy_mod
 import grpo_engine.train.update as update_mod
-from grpo_engine.checkpoint.run_dir import latest_checkpoint
+from grpo_engine.checkpoint.run_dir import list_checkpoints
 from grpo_engine.cli import main
 from grpo_engine.config import ConfigError, load_config
 from grpo_engine.model.loading import load_model
@@ -56,7 +56,7 @@ def test_kill_9_mid_checkpoint_leaves_previous_usable_and_resume_works(tmp_path,
     _wait_for(lambda: (run / "checkpoints/paused-2").exists(), proc)  # inside the write of step-000002
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    latest = latest_checkpoint(run / "checkpoints")
+    latest = list_checkpoints(run / "checkpoints")[-1]
     assert latest.name == "step-000001"  # the half-written step 2 is not a checkpoint
     assert (run / "checkpoints/.tmp-step-000002").is_dir()
     load_model(latest / "model")  # the previous checkpoint is intact
@@ -82,7 +82,7 @@ def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, tiny_ckpt, sig):
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 500
     assert f"done: {last} steps (signal)" in out and sig.name in err
-    assert latest_checkpoint(run / "checkpoints").name == f"step-{last:06d}"
+    assert list_checkpoints(run / "checkpoints")[-1].name == f"step-{last:06d}"
 
 
 # The random tiny model scores 0 on every sample, so every advantage is 0 and by default no row would reach the
@@ -124,7 +124,7 @@ def test_nonfinite_updates_skipped_then_stop_with_last_good_checkpoint(tmp_path,
     w1 = load_model(run / "checkpoints/step-000001/model").state_dict()
     w2 = load_model(run / "checkpoints/step-000002/model").state_dict()
     assert all(torch.equal(w1[k], w2[k]) and torch.isfinite(w2[k]).all() for k in w1)
-    assert latest_checkpoint(run / "checkpoints").name == "step-000002"
+    assert list_checkpoints(run / "checkpoints")[-1].name == "step-000002"
 
 
 def _oom_above(budget: int, monkeypatch):
