@@ -42,8 +42,32 @@ options:
 Your own task: write a JSONL file with `prompt` and `answer` fields and use the `custom` task with a built-in
 verifier (`exact`, `numeric`, `math`), or name a reward function `module:function` called as
 `fn(example, completion) -> float | RewardResult` (it runs through the guarded scorer: an exception or a run
-past the timeout scores 0 and is counted). A new task class implements the `Task` protocol of
-grpo_engine/tasks/base.py (`examples`, `prompt`, `reward`, `equivalent`) and registers in `TASKS`.
+past the timeout scores 0 and is counted). `task.options.data_path` and `task.data_path` are one setting. Without
+`test_path` the task holds out a seeded `holdout` share of the data file (10%) as its test split and says so,
+so the held-out accuracy is measured on rows the model never trained on. A new task class implements the `Task`
+protocol of grpo_engine/tasks/base.py (`examples`, `prompt`, `reward`, `equivalent`) and registers in `TASKS`.
+
+Before you train, check that GRPO has something to learn: `grpo check CONFIG` samples `check.groups` (16) prompts
+of the training split, each with `rollout.group_size` replies at the run's settings, and reports the reward
+distribution, the share of groups whose rewards differ (the only ones GRPO learns from), the share of replies cut
+at `rollout.max_new_tokens`, how often the extractor finds an answer, the accuracy, and a verdict that names the
+likely cause of a missing signal and the setting that fixes it:
+
+| the check finds | fix |
+| --- | --- |
+| replies cut at `rollout.max_new_tokens` | raise `rollout.max_new_tokens` |
+| answers the extractor cannot find | say how to answer in `instruction`, or widen `extractors` |
+| every group all correct | harder data |
+| no reply correct | easier data, a warm start, or a larger `rollout.group_size` / `rollout.temperature` |
+| a reward that is the same for every reply | the reward function (`reward_fn`, `answer_weight`) |
+
+`grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
+line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
+reports and goes on. It costs about two steps' generation and no update, and leaves the run bit-identical. At the
+end `grpo train` prints the held-out accuracy of the starting and the final model (the first `eval.max_examples`
+of the test split, at `eval.temperature` and `eval.max_new_tokens`) as `grpo demo` does, and writes
+`RUN_DIR/before_after.json`; `grpo train CONFIG --control random-reward` runs the same recipe with coin-flip
+rewards in `RUN_DIR-random-reward`, with its own before_after.json: a gain GRPO earned is one the control lacks.
 """
 
 
