@@ -1,17 +1,20 @@
-"""LoRA / QLoRA adapters for `Transformer`: inject, merge for rollout, disable for the reference, export.
+"""LoRA / QLoRA adapters for `Transformer`: inject, merge (fp32 / fp64 bases), disable for the reference, export.
 
 Design:
 * `LoRALinear` replaces a targeted `nn.Linear` but keeps the base `weight` / `bias` under the SAME
   attribute names, so `hf_name_table` / `hf_state_dict` / `save_model` still see
   `layers.{i}.attn.q_proj.weight`; the adapter adds `lora_A` [r, in] and `lora_B` [out, r].
   y = base(x) + (alpha / r) * B A dropout(x).
-* Merging (`merge_lora`) folds the adapter into the base weight so rollout decodes with one matmul per
-  projection. Training needs the unmerged form (gradients reach A and B only through the adapter path), so
-  a merged module refuses to run a grad-enabled training forward.
-* Exact unmerge: subtracting B A again is exact only up to rounding, and in bf16 that error (~1 ulp per
-  merge) would random-walk the frozen base weights over thousands of steps. Low-precision bases therefore
-  park a copy of the original weight on the CPU at merge time and copy it back at unmerge (bit-exact); fp32
-  bases subtract (error ~1e-7 relative, no extra memory).
+* Merging (`merge_lora`) folds the adapter into the base weight (one matmul per projection), only where
+  that is exact enough: an fp32 or fp64 base. A bf16 / fp16 base is never merged: every entry of s B A
+  under half a step of W would be rounded away, so early in training (B small) the merged model would be an
+  older policy than the adapters being trained. Training needs the unmerged form (gradients reach A and B
+  only through the adapter path), so a merged module refuses to run a grad-enabled training forward;
+  unmerging subtracts s B A again (error ~1e-7 relative in fp32).
+* A low-precision base adds the adapter's output into the base product's accumulator (`torch.addmm`):
+  x W^T + s B A x is rounded once, so an adapter change smaller than half a step of the output still moves
+  it as often as it would move the exact result (y + s B A x added after rounding y would lose it every
+  time). The trainer and the sampler run this same forward.
 * QLoRA: the base weight is stored in NF4 (model/nf4.py: torchao or bitsandbytes, CUDA only). An NF4
   base is never merged (re-quantising would change it); rollout runs the adapter path instead. The model
   is loaded onto the CPU and `apply_lora(model, cfg, device)` moves it to the GPU one projection at a time,
@@ -44,6 +47,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ENGINE_CONFIG = "grpo_lora.json"  # the engine's own LoRA settings, kept out of PEFT's adapter_config.json
 PEFT_PREFIX = "base_model.model."
+MERGEABLE_DTYPES = (torch.float32, torch.float64)  # bases precise enough to fold s B A into (LoRALinear.merge)
 
 
 def _init_kaiming(a: torch.Tensor) -> None:
@@ -83,7 +87,6 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.adapter_enabled = True
         self.merged = False
-        self._parked: torch.Tensor | None = None  # original weight while merged (low-precision bases)
         self._nf4_forward: Callable | None = None
         self._nf4_dequantize: Callable | None = None
 
@@ -102,32 +105,37 @@ class LoRALinear(nn.Module):
         return self._nf4_dequantize(self.weight) if self.quantized else self.weight
 
     def delta_weight(self) -> torch.Tensor:
-        """(alpha / r) B A in fp32, [out, in]."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+        """(alpha / r) B A in fp32 (fp64 adapters: fp64), [out, in]."""
+        dtype = torch.promote_types(self.lora_B.dtype, torch.float32)
+        return (self.lora_B.to(dtype) @ self.lora_A.to(dtype)) * self.scaling
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if self.quantized:
             y = self._nf4_forward(x, self.weight)
-            y = y + self.bias if self.bias is not None else y
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        if self.merged:
-            if self.training and torch.is_grad_enabled():
-                raise RuntimeError("LoRA weights are merged: call unmerge_lora(model) before training")
-            return y
-        if not self.adapter_enabled:
-            return y
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if self.merged and self.training and torch.is_grad_enabled():
+            raise RuntimeError("LoRA weights are merged: call unmerge_lora(model) before training")
+        if self.merged or not self.adapter_enabled:
+            return self.base_forward(x)
         h = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)  # [..., r]
-        return y + (F.linear(h, self.lora_B) * self.scaling).to(y.dtype)  # [..., out]
+        delta = (F.linear(h, self.lora_B) * self.scaling).to(x.dtype)  # [..., out]
+        if self.quantized or self.weight.dtype in MERGEABLE_DTYPES:
+            return self.base_forward(x) + delta
+        y = torch.addmm(delta.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
+        y = y.view(delta.shape)  # x W^T + s B A x, rounded once to the low-precision dtype
+        return y + self.bias if self.bias is not None else y
 
     @torch.no_grad()
     def merge(self) -> bool:
-        """W <- W + s B A. Returns False (and does nothing) for an NF4 base, which is never merged."""
-        if self.merged or self.quantized:
+        """W <- W + s B A on an fp32 / fp64 base. Returns False (and does nothing) for a bf16 / fp16 base, whose
+        rounding would lose every entry of s B A under half a step of W, and for an NF4 base (re-quantising
+        would change it): both run the adapter path."""
+        if self.merged or self.quantized or self.weight.dtype not in MERGEABLE_DTYPES:
             return False
-        if self.weight.dtype != torch.float32:  # bf16/fp16: keep the exact original for unmerge
-            self._parked = self.weight.detach().to("cpu", copy=True)
-        self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
+        self.weight.add_(self.delta_weight().to(self.weight.dtype))
         self.merged = True
         return True
 
@@ -135,11 +143,7 @@ class LoRALinear(nn.Module):
     def unmerge(self) -> bool:
         if not self.merged:
             return False
-        if self._parked is not None:
-            self.weight.copy_(self._parked)
-            self._parked = None
-        else:
-            self.weight.sub_(self.delta_weight().to(self.weight.dtype))
+        self.weight.sub_(self.delta_weight().to(self.weight.dtype))
         self.merged = False
         return True
 
@@ -252,12 +256,12 @@ def _resolve_quantization(model: Transformer, cfg: LoRAConfig, device: torch.dev
 
 
 def merge_lora(model: nn.Module) -> int:
-    """Fold adapters into the base weights (rollout speed). Returns how many modules were merged."""
+    """Fold adapters into the fp32 / fp64 base weights (LoRALinear.merge). Returns how many modules were merged."""
     return sum(m.merge() for _, m in _require_lora(model))
 
 
 def unmerge_lora(model: nn.Module) -> int:
-    """Undo merge_lora exactly (bf16: bit-exact restore; fp32: subtraction). Returns modules unmerged."""
+    """Undo merge_lora (subtraction: error ~1e-7 relative in fp32). Returns how many modules were unmerged."""
     return sum(m.unmerge() for _, m in _require_lora(model))
 
 

@@ -32,7 +32,7 @@ from ..kernels import (
     measured_here,
 )
 from ..model.loading import load_model
-from ..model.lora import adapters_disabled, apply_lora, load_adapter, lora_merged, lora_modules
+from ..model.lora import adapters_disabled, apply_lora, load_adapter
 from ..plan.device_defaults import apply_memory_choice
 from ..plan.from_config import config_memory_choice, plan_input_from_config
 from ..plan.memory import resolve_checkpointing
@@ -58,13 +58,11 @@ class Policy:
         return self.model.device
 
     def rollout_weights(self):
-        """Context in which the policy generates: LoRA adapters merged into the weights when unmerging restores
-        them bit for bit (low-precision bases, whose original weight is parked and copied back). An fp32 base
-        would be restored by subtraction, whose rounding would drift the frozen weights over a long run, so it
-        decodes through the adapter path instead (same function, one extra small matmul per projection)."""
-        low_precision = next(self.model.parameters()).dtype != torch.float32
-        if self.spec.mode != "full" and low_precision and any(True for _ in lora_modules(self.model)):
-            return lora_merged(self.model)
+        """Context in which the policy generates: its weights as the trainer runs them, LoRA adapters unmerged
+        (model/lora.py: the adapter path, inside the CUDA graph on CUDA, where an optimizer step writes A and B in
+        place). Merging is never worth it here: into a bf16 / fp16 base it rounds away every change under half a
+        step of W, so the rollout would sample an older policy than the one being trained; an fp32 base would be
+        restored by subtraction, whose rounding would drift the frozen weights over a long run."""
         return contextlib.nullcontext(self.model)
 
     def old_logprobs(self, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
