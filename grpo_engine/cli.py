@@ -49,7 +49,7 @@ def add_train_parser(sub) -> None:
 
 
 def _at_least_one(text: str) -> int:
-    """A count flag's value: --stop-after 0 (or -1) once ran a step all the same and stopped after it."""
+    """A count flag's value, at least 1: the loop would run a step all the same for --stop-after 0 (or -1)."""
     try:
         value = int(text)
     except ValueError:
@@ -139,8 +139,8 @@ def _run_forwarding_signals(cmd: list[str]) -> int:
     Why not to torchrun: its agent gives the ranks `--shutdown_timeout` (30 s) after passing a signal on, then
     kills them, cutting a step + checkpoint that takes longer, and it reports the signal with a traceback and
     exit 1. Why its own session: the terminal's Ctrl-C reaches this process alone, so each rank gets a signal
-    once, from here. subprocess.call, before, killed torchrun 0.25 s after a Ctrl-C, and a SIGTERM to this
-    process ended it alone, leaving torchrun and the ranks training on. Before torchrun has started its ranks,
+    once, from here. subprocess.call would kill torchrun 0.25 s after a Ctrl-C, and a SIGTERM to this process
+    would end it alone, leaving torchrun and the ranks training on. Before torchrun has started its ranks,
     a signal goes to torchrun."""
     proc = subprocess.Popen(cmd, start_new_session=True)
 

@@ -2,7 +2,7 @@
 what was being written is removed, not left half-written.
 
 safetensors reports an I/O failure as `SafetensorError("... (os error 28)")`, which no `except OSError` sees: it
-reached the user as a traceback. `as_os_error` turns it back into the OSError it was.
+would reach the user as a traceback. `as_os_error` turns it back into the OSError it was.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tupl
 
 def apply_learning_rate(policy, cfg: Config, changes: list[tuple[str, object, object]]) -> None:
     """A new optimizer.lr / schedule: the restored scheduler keeps its step count but takes the new peak lr and
-    shape (the scheduler was built from the new config; loading its state brought back the old base lr). A new
+    shape (the scheduler is built from the new config, but loading its state brings back the stored base lr). A new
     optimizer.betas / eps / weight_decay goes into every param group (apply_group_settings)."""
     apply_group_settings(policy.optimizer, cfg, changes)
     if not any(_matches(k, LR_KEYS) for k, _, _ in changes):
@@ -156,8 +156,8 @@ def apply_learning_rate(policy, cfg: Config, changes: list[tuple[str, object, ob
 
 
 def apply_group_settings(optimizer, cfg: Config, changes: list[tuple[str, object, object]]) -> None:
-    """Loading the optimizer's state brought back the stored betas / eps / weight_decay with its param groups, so
-    a changed one, printed as taking effect, was silently the old value: set it from the new config."""
+    """Loading the optimizer's state brings back the stored betas / eps / weight_decay with its param groups, so
+    a changed one, printed as taking effect, would silently stay the old value: set it from the new config."""
     for key, _, _ in changes:
         name = GROUP_KEYS.get(key)
         if name is None:

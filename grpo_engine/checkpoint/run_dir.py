@@ -100,7 +100,7 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory: choose another run_dir")
-    if resume_step is not None and overwrite:  # it used to be ignored: the run went on over the old one
+    if resume_step is not None and overwrite:  # contradictory: refused rather than one of them ignored
         raise ConfigError("--resume and --overwrite together: --resume continues a run, --overwrite starts a new one "
                           "in place of the old; pass one of them (to continue a checkpoint elsewhere, choose a new "
                           "run_dir)")
@@ -174,7 +174,7 @@ def _append_lines(path: Path, lines: list[str]) -> None:
 
 def replace_text(path: Path, text: str) -> None:
     """Replace `path`'s content through a temporary file and a rename: a crash or a full disk midway leaves the old
-    file whole (writing in place truncated it first, and a disk full then lost the log)."""
+    file whole (writing in place would truncate it first, and a full disk would then lose the log)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with tmp.open("w") as f:

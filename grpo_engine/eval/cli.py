@@ -129,8 +129,8 @@ def run_eval(args) -> int:
 
 
 def examples_for(task, name: str, args) -> list:
-    """The split's examples, refused when empty: found by evaluate(), it came after the model had loaded
-    and named neither the split nor its data."""
+    """The split's examples, refused when empty before the model loads; evaluate() would find it only after the
+    model had loaded, naming neither the split nor its data."""
     examples = task.examples(args.split)
     if not examples:
         where = f"{name} --data {args.data}" if args.data else name
@@ -141,8 +141,8 @@ def examples_for(task, name: str, args) -> list:
 
 def check_out(out: str | None, overwrite: bool = False) -> None:
     """Make --out's folder and refuse a path the report cannot be written to, before sampling: found only at
-    the end, it lost the whole evaluation to a traceback. An existing file is replaced only with --overwrite (it
-    replaced a run's metrics.jsonl, a data file, a checkpoint's config.yaml)."""
+    the end, it would lose the whole evaluation to a traceback. An existing file is replaced only with --overwrite
+    (--out may name a run's metrics.jsonl, a data file, a checkpoint's config.yaml)."""
     if not out:
         return
     path = Path(out)
@@ -327,8 +327,8 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
 
 
 def check_device(device: str) -> str:
-    """`device` if this machine has it. Left to torch, `--device cuda` without a GPU was a traceback from the
-    weight loader and `--device tpu` was reported as a truncated safetensors file to re-download."""
+    """`device` if this machine has it. Left to torch, `--device cuda` without a GPU would be a traceback from the
+    weight loader and `--device tpu` would be reported as a truncated safetensors file to re-download."""
     import torch
 
     try:

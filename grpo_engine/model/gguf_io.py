@@ -137,7 +137,7 @@ def _head_dim(meta: dict, arch: str, default: int, source: str) -> int:
 def _rope_scaling(meta: dict, arch: str, source: str) -> dict | None:
     """ModelConfig.rope_scaling from llama.cpp's rope.scaling.type / .factor (or the older rope.scale_linear).
 
-    Why: ignored, a linearly scaled model loaded with plain RoPE and gave wrong logits without a word; a kind
+    Why: ignored, a linearly scaled model would load with plain RoPE and give wrong logits without a word; a kind
     the engine does not implement (yarn, longrope) is refused rather than run unscaled.
     """
     kind = meta.get(f"{arch}.rope.scaling.type", "none")

@@ -2,7 +2,7 @@
 under bounds.
 
 Why: a config.json or GGUF header of a few hundred bytes that claims 10^6 layers (or a hidden size its
-tensors do not have) built gigabytes of modules for minutes before the first tensor was compared with it.
+tensors do not have) would build gigabytes of modules for minutes before the first tensor is compared with it.
 config.py's `checked_dims` bounds each dimension; `check_tensor_shapes` then compares the config with the
 tensors the file really holds (their names and shapes, no data), so building the model costs what the file
 holds. No torch here: headers and shapes only.

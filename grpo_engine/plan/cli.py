@@ -40,7 +40,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _yes_no(text: str) -> bool:
-    """A boolean flag's value; anything else is an error ("maybe" once read as false, silently)."""
+    """A boolean flag's value; anything else is an error, not silently false ("maybe")."""
     value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(text.lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a boolean: use true or false")

@@ -49,7 +49,7 @@ class Row(Protocol):
 
 def as_seed(seed: int | Sequence[int]) -> int | list[int]:
     """One seed as a Python int (numpy's integers included: `isinstance(np.int64(3), int)` is False,
-    so such a seed was taken for a sequence and failed with "has no len()"), or the per-prompt seeds as a list."""
+    so such a seed would be taken for a sequence and fail with "has no len()"), or the per-prompt seeds as a list."""
     return int(seed) if isinstance(seed, numbers.Integral) else [int(s) for s in seed]
 
 

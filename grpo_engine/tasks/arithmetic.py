@@ -124,8 +124,8 @@ class ArithmeticTask(ChatTask):
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
         value = parse_number(found) if found is not None else None
         answer = None if value is None else str(value)  # a Fraction: '47', not '47.0'
-        # exact: the answers are integers, and the default relative tolerance (1e-6) accepted a 4-digit
-        # product that was off by up to 100, or a non-integer next to it
+        # exact: the answers are integers, and the default relative tolerance (1e-6) would accept a 4-digit
+        # product off by up to 100, or a non-integer next to it
         correct = numeric_equal(answer, example.answer, tol=0.0)
         return weighted_reward(self.options, completion, float(correct), answer)
 

@@ -130,7 +130,7 @@ def check_equation(
 ) -> CountdownCheck:
     """Whether `expression` uses exactly `nums` and hits target. In 'lhs = rhs [= ...]' the lhs is the
     equation; a right-hand side that evaluates must equal the target too ('6*8/(4-2) = 25' states a wrong
-    result, and scored as right when only the lhs was read); one that does not evaluate (text) is ignored."""
+    result, and would score as right if only the lhs were read); one that does not evaluate (text) is ignored."""
     lhs, *rhs = expression.split("=", 16)  # bounded work; a 17th side keeps its '=' and does not evaluate
     ev = evaluate_arithmetic(lhs)
     if ev.error is not None:
@@ -185,7 +185,7 @@ class CountdownTask(ChatTask):
         """Same value (within tolerance) from the same numbers when both evaluate; otherwise identical text.
 
         The numbers matter: every attempt aims at the target, so by value alone '24' (the target written
-        alone) and '(6-2)*4+8' were one answer, and maj@k judged that mixed cluster by whichever came first.
+        alone) and '(6-2)*4+8' would be one answer, and maj@k would judge that cluster by whichever came first.
         """
         va, vb = evaluate_arithmetic(a.split("=", 1)[0]), evaluate_arithmetic(b.split("=", 1)[0])
         if va.value is None or vb.value is None:

@@ -29,13 +29,13 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 # ASCII-only number: optional sign (an ASCII hyphen or the Unicode minus U+2212, which models and LaTeX
-# renderings emit: read as a digit-less character, "−5" was the number 5), digits with optional thousands
-# separators, decimals (".5" too: read from its digits alone it was 5), a /denominator.
+# renderings emit: read as a digit-less character, "−5" would be the number 5), digits with optional thousands
+# separators, decimals (".5" too: read from its digits alone it would be 5), a /denominator.
 # No nested quantifiers: each part is deterministic given the next character, so matching is linear.
 _NUMBER_RE = re.compile(r"[-\u2212]?(?:[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?|\.[0-9]+)(?:/[0-9]+)?")
 _ANSWER_IS_RE = re.compile(r"the\s{1,5}(?:final\s{1,5})?answer\s{1,5}is\s{0,5}:?", re.IGNORECASE)
 # \frac{a}{b}, and the brace-less single-digit forms \frac12, \dfrac1{2}, \frac{1}2 that LaTeX accepts (read
-# as a plain number, \frac12 was twelve)
+# as a plain number, \frac12 would be twelve)
 _FRAC_ARG = r"(?:\{([-\u2212]?[0-9]{1,64})\}|([0-9]))"  # {digits} or one bare digit
 _FRAC_RE = re.compile(r"([-\u2212]?)\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG)
 # "Answer: X" / "Final answer: X" at the start of a line (markdown bold and a leading '#' tolerated)

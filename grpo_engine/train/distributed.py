@@ -83,8 +83,8 @@ def auto_strategy(cfg: Config) -> str:
 
 
 def close_world(world: World) -> None:
-    """Destroy the process group once nothing refers to DDP / FSDP2 state any more: a gloo rank that still held
-    them at interpreter exit aborted now and then ("terminate called without an active exception") after a
+    """Destroy the process group once nothing refers to DDP / FSDP2 state any more: a gloo rank that still holds
+    them at interpreter exit aborts now and then ("terminate called without an active exception") after a
     completed run, failing it under torchrun."""
     if world.size > 1 and dist.is_initialized():
         gc.collect()
