@@ -2,14 +2,19 @@
 
     python benchmarks/gpu_check.py --out REPORT_DIR [--sections parity,memory,speed] [--smoke]
 
-Writes REPORT_DIR/gpu_check.json (every figure) and REPORT_DIR/gpu_check.md (tables), section by section, so a
-run cut short keeps what it measured. Checkpoints are random weights at the real Qwen2.5 shapes, made by the
+Writes REPORT_DIR/gpu_check.json (every figure) and REPORT_DIR/gpu_check.md (tables): the header (GPU, torch,
+CUDA, driver, git commit) first, then again after every measurement, so a run cut short keeps what it measured. A
+section or measurement that raises records {"error": "<one line>"} (the traceback goes to stderr) and the run goes
+on; without transformers its rows say {"skipped": "transformers not installed"}; without CUDA (and no --smoke) the
+report says so and the command exits cleanly. Checkpoints are random weights at the real Qwen2.5 shapes, made by the
 project's own make_tiny_checkpoint on the GPU (byte-level tokenizer, 151,936-row vocabulary), cached in
 $GRPO_BENCH_CACHE (default ~/.cache/grpo-engine/bench). --smoke runs every code path at a toy shape on CPU.
 
 Sections
 - parity: logits of our bf16 model vs transformers' bf16 model, both against our fp32 forward (the same
-  weights); then the rollout/trainer mismatch under bf16: generate()'s log-probs vs the training forward's.
+  weights); then the rollout/trainer mismatch: generate()'s log-probs vs the training forward's, in bf16 and fp32,
+  with rollout.cuda_graphs on and off, and in bf16 with LoRA adapters whose B is non-zero (sampled under the
+  policy's rollout_weights, as training samples; beside it, how much the adapters move the trainer's log-probs).
 - memory: one GRPO step per preset config (each in its own process) at its real shape, G=8, 8 prompts,
   512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction; the
   report's `step` entry (per preset file: seconds per step, generate / log-probs / update seconds, the update's
@@ -34,13 +39,16 @@ issue's figures alone: `--sections speed`, ~5 min. `--engines all` adds ~2.5 min
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -124,79 +132,207 @@ def sync() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# parity
+# the report: written first, rewritten after every measurement
 
 
-@torch.no_grad()
-def logits_parity(path: Path, device: str, prompts: list[list[int]]) -> dict:
-    """max / mean |logit diff| of our bf16 and transformers' bf16 forward, each against our fp32 forward."""
-    from transformers import AutoModelForCausalLM
+def one_line(e: BaseException) -> str:
+    """An exception as one line (its type and message, whitespace collapsed, at most 500 characters)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:500]
 
-    from grpo_engine.model.loading import load_model
 
-    ref = load_model(path, dtype=torch.float32, device=device)
-    want = [ref(torch.tensor([p], device=device))[0].float() for p in prompts]  # [L, V] each
-    del ref
-    ours = load_model(path, dtype=torch.bfloat16, device=device)
-    got_ours = [ours(torch.tensor([p], device=device))[0].float() for p in prompts]
-    del ours
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
-    got_hf = [hf(torch.tensor([p], device=device)).logits[0].float() for p in prompts]
-    del hf
+def guarded(fn, *args, **kwargs):
+    """fn's result, or {"error": one line} when it raises (the traceback goes to stderr): one measurement failing
+    must not lose the others, nor the report."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": one_line(e)}
 
-    def diff(a, b) -> dict:
-        d = torch.cat([(x - y).abs().flatten() for x, y in zip(a, b)])
-        top1 = torch.cat([(x.argmax(-1) == y.argmax(-1)).float() for x, y in zip(a, b)])
-        return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "top1_agree": top1.mean().item()}
 
-    scale = torch.cat([w.flatten() for w in want]).std().item()
+class Report:
+    """The run's report, rewritten to OUT/gpu_check.json (and .md) after every measurement, so a run cut short or
+    failing part-way leaves what it measured; its header (the card, torch, CUDA, driver, commit) goes first."""
+
+    def __init__(self, out: Path, data: dict):
+        self.out, self.data = out, data
+        self.save()
+
+    def save(self) -> None:
+        write_report(self.data, self.out)
+
+
+def command_output(cmd: list[str]) -> str | None:
+    """A command's first line of output, or None when it cannot run."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def header() -> dict:
+    """What the figures were measured with: the card, torch, its CUDA, the driver, the commit (and whether the tree
+    had changes), the date."""
+    cuda = torch.cuda.is_available()
+    dirty = command_output(["git", "status", "--porcelain", "--untracked-files=no"])
     return {
-        "logit_std_fp32": scale,
-        "ours_bf16_vs_fp32": diff(got_ours, want),
-        "hf_bf16_vs_fp32": diff(got_hf, want),
-        "ours_bf16_vs_hf_bf16": diff(got_ours, got_hf),
+        "gpu": guarded(gpu_name),
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        "commit": command_output(["git", "rev-parse", "HEAD"]),
+        "tree_changed": dirty is not None,
+        "date": time.strftime("%Y-%m-%d"),
     }
 
 
-def rollout_mismatch(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]], sizes: Sizes) -> dict:
-    """generate()'s per-token log-probs vs the training forward's (batch_logprobs) on the same completions."""
+# ----------------------------------------------------------------------------------------------------
+# parity
+
+
+def transformers_installed() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+SKIP_NO_TRANSFORMERS = {"skipped": "transformers not installed"}
+
+
+@torch.no_grad()
+def our_logits(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Our forward's logits [L, V] (fp32) of each prompt, in `dtype` weights."""
+    from grpo_engine.model.loading import load_model
+
+    model = load_model(path, dtype=dtype, device=device)
+    return [model(torch.tensor([p], device=device))[0].float() for p in prompts]
+
+
+@torch.no_grad()
+def hf_logits(path: Path, device: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' bf16 forward's logits [L, V] (fp32) of each prompt."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    return [hf(torch.tensor([p], device=device)).logits[0].float() for p in prompts]
+
+
+def logit_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    d = torch.cat([(x - y).abs().flatten() for x, y in zip(a, b)])
+    top1 = torch.cat([(x.argmax(-1) == y.argmax(-1)).float() for x, y in zip(a, b)])
+    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(), "top1_agree": top1.mean().item()}
+
+
+LOGIT_PAIRS = (("ours_bf16_vs_fp32", "ours_bf16", "fp32"), ("hf_bf16_vs_fp32", "hf_bf16", "fp32"),
+               ("ours_bf16_vs_hf_bf16", "ours_bf16", "hf_bf16"))
+
+
+def logits_parity(out: dict, report: Report, path: Path, device: str, prompts: list[list[int]]) -> None:
+    """max / mean |logit diff| of our bf16 and transformers' bf16 forward, each against our fp32 forward, into
+    `out`; each forward and each pair is its own measurement (a failed one records its error, the rest go on)."""
+    runs = {"fp32": partial(our_logits, path, device, torch.float32, prompts),
+            "ours_bf16": partial(our_logits, path, device, torch.bfloat16, prompts),
+            "hf_bf16": partial(hf_logits, path, device, prompts) if transformers_installed() else None}
+    logits = {name: guarded(run) if run is not None else SKIP_NO_TRANSFORMERS for name, run in runs.items()}
+    if isinstance(logits["fp32"], list):
+        out["logit_std_fp32"] = torch.cat([w.flatten() for w in logits["fp32"]]).std().item()
+    for row, a, b in LOGIT_PAIRS:
+        failed = next((logits[k] for k in (a, b) if not isinstance(logits[k], list)), None)
+        out[row] = failed if failed is not None else guarded(logit_diff, logits[a], logits[b])
+        report.save()
+
+
+@dataclasses.dataclass(frozen=True)
+class MismatchCase:
+    """One rollout/trainer mismatch measurement: the weights' dtype, rollout.cuda_graphs, LoRA adapters or not."""
+
+    dtype: str  # bf16 | fp32
+    cuda_graphs: str  # on | off
+    lora: bool = False
+
+    def label(self) -> dict:
+        return {"dtype": self.dtype, "cuda_graphs": self.cuda_graphs, "lora": self.lora}
+
+
+MISMATCH_CASES = tuple(MismatchCase(dt, g) for dt in ("bf16", "fp32") for g in ("on", "off")) + (
+    MismatchCase("bf16", "on", lora=True), MismatchCase("bf16", "off", lora=True))
+LORA_B_STD = 1e-3  # lora_B ~ N(0, 1e-3^2): the adapters change W by ~1.5e-4 RMS at the 0.5B shape (alpha/r = 2,
+#                    lora_A kaiming-uniform), about one bf16 step of its ~0.02-sized weights: a merge into the bf16
+#                    base would round much of it away, so a rollout that merged would show it here
+
+
+def with_adapters(model):
+    """The model with LoRA adapters (rank 16 on every projection, the default LoRAConfig) whose B is non-zero
+    (LORA_B_STD, seeded), and the Policy the trainer would hold it in (its rollout_weights is what a rollout runs
+    under)."""
+    from grpo_engine.config import LoRAConfig
+    from grpo_engine.model.lora import apply_lora, lora_modules
+    from grpo_engine.plan.policy_spec import PolicySpec
+    from grpo_engine.train.policy import Policy
+
+    model = apply_lora(model, LoRAConfig(enabled=True))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * LORA_B_STD)  # [out, r]
+    return model, Policy(model, None, None, None, PolicySpec("lora", "none", False), None)
+
+
+def rollout_mismatch(path: Path, device: str, prompts: list[list[int]], sizes: Sizes, case: MismatchCase) -> dict:
+    """generate()'s per-token log-probs (rollout.cuda_graphs as the case says; with LoRA under the policy's
+    rollout_weights, as training samples) vs the training forward's (batch_logprobs) on the same completions."""
     from grpo_engine.model.loading import load_model
     from grpo_engine.rollout import SamplingParams, generate
     from grpo_engine.train.batch import build_rollout_batch
     from grpo_engine.train.forward import batch_logprobs
 
+    if case.cuda_graphs == "on" and not torch.cuda.is_available():
+        return {"skipped": "rollout.cuda_graphs=on needs CUDA"}
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     model = load_model(path, dtype=dtype, device=device)
-    params = SamplingParams(
-        n=sizes.group, temperature=1.0, max_new_tokens=sizes.completion, stop_token_ids=[], max_tokens_in_flight=None
-    )
-    out = generate(model, prompts, params, seed=0)
+    weights = contextlib.nullcontext()
+    if case.lora:
+        model, policy = with_adapters(model)
+        weights = policy.rollout_weights()
+    params = SamplingParams(n=sizes.group, temperature=1.0, max_new_tokens=sizes.completion, stop_token_ids=[],
+                            max_tokens_in_flight=None, cuda_graphs=case.cuda_graphs)
+    with weights:
+        out = generate(model, prompts, params, seed=0)
     rows = [prompts[i] for i in out.prompt_index]
-    batch = build_rollout_batch(
-        rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows), pad_id=0
-    )
+    batch = build_rollout_batch(rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows),
+                                pad_id=0)
     train = batch_logprobs(model, batch, 16384, temperature=1.0, chunk_size=1024)  # [B, T]
     mask = batch.completion_mask.bool()
     log_ratio = (train - batch.sampler_logp)[mask]  # log pi_train / pi_sampler per token
-    return {
-        "dtype": str(dtype).removeprefix("torch."),
-        "tokens": int(mask.sum()),
-        "mean_abs": log_ratio.abs().mean().item(),
-        "max_abs": log_ratio.abs().max().item(),
-        "mean": log_ratio.mean().item(),
-        "k3": (log_ratio.exp() - 1 - log_ratio).mean().item(),
-    }
+    result = {"tokens": int(mask.sum()), "mean_abs": log_ratio.abs().mean().item(),
+              "max_abs": log_ratio.abs().max().item(), "mean": log_ratio.mean().item(),
+              "k3": (log_ratio.exp() - 1 - log_ratio).mean().item()}
+    if case.lora:  # what the adapters change in the trainer's log-probs: the size the mismatch is to be read beside
+        from grpo_engine.model.lora import adapters_disabled
+
+        with adapters_disabled(model):
+            base = batch_logprobs(model, batch, 16384, temperature=1.0, chunk_size=1024)
+        result["adapter_effect_mean_abs"] = (train - base)[mask].abs().mean().item()
+    return result
 
 
-def parity(smoke: bool, sizes: Sizes) -> dict:
+def parity(report: Report, smoke: bool, sizes: Sizes) -> None:
+    """The parity section, into report.data["parity"] measurement by measurement."""
     from grpo_engine.bench.generate import bench_prompts
     from grpo_engine.model.loading import load_tokenizer
 
+    section = report.data["parity"] = {"shape": "qwen2.5-0.5b", "logits": {}, "mismatch": []}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = checkpoint("qwen2.5-0.5b", smoke)
     prompts = bench_prompts(load_tokenizer(path), sizes.prompts)
-    result = {"shape": "qwen2.5-0.5b", "logits": logits_parity(path, device, prompts)}
-    result["mismatch"] = [rollout_mismatch(path, device, dt, prompts, sizes) for dt in (torch.bfloat16, torch.float32)]
-    return result
+    logits_parity(section["logits"], report, path, device, prompts)
+    for case in MISMATCH_CASES:
+        section["mismatch"].append({**case.label(), **guarded(rollout_mismatch, path, device, prompts, sizes, case)})
+        report.save()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,15 +481,19 @@ def step_summary(memory_results: list[dict]) -> dict:
             for r in memory_results if "error" not in r}
 
 
-def memory(smoke: bool, out: Path, presets: list[str], steps: int, profile: str) -> list[dict]:
-    """Each preset in its own process (clean peaks, its own CUDA context); this process's GPU use is passed on."""
+def memory(smoke: bool, out: Path, presets: list[str], steps: int, profile: str,
+           report: Report | None = None) -> list[dict]:
+    """Each preset in its own process (clean peaks, its own CUDA context); this process's GPU use is passed on.
+    With a report, each preset's result goes into report.data["memory"] (and the `step` summary) as it comes."""
+    results = []
+    if report is not None:
+        report.data["memory"] = results
     gc.collect()
     others = 0.0
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         others = (total - free) / GIB
-    results = []
     for config in presets:
         cmd = (
             [
@@ -372,18 +512,28 @@ def memory(smoke: bool, out: Path, presets: list[str], steps: int, profile: str)
         env = {**os.environ, "GPU_CHECK_OTHERS_GIB": str(others)}
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        except subprocess.TimeoutExpired as e:
-            results.append({"config": config, "error": f"timed out after {e.timeout} s"})
+        except (subprocess.SubprocessError, OSError) as e:
+            results.append({"config": config, "error": one_line(e)})
             continue
         (out / f"preset_{Path(config).stem}.log").write_text(proc.stdout + proc.stderr)
         line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
         results.append(
             json.loads(line)
             if proc.returncode == 0 and line
-            else {"config": config, "error": (proc.stderr or proc.stdout)[-2000:]}
+            else {"config": config, "error": last_error_line(proc.stderr or proc.stdout)}
         )
         print(json.dumps(results[-1])[:600], flush=True)
+        if report is not None:
+            report.data["step"] = step_summary(results)
+            report.save()
     return results
+
+
+def last_error_line(output: str) -> str:
+    """A failed preset process's error in one line: the last non-empty line of its output (the full output is in
+    its log file)."""
+    lines = [x.strip() for x in output.splitlines() if x.strip()]
+    return (lines[-1] if lines else "no output")[:500]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -512,6 +662,8 @@ def speed_runs(path: Path, sizes: Sizes, shape: str, engines: list[str], hf_stat
         "ours_eager": partial(ours_speed, path, sizes, False),
         "ours_compiled": partial(ours_speed, path, sizes, True),
     }
+    if not transformers_installed():
+        runs["hf_dynamic"] = runs["hf_static"] = lambda: dict(SKIP_NO_TRANSFORMERS)
     return {name: runs[name] for name in engines if name != "hf_static" or shape in hf_static}
 
 
@@ -530,31 +682,45 @@ def speed_targets(runs: list[dict]) -> list[dict]:
 
 
 def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str],
-          engines: list[str] = DEFAULT_ENGINES) -> dict:
+          engines: list[str] = DEFAULT_ENGINES, report: Report | None = None) -> dict:
+    """Each engine at each shape, one measurement each; with a report, into report.data["speed"] as they come."""
+    bw = guarded(copy_bandwidth)
+    result = {"copy_bandwidth_gb_s": bw / 1e9 if isinstance(bw, float) else float("nan"), "runs": []}
+    if isinstance(bw, dict):
+        result["copy_bandwidth_error"] = bw["error"]
+    if report is not None:
+        report.data["speed"] = result
+    for shape in shapes:
+        shape_runs = guarded(shape_speed, smoke, sizes, shape, engines, hf_static, result["runs"],
+                             result["copy_bandwidth_gb_s"] * 1e9, report)
+        if isinstance(shape_runs, dict):  # the shape's checkpoint or config failed
+            result["runs"].append({"shape": shape, "engine": "-", **shape_runs})
+    result["targets"] = speed_targets(result["runs"])
+    if report is not None:
+        report.save()
+    return result
+
+
+def shape_speed(smoke: bool, sizes: Sizes, shape: str, engines: list[str], hf_static: list[str], runs: list[dict],
+                bw: float, report: Report | None) -> None:
+    """The engines at one shape, appended to `runs` one by one (a failing engine records its error)."""
     from grpo_engine.model.hf_io import config_from_hf, read_json
 
-    bw = copy_bandwidth()
-    result = {"copy_bandwidth_gb_s": bw / 1e9, "runs": []}
-    for shape in shapes:
-        path = checkpoint(shape, smoke)
-        cfg = config_from_hf(read_json(path / "config.json"))
-        for name, run in speed_runs(path, sizes, shape, engines, hf_static).items():
-            try:
-                r = run()
-            except Exception as e:  # one engine failing must not lose the others' figures
-                r = {"error": f"{type(e).__name__}: {e}"[:500]}
-            if "seconds" in r:
-                prompt_len = r.get("mean_prompt_tokens", sizes.prompt_len)
-                rows = sizes.speed_prompts * sizes.group
-                bound_s = decode_bytes(cfg, rows, prompt_len, sizes.completion) / bw
-                r["fraction_of_hbm_bound"] = bound_s / r["seconds"]
-            result["runs"].append({"shape": shape, "engine": name, **r})
-            print(json.dumps(result["runs"][-1]), flush=True)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    result["targets"] = speed_targets(result["runs"])
-    return result
+    path = checkpoint(shape, smoke)
+    cfg = config_from_hf(read_json(path / "config.json"))
+    for name, run in speed_runs(path, sizes, shape, engines, hf_static).items():
+        r = guarded(run)
+        if "seconds" in r:
+            prompt_len = r.get("mean_prompt_tokens", sizes.prompt_len)
+            rows = sizes.speed_prompts * sizes.group
+            r["fraction_of_hbm_bound"] = decode_bytes(cfg, rows, prompt_len, sizes.completion) / bw / r["seconds"]
+        runs.append({"shape": shape, "engine": name, **r})
+        print(json.dumps(runs[-1]), flush=True)
+        if report is not None:
+            report.save()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -562,73 +728,97 @@ def speed(smoke: bool, sizes: Sizes, shapes: list[str], hf_static: list[str],
 
 
 def write_report(report: dict, out: Path) -> None:
+    """The JSON first (what a reader needs); the tables after it, an error in them noted instead of raised."""
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu_check.md").write_text(markdown(report))
+    try:
+        text = markdown(report)
+    except Exception as e:
+        text = f"# gpu_check\n\nthe tables could not be written ({one_line(e)}): read gpu_check.json\n"
+    (out / "gpu_check.md").write_text(text)
+
+
+def failed(x) -> str | None:
+    """A measurement's error or skip note (None when it has figures)."""
+    if not isinstance(x, dict):
+        return None
+    if "error" in x:
+        return f"error: {x['error'][:200]}"
+    return f"skipped: {x['skipped']}" if "skipped" in x else None
+
+
+def parity_lines(p: dict) -> list[str]:
+    lines = ["## bf16 parity (Qwen2.5-0.5B shape, random weights)", ""]
+    if failed(p) and "logits" not in p:
+        return lines + [failed(p)]
+    lines += ["| pair | max abs | mean abs | top-1 |", "|---|---|---|---|"]
+    for k, v in p.get("logits", {}).items():
+        if failed(v):
+            lines.append(f"| {k} | {failed(v)} | | |")
+        elif isinstance(v, dict):
+            lines.append(f"| {k} | {v['max_abs']:.4g} | {v['mean_abs']:.4g} | {v['top1_agree']:.4f} |")
+    lines += ["", "| rollout vs trainer | cuda_graphs | LoRA | tokens | mean abs | max abs | mean | k3 | adapters' "
+              "effect |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in p.get("mismatch", []):
+        case = f"| {m['dtype']} | {m.get('cuda_graphs', 'auto')} | {'yes' if m.get('lora') else 'no'} |"
+        if failed(m):
+            lines.append(f"{case} {failed(m)} | | | | | |")
+            continue
+        effect = f"{m['adapter_effect_mean_abs']:.4g}" if "adapter_effect_mean_abs" in m else "-"
+        lines.append(f"{case} {m['tokens']} | {m['mean_abs']:.4g} | {m['max_abs']:.4g} | {m['mean']:.3g} | "
+                     f"{m['k3']:.3g} | {effect} |")
+    return lines + ([failed(p)] if failed(p) else [])
+
+
+def memory_lines(memory: list[dict] | dict) -> list[str]:
+    lines = ["", "## memory per preset (one GRPO step)", ""]
+    if isinstance(memory, dict):  # the section failed before or between presets: its error, then what it measured
+        return lines + [failed(memory) or ""] + memory_lines(memory.get("measured", []))[3:]
+    lines += ["| config | max reserved GiB | max allocated GiB | planned GiB | s/step | generate | log-probs | "
+              "update | update MFU |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in memory:
+        if "error" in m:
+            lines.append(f"| {m['config']} | error: {m['error'][-200:]!r} |")
+            continue
+        lines.append(
+            f"| {m['config']} | {m['max_reserved_gib']:.2f} | {m['max_allocated_gib']:.2f} | "
+            f"{m['plan_total_gib']:.2f} | {m['sec_per_step']:.1f} | {m['time_generate_s']:.1f} | "
+            f"{m['time_logprobs_s']:.1f} | {m['time_update_s']:.1f} | {m.get('update_mfu', float('nan')):.1%} |"
+        )
+    return lines
+
+
+def speed_lines(s: dict) -> list[str]:
+    lines = ["", f"## rollout speed (copy bandwidth {s.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s)", ""]
+    lines += ["| shape | engine | tokens/s | seconds | HBM-bound fraction |", "|---|---|---|---|---|"]
+    for x in s.get("runs", []):
+        if failed(x):
+            lines.append(f"| {x['shape']} | {x['engine']} | {failed(x)!r} | | |")
+            continue
+        capture = f" (first call {x['first_call_seconds']:.1f} s, capture {x['capture_seconds']:.1f} s)" \
+            if "capture_seconds" in x else ""
+        lines.append(f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f}{capture} | "
+                     f"{x.get('fraction_of_hbm_bound', float('nan')):.3f} |")
+    if s.get("targets"):
+        lines += ["", "| shape | ours_training tokens/s | faster transformers | ratio | target |",
+                  "|---|---|---|---|---|"]
+        for t in s["targets"]:
+            verdict = "met" if t["met"] else "MISSED"
+            lines.append(f"| {t['shape']} | {t['ours_training_tokens_per_s']:.0f} | {t['best_hf_tokens_per_s']:.0f} | "
+                         f"{t['ratio']:.1f}x | {t['target']:.0f}x: {verdict} |")
+    return lines + ([failed(s)] if failed(s) else [])
 
 
 def markdown(r: dict) -> str:
-    lines = [f"# gpu_check on {r['gpu']} (torch {r['torch']}, {r['date']})", ""]
+    lines = [f"# gpu_check on {r['gpu']} (torch {r['torch']}, CUDA {r.get('cuda')}, driver {r.get('driver')}, "
+             f"commit {str(r.get('commit'))[:12]}, {r['date']})", ""]
+    if "error" in r:
+        lines += [f"error: {r['error']}", ""]
     if "parity" in r:
-        p = r["parity"]
-        lines += [
-            "## bf16 parity (Qwen2.5-0.5B shape, random weights)",
-            "",
-            "| pair | max abs | mean abs | top-1 |",
-            "|---|---|---|---|",
-        ]
-        for k, v in p["logits"].items():
-            if isinstance(v, dict):
-                lines.append(f"| {k} | {v['max_abs']:.4g} | {v['mean_abs']:.4g} | {v['top1_agree']:.4f} |")
-        lines += ["", "| rollout vs trainer | tokens | mean abs | max abs | mean | k3 |", "|---|---|---|---|---|---|"]
-        for m in p["mismatch"]:
-            lines.append(
-                f"| {m['dtype']} | {m['tokens']} | {m['mean_abs']:.4g} | {m['max_abs']:.4g} | "
-                f"{m['mean']:.3g} | {m['k3']:.3g} |"
-            )
+        lines += parity_lines(r["parity"])
     if "memory" in r:
-        lines += [
-            "",
-            "## memory per preset (one GRPO step)",
-            "",
-            "| config | max reserved GiB | max allocated GiB | planned GiB | s/step | generate | log-probs | update | "
-            "update MFU |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for m in r["memory"]:
-            if "error" in m:
-                lines.append(f"| {m['config']} | error: {m['error'][-200:]!r} |")
-                continue
-            lines.append(
-                f"| {m['config']} | {m['max_reserved_gib']:.2f} | {m['max_allocated_gib']:.2f} | "
-                f"{m['plan_total_gib']:.2f} | {m['sec_per_step']:.1f} | {m['time_generate_s']:.1f} | "
-                f"{m['time_logprobs_s']:.1f} | {m['time_update_s']:.1f} | {m.get('update_mfu', float('nan')):.1%} |"
-            )
+        lines += memory_lines(r["memory"])
     if "speed" in r:
-        s = r["speed"]
-        lines += [
-            "",
-            f"## rollout speed (copy bandwidth {s['copy_bandwidth_gb_s']:.0f} GB/s)",
-            "",
-            "| shape | engine | tokens/s | seconds | HBM-bound fraction |",
-            "|---|---|---|---|---|",
-        ]
-        for x in s["runs"]:
-            if "error" in x:
-                lines.append(f"| {x['shape']} | {x['engine']} | error: {x['error'][:200]!r} | | |")
-            else:
-                capture = f" (first call {x['first_call_seconds']:.1f} s, capture {x['capture_seconds']:.1f} s)" \
-                    if "capture_seconds" in x else ""
-                lines.append(
-                    f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f}{capture} | "
-                    f"{x.get('fraction_of_hbm_bound', float('nan')):.3f} |"
-                )
-        if s.get("targets"):
-            lines += ["", "| shape | ours_training tokens/s | faster transformers | ratio | target |",
-                      "|---|---|---|---|---|"]
-            for t in s["targets"]:
-                verdict = "met" if t["met"] else "MISSED"
-                lines.append(f"| {t['shape']} | {t['ours_training_tokens_per_s']:.0f} | "
-                             f"{t['best_hf_tokens_per_s']:.0f} | {t['ratio']:.1f}x | {t['target']:.0f}x: {verdict} |")
+        lines += speed_lines(r["speed"])
     return "\n".join(lines) + "\n"
 
 
@@ -678,6 +868,26 @@ def run_plan(args: argparse.Namespace) -> dict:
             "estimated_total_minutes": round(sum(seconds.values()) / 60, 1)}
 
 
+NO_CUDA = ("no CUDA device (torch.cuda.is_available() is False; torch {torch}, built for CUDA {cuda}): nothing was "
+           "measured; run it on a GPU machine, or with --smoke for the plumbing at toy shapes on the CPU")
+
+
+def run_section(name: str, report: Report, args: argparse.Namespace, sizes: Sizes) -> None:
+    """One section into the report; a section that raises records {"error": one line} beside what it measured."""
+    try:
+        if name == "parity":
+            parity(report, args.smoke, sizes)
+        elif name == "memory":
+            memory(args.smoke, args.out, args.presets.split(","), args.memory_steps, args.profile, report)
+        elif name == "speed":
+            speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","), args.engines, report)
+    except Exception as e:
+        traceback.print_exc()
+        done = report.data.get(name)
+        report.data[name] = {**done, "error": one_line(e)} if isinstance(done, dict) else \
+            {"error": one_line(e), **({"measured": done} if done else {})}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.dry_run:
@@ -690,27 +900,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.one_preset:
         print(json.dumps(one_preset(args.one_preset, args.smoke, sizes, args.profile == args.one_preset)))
         return
-    report = {
-        "gpu": gpu_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "sizes": dataclasses.asdict(sizes),
-        "plan": run_plan(args),
-    }
+    report = Report(args.out, {**header(), "sizes": dataclasses.asdict(sizes), "plan": run_plan(args)})
+    if not torch.cuda.is_available() and not args.smoke:
+        report.data["error"] = NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda)
+        report.save()
+        print(f"gpu_check: {report.data['error']} (report: {args.out / 'gpu_check.json'})")
+        return
     for section in args.sections:
         t0 = time.perf_counter()
-        if section == "parity":
-            report["parity"] = parity(args.smoke, sizes)
-        elif section == "memory":
-            report["memory"] = memory(args.smoke, args.out, args.presets.split(","), args.memory_steps, args.profile)
-            report["step"] = step_summary(report["memory"])
-        elif section == "speed":
-            report["speed"] = speed(args.smoke, sizes, args.speed_shapes.split(","), args.hf_static.split(","),
-                                    args.engines)
-        report.setdefault("seconds", {})[section] = time.perf_counter() - t0
-        write_report(report, args.out)
+        run_section(section, report, args, sizes)
+        report.data.setdefault("seconds", {})[section] = time.perf_counter() - t0
+        report.save()
         print(f"[{section}] done in {time.perf_counter() - t0:.0f} s", flush=True)
-    print(markdown(report))
+    print(markdown(report.data))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -71,7 +72,78 @@ def test_speed_section_runs_at_a_toy_shape_on_the_cpu(gpu_check, tmp_path, monke
     ours = runs["ours_training"]
     assert ours["new_tokens"] == sizes.speed_prompts * sizes.group * sizes.completion and ours["tokens_per_s"] > 0
     assert ours["cuda_graphs"] == "auto" and ours["static_decode"] is False and ours["capture_seconds"] == 0.0
-    assert [t["shape"] for t in result["targets"]] == ["qwen2.5-0.5b"] or "error" in runs["hf_dynamic"]
+    assert [t["shape"] for t in result["targets"]] == ["qwen2.5-0.5b"] or "skipped" in runs["hf_dynamic"]
+    if not gpu_check.transformers_installed():
+        assert runs["hf_dynamic"] == {"shape": "qwen2.5-0.5b", "engine": "hf_dynamic",
+                                      "skipped": "transformers not installed"}
+
+
+def test_a_failing_section_leaves_the_header_its_error_and_the_later_sections(gpu_check, tmp_path, monkeypatch):
+    """The header is on disk before any section runs; a section that raises records one line, the next one runs."""
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path / "cache")
+    out = tmp_path / "out"
+    seen = {}
+
+    def failing_parity(report, smoke, sizes):
+        seen["header"] = json.loads((out / "gpu_check.json").read_text())  # already written
+        report.data["parity"] = {"shape": "x", "logits": {"fp32": {"error": "x"}}}
+        raise RuntimeError("capture failed\n  on this driver")
+
+    monkeypatch.setattr(gpu_check, "parity", failing_parity)
+    gpu_check.main(["--out", str(out), "--sections", "parity,speed", "--smoke", "--engines", "ours_training"])
+    assert {"gpu", "torch", "cuda", "driver", "commit", "date"} <= set(seen["header"])
+    assert "parity" not in seen["header"] and seen["header"]["torch"] == gpu_check.torch.__version__
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["parity"]["error"] == "RuntimeError: capture failed on this driver"  # one line
+    assert report["parity"]["shape"] == "x"  # what it measured before failing stays
+    assert re.fullmatch("[0-9a-f]{40}", report["commit"])  # git rev-parse HEAD (others may commit meanwhile)
+    ours = report["speed"]["runs"][0]
+    assert ours["engine"] == "ours_training" and ours["tokens_per_s"] > 0  # the later section ran
+    assert set(report["seconds"]) == {"parity", "speed"}
+    assert "error: RuntimeError: capture failed on this driver" in (out / "gpu_check.md").read_text()
+
+
+def test_a_failing_measurement_records_its_error_and_the_section_goes_on(gpu_check, tmp_path, monkeypatch):
+    """The parity section at a toy shape on the CPU, transformers hidden: our bf16 forward fails (injected), its rows
+    say so and the rest is measured; the transformers rows are skipped; rollout.cuda_graphs=on is skipped without
+    CUDA; the LoRA case (non-zero B) is measured, with the adapters' effect beside it."""
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path / "cache")
+    real = gpu_check.our_logits
+
+    def our_logits(path, device, dtype, prompts):
+        if dtype == gpu_check.torch.bfloat16:
+            raise MemoryError("injected")
+        return real(path, device, dtype, prompts)
+
+    monkeypatch.setattr(gpu_check, "our_logits", our_logits)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: importing it raises
+    report = gpu_check.Report(tmp_path, {"gpu": "cpu", "torch": "t", "date": "d"})
+    gpu_check.parity(report, True, gpu_check.SMOKE)
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    logits = saved["parity"]["logits"]
+    assert logits["ours_bf16_vs_fp32"] == {"error": "MemoryError: injected"} and logits["logit_std_fp32"] > 0
+    assert logits["hf_bf16_vs_fp32"] == {"skipped": "transformers not installed"}
+    assert logits["ours_bf16_vs_hf_bf16"] == {"error": "MemoryError: injected"}  # the first of its two that failed
+    rows = {(m["dtype"], m["cuda_graphs"], m["lora"]): m for m in saved["parity"]["mismatch"]}
+    assert len(rows) == 6
+    cuda = gpu_check.torch.cuda.is_available()
+    for key, m in rows.items():
+        if key[1] == "on" and not cuda:
+            assert m["skipped"] == "rollout.cuda_graphs=on needs CUDA"
+        else:
+            assert "error" not in m, m
+            assert m["tokens"] == gpu_check.SMOKE.prompts * gpu_check.SMOKE.group * gpu_check.SMOKE.completion
+    assert rows[("fp32", "off", False)]["mean_abs"] < 1e-4  # fp32 sampler and trainer agree to rounding
+    assert rows[("bf16", "off", True)]["adapter_effect_mean_abs"] > 0  # B is non-zero: the adapters act
+    assert "| bf16 | off | yes |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the report of a machine without CUDA")
+def test_without_cuda_it_exits_cleanly_with_a_report_saying_so(gpu_check, tmp_path, capsys):
+    gpu_check.main(["--out", str(tmp_path), "--sections", "parity,speed"])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["error"].startswith("no CUDA device") and "parity" not in report and report["gpu"] == "cpu"
+    assert "no CUDA device" in capsys.readouterr().out
 
 
 def test_the_step_sections_mfu_and_summary_by_hand(gpu_check):
