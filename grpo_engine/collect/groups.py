@@ -154,7 +154,7 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
 
     Every rank draws the same global prompts from the stream and generates its own share of them, each
     prompt seeded by its global index: the completions of a prompt do not depend on the number of ranks.
-    generate_fn: generate_groups' stand-in (the same arguments), e.g. train/tool_rollouts.generate_tool_groups.
+    generate_fn: generate_groups' stand-in (the same arguments), e.g. collect/tool_groups.generate_tool_groups.
     """
     world = world or World()
     generate_fn = generate_fn or generate_groups

@@ -5,7 +5,7 @@ Why a trajectory fits a Group row unchanged: the row is prompt + "completion", a
 everything after the first prompt -- model turns, tool results, turn markers -- exactly the tokens the policy
 saw, never re-tokenized. What differs is who wrote each token, so the Group carries a per-token loss mask
 (1: sampled by the policy, 0: appended by the environment) and the batch builder multiplies it into the
-completion mask (train/batching.py): tool tokens are context for the training forward, never targets. The
+completion mask (train/batch.py): tool tokens are context for the training forward, never targets. The
 sampler's log-probs are 0.0 on them and the real values on model tokens, so the mismatch metrics compare the
 same tokens the loss sees.
 

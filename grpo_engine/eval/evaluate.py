@@ -8,7 +8,7 @@ Each problem gets n samples from the generate-and-score path training uses (`tra
 - format rate: fraction of samples with full format marks (RewardResult.formatted, as in training).
 - mean length: completion tokens, stop token included; truncation rate: fraction that hit max_new_tokens.
 - with tools (`evaluate(..., tools=ToolsSection(enabled=True, ...))`) every sample is a multi-turn trajectory
-  sampled as in training (train.tool_rollouts.generate_tool_groups): its length counts the policy's own
+  sampled as in training (collect.tool_groups.generate_tool_groups): its length counts the policy's own
   tokens, the tool-call rate is the fraction of samples that called a tool at least once, and the tool-error rate
   the fraction of all calls that failed (malformed, unknown tool, bad arguments, refused expression, ...).
 

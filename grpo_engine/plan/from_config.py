@@ -1,7 +1,7 @@
 """The memory planner driven by a training config: `grpo plan CONFIG` and the pre-flight check of `grpo train`.
 
 memory.py knows knobs (PlanInput), not configs; this module is the one place that says which config field
-decides which knob, so `grpo plan configs/x.yaml` and the check `grpo train` runs before loading the model
+decides which knob, so `grpo plan CONFIG` and the check `grpo train` runs before loading the model
 plan exactly the same thing. The planner predicts GPU memory, so it always plans for a CUDA card, in the dtype
 the trainer will load there (plan/precision.py resolve_precision): this machine's card when it has one, else a card
 with native bf16 (memory.precision=auto plans bf16 then; plan an older card with memory.precision=fp32).

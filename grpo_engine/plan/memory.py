@@ -9,7 +9,7 @@ A step has four phases whose footprints differ (see docs/memory.md):
 The peak is the largest phase plus allocator fragmentation plus the CUDA context. Every term is a formula
 of the model shape and the knobs, written next to the code that the term counts, so a wrong prediction
 points at one line. The activation term counts the tensors autograd saves in OUR transformer.py (checked
-against measured CPU memory in tests/train/test_plan.py).
+against measured CPU memory in tests/plan/test_plan.py).
 
 Assumptions (stated, so they can be checked): attention uses a fused SDPA kernel (flash / memory-efficient:
 no [T, T] score matrix is stored); rollout prefills each prompt once and shares its KV across the G
