@@ -8,9 +8,19 @@ at 9 / 3, 14 / 2 and 8 / 2 heads for most row and cache sizes, 0.8x at 9 / 3 hea
 slots), so kernels/select.py times both at the model's shape and dtype and the plan records the winner. In bf16
 the gap is wider (the same CPU: SDPA 1.6 ms against 0.19 ms at 9 / 3 heads, 32 rows, 96 slots). Same result up to
 rounding.
+
+On CUDA nothing is measured: with grouped KV heads a decode step always runs the grouped kernel
+(`decode_attention_for`). SDPA with a key mask and enable_gqa has no fused CUDA kernel on the torch builds the
+engine supports (flash attention takes no mask; the memory-efficient kernel has no GQA on torch 2.5), so it runs the
+math kernel, which upcasts K and V and repeats them to every query head, in every layer at every step (about 0.45 GB
+each per layer at 1.5B, 128 rows, 577 slots), slower than reading the weights and held in the CUDA graph's pool.
+The grouped kernel reads each KV head once, in the model's dtype, in two batched GEMMs with no host sync (it is
+captured in the static decode's graphs). Without grouping, SDPA's memory-efficient kernel takes the mask.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +39,14 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 KERNELS = {"grouped": grouped_decode_attention}  # "sdpa": the model's own path (no hook)
+
+
+def decode_attention_for(device_type: str, n_heads: int, n_kv: int, planned: str) -> Callable | None:
+    """The attention of a model's decode steps (None: the model's SDPA): on CUDA the grouped kernel when KV heads
+    are grouped and SDPA otherwise (module docstring); elsewhere the kernel plan's measured choice `planned`."""
+    if device_type == "cuda":
+        return grouped_decode_attention if n_kv != n_heads else None
+    return KERNELS.get(planned)
 
 
 def shape_key(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype = torch.float32) -> str:

@@ -186,7 +186,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S]) -> [B, H, 1, D] for a decode step, or None for
-        # SDPA; set from outside by kernels.apply_kernels when it measured faster on this machine
+        # SDPA; set from outside by kernels.apply_kernels: on a CPU when it measured faster there, on CUDA whenever
+        # KV heads are grouped (SDPA with a key mask and GQA would run its math kernel, expanding K and V)
         self.decode_attention: Callable | None = None
 
     def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""The decode step's grouped attention: what CUDA runs for grouped KV heads (kernels/attention.py
+decode_attention_for), equal to SDPA through both decode loops in float64, reading K and V once in the model's dtype
+with no host sync; on CUDA with SDPA's math kernel switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpo_engine.kernels import apply_kernels
+from grpo_engine.kernels.attention import decode_attention_for, grouped_decode_attention
+from grpo_engine.model.loading import load_model
+from grpo_engine.rollout.generate import generate, generate_static
+from grpo_engine.rollout.sampling import SamplingParams
+from grpo_engine.rollout.static_decode import release_static_decode
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35]]  # ragged: left padding
+
+
+def test_cuda_runs_the_grouped_kernel_for_grouped_heads_and_the_cpu_what_its_plan_measured():
+    assert decode_attention_for("cuda", 14, 2, "sdpa") is grouped_decode_attention
+    assert decode_attention_for("cuda", 8, 8, "grouped") is None  # no grouping: SDPA's fused kernels take the mask
+    assert decode_attention_for("cpu", 14, 2, "sdpa") is None
+    assert decode_attention_for("cpu", 14, 2, "grouped") is grouped_decode_attention
+
+
+def _set_decode_attention(model, kernel) -> None:
+    for block in model.layers:
+        block.attn.decode_attention = kernel
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_the_grouped_kernel_decodes_as_sdpa_does_float64(tiny_ckpt_factory, kv_heads, loop):
+    """Both decode loops (the dynamic engine's growing cache and compaction; the static state's scratch slot and
+    per-row write slots), ragged prompts, sampled rows finishing at different steps: same tokens, log-probs equal
+    to 1e-10."""
+    model = load_model(tiny_ckpt_factory("qwen2", num_key_value_heads=kv_heads), dtype=torch.float64)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, stop_token_ids=list(range(0, 256, 8)))
+
+    def run():
+        if loop == "static":
+            try:
+                return generate_static(model, PROMPTS, params, seed=7)
+            finally:
+                release_static_decode(model)
+        return generate(model, PROMPTS, params, seed=7)
+
+    _set_decode_attention(model, None)
+    sdpa = run()
+    _set_decode_attention(model, grouped_decode_attention)
+    grouped = run()
+    assert grouped.completion_ids == sdpa.completion_ids
+    assert len({len(c) for c in sdpa.completion_ids}) > 1  # rows of different lengths
+    for a, b in zip(grouped.logprobs, sdpa.logprobs):
+        torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                                   rtol=0, atol=1e-10)
+
+
+class _Ops(TorchDispatchMode):
+    """Records each op's name and the size and dtype of each new tensor it returns (not views)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, int, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:  # not a view
+                self.seen.append((str(func), t.numel(), t.dtype))
+        return out
+
+
+def test_the_grouped_kernel_reads_k_and_v_once_in_the_models_dtype():
+    """No op allocates a tensor as large as K (an expansion to every query head, or K upcast, would be at least
+    that), none is SDPA, and the output stays bf16."""
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, S, D = 8, 12, 2, 64, 16
+    q = torch.randn(B, H, 1, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, n_kv, S, D, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(B, 1, 1, S, generator=g) > 0.2
+    with _Ops() as ops:
+        out = grouped_decode_attention(q, k, v, mask)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, H, 1, D)
+    assert not [op for op, _, _ in ops.seen if "scaled_dot_product" in op]
+    assert max(n for _, n, _ in ops.seen) < k.numel(), ops.seen
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
+
+
+def test_the_grouped_kernel_traces_whole_with_no_host_sync():
+    """torch.compile(fullgraph=True) fails on a host sync or a data-dependent branch: the kernel is capturable."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 1, 8, generator=g)
+    k, v = (torch.randn(3, 2, 10, 8, generator=g) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 10, generator=g) > 0.3
+    mask[..., -1] = True
+    traced = torch.compile(grouped_decode_attention, backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(q, k, v, mask), grouped_decode_attention(q, k, v, mask), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decodes_grouped_heads_with_the_math_sdpa_kernel_off(tiny_ckpt):
+    """A bf16 GQA model kernel-planned on CUDA decodes (graphs and eager) with only flash / memory-efficient SDPA
+    allowed: its decode steps never reach SDPA's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = apply_kernels(load_model(tiny_ckpt, dtype=torch.bfloat16, device="cuda"))
+    assert {b.attn.decode_attention for b in model.layers} == {grouped_decode_attention}
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            graphed = generate(model, PROMPTS, params)
+            eager = generate(model, PROMPTS, SamplingParams(n=2, temperature=0.0, max_new_tokens=16,
+                                                            cuda_graphs="off"))
+    finally:
+        release_static_decode(model)
+    assert graphed.completion_ids == eager.completion_ids
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(6, 4, 1, 16, generator=g, device="cuda")
+    k, v = (torch.randn(6, 2, 40, 16, generator=g, device="cuda") for _ in range(2))
+    mask = torch.rand(6, 1, 1, 40, generator=g, device="cuda") > 0.3
+    mask[..., -1] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(grouped_decode_attention(q.double(), k.double(), v.double(), mask), want,
+                               rtol=0, atol=1e-10)
