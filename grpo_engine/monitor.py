@@ -67,12 +67,16 @@ class StepMetrics:
     eval: dict[str, float] = field(default_factory=dict)  # "eval/accuracy", ... on evaluation steps only
     # tools.enabled only (empty otherwise): "tool_calls", "tool_errors", "turns", means per trajectory
     tools: dict[str, float] = field(default_factory=dict)
+    # the decode's CUDA graphs, once a capture was checked (empty on a CPU): "rollout/cuda_graphs_fallback" is 1
+    # when a failed capture check made the rollout decode eagerly (rollout/static_decode.py)
+    rollout: dict[str, float] = field(default_factory=dict)
 
     def flat(self) -> dict:
-        """The record as metrics.jsonl stores it: the eval figures as top-level "eval/..." keys, and the tool
-        figures (when there are any) as top-level keys."""
+        """The record as metrics.jsonl stores it: the eval figures as top-level "eval/..." keys, and the tool and
+        rollout figures (when there are any) as top-level keys."""
         record = dataclasses.asdict(self)
-        return {**{k: v for k, v in record.items() if k not in ("eval", "tools")}, **self.tools, **self.eval}
+        nested = ("eval", "tools", "rollout")
+        return {**{k: v for k, v in record.items() if k not in nested}, **self.tools, **self.rollout, **self.eval}
 
     def to_json(self) -> str:
         def clean(v):

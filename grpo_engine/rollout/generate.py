@@ -29,7 +29,7 @@ from ..model.transformer import Transformer
 from .decode_kernels import PackedWeights, packed_for_decode
 from .engine import DecodeStep, Draws, as_seed, decode, eager_step, prefill
 from .sampling import Sampler, SamplingParams
-from .static_decode import cuda_graphs_on, decode_static, release_static_decode, static_decoder
+from .static_decode import decode_static, graphs_for, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
 STOP, LENGTH = "stop", "length"
@@ -180,10 +180,11 @@ def generate(
     completions independent of the rest of the batch).
     tokenizer: needed only for stop_strings. compile: torch.compile the decode step (True = inductor,
     or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
-    params.cuda_graphs picks the loop (static_decode.cuda_graphs_on): `auto` (the default) runs the static decode
-    with CUDA graphs on CUDA (generate_static) and the dynamic loop below elsewhere.
+    params.cuda_graphs picks the loop (static_decode.graphs_for): `auto` (the default) runs the static decode
+    with CUDA graphs on CUDA (generate_static; eagerly after a failed capture check) unless the model is sharded by
+    FSDP2, and the dynamic loop below elsewhere.
     """
-    if cuda_graphs_on(params.cuda_graphs, model.device, bool(compile)):
+    if graphs_for(model, params.cuda_graphs, bool(compile)):
         return generate_static(model, prompt_ids, params, seed, tokenizer=tokenizer, graphs=True)
     _validate(model, prompt_ids, params, tokenizer)
     if not prompt_ids:
@@ -225,9 +226,11 @@ def _output(rows: list[_Row], n: int) -> GenerationOutput:
 def generate_static(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams,
                     seed: int | Sequence[int] = 0, *, tokenizer=None, graphs: bool = False) -> GenerationOutput:
     """generate() on the static decode state (static_decode.py): with graphs=True (CUDA) what rollout.cuda_graphs
-    runs; with graphs=False the same steps eagerly, on any device. Same arguments, same waves, same completions up
-    to float rounding for greedy decoding; sampled ones come from another random stream (Draws.table).
-    params.compact_fraction does not apply: finished rows leave by batch buckets (static_cache.bucket_for)."""
+    runs (each graph checked against an eager chunk when captured: params.cuda_graphs `on` raises on a failed
+    check, `auto` or `off` decode eagerly from then on); with graphs=False the same steps eagerly, on any device.
+    Same arguments, same waves, same completions up to float rounding for greedy decoding; sampled ones come from
+    another random stream (Draws.table). params.compact_fraction does not apply: finished rows leave by batch
+    buckets (static_cache.bucket_for)."""
     _validate(model, prompt_ids, params, tokenizer)
     n, T = params.n, params.max_new_tokens
     if not prompt_ids:
@@ -235,6 +238,7 @@ def generate_static(model: Transformer, prompt_ids: list[list[int]], params: Sam
     draws = Draws(_seeds(seed, prompt_ids), model.device)
     stops, rows = StopStrings(params.stop_strings, tokenizer), []
     waves = plan_waves([len(p) for p in prompt_ids], params)
+    mode = ("on" if params.cuda_graphs == "on" else "auto") if graphs else "off"  # static_decode.decode_static
     try:
         with torch.inference_mode():
             decoder = static_decoder(model, max(len(w) for w in waves) * n, max(map(len, prompt_ids)) + T, T)
@@ -243,7 +247,7 @@ def generate_static(model: Transformer, prompt_ids: list[list[int]], params: Sam
                 share = [j for j in range(len(wave)) for _ in range(n)]  # row -> its prompt in the wave
                 done = [_Row(wave[j], set(params.stop_token_ids), stops, T) for j in share]
                 uniforms = draws.table([wave[j] for j in share], T)  # [R, T]
-                decode_static(model, decoder, done, [prompt_ids[i] for i in wave], share, sample, uniforms, graphs)
+                decode_static(model, decoder, done, [prompt_ids[i] for i in wave], share, sample, uniforms, mode)
                 rows += done
     except BaseException:
         release_static_decode(model)  # a state left mid-step (or NaN-poisoned) is not reused

@@ -70,6 +70,8 @@ class BucketCache:
 class StaticDecodeState:
     """The buffers above for B rows, S slots and U uniforms per row (see the module docstring)."""
 
+    STEP_BUFFERS = ("key_mask", "ids", "positions", "write", "col")  # what a step advances (step_buffers)
+
     def __init__(self, cfg: ModelConfig, rows: int, slots: int, columns: int, dtype: torch.dtype,
                  sample_dtype: torch.dtype, device: torch.device):
         assert cfg.vocab_size < 2**24, "token ids travel to the host as floats in `hist`"
@@ -96,8 +98,8 @@ class StaticDecodeState:
         return self.views[b]
 
     def step_buffers(self) -> list[torch.Tensor]:
-        """The per-row buffers a step advances (a graph's warm-up run restores them: static_decode.py)."""
-        return [self.key_mask, self.ids, self.positions, self.write, self.col]
+        """The per-row buffers a step advances (a graph's capture check saves and restores them: static_decode.py)."""
+        return [getattr(self, name) for name in self.STEP_BUFFERS]
 
     def start_rows(self, prefix: KVCache, prompt_mask: torch.Tensor, share: torch.Tensor,
                    uniforms: torch.Tensor) -> None:

@@ -16,7 +16,13 @@ Per wave (`decode_static`):
    at that bucket.
 
 CUDA graphs (`StaticDecoder.run_chunk`): one per (bucket, sampling parameters), captured the first time that pair
-runs, after one eager warm-up chunk whose effect on the rows is undone. A graph replays fixed addresses: the
+runs, after one eager warm-up chunk, which is also the reference the capture is checked against: the graph is
+replayed once from the state the warm-up started from and must give the same tokens and step buffers, and log-probs
+within 1e-5 (fp32) or 1e-3 (bf16). A capture that raises or a replay that differs (a driver's, a torch build's or a
+card's surprise) ends nothing under rollout.cuda_graphs=auto: one warning line, the rest of the process decodes the
+same static state eagerly (still one host read per chunk), and metrics.jsonl's rollout/cuda_graphs_fallback says so;
+`on` raises instead (tests, benchmarks). `auto` is off up front under FSDP2 (graphs_for), and every CUDA call runs
+under torch.cuda.device(model.device) on streams of that device (CudaGraphs). A graph replays fixed addresses: the
 state's buffers, the LM head's logits buffer, the sampler's work buffer, and the model's parameters. The optimizer
 and LoRA merges write the weights in place, so graphs stay valid across training steps; what a capture bakes in
 beyond weight values (each parameter's storage, module switches such as LoRA merged / adapters on / train mode) is
@@ -31,9 +37,11 @@ samples than rollout.cuda_graphs=off.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +68,27 @@ def cuda_graphs_on(choice: str, device: torch.device | str, compiled: bool = Fal
     return choice == "on" or (choice == "auto" and cuda and not compiled)
 
 
+def graphs_for(model: Transformer, choice: str, compiled: bool = False) -> bool:
+    """cuda_graphs_on for this model: `auto` is also off for a model with FSDP units (FSDP2 unshards into new
+    storage every phase, so every graph would be captured again every step, and its pre-forward wait forks a side
+    stream inside the capture that is never joined, so the capture cannot end); `on` refuses one."""
+    if not cuda_graphs_on(choice, model.device, compiled):
+        return False
+    if fsdp_sharded(model):
+        if choice == "on":
+            raise ConfigError("rollout.cuda_graphs=on cannot capture a model sharded by FSDP2 "
+                              "(distributed.strategy=fsdp2): set rollout.cuda_graphs=auto (or off)")
+        return False
+    return True
+
+
+def fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether any module of the model is an FSDP2 unit (fully_shard); nothing is unless FSDP2 was imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    unit = getattr(fsdp, "FSDPModule", None)
+    return unit is not None and any(isinstance(m, unit) for m in model.modules())
+
+
 def model_signature(model: Transformer) -> tuple:
     """What a captured step bakes in beyond the weights' values: each parameter's and buffer's storage, dtype and
     shape, and each module's Python switches (train mode, LoRA merged, adapters on, a decode attention kernel)."""
@@ -69,16 +98,93 @@ def model_signature(model: Transformer) -> tuple:
     return tensors, flags
 
 
+class CaptureCheckFailed(RuntimeError):
+    """rollout.cuda_graphs=on and a chunk's graph failed its capture check (StaticDecoder.capture)."""
+
+
+@dataclass
+class GraphHealth:
+    """This process's capture checks: how many ran, and the cause once one failed, after which
+    rollout.cuda_graphs=auto decodes every later chunk of the process eagerly, on the same static state."""
+
+    checks: int = 0
+    cause: str | None = None
+
+
+HEALTH = GraphHealth()
+
+
+def fall_back(cause: str) -> None:
+    """From now on this process decodes eagerly; one warning line says why and which setting it concerns."""
+    HEALTH.cause = cause
+    print(f"warning: rollout.cuda_graphs: capture check failed ({cause}); decoding eagerly", file=sys.stderr,
+          flush=True)
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}".rstrip(": ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def cuda_graphs_fallback() -> int | None:
+    """metrics.jsonl's rollout/cuda_graphs_fallback: 1 once a failed capture check made this process decode
+    eagerly, 0 while every capture check passed, None before any ran (a CPU run, graphs off)."""
+    if HEALTH.cause is not None:
+        return 1
+    return 0 if HEALTH.checks else None
+
+
+class CudaGraphs:
+    """The CUDA graph API on one device: every call runs under torch.cuda.device(device), on streams made on that
+    device, so a model on cuda:1 (or on a rank that never called set_device) is captured where it lives rather
+    than on the current device (where the capture would record nothing)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.pool = device, None  # one memory pool for every graph: they never run at the same time
+
+    def warm_up(self, run: Callable[[], None]) -> None:
+        """run() eagerly on a side stream (library handles, lazily made buffers), joined back."""
+        with torch.cuda.device(self.device):
+            side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                run()
+            main.wait_stream(side)
+
+    def capture(self, run: Callable[[], None]) -> Callable[[], None]:
+        """run() captured as one graph (nothing runs); returns its replay."""
+        with torch.cuda.device(self.device):
+            graph = torch.cuda.CUDAGraph()
+            self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+            main = torch.cuda.current_stream(self.device)
+            try:
+                with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(self.device),
+                                      capture_error_mode="thread_local"):  # other threads may run
+                    run()
+            finally:
+                torch.cuda.set_stream(main)  # a capture that raised in its exit leaves its own stream current
+            torch.cuda.synchronize(self.device)
+
+        def replay() -> None:
+            with torch.cuda.device(self.device):
+                graph.replay()
+
+        return replay
+
+
 class StaticDecoder:
-    """A model's static state, LM-head buffer, samplers and captured graphs (no reference to the model itself)."""
+    """A model's static state, LM-head buffer, samplers and captured graphs (no reference to the model itself).
+
+    `backend`: the CUDA graph API on the state's device (CudaGraphs); a test stands in a fake one on the CPU."""
 
     def __init__(self, model: Transformer, rows: int, slots: int, columns: int):
         dtype, device, cfg = model.embed.weight.dtype, model.device, model.config
         self.state = StaticDecodeState(cfg, rows, slots, columns, dtype, sampling_dtype(dtype), device)
         self.work = work_buffer(rows, cfg.vocab_size, sampling_dtype(dtype), device)  # shared by the samplers
         self.samplers: dict[tuple, Sampler] = {}
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.pool = None  # one memory pool for every graph: they never run at the same time
+        self.graphs: dict[tuple, Callable[[], None]] = {}  # (bucket, sampling key) -> its graph's replay
+        self.backend = CudaGraphs(device)
         self.captures, self.capture_seconds = 0, 0.0
         self.signature: tuple | None = None
         self.renew(model)
@@ -96,45 +202,103 @@ class StaticDecoder:
             self.samplers[key] = Sampler(params, work=self.work)
         return self.samplers[key]
 
+    def step(self, model: Transformer, b: int, sample: Sampler, j: int) -> None:
+        """Decode step j of a chunk for rows [:b], in place: feed each row its last token, draw the next one."""
+        state = self.state
+        hidden = model(state.ids[:b], state.key_mask[:b], cache=state.view(b), positions=state.positions[:b],
+                       return_hidden=True)[:, -1]  # [b, 1] -> [b, hidden]
+        u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
+        state.advance(b, sample(self.head(hidden), None, u), j)
+
     def chunk(self, model: Transformer, b: int, sample: Sampler) -> None:
         """CHUNK decode steps of rows [:b], in place (hist columns 1..CHUNK): the code a graph captures."""
-        state, cache = self.state, self.state.view(b)
         for j in range(1, CHUNK + 1):
-            hidden = model(state.ids[:b], state.key_mask[:b], cache=cache, positions=state.positions[:b],
-                           return_hidden=True)[:, -1]  # [b, 1] -> [b, hidden]
-            u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
-            state.advance(b, sample(self.head(hidden), None, u), j)
+            self.step(model, b, sample, j)
 
-    def run_chunk(self, model: Transformer, b: int, sample: Sampler, graphs: bool) -> None:
-        if not graphs:
+    def run_chunk(self, model: Transformer, b: int, sample: Sampler, graphs: str) -> None:
+        """One chunk at bucket b. graphs `off`, or `auto` after a failed capture check in this process: eagerly;
+        else by the pair's graph, captured and checked the first time (`on`: a failed check raises)."""
+        replay = self.graphs.get((b, sample.key))
+        if graphs == "off" or (graphs == "auto" and HEALTH.cause is not None):
             self.chunk(model, b, sample)
-            return
-        graph = self.graphs.get((b, sample.key))
-        if graph is None:
-            graph = self.capture(model, b, sample)
-        graph.replay()
+        elif replay is not None:
+            replay()
+        else:
+            self.capture(model, b, sample, strict=graphs == "on")
 
-    def capture(self, model: Transformer, b: int, sample: Sampler) -> torch.cuda.CUDAGraph:
-        """Capture the chunk at bucket b: one eager warm-up run first (library handles, lazily made buffers) whose
-        advance of the rows is undone (its key/value writes land in slots the replay writes again)."""
+    def capture(self, model: Transformer, b: int, sample: Sampler, strict: bool) -> None:
+        """Capture the chunk at bucket b and check the graph's first replay against the eager warm-up chunk that a
+        capture needs anyway (check_capture). A capture that raises or a replay that differs: `strict` raises
+        CaptureCheckFailed; otherwise this process decodes eagerly from now on (fall_back), and this chunk runs
+        again eagerly from the state it started from. Either way the chunk has run once when this returns."""
         t0 = time.perf_counter()
-        saved = [t.clone() for t in self.state.step_buffers()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.chunk(model, b, sample)
-        torch.cuda.current_stream().wait_stream(side)
+        before = [t.clone() for t in self.state.step_buffers()]
+        try:
+            cause = self.check_capture(model, b, sample, before)
+        except Exception as e:  # noqa: BLE001 - a driver's, a torch build's or a card's surprise: any of them
+            cause = one_line(e)
+        self.capture_seconds += time.perf_counter() - t0
+        HEALTH.checks += 1
+        if cause is None:
+            return
+        self.graphs.clear()  # their pool goes with them
+        self.backend = CudaGraphs(self.state.device)
+        if strict:
+            raise CaptureCheckFailed(f"rollout.cuda_graphs=on: capture check failed ({cause}); set "
+                                     "rollout.cuda_graphs=auto to decode eagerly after such a failure (or off)")
+        fall_back(cause)
+        self.restore(before)
+        self.chunk(model, b, sample)
+
+    def check_capture(self, model: Transformer, b: int, sample: Sampler, before: list[torch.Tensor]) -> str | None:
+        """Warm up eagerly (the reference), capture, replay once from the same state and compare: None when the
+        replay equals the reference (the graph is kept), else what differs. A replay that writes nothing (an
+        empty graph) leaves the poisoned hist and the restored step buffers, and so differs."""
+        chunk = lambda: self.chunk(model, b, sample)  # noqa: E731
+        self.backend.warm_up(chunk)
+        reference = self.outcome(b)
+        replay = self.backend.capture(chunk)
+        self.restore(before)
+        self.state.hist[:, :b, 1:].fill_(POISON)
+        replay()
+        cause = replay_mismatch(self.outcome(b), reference, logp_tolerance(self.state.dtype))
+        if cause is None:
+            self.graphs[(b, sample.key)] = replay
+            self.captures += 1
+        return cause
+
+    def outcome(self, b: int) -> list[torch.Tensor]:
+        """What a chunk at bucket b produced (copies): the rows' step buffers, then hist [3, b, CHUNK]."""
+        return [t[:b].clone() for t in self.state.step_buffers()] + [self.state.hist[:, :b, 1:].clone()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
         for t, s in zip(self.state.step_buffers(), saved):
             t.copy_(s)
-        graph = torch.cuda.CUDAGraph()
-        self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other threads may run
-            self.chunk(model, b, sample)
-        torch.cuda.synchronize()
-        self.graphs[(b, sample.key)] = graph
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - t0
-        return graph
+
+
+POISON = 0.5  # what hist holds before a checked replay: neither a token id nor a log-prob (those are <= 0)
+
+
+def logp_tolerance(dtype: torch.dtype) -> float:
+    """How far a replay's log-probs may be from the eager chunk's: 1e-5 for fp32 / fp64 models, 1e-3 for bf16 /
+    fp16 (a graph runs the same kernels, so in practice they are equal)."""
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 1e-3
+
+
+def replay_mismatch(got: list[torch.Tensor], reference: list[torch.Tensor], tol: float) -> str | None:
+    """outcome() of a replay vs the eager reference: step buffers and tokens equal, log-probs within tol (one host
+    read: a capture's check, not a chunk's). None when they agree, else what differs, in words."""
+    for name, x, y in zip(StaticDecodeState.STEP_BUFFERS, got[:-1], reference[:-1]):
+        if not torch.equal(x, y):
+            return f"the replayed chunk's {name} differ from the eager chunk's"
+    hist, ref = got[-1], reference[-1]  # [3, b, CHUNK]: tokens, log-probs, filtered log-probs
+    if not torch.equal(hist[0], ref[0]):
+        return "the replayed chunk's tokens differ from the eager chunk's"
+    if not torch.allclose(hist[1:], ref[1:], rtol=0, atol=tol, equal_nan=True):
+        both_nan = hist[1:].isnan() & ref[1:].isnan()  # a NaN row (its token flags it) equals itself
+        err = float((hist[1:] - ref[1:]).abs().masked_fill(both_nan, 0).nan_to_num(nan=float("inf")).max())
+        return f"the replayed chunk's log-probs differ from the eager chunk's by {err:.3g} > {tol:g}"
+    return None
 
 
 _DECODERS: weakref.WeakKeyDictionary[Transformer, StaticDecoder] = weakref.WeakKeyDictionary()
@@ -170,12 +334,13 @@ def static_decode_stats(model: Transformer) -> dict | None:
         return None
     s = d.state
     return {"captures": d.captures, "capture_seconds": d.capture_seconds, "graphs": len(d.graphs), "rows": s.rows,
-            "slots": s.slots}
+            "slots": s.slots, "fallback": HEALTH.cause}
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
-                  share: list[int], sample: Sampler, uniforms: torch.Tensor, graphs: bool) -> None:
-    """Run rows (row i from prompt share[i], uniforms [R, T]) to their ends; the rows record their tokens."""
+                  share: list[int], sample: Sampler, uniforms: torch.Tensor, graphs: str) -> None:
+    """Run rows (row i from prompt share[i], uniforms [R, T]) to their ends; the rows record their tokens. graphs:
+    `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises)."""
     state = decoder.state
     prefix, mask, logits = prefill_prompts(model, prompts)  # cache [P, L], mask [P, L], logits [P, V]
     index = torch.tensor(share, dtype=torch.long, device=model.device)  # [R]

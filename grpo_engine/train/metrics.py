@@ -12,6 +12,7 @@ from ..collect.groups import RolloutRound
 from ..eval.in_loop import accuracy
 from ..monitor import Sample, StepMetrics
 from ..rl.advantages import zero_variance_groups
+from ..rollout.static_decode import cuda_graphs_fallback
 from ..world import World
 from .batch import AdvantageInfo, RolloutBatch
 from .update import UpdateStats, combine_metrics
@@ -103,6 +104,13 @@ def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) ->
         for ours, theirs in _UPDATE_METRICS.items():
             setattr(m, ours, update.metrics.get(theirs, math.nan))
     return m
+
+
+def graph_metrics(world: World) -> dict[str, float]:
+    """rollout/cuda_graphs_fallback over the ranks (a collective: every rank calls it): 1 when some rank decodes
+    eagerly after a failed capture check, 0 while every check passed, absent when no rank captured a graph."""
+    fallback = world.max(-1 if (flag := cuda_graphs_fallback()) is None else flag)
+    return {} if fallback < 0 else {"rollout/cuda_graphs_fallback": fallback}
 
 
 def tool_metrics(groups) -> dict[str, float]:

@@ -29,7 +29,7 @@ from ..world import World
 from .batch import RolloutBatch, rollout_batch, rows_with_signal
 from .distributed import gathered
 from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
-from .metrics import merge_ranks, step_metrics, step_parts
+from .metrics import graph_metrics, merge_ranks, step_metrics, step_parts
 from .policy import Policy
 from .update import UpdateOutcome, UpdateSettings, update_policy
 
@@ -126,6 +126,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     m.time_logprobs_s, m.time_update_s = time_logprobs, time_update
     m.train_tokens_per_s = m.train_tokens * cfg.algorithm.mu / max(time_update, 1e-9)
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
+    m.rollout = graph_metrics(run.world)
     curriculum_metrics(m, pool)
     return StepRecord(step, m, parts.rollout, outcome)
 

@@ -28,3 +28,11 @@ def tiny_tok(tiny_dir):
 def mixed_prompts(tiny_tok):
     """Three prompts of different lengths (9, 3 and 13 tokens): left padding is exercised."""
     return [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graph_health(monkeypatch):
+    """Each test starts with this process's capture checks unrun (a fallback is process-wide: static_decode.HEALTH)."""
+    from grpo_engine.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "HEALTH", static_decode.GraphHealth())

@@ -7,8 +7,6 @@ batch-mates, the decoder kept between calls, and the rollout.cuda_graphs switch.
 
 from __future__ import annotations
 
-import contextlib
-import types
 from dataclasses import replace
 
 import pytest
@@ -192,59 +190,28 @@ def test_a_chunk_reads_nothing_back_to_the_host(tiny_dir, monkeypatch):
             decoder.chunk(model, 8, decoder.sampler(SamplingParams()))
 
 
-class FakeCUDA:
-    """torch.cuda's graph API on the CPU: a capture records the chunk it was given and leaves every buffer of the
-    state as it found it (a real capture runs nothing); a replay runs the recorded chunk eagerly. What it checks:
-    the warm-up's undo, the graph keys (bucket, sampling parameters) and when captures happen."""
+def test_the_graph_path_with_a_fake_graph_backend(tiny_dir, tiny_tok):
+    """generate_static(graphs=True) with the graph backend faked (fake_graphs.FakeGraphs: a capture runs
+    nothing, a replay runs the recorded chunk eagerly): the same output as the eager chunks, one checked capture
+    per (bucket, sampling parameters) met, none on the next call."""
+    from fake_graphs import FakeGraphs
 
-    def __init__(self, decoder):
-        self.decoder, self.graphs = decoder, []
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    def install(self, monkeypatch):
-        import contextlib
-
-        for name, value in (("Stream", self.Stream), ("stream", lambda s: contextlib.nullcontext()),
-                            ("current_stream", self.Stream), ("graph_pool_handle", object),
-                            ("CUDAGraph", lambda: types.SimpleNamespace(replay=None)), ("graph", self.graph),
-                            ("synchronize", lambda: None)):
-            monkeypatch.setattr(torch.cuda, name, value)
-
-    @contextlib.contextmanager
-    def graph(self, graph, pool=None, capture_error_mode="global"):
-        state, decoder = self.decoder.state, self.decoder
-        buffers = [*state.k, *state.v, state.hist, state.uniforms, *state.step_buffers()]
-        saved, recorded, chunk = [t.clone() for t in buffers], [], decoder.chunk
-        decoder.chunk = lambda *args: recorded.append(args) or chunk(*args)
-        yield
-        del decoder.chunk
-        for t, s in zip(buffers, saved):
-            t.copy_(s)
-        graph.replay = lambda: chunk(*recorded[0])
-        self.graphs.append(recorded[0][1])
-
-
-def test_the_graph_path_with_a_fake_cuda_graph_api(tiny_dir, tiny_tok, monkeypatch):
-    """generate_static(graphs=True) with torch.cuda's graph API faked (FakeCUDA): the same output as the eager
-    chunks, one capture per (bucket, sampling parameters) met, none on the next call."""
     model = load_model(tiny_dir, dtype=torch.float64)
     prompts = [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x", "abc", "Tell me",
                                             "7 * 8 =", "Once upon", "xyz!?")]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=[262, 152, 270, 198, 8])
     eager = generate_static(model, prompts, params)
-    fake = FakeCUDA(static_decoder(model, 16, 60, 40))
-    fake.install(monkeypatch)
+    fake = FakeGraphs.install(static_decoder(model, 16, 60, 40))
     graphed = generate_static(model, prompts, params, graphs=True)
-    assert graphed == eager and fake.graphs == [16, 8] and static_decode_stats(model)["captures"] == 2
+    decoder = static_decoder(model, 16, 60, 40)
+    assert graphed == eager and sorted(b for b, _ in decoder.graphs) == [8, 16] and fake.captures == 2
+    assert static_decode_stats(model)["captures"] == 2 and static_decode_stats(model)["fallback"] is None
     sampled = replace(params, temperature=0.8, top_p=0.9)
     assert generate_static(model, prompts, sampled, seed=1, graphs=True) == generate_static(model, prompts, sampled,
                                                                                              seed=1)
-    captures = len(fake.graphs)
+    captures = fake.captures
     assert captures > 2 and generate_static(model, prompts, params, graphs=True) == eager
-    assert len(fake.graphs) == captures  # replayed, not captured again
+    assert fake.captures == captures  # replayed, not captured again
 
 
 def test_decoder_is_kept_grown_and_renewed(tiny_dir, mixed_prompts):

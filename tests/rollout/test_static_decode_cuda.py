@@ -1,7 +1,8 @@
 """The static decode on CUDA: its chunks captured as CUDA graphs give the eager chunks' results, read the tokens
 back once per CHUNK steps (counted with torch.profiler), and stay valid across in-place weight updates, re-capturing
-when what they baked in changes (LoRA merged). Skipped without CUDA; tests/rollout/test_static_decode.py runs the
-same code eagerly on the CPU."""
+when what they baked in changes (LoRA merged). rollout.cuda_graphs=on throughout, so a failed capture check fails
+the test instead of falling back. Skipped without CUDA; tests/rollout/test_static_decode.py runs the same code
+eagerly on the CPU, tests/rollout/test_graph_check.py the capture check with a fake graph backend."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ STOPS = [5, 9, 17, *range(100, 112)]
 
 def test_graphs_equal_eager_chunks_and_replay_without_capturing(tiny_dir, mixed_prompts):
     model = load_model(tiny_dir, dtype=torch.float32, device="cuda")
-    params = SamplingParams(n=4, temperature=0.9, top_p=0.9, max_new_tokens=40, stop_token_ids=STOPS)
+    params = SamplingParams(n=4, temperature=0.9, top_p=0.9, max_new_tokens=40, stop_token_ids=STOPS,
+                            cuda_graphs="on")
     eager = generate_static(model, mixed_prompts, params, seed=[1, 2, 3], graphs=False)
     graphed = generate_static(model, mixed_prompts, params, seed=[1, 2, 3], graphs=True)
     assert "stop" in graphed.finish_reason and len({len(c) for c in graphed.completion_ids}) > 2
@@ -46,7 +48,7 @@ def test_at_most_one_device_to_host_sync_per_chunk(tiny_dir, mixed_prompts):
     from torch.profiler import ProfilerActivity, profile
 
     model = load_model(tiny_dir, dtype=torch.bfloat16, device="cuda")
-    params = SamplingParams(n=8, max_new_tokens=1 + 8 * CHUNK)
+    params = SamplingParams(n=8, max_new_tokens=1 + 8 * CHUNK, cuda_graphs="on")  # bf16: the check's 1e-3
     generate(model, mixed_prompts, params, seed=0)  # captures the graph
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -69,7 +71,7 @@ def test_graphs_stay_valid_across_optimizer_steps_and_follow_lora_merges(tiny_di
     from grpo_engine.model.lora import LoRAConfig, apply_lora, lora_merged
 
     model = apply_lora(load_model(tiny_dir, dtype=torch.float32, device="cuda"), LoRAConfig(rank=4))
-    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=24)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=24, cuda_graphs="on")
     first = generate(model, mixed_prompts, params)
     captures = static_decode_stats(model)["captures"]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)  # the adapters
@@ -86,4 +88,17 @@ def test_graphs_stay_valid_across_optimizer_steps_and_follow_lora_merges(tiny_di
         merged = generate(model, mixed_prompts, params)
     assert static_decode_stats(model)["captures"] > captures
     assert merged.completion_ids == after.completion_ids
+    release_static_decode(model)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_on_the_second_gpu_is_captured_there(tiny_dir, mixed_prompts):
+    """cuda:0 current, the model on cuda:1: the capture and its replays run on cuda:1 (an empty graph captured on
+    cuda:0 would fail the check and raise under `on`); tokens equal the dynamic loop's."""
+    torch.cuda.set_device(0)
+    model = load_model(tiny_dir, dtype=torch.float32, device="cuda:1")
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=STOPS, cuda_graphs="on")
+    out = generate(model, mixed_prompts, params)
+    assert static_decode_stats(model)["captures"] >= 1 and static_decode_stats(model)["fallback"] is None
+    assert out.completion_ids == generate(model, mixed_prompts, replace(params, cuda_graphs="off")).completion_ids
     release_static_decode(model)
