@@ -19,7 +19,7 @@ from ..config.fields import option
 from ..config.trust import check_code
 from .base import ChatTask, ChatTaskOptions, Example, RewardResult, weighted_reward
 from .data import read_records, require_fields
-from .parsing import extract_answer, numeric_equal
+from .parsing import DEFAULT_CASCADE, choice_equal, extract_answer, numeric_equal, word_equal
 
 
 def exact_match(a: str, b: str) -> bool:
@@ -38,6 +38,20 @@ VERIFIERS: dict[str, Callable[[], Callable[[str, str], bool]]] = {
     "exact": lambda: exact_match,
     "numeric": lambda: numeric_equal,
     "math": _math_equal,
+    "choice": lambda: choice_equal,
+    "word": lambda: word_equal,
+}
+# the answer cascade each verifier reads replies with when `extractors` is not set: the lenient default (a number
+# that ends the reply last) for exact / math; for numeric also the number closing the reply's last sentence ('2
+# kilograms is 2000 grams.': SmolLM2-135M-Instruct states most counts and conversions so); the option letter a
+# reply picks ('B', '(B)', 'The answer is B.') for choice, where a number ending the reply would be the option's
+# value; the word that ends the reply for word
+VERIFIER_CASCADES: dict[str, tuple[str, ...]] = {
+    "exact": DEFAULT_CASCADE,
+    "numeric": (*DEFAULT_CASCADE, "sentence_number"),
+    "math": DEFAULT_CASCADE,
+    "choice": ("answer_tag", "boxed", "answer_line", "answer_is", "choice"),
+    "word": ("answer_tag", "boxed", "answer_line", "answer_is", "final_word"),
 }
 
 
@@ -49,15 +63,24 @@ class CustomOptions(ChatTaskOptions):
     holdout: float = option(0.1, "without test_path: the share of data_path's rows held out as the test split "
                                  "(0 = test on the training rows)")
     holdout_seed: int = option(0, "which rows are held out without test_path")
-    verifier: str = option("exact", "answer check: exact | numeric | math (math needs grpo-engine[math])")
+    verifier: str = option(
+        "exact", "answer check: exact (same text) | numeric (same number: '1,000.0' = '1000') | choice (same option "
+                 "letter: '(B)', 'B)', '**B**', 'The answer is B.' = 'B') | word (same words up to case and "
+                 "punctuation: '**Paris.**' = 'paris') | math (math needs grpo-engine[math])")
+    extractors: tuple[str, ...] | None = option(
+        None, "answer cascade, the first that finds an answer wins; None = the verifier's: answer_tag, boxed, "
+              "answer_line, answer_is, then final_number (exact / math), final_number and sentence_number (numeric), "
+              "choice (choice) or final_word (word)")
     reward_fn: str | None = option(None, "\"module:function\" called as fn(example, completion); replaces the verifier")
 
     def __post_init__(self) -> None:
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"verifier={self.verifier!r} is not one of {list(VERIFIERS)}")
+        if self.extractors is None:
+            self.extractors = VERIFIER_CASCADES[self.verifier]
         super().__post_init__()
         if not self.data_path:
             raise ValueError("custom task needs data_path: a .jsonl file with 'prompt' and 'answer' fields")
-        if self.verifier not in VERIFIERS:
-            raise ValueError(f"verifier={self.verifier!r} is not one of {list(VERIFIERS)}")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout={self.holdout} must be in [0, 1): the share of data_path's rows held out for "
                              f"testing when there is no test_path")
@@ -112,10 +135,9 @@ class CustomTask(ChatTask):
             said = (f"{len(test)} of {len(train) + len(test)} rows of {o.data_path} held out as the test split "
                     f"(task.options.holdout={o.holdout}, holdout_seed={o.holdout_seed}); training on the other "
                     f"{len(train)}") if train is not test else \
-                f"{o.data_path} has {len(train)} row: it is the test split too (add rows or a test_path)"
+                f"{o.data_path} has {len(train)} rows, too few to hold some out: they are the test split too"
             print(f"task custom: no test_path: {said}", file=sys.stderr, flush=True)
         return self._split
-
 
     def reward(self, example: Example, completion: str) -> RewardResult:
         if self._reward_fn is not None:
@@ -130,14 +152,18 @@ class CustomTask(ChatTask):
         return exact_match(a, b) or self._equal(a, b)
 
 
+MIN_SPLIT_ROWS = 20  # a data file without test_path is split into train and test rows from this many rows
+
+
 def holdout_split(examples: list[Example], share: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, test): round(share * n) rows (at least 1, at most n - 1) chosen by `seed` form the test split, the
-    rest the train split, each in file order. A single row cannot be split: it is both (the same list)."""
-    if len(examples) < 2:
+    """(train, test): round(share * n) rows (at least 1) chosen by `seed` form the test split, the rest the train
+    split, each in file order. Fewer than MIN_SPLIT_ROWS rows are too few to split (a test split of one or two rows
+    measures nothing): they are both splits (the same list)."""
+    if len(examples) < MIN_SPLIT_ROWS:
         return examples, examples
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
-    held = set(order[: min(len(examples) - 1, max(1, round(share * len(examples))))])
+    held = set(order[: max(1, round(share * len(examples)))])
     return ([e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held])
 
 

@@ -12,7 +12,7 @@ EXAMPLES = {
     "gsm8k": "task:\n  name: gsm8k\n  data_path: data/gsm8k/main  # train-*.parquet and test-*.parquet",
     "math": "task:\n  name: math\n  data_path: data/math500        # needs grpo-engine[math] (math-verify)",
     "custom": ("task:\n  name: custom\n  options:\n    data_path: my_problems.jsonl  # one {\"prompt\", \"answer\"} "
-               "per line\n    verifier: numeric  # or reward_fn: my_module:my_reward"),
+               "per line\n    verifier: numeric  # or choice | word | exact | math; or reward_fn: my_module:my_reward"),
 }
 
 INTRO = """# Tasks
@@ -40,12 +40,14 @@ options:
 ```
 
 Your own task: write a JSONL file with `prompt` and `answer` fields and use the `custom` task with a built-in
-verifier (`exact`, `numeric`, `math`), or name a reward function `module:function` called as
+verifier (`numeric` for a number, `choice` for an option letter, `word` for a short word, `exact`, `math`; each
+reads replies with its own lenient cascade), or name a reward function `module:function` called as
 `fn(example, completion) -> float | RewardResult` (it runs through the guarded scorer: an exception or a run
 past the timeout scores 0 and is counted). `task.options.data_path` and `task.data_path` are one setting. Without
-`test_path` the task holds out a seeded `holdout` share of the data file (10%) as its test split and says so,
-so the held-out accuracy is measured on rows the model never trained on. A new task class implements the `Task`
-protocol of grpo_engine/tasks/base.py (`examples`, `prompt`, `reward`, `equivalent`) and registers in `TASKS`.
+`test_path` the task holds out a seeded `holdout` share of the data file (10%; a file under 20 rows is both
+splits) as its test split and says so, so the held-out accuracy is measured on rows the model never trained on.
+A new task class implements the `Task` protocol of grpo_engine/tasks/base.py (`examples`, `prompt`, `reward`,
+`equivalent`) and registers in `TASKS`.
 
 Before you train, check that GRPO has something to learn: `grpo check CONFIG` samples `check.groups` (16) prompts
 of the training split, each with `rollout.group_size` replies at the run's settings, and reports the reward
@@ -65,7 +67,7 @@ likely cause of a missing signal and the setting that fixes it:
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
 reports and goes on. It costs about two steps' generation and no update, and leaves the run bit-identical. At the
 end `grpo train` prints the held-out accuracy of the starting and the final model (the first `eval.max_examples`
-of the test split, at `eval.temperature` and `eval.max_new_tokens`) as `grpo demo` does, and writes
+of the test split, at `eval.temperature` and `rollout.max_new_tokens`) as `grpo demo` does, and writes
 `RUN_DIR/before_after.json`; `grpo train CONFIG --control random-reward` runs the same recipe with coin-flip
 rewards in `RUN_DIR-random-reward`, with its own before_after.json: a gain GRPO earned is one the control lacks.
 """

@@ -137,6 +137,102 @@ def extract_final_number(text: str) -> str | None:
     return last.group(0)
 
 
+def extract_sentence_number(text: str) -> str | None:
+    """The last number of the sentence that closes the reply, when the reply closes one ('.' or '!', markdown or
+    a quote after it): '2 kilograms is 2000 grams.' gives 2000, 'The letter "n" appears 1 time in "lemon".'
+    gives 1, the forms in which small instruct models state a count or a conversion. A reply cut off by the
+    length limit rarely ends a sentence, so a number inside an unfinished one does not count."""
+    t = _tail(text).rstrip().rstrip("*_`\"')]}\u201d").rstrip()
+    if not t.endswith((".", "!")):
+        return None
+    body = t[:-1]
+    start = max(body.rfind(". "), body.rfind("! "), body.rfind("? "), body.rfind("\n"))  # -1: the whole reply
+    sentence = body[start + 1 :]
+    last = _last(_NUMBER_RE, sentence)
+    return None if last is None or _glued(sentence, last.start()) else last.group(0)
+
+
+# ------------------------------------------------------------------------------ option letters and words
+# An option letter is an UPPERCASE A-J standing alone with a mark that makes it a choice: the article "A", the
+# pronoun "I" and the letters inside "BAD" or "Apple" carry none. Each pattern is linear (no nested quantifiers).
+_LETTER = r"([A-J])(?![A-Za-z0-9])"
+# "answer is B", "Answer: (B)", "correct option is **B**": the keyword, then "is" or ":" ("Option A is 12" is not)
+_CHOICE_STATED_RE = re.compile(
+    r"(?<![A-Za-z])(?i:answer|option|choice)(?:\s{1,5}(?i:is)\s{0,5}:?|\s{0,5}:)\s{0,5}[(\[*]{0,2}" + _LETTER)
+_CHOICE_MARKED_RE = re.compile(
+    r"(?<![A-Za-z0-9])[(\[]" + _LETTER + r"[)\]]"  # (B)  [B]
+    r"|(?<![A-Za-z0-9(\[])" + _LETTER + r"\)"  # B)
+    r"|\*\*[(\[]?" + _LETTER + r"[)\].:]?\*\*"  # **B**  **(B)**  **B.**
+    r"|^[ \t>#*-]{0,8}" + _LETTER + r"[.:]?[ \t*]*$"  # a line that is only the letter: "B", "B."
+    r"|^[ \t>#*-]{0,8}" + _LETTER + r"[.:][ \t]",  # a line that starts "B. 78" / "B: 78"
+    re.MULTILINE,
+)
+_WORD_TRIM = " \t\r\n.,;:!?*_`\"'()[]{}<>"  # markdown, quotes, brackets and punctuation around a word
+_WORD_RE = re.compile(r"[^\W_]+(?:['\u2019-][^\W_]+)*")  # one word: letters / digits, inner ' or -
+_QUOTED_WORD_RE = re.compile(r"(?:\"|'|`|\*\*|\u201c)([^\W_]+(?:['\u2019-][^\W_]+)*)(?:\"|'|`|\*\*|\u201d)$")
+
+
+def _letter(m: re.Match) -> str:
+    return next(g for g in m.groups() if g)
+
+
+def extract_choice(text: str) -> str | None:
+    """The option letter a reply picks: the last one stated ('The answer is B', 'Answer: (B)', 'correct option
+    is B'), else the last marked one ('(B)', 'B)', '**B**', a line 'B.' or 'B. 78'). None when no letter stands
+    as a choice: 'A' inside a word, the article 'A' and 'I' never count, so a reply cut off mid-sentence
+    rarely scores by chance."""
+    t = _tail(text)
+    last = _last(_CHOICE_STATED_RE, t) or _last(_CHOICE_MARKED_RE, t)
+    return None if last is None else _letter(last)
+
+
+def extract_final_word(text: str) -> str | None:
+    """The word that ends the reply: its last non-empty line when that is one word ('Paris', '**tac**.'), or a
+    quoted or bold word closing that line ('... backwards is "tac".'). A reply cut off mid-sentence ends on a
+    line of many words and gives None, as final_number does for a number inside one."""
+    lines = [ln for ln in _tail(text).splitlines() if ln.strip()]
+    if not lines:
+        return None
+    line = lines[-1].strip().rstrip(".!?,;: \t")
+    bare = line.strip(_WORD_TRIM)
+    if _WORD_RE.fullmatch(bare):
+        return _accept(bare)
+    quoted = _QUOTED_WORD_RE.search(line[-(MAX_ANSWER_CHARS + 4) :])
+    return None if quoted is None else _accept(quoted.group(1))
+
+
+def choice_letter(answer: str | None) -> str | None:
+    """The option letter an answer string names: the whole string when it is one letter ('B', 'b', '(B)',
+    '**B.**'), else the letter extract_choice finds in it ('(B) 78' from 'The answer is (B) 78.')."""
+    if answer is None:
+        return None
+    bare = answer.strip(_WORD_TRIM)
+    if len(bare) == 1 and bare.upper() in "ABCDEFGHIJ":
+        return bare.upper()
+    return extract_choice(answer)
+
+
+def choice_equal(a: str | None, b: str | None) -> bool:
+    """Whether two answers name the same option letter (False when either names none)."""
+    x, y = choice_letter(a), choice_letter(b)
+    return x is not None and x == y
+
+
+def word_key(answer: str) -> str:
+    """An answer compared as words: case folded, punctuation and markdown dropped, whitespace collapsed
+    ('**Paris.**' and 'paris' are the same; 'New York' and 'newyork' are not)."""
+    kept = "".join(ch if ch.isalnum() or ch.isspace() else " " if ch in "-/" else "" for ch in answer.casefold())
+    return " ".join(kept.split())
+
+
+def word_equal(a: str | None, b: str | None) -> bool:
+    """Whether two answers are the same word(s) up to case and punctuation (False when either is empty)."""
+    if a is None or b is None:
+        return False
+    x = word_key(a[:MAX_ANSWER_CHARS])
+    return bool(x) and x == word_key(b[:MAX_ANSWER_CHARS])
+
+
 EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "answer_tag": extract_answer_tag,
     "boxed": extract_boxed,
@@ -144,6 +240,9 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "answer_line": extract_answer_line,
     "final_number": extract_final_number,
     "last_number": extract_last_number,
+    "sentence_number": extract_sentence_number,
+    "choice": extract_choice,
+    "final_word": extract_final_word,
 }
 # The default for chat models: the requested forms first, then the common ways small instruct models state a
 # result, ending with a number that closes the reply. (R1-style runs pin ("answer_tag", ...) in their config.)
