@@ -2,54 +2,72 @@
 decision and not an accident.
 
 data.json: {"version": 1, "train_examples": 64,
-            "files": {"task.options.data_path": {"path": "data.jsonl", "bytes": 1234, "sha256": "<hex>", "rows": 64}}}
+            "files": {"task.options.data_path": {"path": "data.jsonl", "bytes": 1234, "sha256": "<hex>", "rows": 64}},
+            "roots": {"task.options.data_path": "/home/me/exp/data.jsonl"}}
 
 Every data file the task reads is listed under the config key that names it (`task.data_path`, `task.options.*path`;
 the files of a data directory as `KEY:relative/name`), with its sha256 and its row count (non-blank lines of a text
 file, a parquet file's rows; null where neither applies). On resume a changed, added or missing file is refused in one
 line unless `grpo train --allow-data-change` says to continue on the new data. A checkpoint without data.json (written
 before fingerprints) resumes as before.
+
+`roots` holds each config key's absolute path as the run saw it: `grpo eval RUN_DIR` (which reads the run's own task)
+looks for the data there, not against the directory eval runs in, and uses it only when its fingerprints are the
+recorded ones (`eval_data_paths`); otherwise it refuses in one line naming --data. A data path is read only as a
+regular file (config/paths.py): one that became a link to /dev/zero or a FIFO is refused, not hashed forever.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config
+from ..config.paths import open_regular, read_regular, regular_path
 from ..tasks.data import DataError
 
 DATA_FILE = "data.json"
 VERSION = 1
 ALLOW_FLAG = "--allow-data-change"
 READ_BYTES = 1 << 20
+MAX_RECORD_BYTES = 64 << 20  # data.json: a line per data file
+EVAL_DATA_FLAG = "--data"
 
 
 class DataChangedError(DataError):
     """The task data differs from the data the checkpoint was trained on."""
 
 
-def data_paths(cfg: Config) -> dict[str, Path]:
-    """Config key -> the data file or directory it names (those that exist)."""
+def named_paths(cfg: Config) -> dict[str, str]:
+    """Config key -> the data path it names, as written (every key that names one)."""
     named = {"task.data_path": cfg.task.data_path}
     named.update({f"task.options.{k}": v for k, v in sorted(dict(cfg.task.options).items())
                   if k.endswith("path") and isinstance(v, str)})
-    return {key: Path(value) for key, value in named.items() if value and Path(value).exists()}
+    return {key: value for key, value in named.items() if value}
+
+
+def data_paths(cfg: Config) -> dict[str, Path]:
+    """Config key -> the data file or directory it names (those that exist)."""
+    return {key: Path(value) for key, value in named_paths(cfg).items() if os.path.lexists(value)}
 
 
 def _files(key: str, path: Path) -> dict[str, Path]:
-    if path.is_file():
+    """Label -> file of the data `key` names: the file itself, or every file of a directory (`KEY:relative/name`);
+    anything but a regular file or a directory is refused (DataError), not read."""
+    regular_path(path, f"{key}=", error=DataError, directory=True, fix="point it at a local data file or directory")
+    if not path.is_dir():
         return {key: path}
     found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith((".", "cache-")))
     return {f"{key}:{p.relative_to(path).as_posix()}": p for p in found}  # (datasets' cache-*.arrow: rewritten)
 
 
 def fingerprint(path: Path) -> dict:
-    """{"path", "bytes", "sha256", "rows"} of one data file, in one pass over it."""
+    """{"path", "bytes", "sha256", "rows"} of one data file, in one pass over it (a regular file only)."""
     h, rows, carry, text = hashlib.sha256(), 0, b"", path.suffix not in (".parquet", ".arrow")
-    with open(path, "rb") as f:
+    with open_regular(path, "data file", max_bytes=1 << 62, option="", error=DataError) as f:
         while chunk := f.read(READ_BYTES):
             h.update(chunk)
             if text:
@@ -72,10 +90,11 @@ def _parquet_rows(path: Path) -> int | None:
 
 def data_record(cfg: Config, train_examples: int) -> dict:
     """What data.json holds for this run: every data file it reads, and the size of its training split."""
-    files = {}
+    files, roots = {}, {}
     for key, path in data_paths(cfg).items():
         files.update({label: fingerprint(p) for label, p in _files(key, path).items()})
-    return {"version": VERSION, "train_examples": train_examples, "files": files}
+        roots[key] = os.path.abspath(path)
+    return {"version": VERSION, "train_examples": train_examples, "files": files, "roots": roots}
 
 
 def record_text(record: dict) -> str:
@@ -108,16 +127,9 @@ def data_changes(stored: dict, current: dict, position: int) -> list[str]:
 def check_data(ckpt: Path, current: dict, *, position: int, allow: bool, message: Callable[[str], None]) -> None:
     """Refuse (DataChangedError, one line) to resume ckpt on data other than the data it was trained on, unless
     `allow` (--allow-data-change): then one warning. A checkpoint without data.json resumes as before."""
-    path = ckpt / DATA_FILE
-    if not path.is_file():
+    stored = stored_record(ckpt, "--resume", "resume from an earlier checkpoint")
+    if stored is None:
         return
-    try:
-        stored = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        stored = f"{e}"
-    if not isinstance(stored, dict) or not isinstance(stored.get("files", {}), dict):
-        why = stored if isinstance(stored, str) else "not a data record"
-        raise DataChangedError(f"--resume {ckpt}: {path} is unreadable ({why}); resume from an earlier checkpoint")
     changes = data_changes(stored, current, position)
     if not changes:
         return
@@ -128,3 +140,62 @@ def check_data(ckpt: Path, current: dict, *, position: int, allow: bool, message
         return
     raise DataChangedError(f"--resume {ckpt}: the task data changed since the checkpoint ({what}); put the original "
                            f"back, or pass {ALLOW_FLAG} to continue on the new data")
+
+
+def stored_record(ckpt: Path, command: str, fix: str) -> dict | None:
+    """ckpt's data.json, or None when it has none (written before fingerprints); an unreadable one (not a regular
+    file, too large, not a record) is a DataChangedError naming `command`, the file and `fix`."""
+    path = ckpt / DATA_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        stored = json.loads(read_regular(path, "the file", max_bytes=MAX_RECORD_BYTES, option="a smaller record",
+                                         error=DataError))
+    except (ValueError, OSError, RecursionError) as e:
+        stored = f"{e}".splitlines()[0] if f"{e}" else type(e).__name__
+    if not isinstance(stored, dict) or not isinstance(stored.get("files", {}), dict):
+        why = stored if isinstance(stored, str) else "not a data record"
+        raise DataChangedError(f"{command} {ckpt}: {path} is unreadable ({why}); {fix}")
+    return stored
+
+
+def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str]) -> dict[str, str]:
+    """Config key (of `keys`) -> the path `grpo eval` reads the run's data from: where the run saw it (data.json's
+    `roots`: an absolute path, never resolved against the directory eval runs in), used only when every file there
+    has its recorded sha256. Else DataChangedError in one line naming --data. A checkpoint without data.json: a
+    stored absolute path as it is, a relative one refused (nothing says what it was relative to)."""
+    fix = f"pass {EVAL_DATA_FLAG} FILE to evaluate on data you choose"
+    record = stored_record(ckpt, "grpo eval", fix)
+    out = {}
+    for key, value in named_paths(cfg).items():
+        if key not in keys:
+            continue
+        if record is None:
+            if not Path(value).is_absolute():
+                raise DataChangedError(f"grpo eval {ckpt}: its config.yaml names {key}={value!r}, a relative path, "
+                                       f"and it has no {DATA_FILE} recording where that was; {fix}")
+            out[key] = value
+            continue
+        root = record.get("roots", {}).get(key) if isinstance(record.get("roots"), dict) else None
+        where = Path(root) if isinstance(root, str) else Path(value)  # data.json before roots: the path as stored
+        problem = _not_as_recorded(key, where, record["files"])
+        if problem:
+            raise DataChangedError(f"grpo eval {ckpt}: the run's data {problem}; {fix}")
+        out[key] = str(where)
+    return out
+
+
+def _not_as_recorded(key: str, where: Path, files: dict) -> str | None:
+    """What differs between the data at `where` (config key `key`) and its record, or None."""
+    stored = {k: v for k, v in files.items() if (k == key or k.startswith(key + ":")) and isinstance(v, dict)}
+    if not os.path.lexists(where):
+        return f"{where} ({key}) is not there any more"
+    try:
+        current = {label: fingerprint(p) for label, p in _files(key, where).items()}
+    except DataError as e:
+        return f"cannot be read ({e})"
+    if not stored:
+        return f"{where} ({key}) has no fingerprint in the checkpoint"
+    changed = [_describe(k, stored.get(k), current.get(k)) for k in sorted(stored.keys() | current.keys())
+               if (stored.get(k) or {}).get("sha256") != (current.get(k) or {}).get("sha256")]
+    return "; ".join(changed) or None

@@ -33,6 +33,9 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..config.paths import read_regular
+from ..config.safe_yaml import MAX_YAML_CHARS
+from ..model.config import CheckpointError
 from ..model.hf_io import hf_name_table
 from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
@@ -284,7 +287,16 @@ def _checked_model(model: Path, *, newest: bool = False) -> Path:
 
 
 def stored_config_text(path: str | Path) -> str | None:
-    """The config.yaml a run stored next to the model `path` resolves to (None for a plain model)."""
+    """The config.yaml a run stored next to the model `path` resolves to (None for a plain model); read only as a
+    regular file of at most MAX_YAML_CHARS characters' worth of bytes (the YAML reader's own budget)."""
     model = model_source(path)
     stored = model.parent / "config.yaml"
-    return stored.read_text() if model.name == "model" and stored.is_file() else None
+    if model.name != "model" or not stored.is_file():
+        return None
+    raw = read_regular(stored, "config.yaml", max_bytes=4 * MAX_YAML_CHARS, option="a config of at most "
+                       f"{MAX_YAML_CHARS:,} characters", error=CheckpointError)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{stored} is not UTF-8 text ({e.reason}); copy config.yaml from another checkpoint "
+                              f"of the run") from None

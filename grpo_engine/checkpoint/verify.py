@@ -18,9 +18,15 @@ names the bytes that differ. Sizes are compared before any hashing, so a truncat
 file stamped as verified and unchanged since (checkpoint/stamps.py: what this machine wrote or already checked) is
 not hashed again.
 
+A checkpoint is exactly what its manifest lists: a file under the parts checked that the manifest does not list (a
+model.safetensors.index.json mapping the weights to an added shard, a chat_template.jinja, a tokenizer file) would
+be read by a loader without anything vouching for it, so it is refused like a changed file.
+
 A checkpoint without a manifest was written before manifests existed: it is used with a one-line warning (nothing
-can be verified). A checkpoint whose manifest, files or trainer state do not check out is never used silently, and
-nothing is ever deleted because of it: the error names the newest checkpoint of the run that does verify.
+can be verified), when it holds nothing written only alongside manifests (MANIFEST_ERA: such a checkpoint lost its
+manifest and is damaged) and has a regular config.yaml (without one, evaluating it would use the task's defaults).
+A checkpoint whose manifest, files or trainer state do not check out is never used silently, and nothing is ever
+deleted because of it: the error names the newest checkpoint of the run that does verify.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pathlib import Path
 
 import xxhash
 
+from ..config.paths import read_regular
 from ..model.config import CheckpointError
 from .run_dir import LEGACY_STATE, STATE, step_dirs
 from .stamps import remember, trusted
@@ -48,7 +55,9 @@ MAX_MANIFEST_BYTES = 64 << 20  # about 900k blocks: a 14 TB checkpoint
 HASHES = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}  # what a manifest lists per block
 CHECKED = "xxh3_128"  # what a check compares, where the manifest has it (else sha256)
 REQUIRED = (f"{STATE}.json", "model/config.json")  # what a resumable checkpoint has, manifest or not
-MODEL_PARTS = ("model/", "adapter/", "config.yaml")  # what `grpo eval` / `grpo export` read of a checkpoint
+# what `grpo eval` / `grpo generate` / `grpo export` read of a checkpoint (eval: data.json, where the run's data is)
+MODEL_PARTS = ("model/", "adapter/", "config.yaml", "data.json")
+MANIFEST_ERA = ("data.json",)  # written only into checkpoints that carry a manifest (checkpoint/data_record.py)
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -129,7 +138,7 @@ def _read_manifest(ckpt: Path) -> tuple[int, dict[str, dict], str]:
     path = ckpt / MANIFEST
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise ValueError(f"it is over {MAX_MANIFEST_BYTES >> 20} MiB")
-    raw = path.read_bytes()
+    raw = read_regular(path, "the file", max_bytes=MAX_MANIFEST_BYTES, option="a manifest of fewer files")
     data = json.loads(raw)
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise ValueError(f"not a version-{VERSION} {FORMAT}")
@@ -159,13 +168,18 @@ def verify(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
     MODEL_PARTS: eval / export). Sizes first; then the hashes of every file not stamped as verified and unchanged
     since (checkpoint/stamps.py: what this machine wrote or verified is not hashed again)."""
     ckpt = Path(ckpt)
-    if not (ckpt / MANIFEST).is_file():
-        return Verdict(ckpt, legacy=True)
+    if not os.path.lexists(ckpt / MANIFEST):
+        return _legacy(ckpt)
     try:
         block, files, digest = _read_manifest(ckpt)
-    except (OSError, ValueError, AttributeError) as e:
+    except (OSError, ValueError, AttributeError, RecursionError) as e:
         return Verdict(ckpt, f"its {MANIFEST} is unreadable ({str(e).splitlines()[0] if str(e) else e!r})")
     listed = _selected(files, parts)
+    unlisted = sorted(set(_selected(dict.fromkeys(entries_of(ckpt)), parts)) - set(files))
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        return Verdict(ckpt, f"{unlisted[0]}{more} is not in its {MANIFEST}: added after the checkpoint was written, "
+                             f"it would be read unverified; move it out of the checkpoint")
     for name in sorted(listed):
         path = ckpt / name
         if not path.is_file():
@@ -184,6 +198,29 @@ def verify(ckpt: Path, parts: tuple[str, ...] | None = None) -> Verdict:
     if verdict.ok:
         remember(ckpt, unsure, digest)
     return verdict
+
+
+def entries_of(ckpt: Path) -> list[str]:
+    """Everything under ckpt that is not a directory (files, links, FIFOs, devices) but the manifest, as sorted
+    `/`-separated relative paths: what a loader could open."""
+    found = [p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_symlink() or not p.is_dir()]
+    return sorted(name for name in found if name != MANIFEST)
+
+
+def _legacy(ckpt: Path) -> Verdict:
+    """A checkpoint without a manifest: written before manifests (legacy, used with a warning) when it holds nothing
+    of the manifest era and a regular config.yaml; else damaged."""
+    era = [name for name in MANIFEST_ERA if os.path.lexists(ckpt / name)]
+    if era:
+        return Verdict(ckpt, f"it has {era[0]}, which is written only alongside a {MANIFEST}, but no {MANIFEST}: its "
+                             f"manifest was removed, so nothing in it can be verified")
+    config = ckpt / "config.yaml"
+    if not config.is_file():  # follows links: a FIFO, a device or a link to one is not a regular file
+        what = "is missing" if not os.path.lexists(config) else "is not a regular file"
+        return Verdict(ckpt, f"it has no {MANIFEST} (written before manifests) and its config.yaml {what}, so the "
+                             f"settings it was trained with are unknown; copy config.yaml from another checkpoint of "
+                             f"the run into it")
+    return Verdict(ckpt, legacy=True)
 
 
 def _compare(ckpt: Path, block: int, listed: dict[str, dict], hashes: dict[str, dict[str, list]]) -> Verdict:

@@ -165,8 +165,9 @@ def task_for(args):
     run = stored_run_config(args.model)
     stored = run.task if run is not None else None
     if args.task is None and stored is not None:
-        options = {**stored.options, **options}
-        return stored.name, build_task(stored.name, options, data if data is not None else stored.data_path)
+        if hasattr(args, "data"):  # eval reads the run's data: where the run read it, and only as it was
+            return stored.name, build_task(stored.name, *run_data(args.model, run, options, data))
+        return stored.name, build_task(stored.name, {**stored.options, **options}, stored.data_path)
     name = args.task or "arithmetic"
     if name == "custom" and data is None and "data_path" not in options:
         if hasattr(args, "data"):  # eval reads rows: the placeholder below read as the file it could not find
@@ -178,6 +179,23 @@ def task_for(args):
         raise FileNotFoundError(f"--data {data}: no such file or directory; pass a local .jsonl / .parquet file "
                                 f"or a directory holding e.g. test.jsonl")
     return name, task
+
+
+def run_data(model: str, run, given: dict, data: str | None) -> tuple[dict, str | None]:
+    """(task options, data path) to evaluate a run's own task with: --data and --task-option as given; every data path
+    of the run's config.yaml they leave where the run recorded it (checkpoint/data_record.py eval_data_paths: its
+    absolute path, used only when the files there have their recorded fingerprints; else one line naming --data)."""
+    from ..checkpoint.data_record import eval_data_paths, named_paths
+    from ..checkpoint.store import model_source
+
+    chosen = {f"task.options.{k}" for k in given}
+    if data is not None:
+        chosen |= {"task.data_path", "task.options.data_path"}
+    keys = set(named_paths(run)) - chosen
+    paths = eval_data_paths(model_source(model).parent, run, keys)
+    options = {k: v for k, v in run.task.options.items() if not (data is not None and k == "data_path")}
+    options.update({key.removeprefix("task.options."): v for key, v in paths.items() if key != "task.data_path"})
+    return {**options, **given}, data if data is not None else paths.get("task.data_path", run.task.data_path)
 
 
 def tools_for(args):
@@ -224,6 +242,8 @@ def run_generate(args) -> int:
     from ..tasks import Example, render_prompt, safe_reward
 
     try:
+        check_text("the question", args.question)
+        check_text("--answer", args.answer)
         _, task = task_for(args)
         tools = tools_for(args)
         model, tok = load_model_and_tokenizer(model_source(args.model), args.tokenizer, args.device, args.dtype)
@@ -247,6 +267,17 @@ def run_generate(args) -> int:
         print(f"--- sample {i + 1}/{len(out)} ({len(ids)} tokens, {reason}) ---\n{printable(text)}")
         print(reward_line(safe_reward(task, example, text), args.answer is not None))
     return 0
+
+
+def check_text(what: str, text: str | None) -> None:
+    """Refuse text no tokenizer takes: a lone surrogate, which is how Python hands over command-line bytes that are
+    not UTF-8 (a TypeError from the tokenizer otherwise)."""
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.start + 1].encode("unicode_escape").decode()
+        raise ValueError(f"{what} holds a lone surrogate ({bad}) at character {e.start}, which is not text (bytes "
+                         f"that are not UTF-8?); pass UTF-8 text") from None
 
 
 def _generate_with_tools(model, tok, task, example, params, args, tools) -> int:

@@ -8,7 +8,7 @@ holds the state after N steps.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checkpoint.data_record import DATA_FILE, record_text
@@ -126,23 +126,27 @@ def before_first_step(run: Run, check: bool, held_out: bool) -> EvalResult | Non
 
 
 def held_out_result(run: Run, which: str) -> EvalResult:
-    """The policy on the first eval.max_examples of task.eval_split at eval.temperature and eval.max_new_tokens (the
-    in-loop evaluation's examples and settings, whether or not eval.every is set)."""
+    """The policy on the first eval.max_examples of task.eval_split (the in-loop evaluation's examples, whether or not
+    eval.every is set) at eval.temperature (0: greedy) and rollout.max_new_tokens, as `grpo demo` does: the length
+    the run trains its replies to fit (and fits the model's context, which eval.max_new_tokens need not)."""
     examples = split_examples(run.inputs.task, run.cfg, "eval_split")[: run.cfg.eval.max_examples]
-    run.monitor.message(f"held-out evaluation of {which}: {len(examples)} problems of task.eval_split="
-                        f"{run.cfg.task.eval_split!r}")
+    if run.inputs.world.is_main:
+        run.monitor.message(f"held-out evaluation of {which}: {len(examples)} problems of task.eval_split="
+                            f"{run.cfg.task.eval_split!r}")
     with rng_untouched():
-        return evaluate(run, examples)
+        return evaluate(run, examples, run.cfg.rollout.max_new_tokens)
 
 
-def evaluate(run: Run, examples: list | None = None) -> EvalResult:
-    """The policy on the fixed eval subset (or `examples`), with the same (LoRA-merged when exact) weights as
-    rollout; under torchrun each rank evaluates every size-th example and the results are combined."""
+def evaluate(run: Run, examples: list | None = None, max_new_tokens: int | None = None) -> EvalResult:
+    """The policy on the fixed eval subset (or `examples`, replies capped at `max_new_tokens` instead of
+    eval.max_new_tokens), with the same (LoRA-merged when exact) weights as rollout; under torchrun each rank
+    evaluates every size-th example and the results are combined."""
     cfg, inputs, world = run.cfg, run.inputs, run.inputs.world
     mine = (run.eval_examples if examples is None else examples)[world.rank :: world.size]
+    params = eval_params(cfg, inputs.tokenizer)
     with inputs.policy.rollout_weights(), gathered(inputs.policy.model, world), fail_together(world, "eval"):
         result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
-                                 eval_params(cfg, inputs.tokenizer), seed=cfg.seed,
+                                 replace(params, max_new_tokens=max_new_tokens or params.max_new_tokens), seed=cfg.seed,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
                                  groups_fn=rollout_fn(cfg)) if mine else None
     return combine_eval([r for r in world.gather(result) if r is not None])

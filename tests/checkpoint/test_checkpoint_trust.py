@@ -74,11 +74,17 @@ def finite_garbage(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def before_manifests(ckpt: Path) -> None:
+    """ckpt as a checkpoint written before manifests: no manifest.json, and no data.json (written only alongside)."""
+    (ckpt / "manifest.json").unlink()
+    (ckpt / "data.json").unlink()
+
+
 def one_line_error(code: int, err: str) -> str:
     """The error: exit 2, the last line of stderr (before it only `resume: KEY old -> new` notes and warnings)."""
     assert code == 2 and "Traceback" not in err, err
     *notes, line = err.strip().splitlines()
-    assert re.match(r"grpo( eval| export)?: error: ", line), err
+    assert re.match(r"grpo( eval| export| generate)?: error: ", line), err
     assert all(n.startswith(("resume: ", "warning: ")) for n in notes), err
     return line
 
@@ -118,12 +124,10 @@ def test_a_damaged_newest_checkpoint_is_refused_naming_the_one_that_verifies(wor
 def test_nonfinite_resumed_weights_are_refused_never_called_the_last_good_checkpoint(work, capsys, part, file):
     """A checkpoint whose weights (or Adam moments: the first update makes the weights NaN) are NaN resumed and then
     stopped naming itself as "the last good checkpoint"."""
-    from grpo_engine.checkpoint.verify import MANIFEST
-
     path = work / STEP2 / file
     save_file({k: torch.full_like(t, float("nan")) if t.is_floating_point() else t
                for k, t in load_file(path).items()}, path)
-    (work / STEP2 / MANIFEST).unlink()  # written before manifests: nothing to verify it by
+    before_manifests(work / STEP2)  # nothing to verify it by
     err = one_line_error(*grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys))
     assert f"{STEP2}: its {part}" in err and "NaN/inf" in err and "last good" not in err
     assert err.endswith(f"--resume {STEP1}")
@@ -131,7 +135,7 @@ def test_nonfinite_resumed_weights_are_refused_never_called_the_last_good_checkp
 
 def test_a_checkpoint_written_before_manifests_resumes_with_one_warning(work, capsys):
     for ckpt in (STEP1, STEP2):
-        (work / ckpt / "manifest.json").unlink()
+        before_manifests(work / ckpt)
     code, err = grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys)
     assert code == 0 and err.count("has no manifest.json (written before checkpoint manifests)") == 1, err
     assert (work / "run/checkpoints/step-000003/manifest.json").is_file()
@@ -218,3 +222,139 @@ def test_a_warm_started_run_resumes(tmp_path, capsys, recipe):
     code, err = grpo(*args, "--resume", capsys=capsys)
     assert code == 0 and "model.path" not in err, err
     assert [json.loads(ln)["step"] for ln in (tmp_path / "r/metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# issue 51: what a run directory may not do to you ---------------------------------------------------------------
+def record_here(work: Path, ckpt: str = STEP2) -> Path:
+    """The copy's data record pointed at the copy's own data.jsonl (the fixture's records the original folder), its
+    manifest rewritten to match: a run trained here."""
+    from grpo_engine.checkpoint.verify import write_manifest
+
+    record = json.loads((work / ckpt / "data.json").read_text())
+    (root,) = record["roots"].values()  # the absolute path of the folder the run was trained in
+    assert list(record["roots"]) == ["task.options.data_path"] and Path(root).is_absolute() and root != str(work)
+    record["roots"]["task.options.data_path"] = str(work / "data.jsonl")
+    (work / ckpt / "data.json").write_text(json.dumps(record))
+    write_manifest(work / ckpt)
+    return work / "data.jsonl"
+
+
+def evaluated(err: str) -> str:
+    """The `evaluating MODEL on TASK/SPLIT: N problems` line of grpo eval."""
+    return next(line for line in err.splitlines() if line.startswith("evaluating "))
+
+
+def test_case8_eval_reads_the_run_data_where_the_run_recorded_it_never_another_folders(work, capsys, tmp_path):
+    """`grpo eval RUN_DIR` read the stored relative data_path against the current directory: another folder's
+    data.jsonl with 3 rows was evaluated instead of the run's 8, and the fingerprint was never compared."""
+    data = record_here(work)
+    record = json.loads((work / STEP2 / "data.json").read_text())
+    assert record["files"]["task.options.data_path"]["path"] == "data.jsonl"  # as the config names it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_rows(elsewhere / "data.jsonl", 3)
+    os.chdir(elsewhere)
+    code, err = grpo("eval", work / "run", "--n", "1", "--temperature", "0", capsys=capsys)
+    assert code == 0, err
+    code, mine = grpo("eval", work / "run", "--n", "1", "--temperature", "0", "--data", data, capsys=capsys)
+    assert code == 0 and evaluated(err) == evaluated(mine)  # the run's 8 rows, as if named with --data
+    write_rows(data, 8, answer=lambda i: str(i + 1))  # the run's data changed where it was recorded
+    err = one_line_error(*grpo("eval", work / "run", "--n", "1", capsys=capsys))
+    assert f"{data} (task.options.data_path) changed: same 8 rows, other content" in err
+    assert err.endswith("pass --data FILE to evaluate on data you choose")
+    data.unlink()
+    assert f"{data} (task.options.data_path) is not there any more" in one_line_error(
+        *grpo("eval", work / "run", "--n", "1", capsys=capsys))
+
+
+@pytest.mark.parametrize("case", ["case1_dev_zero", "case2_fifo"])
+def test_a_stored_data_path_to_a_device_or_fifo_is_refused_at_once(work, capsys, case):
+    """A handed-over run's data path linked to /dev/zero took 5.6 GB in 17 s under `grpo eval`; a FIFO hung it."""
+    from tasks.test_untrusted_data import returns_within
+
+    data = record_here(work)
+    data.unlink()
+    data.symlink_to("/dev/zero") if case == "case1_dev_zero" else os.mkfifo(data)
+    done, code = returns_within(30, lambda: main(["eval", "run", "--n", "1"]))
+    assert done and code == 2
+    err = one_line_error(code, capsys.readouterr().err)
+    kind = "(-> /dev/zero) is a character device" if case == "case1_dev_zero" else "is a FIFO (named pipe)"
+    assert f"the run's data cannot be read (task.options.data_path='{data}' {kind}" in err and "--data" in err
+
+
+def test_eval_of_a_run_without_data_record_refuses_a_relative_stored_path(work, capsys):
+    from grpo_engine.checkpoint.verify import write_manifest
+
+    (work / STEP2 / "data.json").unlink()
+    write_manifest(work / STEP2)
+    err = one_line_error(*grpo("eval", "run", "--n", "1", capsys=capsys))
+    assert "names task.options.data_path='data.jsonl', a relative path, and it has no data.json" in err
+    assert grpo("eval", "run", "--n", "1", "--temperature", "0", "--data", "data.jsonl", capsys=capsys)[0] == 0
+
+
+def added_shard(ckpt: Path) -> None:
+    """Every tensor mapped by an added model.safetensors.index.json to an added shard of other weights."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(ckpt / "model/model.safetensors")
+    save_file({k: t + 1 for k, t in tensors.items()}, ckpt / "model/model-00001-of-00001.safetensors")
+    (ckpt / "model/model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
+
+
+def test_case4_and_case5_an_added_shard_index_is_refused_by_export_and_resume(work, capsys):
+    """An index.json beside a checkpoint's weights, not in its manifest, mapping them to an added file: export
+    exported the added weights and --resume trained from them (and the next manifest vouched for them)."""
+    added_shard(work / STEP2)
+    err = one_line_error(*grpo("export", STEP2, "out.gguf", capsys=capsys))
+    assert (f"{STEP2}: model/model-00001-of-00001.safetensors (and 1 more) is not in its manifest.json" in err
+            and f"{STEP1}: pass it instead" in err)
+    assert not (work / "out.gguf").exists()
+    err = one_line_error(*grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys))
+    assert "is not in its manifest.json" in err and err.endswith(f"--resume {STEP1}")
+    assert not (work / "run/checkpoints/step-000003").exists()
+
+
+def test_case6_an_added_chat_template_is_refused_by_generate(work, capsys):
+    (work / STEP2 / "model/chat_template.jinja").write_text("{{ 'forged: ' + messages[0]['content'] }}")
+    err = one_line_error(*grpo("generate", "run", "what is 2+2?", "--max-new", "2", capsys=capsys))
+    assert f"{STEP2}: model/chat_template.jinja is not in its manifest.json" in err
+
+
+def test_case7_manifest_era_files_without_a_manifest_are_damage_not_legacy(work, capsys):
+    """Deleting manifest.json from a checkpoint with data.json made it "written before manifests": a flipped bit in
+    its weights was trained on."""
+    (work / STEP2 / "manifest.json").unlink()
+    finite_garbage(work / STEP2 / "model/model.safetensors")
+    before = tree(work)
+    err = one_line_error(*grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys))
+    assert f"{STEP2}: it has data.json, which is written only alongside a manifest.json, but no manifest.json" in err
+    assert err.endswith(f"--resume {STEP1}") and tree(work) == before
+    assert "it has data.json" in one_line_error(*grpo("eval", "run", "--n", "1", capsys=capsys))
+
+
+@pytest.mark.parametrize("config", ["case9_missing", "case10_fifo", "case10_link_to_dev_null"])
+def test_case9_and_case10_a_legacy_checkpoint_needs_a_regular_config(work, capsys, config):
+    """A checkpoint without manifest whose config.yaml was missing (or a FIFO, or a link to a device) was evaluated
+    with the task's default options: 200 default problems instead of the run's."""
+    before_manifests(work / STEP2)
+    stored = work / STEP2 / "config.yaml"
+    stored.unlink()
+    if config == "case10_fifo":
+        os.mkfifo(stored)
+    elif config == "case10_link_to_dev_null":
+        stored.symlink_to("/dev/null")
+    err = one_line_error(*grpo("eval", "run", "--n", "1", capsys=capsys))
+    what = "is missing" if config == "case9_missing" else "is not a regular file"
+    assert f"{STEP2}: it has no manifest.json (written before manifests) and its config.yaml {what}" in err
+    assert f"{STEP1}: pass it instead" in err
+
+
+def test_case14_a_lone_surrogate_is_one_line_in_train_eval_and_generate(work, capsys):
+    (work / "bad.jsonl").write_text('{"prompt": "q", "answer": "1"}\n{"prompt": "x\\ud800", "answer": "1"}\n')
+    want = "bad.jsonl: line 2: field 'prompt' holds a lone surrogate (\\ud800), which is not text"
+    assert want in one_line_error(*grpo("eval", "run", "--data", "bad.jsonl", "--n", "1", capsys=capsys))
+    assert want in one_line_error(*grpo("train", "train.yaml", "run_dir=other", "task.options.data_path=bad.jsonl",
+                                        capsys=capsys))
+    err = one_line_error(*grpo("generate", "run", "caf\udce9", capsys=capsys))  # how Python passes latin-1 argv
+    assert "the question holds a lone surrogate (\\udce9) at character 3" in err

@@ -22,6 +22,7 @@ def ckpt(tmp_path, monkeypatch) -> Path:
     (tmp_path / "model" / "model.safetensors").write_bytes(bytes(range(256)) * 40)  # 10240 bytes
     (tmp_path / "trainer_state.json").write_text("{}")
     (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
     write_manifest(tmp_path)
     return tmp_path
 
@@ -29,7 +30,7 @@ def ckpt(tmp_path, monkeypatch) -> Path:
 def test_the_manifest_lists_every_file_with_plain_sha256_per_block(ckpt):
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert manifest["block_bytes"] == 4096 and sorted(manifest["files"]) == [
-        "empty", "model/config.json", "model/model.safetensors", "trainer_state.json"]
+        "config.yaml", "empty", "model/config.json", "model/model.safetensors", "trainer_state.json"]
     data = (ckpt / "model/model.safetensors").read_bytes()
     assert manifest["files"]["model/model.safetensors"] == {
         "bytes": 10240, "sha256": [hashlib.sha256(data[i:i + 4096]).hexdigest() for i in (0, 4096, 8192)],

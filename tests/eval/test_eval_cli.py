@@ -46,10 +46,12 @@ def test_eval_end_to_end_json_and_table(tiny_ckpt, tmp_path, capsys):
 
 
 def fake_training_checkpoint(tiny_ckpt, tmp_path) -> Path:
-    """run_dir/checkpoints/step-000002/{model/, trainer_state.pt} as `grpo train` lays it out."""
+    """run_dir/checkpoints/step-000002/{model/, trainer_state.pt, config.yaml} as `grpo train` lays it out (before
+    0.1: without a manifest, which needs a config.yaml to be evaluated)."""
     step = tmp_path / "run" / "checkpoints" / "step-000002"
     shutil.copytree(tiny_ckpt, step / "model")
     (step / "trainer_state.pt").write_bytes(b"")
+    shutil.copy(Path(__file__).resolve().parents[2] / "configs" / "tiny_arithmetic.yaml", step / "config.yaml")
     return step
 
 

@@ -305,3 +305,7 @@ def test_custom_without_test_path_holds_out_a_seeded_split(tmp_path, capsys):
     assert len(given.examples("train")) == 20 and [e.question for e in given.examples("test")] == ["t"]
     with pytest.raises(ValueError, match=r"holdout=1.0 must be in \[0, 1\)"):
         make_task("custom", data_path=path, holdout=1.0)
+    small = write_rows(tmp_path / "t", [{"prompt": f"q{i}", "answer": str(i)} for i in range(19)])
+    tiny = make_task("custom", data_path=small)  # too few rows to hold some out: both splits, said
+    assert tiny.examples("test") == tiny.examples("train") and len(tiny.examples("train")) == 19
+    assert "has 19 rows, too few to hold some out" in capsys.readouterr().err
