@@ -116,3 +116,15 @@ def test_a_low_precision_base_is_never_merged(tiny_ckpt, dtype):
         with lora_merged(model):
             assert torch.equal(model(ids), want)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_bf16_adapter_path_traces_whole_with_no_host_sync():
+    """What the CUDA graph captures of an unmerged adapter: torch.compile(fullgraph=True) fails on a host sync or a
+    data-dependent branch."""
+    g = torch.Generator().manual_seed(0)
+    lora = LoRALinear(nn.Linear(64, 32).bfloat16(), LoRAConfig(rank=4)).eval()
+    with torch.no_grad():
+        lora.lora_B.copy_(torch.randn(32, 4, generator=g) * 0.01)
+        x = torch.randn(3, 1, 64, generator=g).bfloat16()  # [rows, 1 token, in], as a decode step feeds it
+        traced = torch.compile(lora, backend="eager", fullgraph=True)
+        torch.testing.assert_close(traced(x), lora(x), rtol=0, atol=0)
