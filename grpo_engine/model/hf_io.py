@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..config.paths import read_regular, regular_path
 from .config import REQUIRED_DIMS, CheckpointError, checked_dims, checked_float, rope_kind
 from .tensor_checks import check_tensor_shapes, safetensors_shapes
 from .transformer import ModelConfig, Transformer
@@ -44,7 +45,8 @@ def read_json(path: Path) -> dict:
         if path.stat().st_size > MAX_JSON_BYTES:
             raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes, over the {MAX_JSON_BYTES:,} a JSON file "
                                   f"of a checkpoint may have; re-download or re-save the checkpoint")
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_regular(path, "JSON file", max_bytes=MAX_JSON_BYTES, option="a smaller file",
+                                       error=CheckpointError).decode("utf-8"))  # a FIFO or a device: refused
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found: is this a Hugging Face model directory?") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -199,9 +201,11 @@ def _tensor_files(path: Path) -> dict[str, list[str]]:
         for file in files:
             if not (path / file).exists():
                 raise CheckpointError(f"{path / file} is listed in {INDEX_FILE} but missing; re-download it")
+            regular_path(path / file, "weights file", error=CheckpointError, fix="re-download it")
         return files
     single = path / "model.safetensors"
     if single.exists():
+        regular_path(single, "weights file", error=CheckpointError, fix="re-download it")
         return {single.name: []}  # names read from the file itself
     hint = " (pytorch_model.bin is not supported: convert to safetensors)" if any(path.glob("*.bin")) else ""
     raise CheckpointError(f"{path}: no model.safetensors or {INDEX_FILE} found{hint}")

@@ -20,8 +20,9 @@ from pathlib import Path
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..config.paths import read_regular, regular_path
 from .chat_template import compile_template, one_line, render_template
-from .hf_io import CheckpointError, read_json
+from .hf_io import MAX_JSON_BYTES, CheckpointError, read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -158,6 +159,7 @@ def load_hf_tokenizer(path: Path) -> Tokenizer:
             f"{tok_file} not found: the directory needs a fast-tokenizer file (save it with "
             f"AutoTokenizer.save_pretrained or copy it from the base model)"
         )
+    regular_path(tok_file, "tokenizer file", error=CheckpointError, fix="re-download or re-save it")  # not a FIFO
     try:
         tokenizer = HFTokenizer.from_file(str(tok_file))
     except BaseException as e:  # a bare Exception on a malformed file; a PanicException (a BaseException)
@@ -194,7 +196,8 @@ def _read_template(path: Path, config: dict) -> tuple[str | None, str]:
     if (path / "chat_template.jinja").exists():
         origin = path / "chat_template.jinja"
         try:
-            template = origin.read_text(encoding="utf-8")
+            template = read_regular(origin, "chat template", max_bytes=MAX_JSON_BYTES, option="a smaller template",
+                                    error=CheckpointError).decode("utf-8")
         except UnicodeDecodeError as e:
             raise CheckpointError(f"{origin} is not UTF-8 text ({e.reason}); fix or delete it") from None
     elif (path / "chat_template.json").exists():
