@@ -13,8 +13,8 @@ Design:
   unmerging subtracts s B A again (error ~1e-7 relative in fp32).
 * A low-precision base adds the adapter's output into the base product's accumulator (`torch.addmm`):
   x W^T + s B A x is rounded once, so an adapter change smaller than half a step of the output still moves
-  it as often as it would move the exact result (y + s B A x added after rounding y would lose it every
-  time). The trainer and the sampler run this same forward.
+  it as often as it moves the exact result (added to y after y is rounded, every such change would be lost).
+  The trainer and the sampler run this same forward.
 * QLoRA: the base weight is stored in NF4 (model/nf4.py: torchao or bitsandbytes, CUDA only). An NF4
   base is never merged (re-quantising would change it); rollout runs the adapter path instead. The model
   is loaded onto the CPU and `apply_lora(model, cfg, device)` moves it to the GPU one projection at a time,
