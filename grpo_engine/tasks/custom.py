@@ -132,11 +132,10 @@ class CustomTask(ChatTask):
             o = self.options
             self._split = holdout_split(load_custom(o.data_path), o.holdout, o.holdout_seed)
             train, test = self._split
-            said = (f"{len(test)} of {len(train) + len(test)} rows of {o.data_path} held out as the test split "
-                    f"(task.options.holdout={o.holdout}, holdout_seed={o.holdout_seed}); training on the other "
-                    f"{len(train)}") if train is not test else \
-                f"{o.data_path} has {len(train)} rows, too few to hold some out: they are the test split too"
-            print(f"task custom: no test_path: {said}", file=sys.stderr, flush=True)
+            if train is not test:  # a file too small to split (docs/tasks.md) is both splits, unannounced
+                print(f"task custom: no test_path: {len(test)} of {len(train) + len(test)} rows of {o.data_path} "
+                      f"held out as the test split (task.options.holdout={o.holdout}, holdout_seed="
+                      f"{o.holdout_seed}); training on the other {len(train)}", file=sys.stderr, flush=True)
         return self._split
 
     def reward(self, example: Example, completion: str) -> RewardResult:

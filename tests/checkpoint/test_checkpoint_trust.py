@@ -210,7 +210,7 @@ TINY_WARM_START = ["warm_start.tiny.hidden_size=32", "warm_start.tiny.num_hidden
                    "warm_start.tiny.intermediate_size=64", "warm_start.sft.steps=2", "warm_start.sft.batch_size=4",
                    "task.options.n_train=32", "task.options.n_test=4", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "schedule.steps=2", "eval.every=0", "checkpoint.every=1",
-                   "logging.samples_every=0", "logging.progress=false"]
+                   "logging.samples_every=0", "logging.progress=false", "check.stop=false"]  # a 2-step SFT: no signal
 
 
 @pytest.mark.parametrize("recipe", ["grpo_engine/recipes/demo.yaml", "configs/tiny_tools.yaml"])
