@@ -155,6 +155,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     """Write `source` (model dir, .gguf, checkpoint or run dir) to the GGUF file `out` as f16 or q8_0."""
     import gguf
 
+    from .model.finite import refuse_nonfinite
     from .model.gguf_tokenizer import write_tokenizer
     from .model.loading import load_model, load_tokenizer
 
@@ -173,6 +174,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from None
     model, tok = load_model(src), load_tokenizer(src)
+    refuse_nonfinite(model, src)  # a .gguf of NaNs would load in llama.cpp and print garbage
     if rope_kind(model.config.rope_scaling) not in ("default", "linear"):
         raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
                               f"(only linear; llama.cpp stores llama3's as a rope_freqs tensor); convert with "

@@ -342,6 +342,7 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
     import torch
 
     from ..kernels import apply_kernels
+    from ..model.finite import refuse_nonfinite
     from ..model.hf_io import CheckpointError
     from ..model.loading import load_model, load_tokenizer
 
@@ -354,6 +355,7 @@ def load_model_and_tokenizer(model_dir: Path, tokenizer_dir: str | None, device:
     device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = load_model(model_dir, dtype=getattr(torch, dtype), device=device).requires_grad_(False)
+    refuse_nonfinite(model, model_dir)  # one line, as --resume refuses them (not a sampler traceback)
     return apply_kernels(model), tok  # frozen: inference only, and decode keeps one copy of the weights
 
 
