@@ -69,6 +69,7 @@ def _train(args) -> int:
         raise ConfigError("--allow-code is for a stored config (a checkpoint's, with --resume): CONFIG is yours and "
                           "its code runs without it; drop --allow-code")
     cfg = _train_config(args)
+    args.run_dir = cfg.run_dir  # a write that fails (a full disk) is followed by a hint for this run's state
     check_paths(cfg)  # path problems are reported before torch-heavy imports and the model load
     if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from .train.distributed import check_layout
@@ -268,6 +269,16 @@ def _sigterm_raises(command: str):
         signal.signal(signal.SIGTERM, previous)
 
 
+def _after_write_failure(args) -> str:
+    """The hint after a failed write: for `grpo train`, the flag that works in the run's state now
+    (checkpoint/run_dir.py after_write_failure); `then run it again` elsewhere (no --resume outside train)."""
+    if args.command != "train" or getattr(args, "run_dir", None) is None:
+        return "then run it again"
+    from .checkpoint.run_dir import after_write_failure
+
+    return after_write_failure(args.run_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done; 1 a run stopped (non-finite updates, out of memory, an I/O error); 2 bad input or a
     failure the user fixes (a full disk, a read-only folder); 130 Ctrl-C before a run started; 143 SIGTERM outside
@@ -288,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         error = as_os_error(e)
         if args.debug or not isinstance(error, OSError):
             raise
-        then = "then continue with --resume (the checkpoints written are intact)" if args.command == "train" \
-            else "then run it again"
+        then = _after_write_failure(args)
         print(f"grpo: error: {error_line(error, then)}", file=sys.stderr)
         return 2 if user_can_fix(error) else 1
     except KeyboardInterrupt:

@@ -122,6 +122,9 @@ def demo_config(overrides: list[str] | tuple[str, ...] = (), *, real: bool = Fal
         raise ConfigError(f"--control {control!r} is not one of {', '.join(CONTROLS)}")
     if control == "no-tools" and not tools:
         raise ConfigError("--control no-tools is the control of a tools demo: add --tools")
+    if model is not None and not (real or tools):  # the tiny demo builds its own model: --model was ignored
+        raise ConfigError(f"--model {model} is the model of `grpo demo --real` (or --tools); the tiny demo builds "
+                          f"its own model: add --real to train {model}")
     real = real or tools  # the tools demo is the real model's: a tiny model learns the call only from lucky inits
     recipe = REAL_TOOLS_RECIPE if tools else REAL_RECIPE if real else DEMO_RECIPE
     cfg = load_config(Path(str(recipe)), [*overrides, *CONTROLS.get(control or "", ())])

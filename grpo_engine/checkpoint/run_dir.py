@@ -111,7 +111,31 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run (checkpoints/ or metrics.jsonl): continue "
                           f"it with --resume, or start over with --overwrite (the old run is renamed, not deleted), "
                           f"or choose another run_dir")
-    return RunDirPlan(run_dir, move_aside=overwrite and holds_run(run_dir))
+    move_aside = overwrite and holds_run(run_dir)
+    if move_aside and holds_working_dir(run_dir):
+        raise ConfigError(f"run_dir={str(run_dir)!r} is the directory this command runs in (or holds it): "
+                          f"--overwrite renames the old run away and this process would follow it; run from its "
+                          f"parent with run_dir={run_dir.resolve().name}, or choose another run_dir")
+    return RunDirPlan(run_dir, move_aside=move_aside)
+
+
+def holds_working_dir(run_dir: Path) -> bool:
+    """Whether run_dir (resolved: `.` has no name to rename) is the current directory or one above it."""
+    here = Path.cwd().resolve()
+    return run_dir.resolve() in (here, *here.parents)
+
+
+def after_write_failure(run_dir: str | Path) -> str:
+    """What `grpo train` says to run after a write failed (a full disk): --resume continues from a complete
+    checkpoint; with none (the first checkpoint failed) --resume has nothing to continue, and --overwrite starts
+    the run again (the partial one renamed, nothing deleted); with no run there at all, the same command."""
+    run_dir = Path(run_dir)
+    if list_checkpoints(run_dir / "checkpoints"):
+        return "then continue with --resume (the checkpoints written are intact)"
+    if holds_run(run_dir):
+        return ("then start again with --overwrite (no checkpoint was completed, so --resume has nothing to continue; "
+                "the partial run is renamed, not deleted)")
+    return "then run it again"
 
 
 def supersede(run_dir: Path, step: int, message=print) -> Path:

@@ -21,13 +21,13 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..model.config import CheckpointError
 from . import attention as attention_kernels
 from . import onednn, packed
 from . import threads as thread_choice
@@ -370,7 +370,11 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
 
 
 def load_plan(directory: Path) -> KernelPlan | None:
-    """The plan recorded in a run folder or checkpoint, or None when it has none (older runs)."""
+    """The plan recorded in a run folder or checkpoint, or None when it has none (older runs) or it is not a plan
+    this version reads: then one warning names the file and this machine's plan is measured, as for a plan
+    measured elsewhere. Why not refuse: the file is only a record of timings (no weights, nothing that changes the
+    numbers beyond bit-for-bit repetition), and a checkpoint's manifest lists it, so deleting it, the fix a refusal
+    would suggest, gets the checkpoint refused as damaged."""
     f = Path(directory) / PLAN_FILE
     if not f.is_file():
         return None
@@ -378,9 +382,9 @@ def load_plan(directory: Path) -> KernelPlan | None:
         return KernelPlan.from_json(f.read_text(errors="replace"), "checkpoint")
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not a plan's fields
         what = f"missing field {e}" if isinstance(e, KeyError) else (str(e).splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{f}: not a kernel plan ({what}); copy kernels.json from another checkpoint of the "
-                              f"run, or delete it to measure the kernels on this machine again (the resumed run "
-                              f"then need not repeat the old one bit for bit)") from None
+        warnings.warn(f"{f}: not a kernel plan ({what}); measuring this machine's kernels instead (the resumed run "
+                      f"will not repeat the uninterrupted one bit for bit)", stacklevel=2)
+        return None
 
 
 def measured_here(plan: KernelPlan) -> bool:
