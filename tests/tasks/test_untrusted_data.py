@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from grpo_engine.config.paths import read_regular, regular_path
-from grpo_engine.tasks import make_task
-from grpo_engine.tasks.data import DataError, Limits, read_records
+import grpo_engine.config.paths as paths
+from grpo_engine.tasks import data, make_task
+from grpo_engine.tasks.data import DataError, read_records
 
 
 def custom(path, **options):
@@ -53,18 +53,18 @@ def test_case2_a_fifo_is_refused_without_being_opened(tmp_path):
     done, result = returns_within(10, lambda: custom(fifo).examples("test"))
     assert done and isinstance(result, DataError), result
     assert f"data file {fifo} is a FIFO (named pipe), not a regular file" in str(result)
-    done, result = returns_within(10, lambda: read_regular(fifo, "config", max_bytes=10, option="x"))
+    done, result = returns_within(10, lambda: paths.read_regular(fifo, "config", max_bytes=10, option="x"))
     assert done and "is a FIFO (named pipe)" in str(result)
 
 
 def test_regular_path_takes_files_and_directories_only_where_asked(tmp_path):
     (tmp_path / "f").write_text("x")
-    assert regular_path(tmp_path / "f", "f") == tmp_path / "f"
-    assert regular_path(tmp_path, "d", directory=True) == tmp_path
+    assert paths.regular_path(tmp_path / "f", "f") == tmp_path / "f"
+    assert paths.regular_path(tmp_path, "d", directory=True) == tmp_path
     with pytest.raises(ValueError, match="is a directory, not a regular file"):
-        regular_path(tmp_path, "d")
+        paths.regular_path(tmp_path, "d")
     with pytest.raises(ValueError, match="is a character device, not a regular file or a directory"):
-        regular_path("/dev/null", "d", directory=True)
+        paths.regular_path("/dev/null", "d", directory=True)
 
 
 @pytest.mark.parametrize("case", ["case3_300MB_line", "case17_not_blamed_on_the_template"])
@@ -89,7 +89,7 @@ def test_the_budgets_are_raised_by_the_task_options(tmp_path):
     long = "x" * 3000
     path.write_text(json.dumps({"prompt": long, "answer": "1"}) + "\n")
     with pytest.raises(DataError, match="line 1 is longer than 2 KiB"):
-        read_records(path, Limits(line_kib=2))
+        read_records(path, data.Limits(line_kib=2))
     with pytest.raises(DataError, match=r"3,0\d\d bytes, over the limit of 2,048 \(task.options.max_data_file_mib\)"):
         _with_file_limit(path, 2048)
     task = custom(path, max_data_line_kib=4)
@@ -102,8 +102,6 @@ def test_the_budgets_are_raised_by_the_task_options(tmp_path):
 
 def _with_file_limit(path, max_bytes: int):
     """read_records with a file budget of max_bytes (below the MiB the option counts in)."""
-    from grpo_engine.tasks import data
-
     original = data._open_data
     try:
         data._open_data = lambda p, limits: data.open_regular(p, "data file", max_bytes=max_bytes,
