@@ -60,6 +60,17 @@ def test_sizes_beyond_this_machine_are_refused_before_the_run_lock(tiny_ckpt, tm
     assert not run.exists()  # nothing written, no lock left behind
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_budget_is_the_card(tiny_ckpt, tmp_path, capsys, no_lock):
+    from grpo_engine.train.setup import device_memory
+
+    card = torch.cuda.get_device_properties(0).total_memory
+    assert device_memory(torch.device("cuda", 0)).nbytes == card
+    code, err = grpo(capsys, "train", TINY, f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'run'}",
+                     "model.device=cuda", "rollout.group_size=1000000000000")
+    assert code == 2 and f"more than the {card:,} bytes" in one_error_line(err) and "the CUDA card cuda:0" in err
+
+
 def test_the_planned_bytes_are_counted_in_integers(tiny_ckpt):
     """By hand: the KV cache and [rows, V] logits of the one group decoded at a time, the padded batch (P x G rows x
     (prompt + completion) tokens x 16 bytes), the probe's rows decoded at a time."""
@@ -76,6 +87,21 @@ def test_the_planned_bytes_are_counted_in_integers(tiny_ckpt):
     probe = 1 * ((128 + 20) * kv_slot + shape["vocab_size"] * 12)  # n=1: groups of one row, one at a time
     terms = scaled_terms(cfg, 7, model, torch.device("cpu"))
     assert [t.nbytes for t in terms] == [decoded, batch, probe]
+
+
+def test_the_model_and_a_micro_batch_beyond_the_batch(tiny_ckpt, tmp_path):
+    """A model too large for the budget names what to change; a micro-batch budget larger than the step's batch (10^12
+    meaning "all at once", or 10^400) is planned as the batch, as the trainer packs it, not refused or overflowed."""
+    from grpo_engine.train.setup import DeviceMemory, check_sizes
+
+    for tokens in (10**12, 10**400):
+        check_sizes(load_config(TINY, [f"model.path={tiny_ckpt}", f"memory.micro_batch_tokens={tokens}"]), 0,
+                    torch.device("cpu"), DeviceMemory(GIB, "1 GiB"))
+    cfg = load_config(TINY, [f"model.path={_smollm2_shape(tmp_path)}"])
+    with pytest.raises(ValueError, match=r"^model.path=.*smollm2-shape, memory.micro_batch_tokens=256: one step "
+                                         r"\((training|optimizer) phase\) is planned at .* bytes .*, more than the "
+                                         r"268,435,456 bytes \(0.2 GiB\) of 256 MiB; .*LoRA adapters"):
+        check_sizes(cfg, 0, torch.device("cpu"), DeviceMemory(256 * 2**20, "256 MiB"))
 
 
 def _smollm2_shape(tmp_path) -> Path:

@@ -8,6 +8,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import sys
@@ -287,6 +288,7 @@ class Term:
     what: str
     settings: dict[str, int | str]
     nbytes: int
+    fix: str = ""  # what to change; default: lower one of the settings
 
 
 @dataclass(frozen=True)
@@ -320,8 +322,8 @@ def check_sizes(cfg: Config, eval_rows: int, device: torch.device, memory: Devic
 def refusal(worst: Term, memory: DeviceMemory) -> str:
     settings = ", ".join(f"{k}={_count(v) if isinstance(v, int) else v}" for k, v in worst.settings.items())
     return (f"{settings}: {worst.what} is planned at {_count(worst.nbytes)} bytes ({_gib(worst.nbytes)}), more than "
-            f"the {memory.nbytes:,} bytes ({_gib(memory.nbytes)}) of {memory.what}; lower "
-            f"{' or '.join(worst.settings)} (`grpo plan CONFIG` shows where the memory goes)")
+            f"the {memory.nbytes:,} bytes ({_gib(memory.nbytes)}) of {memory.what}; "
+            f"{worst.fix or 'lower ' + ' or '.join(worst.settings)} (`grpo plan CONFIG` shows where the memory goes)")
 
 
 def scaled_terms(cfg: Config, eval_rows: int, model: ModelConfig | None, device: torch.device) -> list[Term]:
@@ -351,21 +353,36 @@ def planned_terms(cfg: Config, eval_rows: int, device: torch.device, shape: str 
     common = {"precision": precision_on(cfg, device), **({"static_decode": False, "cuda_context_gib": 0.0} if cpu
                                                          else {})}
     r, slots = cfg.rollout, cfg.rollout.max_prompt_tokens + completion_cap(cfg)
-    step = plan_config(cfg, shape, card, completion_len=completion_cap(cfg),
+    planned = micro_batch_within_the_batch(cfg, r.prompts_per_step * r.group_size * slots)
+    step = plan_config(planned, shape, card, completion_len=completion_cap(cfg),
                        rollout_rows_in_flight=in_flight(cfg, r.prompts_per_step * r.group_size, r.group_size, slots),
                        **common)
-    phase_settings = rollout_settings(cfg) if step.peak_phase == "rollout" else {
-        "model.path": cfg.model.path or "(the warm start's)", "memory.micro_batch_tokens":
-        cfg.memory.micro_batch_tokens or "auto", "rollout.max_prompt_tokens": r.max_prompt_tokens}
-    terms = [Term(f"one step ({step.peak_phase} phase)", phase_settings, int(step.total_gib * GIB) + batch)]
+    what, total = f"one step ({step.peak_phase} phase)", int(step.total_gib * GIB) + batch
+    terms = [Term(what, rollout_settings(cfg), total) if step.peak_phase == "rollout" else Term(
+        what, {"model.path": cfg.model.path or "(the warm start's)", "memory.micro_batch_tokens":
+               cfg.memory.micro_batch_tokens or "auto"}, total,
+        "train LoRA adapters (lora.enabled) or a smaller model, or choose optimizer.name=adamw_8bit or adamw_offload"
+        if step.peak_phase == "optimizer" else
+        "lower memory.micro_batch_tokens, or train LoRA adapters (lora.enabled) or a smaller model")]
     if eval_rows:
         rows = in_flight(cfg, eval_rows, 1, r.max_prompt_tokens + probe_cap(cfg))
-        probe = plan_config(cfg, shape, card, prompts_per_step=eval_rows, group_size=1, completion_len=probe_cap(cfg),
-                            rollout_rows_in_flight=rows, **common)
+        probe = plan_config(planned, shape, card, prompts_per_step=eval_rows, group_size=1,
+                            completion_len=probe_cap(cfg), rollout_rows_in_flight=rows, **common)
         k = probe.knobs
         sampling = probe.phase("rollout").total * (1 + k.fragmentation) + k.cuda_context_gib * GIB
         terms.append(Term(f"the held-out probe ({eval_rows} prompts)", probe_settings(cfg), int(sampling)))
     return terms
+
+
+def micro_batch_within_the_batch(cfg: Config, batch_tokens: int) -> Config:
+    """cfg with memory.micro_batch_tokens at most the step's batch (a micro-batch never holds more than the whole
+    batch): a larger budget, e.g. 10^12 to mean "all at once", is planned as the batch, not as 10^12 tokens (which
+    the planner would also carry into floats that overflow)."""
+    if cfg.memory.micro_batch_tokens <= batch_tokens:
+        return cfg
+    capped = copy.deepcopy(cfg)
+    capped.memory.micro_batch_tokens = batch_tokens
+    return capped
 
 
 def completion_cap(cfg: Config) -> int:
