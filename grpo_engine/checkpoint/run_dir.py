@@ -114,8 +114,9 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
     move_aside = overwrite and holds_run(run_dir)
     if move_aside and holds_working_dir(run_dir):
         raise ConfigError(f"run_dir={str(run_dir)!r} is the directory this command runs in (or holds it): "
-                          f"--overwrite renames the old run away and this process would follow it; run from its "
-                          f"parent with run_dir={run_dir.resolve().name}, or choose another run_dir")
+                          f"starting over (--overwrite, or grpo demo again) renames the old run away and this "
+                          f"process would follow it; run from its parent with run_dir={run_dir.resolve().name}, or "
+                          f"choose another run_dir")
     return RunDirPlan(run_dir, move_aside=move_aside)
 
 
