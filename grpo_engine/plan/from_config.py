@@ -22,6 +22,21 @@ from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
 
 
+def decode_call_knobs(cfg: Config) -> dict:
+    """The PlanInput fields of the run's other generate() calls and of the sampling filters: the evaluations (the
+    held-out one `grpo train` runs before step 1 and after the last, at rollout.max_new_tokens, and with
+    eval.every > 0 the in-loop one at eval.max_new_tokens: eval.max_examples examples, one row each) and the
+    curriculum's pool scoring (chunks of P x G / samples prompts). The signal check samples P prompts at a time:
+    the rollout's rows."""
+    r, e, c = cfg.rollout, cfg.eval, cfg.curriculum
+    return dict(max_tokens_in_flight=r.max_tokens_in_flight, temperature=r.temperature, top_k=r.top_k,
+                top_p=r.top_p, min_p=r.min_p, eval_examples=e.max_examples,
+                eval_new_tokens=max(r.max_new_tokens, e.max_new_tokens if e.every else 0),
+                eval_temperature=e.temperature,
+                curriculum_prompts=max(1, r.prompts_per_step * r.group_size // c.samples) if c.mode != "none" else 0,
+                curriculum_samples=c.samples, curriculum_new_tokens=c.max_new_tokens or r.max_new_tokens)
+
+
 def rollout_rows_in_flight(cfg: Config, slots: int) -> int:
     """Rows decoded at once (0 = all P x G): generate() packs whole groups of G while
     rows x (prompt + completion) stays under rollout.max_tokens_in_flight (rollout/generate.py plan_waves)."""
@@ -57,6 +72,7 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
         rollout_rows_in_flight=rollout_rows_in_flight(cfg, slots), reference=spec.reference,
         static_decode=r.cuda_graphs != "off" and not cfg.tools.enabled,  # a CUDA card: auto is on (single-turn)
+        **decode_call_knobs(cfg),
     )
 
 

@@ -1,7 +1,8 @@
 """Memory planner: predict peak GPU memory of one GRPO step, phase by phase, before buying the OOM.
 
 A step has four phases whose footprints differ (see docs/memory.md):
-  rollout    weights + resident optimizer state + KV cache for all rows + prefill/decode transients
+  rollout    weights + resident optimizer state + KV cache for all rows + prefill/decode transients (on CUDA the
+             static decode state and its graphs' pool instead, kept through every phase: plan/decode_state.py)
   scoring    old/reference log-probs, no grad: weights + one micro-batch's forward transients
   training   weights + gradients + optimizer state + saved activations of one micro-batch + backward
              transients + log-prob chunk buffers
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config.training import LORA_TARGETS as ALL_LINEAR
 from ..model.config import ModelConfig
+from .decode_state import DecodeCall, DecodePlan, decode_plan, sampler_step_bytes, wave_rows
 
 GIB = 1024**3
 MIB = 1024**2
@@ -59,6 +61,22 @@ class PlanInput:
     static_decode: bool = field(default=True, metadata={
         "help": "rollout.cuda_graphs on: the static decode state (KV cache of a batch bucket, captured graphs) "
                 "stays allocated through every phase"})
+    max_tokens_in_flight: int = field(default=0, metadata={
+        "help": "rollout.max_tokens_in_flight (0 = one wave a call): static decode's waves of short prompts hold "
+                "up to this // (1 + new tokens) rows"})
+    temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature (0 = greedy)"})
+    top_k: int = field(default=0, metadata={"help": "rollout top-k filter (0 = off)"})
+    top_p: float = field(default=1.0, metadata={"help": "rollout top-p filter (1 = off): its sort's temporaries"})
+    min_p: float = field(default=0.0, metadata={"help": "rollout min-p filter (0 = off)"})
+    eval_examples: int = field(default=0, metadata={
+        "help": "examples an evaluation decodes, one row each (0 = no evaluation on the card)"})
+    eval_new_tokens: int = field(default=256, metadata={"help": "the evaluations' longest max_new_tokens"})
+    eval_temperature: float = field(default=0.0, metadata={"help": "the evaluations' temperature (0 = greedy)"})
+    curriculum_prompts: int = field(default=0, metadata={
+        "help": "prompts the curriculum's pool scoring generates at once (0 = no curriculum)"})
+    curriculum_samples: int = field(default=4, metadata={"help": "completions per scored prompt"})
+    curriculum_new_tokens: int = field(default=0, metadata={
+        "help": "the curriculum scoring's max new tokens (0 = completion_len)"})
     cuda_context_gib: float = field(default=0.5, metadata={"help": "CUDA context + kernels, outside torch"})
     fragmentation: float = field(default=0.10, metadata={"help": "allocator slack as a fraction of the peak"})
 
@@ -74,9 +92,15 @@ class PlanInput:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"plan {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
         for name in ("prompts_per_step", "group_size", "prompt_len", "completion_len", "micro_batch_rows",
-                     "logprob_chunk", "lora_rank", "checkpoint_every"):
+                     "logprob_chunk", "lora_rank", "checkpoint_every", "eval_new_tokens", "curriculum_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan {name}={getattr(self, name)} must be >= 1")
+        for name in ("max_tokens_in_flight", "eval_examples", "curriculum_prompts", "curriculum_new_tokens",
+                     "temperature", "eval_temperature", "top_k", "min_p"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"plan {name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"plan top_p={self.top_p} must be in (0, 1] (1 = off)")
         if self.reference == "adapters" and self.mode == "full":
             raise ValueError("reference=adapters needs mode=lora or qlora (full fine-tuning has no adapters)")
 
@@ -103,6 +127,7 @@ class MemoryPlan:
     peak_phase: str
     peak_bytes: float  # largest phase, before fragmentation and CUDA context
     total_gib: float  # what the card must hold: peak * (1 + fragmentation) + CUDA context
+    decode: DecodePlan | None = None  # the static decode's kept state and pool (None: rollout.cuda_graphs off)
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -284,16 +309,37 @@ def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
     return rows * slots * per_slot
 
 
-def static_decode_bytes(cfg: ModelConfig, k: PlanInput) -> float:
-    """The static decode state (rollout/static_cache.py) kept across phases: the KV cache of the rows' batch bucket
-    with one scratch slot, and the captured graphs' pool, which holds a decode step's [rows, V] fp32 logits and
-    sampling buffers (three of them)."""
-    from ..rollout.static_cache import bucket_for  # torch: `grpo --help` imports this module without it
+def decode_calls(k: PlanInput) -> list[DecodeCall]:
+    """The generate() calls of a run, each at its largest wave (decode_state.wave_rows): the rollout's, the
+    evaluations' (greedy by default, one row per example), the curriculum scoring's (the rollout's sampling,
+    `samples` rows per prompt)."""
+    filters = dict(top_k=k.top_k, top_p=k.top_p, min_p=k.min_p)
+    budget = k.max_tokens_in_flight
+    rollout = wave_rows(k.prompts_per_step, k.group_size, k.completion_len, budget) if budget else rollout_rows(k)
+    calls = [DecodeCall("rollout", rollout, k.prompt_len, k.completion_len, k.temperature, **filters)]
+    if k.eval_examples:
+        rows = wave_rows(k.eval_examples, 1, k.eval_new_tokens, budget)
+        calls.append(DecodeCall("eval", rows, k.prompt_len, k.eval_new_tokens, k.eval_temperature, **filters))
+    if k.curriculum_prompts:
+        new = k.curriculum_new_tokens or k.completion_len
+        rows = wave_rows(k.curriculum_prompts, k.curriculum_samples, new, budget)
+        calls.append(DecodeCall("curriculum", rows, k.prompt_len, new, k.temperature, **filters))
+    return calls
 
-    rows = bucket_for(rollout_rows(k))
-    slots = k.prompt_len + k.completion_len + 1
-    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[k.precision]
-    return rows * slots * per_slot + 3 * rows * cfg.vocab_size * 4
+
+def static_decode_plan(cfg: ModelConfig, k: PlanInput) -> DecodePlan:
+    """The static decode state (plan/decode_state.py) kept across phases: the union of every call's rows, slots
+    (rounded as the decoder rounds them) and uniforms, the decoder's [rows, V] buffers, and the captured graphs'
+    pool (the largest step's temporaries: the sampler's for the configured filters, or the forward's)."""
+    return decode_plan(cfg, decode_calls(k), DTYPE_BYTES[k.precision])
+
+
+def dynamic_sampler_bytes(cfg: ModelConfig, k: PlanInput) -> float:
+    """The dynamic loop's sampler at the rollout's rows: its temporaries for the filters, its work buffer and the
+    LM head's [rows, V] logits buffer."""
+    rollout = decode_calls(k)[0]
+    s = DTYPE_BYTES[k.precision]
+    return sampler_step_bytes(rollout, rollout.rows, cfg.vocab_size, s) + rollout.rows * cfg.vocab_size * (4 + s)
 
 
 def rollout_rows(k: PlanInput) -> int:
@@ -324,14 +370,16 @@ def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
     saved, recompute = activation_bytes(c, k, tokens)
     rows = rollout_rows(k)
     prefill_tokens = min(k.prompts_per_step, rows) * k.prompt_len
-    kept = {"static decode state (kept)": static_decode_bytes(c, k)} if k.static_decode else {}
+    decode = static_decode_plan(c, k) if k.static_decode else None
+    kept = {"static decode state (kept)": sum(decode.state.values()), "decode graphs' pool (kept)": decode.pool} \
+        if decode else {}
     resident = {**resident, **kept}
+    s = DTYPE_BYTES[k.precision]
+    prefill = layer_transient_bytes(c, k, prefill_tokens) + 2 * prefill_tokens * c.hidden_size * s
     rollout = Phase("rollout", {
         **resident,
-        **({} if k.static_decode else {"kv cache": kv_cache_bytes(c, k)}),
-        "prefill/decode transients": max(layer_transient_bytes(c, k, prefill_tokens)
-                                         + prefill_tokens * c.hidden_size * DTYPE_BYTES[k.precision] * 2,
-                                         3 * rows * c.vocab_size * 4),
+        **({} if decode else {"kv cache": kv_cache_bytes(c, k)}),
+        "prefill/decode transients": prefill if decode else max(prefill, dynamic_sampler_bytes(c, k)),
     })
     scoring = Phase("scoring", {
         **resident,
@@ -352,7 +400,7 @@ def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
     phases = [rollout, scoring, training, optimizer]
     peak = max(phases, key=lambda p: p.total)
     total = peak.total * (1 + k.fragmentation) + k.cuda_context_gib * GIB
-    return MemoryPlan(c, k, param_counts(c)[0], n_train, phases, peak.name, peak.total, total / GIB)
+    return MemoryPlan(c, k, param_counts(c)[0], n_train, phases, peak.name, peak.total, total / GIB, decode)
 
 
 def fits(plan: MemoryPlan, card_gib: float) -> bool:

@@ -13,8 +13,17 @@ def _halve_micro_batch(k: PlanInput) -> PlanInput | None:
 
 
 def _halve_rows_in_flight(k: PlanInput) -> PlanInput | None:
+    """Half the rows, and the rollout.max_tokens_in_flight that decodes them (the static decode's waves follow it)."""
     rows = rollout_rows(k)
-    return replace(k, rollout_rows_in_flight=rows // 2) if rows > 1 else None
+    budget = rows // 2 * (k.prompt_len + k.completion_len)
+    return replace(k, rollout_rows_in_flight=rows // 2, max_tokens_in_flight=budget) if rows > 1 else None
+
+
+def _eval_as_many_as_the_rollout(k: PlanInput) -> PlanInput | None:
+    """The evaluations decode one row per example at once: no more than the rollout's rows keeps the static decode
+    state the rollout's."""
+    rows = k.prompts_per_step * k.group_size
+    return replace(k, eval_examples=rows) if k.eval_examples > rows and k.static_decode else None
 
 
 CHANGES = {
@@ -35,6 +44,7 @@ CHANGES = {
         lambda k: replace(k, precision="bf16") if k.precision == "fp32" else None,
     "halve the training micro-batch (memory.micro_batch_tokens / 2)": _halve_micro_batch,
     "decode fewer rows at once (rollout.max_tokens_in_flight)": _halve_rows_in_flight,
+    "evaluate as many examples as the rollout has rows (eval.max_examples = P x G)": _eval_as_many_as_the_rollout,
     "smaller log-prob chunks (memory.logprob_chunk_size=256)":
         lambda k: replace(k, logprob_chunk=256) if k.logprob_chunk > 256 else None,
     "keep the reference model on the CPU (reference.park_on_cpu=true)":
@@ -90,6 +100,22 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
     return lines
 
 
+def decode_lines(plan: MemoryPlan) -> list[str]:
+    """The static decode's kept state: its size, the calls that size it, and what the eval's bucket adds (the one
+    part that may be released after eval; docs/memory.md)."""
+    d = plan.decode
+    if d is None:
+        return []
+    calls = ", ".join(f"{c.name} {c.rows} rows x {c.slots} slots" for c in d.calls)
+    lines = [f"  static decode state kept: {d.shape.rows} rows x {d.shape.slots} slots (+1 scratch), "
+             f"{sum(d.state.values()) / GIB:.2f} GiB + graphs' pool {d.pool / GIB:.2f} GiB; sized by the largest "
+             f"call ({calls})"]
+    if d.releasable_after_eval > 0:
+        lines.append(f"  the evaluation's larger call adds {d.releasable_after_eval / GIB:.2f} GiB of it: the part "
+                     f"that releasing the state after eval would free")
+    return lines
+
+
 def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
     k = plan.knobs
     ckpt = k.activation_checkpointing
@@ -104,6 +130,7 @@ def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
         mark = "  <- peak" if ph.name == plan.peak_phase else ""
         lines.append(f"  {ph.name:<10} {ph.total / GIB:7.2f} GiB{mark}")
         lines += [f"      {name:<32} {b / GIB:7.2f} GiB" for name, b in ph.components.items() if b > 0]
+    lines += decode_lines(plan)
     lines.append(f"  predicted peak: {plan.peak_bytes / GIB:.2f} GiB + {k.fragmentation:.0%} fragmentation + "
                  f"{k.cuda_context_gib:g} GiB CUDA context = {plan.total_gib:.2f} GiB")
     if card_gib is not None:

@@ -1,0 +1,182 @@
+"""The static decode's memory as the planner counts it: the state it keeps and the step's temporaries.
+
+On CUDA (rollout.cuda_graphs on) every generate() call decodes on one static state per model (rollout/static_cache.py,
+rollout/static_decode.py static_decoder): B rows (the bucket of the call's largest wave: 1, 2, 4, ... then multiples
+of 512), S slots (longest prompt + max_new_tokens, rounded up to a multiple of SLOT_ROUNDING) plus one scratch slot,
+U uniforms a row (max_new_tokens). A call that does not fit the held state replaces it by the union of both sizes,
+so what stays is sized by the largest call of the run, not by the rollout alone: the rollout (P x G rows, or the
+whole groups that fit rollout.max_tokens_in_flight), the in-loop eval (its examples, one row each, in waves) and the
+curriculum's pool scoring (chunks of P x G / samples prompts, `samples` rows each). The captured graphs share one
+memory pool, which holds the largest step's temporaries: the forward's, and the sampler's for the call's filters.
+
+The rollout's state and graphs stay across steps (re-allocating and re-capturing them each step costs seconds);
+an eval bucket larger than the training calls' is the one part that may be released after eval
+(`DecodePlan.releasable_after_eval`, docs/memory.md).
+
+torch is imported inside the functions (the sizes come from the rollout code itself): `grpo --help` imports the
+planner without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+
+# Bytes per element of a [rows, V] sampling step, by stage (rollout/sampling.py Sampler.__call__, fp32 logits):
+TOP_K_STAGE = 1 + 4  # `logits < kth` (bool) and the masked_fill output (fp32)
+MIN_P_STAGE = 1 + 4  # `logits < cut` (bool) and the masked_fill output
+TOP_P_STAGE = 4 + 8 + 4 + 4 + 1 + 1 + 4  # sorted logits, order (int64), probs, mass_before (its cumsum is freed at
+#                                          once), drop_sorted, drop (bool), the masked_fill output: alive at its end
+TOP_P_SORT_WORKSPACE = 8 + 8 + 4 + 8  # CUDA's segmented sort of [R, V] as one full sort: (segment, index) pairs in and
+#                                       out, cub's alternate keys and values; an upper bound, alive during the sort only
+NORMALISER_STAGE = 4 + 4  # the full softmax's log-sum-exp over the scaled logits: `logits - top` and its exp
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One kind of generate() call of a run, as the static decode sizes it."""
+
+    name: str  # rollout | eval | curriculum
+    rows: int  # rows of its largest wave (prompts in the wave x samples per prompt)
+    prompt_len: int  # longest prompt, tokens
+    new_tokens: int  # max_new_tokens
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def slots(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """The static state's capacity: B rows (a bucket), S slots (rounded, without the scratch slot), U uniforms."""
+
+    rows: int
+    slots: int
+    columns: int
+
+
+@dataclass
+class DecodePlan:
+    """What the static decode keeps for a run's calls (bytes)."""
+
+    calls: list[DecodeCall]
+    shape: StateShape  # the union of the calls' sizes: what static_decoder holds after all of them ran
+    state: dict[str, int]  # the state's and the decoder's own tensors, by buffer
+    pool: int  # the graphs' pool: the largest step's temporaries over the calls
+    releasable_after_eval: int  # what releasing the state after eval would free (0: eval adds nothing)
+
+    @property
+    def total(self) -> int:
+        return sum(self.state.values()) + self.pool
+
+
+def wave_rows(prompts: int, samples: int, new_tokens: int, budget: int = 0) -> int:
+    """The most rows one of generate()'s waves can hold (rollout/generate.py plan_waves): all of them without a
+    budget (0); with one, whole prompts of `samples` rows while rows x (longest prompt + new_tokens) stays within
+    it, at least one prompt. A bound over prompt lengths: a wave of one-token prompts holds the most rows."""
+    if not budget:
+        return prompts * samples
+    return max(1, min(prompts, budget // (samples * (1 + new_tokens)))) * samples
+
+
+def state_shape(calls: list[DecodeCall]) -> StateShape:
+    """The union static_decoder keeps: bucket_for of the most rows, the most slots rounded up, the most uniforms."""
+    from ..rollout.static_cache import bucket_for
+    from ..rollout.static_decode import SLOT_ROUNDING
+
+    slots = max(c.slots for c in calls)
+    return StateShape(bucket_for(max(c.rows for c in calls)), -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING,
+                      max(c.new_tokens for c in calls))
+
+
+def state_bytes(cfg: ModelConfig, shape: StateShape, dtype_bytes: int, sample_bytes: int = 4,
+                uniform_bytes: int = 4) -> dict[str, int]:
+    """The static state's tensors (static_cache.StaticDecodeState) and the decoder's two [B, V] buffers, by name:
+    dtype_bytes of the weights (KV cache, LM-head logits), sample_bytes of the sampling dtype (fp32, or fp64 for
+    fp64 weights), uniform_bytes of torch's default dtype (the uniforms)."""
+    from ..rollout.sampling import SAMPLE_BLOCK
+    from ..rollout.static_cache import CHUNK
+
+    B, S1, U, V = shape.rows, shape.slots + 1, shape.columns, cfg.vocab_size
+    return {
+        "kv cache": 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * S1 * cfg.head_dim * dtype_bytes,
+        "key mask": B * S1,  # bool
+        "step buffers": 4 * B * 8,  # ids, positions [B, 1] and write, col [B]: int64
+        "uniforms": B * U * uniform_bytes,
+        "hist": 3 * B * (1 + CHUNK) * sample_bytes,
+        "sampler work": B * (-(-V // SAMPLE_BLOCK) * SAMPLE_BLOCK) * sample_bytes,  # sampling.work_buffer
+        "logits buffer": B * V * dtype_bytes,  # decode_kernels.DecodeHead's [B, V]
+    }
+
+
+def sampler_step_bytes(call: DecodeCall, rows: int, vocab: int, logits_bytes: int, cuda: bool = True) -> int:
+    """A bound on the sampler's temporaries for one step of `rows` rows (rollout/sampling.py Sampler.__call__),
+    beyond its inputs (the LM head's logits) and its preallocated work buffer.
+
+    Per element of [rows, V]: the fp32 copy of low-precision logits (4) and the temperature-scaled logits (4; while
+    dividing, both); then each filter in order, while the one before's output (4) stays alive: top-k and min-p 5,
+    top-p TOP_P_STAGE (26), and on CUDA the sort's workspace first (TOP_P_SORT_WORKSPACE, 28, beside the sort's 12 B
+    of outputs); after the draw, the full softmax's normaliser (8) beside the scaled and filtered logits. Greedy:
+    the copy and `logits - max` with its exp. Plus the two-level draw's small [rows, block] and [rows, V / block]
+    tensors. tests/plan/test_decode_state.py measures the sampler's live tensors against it."""
+    from ..rollout.sampling import SAMPLE_BLOCK
+
+    E = rows * vocab
+    copy = 4 if logits_bytes != 4 else 0  # .to(fp32): a copy unless the logits are fp32 already
+    if call.temperature == 0:
+        peak = copy + 8
+    else:
+        scaled = 4 if (copy or call.temperature != 1.0) else 0  # a new tensor, or the head's logits themselves
+        peak = copy + (4 if call.temperature != 1.0 else 0)  # dividing: the copy and its quotient
+        live = scaled  # alive through the filters and the draw
+        sorting = 4 + 8 + TOP_P_SORT_WORKSPACE if cuda else 0  # during the sort: its outputs and its workspace
+        stages = [(TOP_K_STAGE, 0)] * (call.top_k > 0) + [(TOP_P_STAGE, sorting)] * (call.top_p < 1.0) \
+            + [(MIN_P_STAGE, 0)] * (call.min_p > 0)  # (bytes at the stage's end, bytes during its sort)
+        for i, stage in enumerate(stages):
+            before = live + (4 if i else 0)  # the previous filter's output is this one's input
+            peak = max(peak, before + max(stage))
+        if stages:
+            peak = max(peak, live + 4 + NORMALISER_STAGE)
+    small = rows * (2 * SAMPLE_BLOCK + 2 * (-(-vocab // SAMPLE_BLOCK)) + 16) * 8
+    return peak * E + small
+
+
+def forward_step_bytes(cfg: ModelConfig, rows: int, slots: int, dtype_bytes: int) -> int:
+    """A bound on one decode step's forward temporaries for `rows` rows (one token each): the MLP's three
+    [rows, inter] tensors, or one layer's attention scores and weights [rows, H, 1, S + 1] in fp32 when larger, plus
+    a few [rows, d] hidden states (the residual stream, a norm's output, the attention's output)."""
+    mlp = 3 * rows * cfg.intermediate_size * dtype_bytes
+    scores = 2 * rows * cfg.num_attention_heads * (slots + 1) * 4
+    return max(mlp, scores) + 4 * rows * cfg.hidden_size * dtype_bytes
+
+
+def step_pool_bytes(cfg: ModelConfig, calls: list[DecodeCall], shape: StateShape, dtype_bytes: int) -> int:
+    """The graphs' shared pool: the largest step over the calls, each at its own first bucket (its largest)."""
+    from ..rollout.static_cache import bucket_for
+
+    def one(c: DecodeCall) -> int:
+        b = bucket_for(c.rows)
+        return max(sampler_step_bytes(c, b, cfg.vocab_size, dtype_bytes),
+                   forward_step_bytes(cfg, b, shape.slots, dtype_bytes))
+
+    return max(one(c) for c in calls)
+
+
+def decode_plan(cfg: ModelConfig, calls: list[DecodeCall], dtype_bytes: int) -> DecodePlan:
+    """The static decode's kept memory for the run's calls, and what releasing it after eval would free."""
+    def kept(cs: list[DecodeCall]) -> tuple[StateShape, dict[str, int], int]:
+        shape = state_shape(cs)
+        return shape, state_bytes(cfg, shape, dtype_bytes), step_pool_bytes(cfg, cs, shape, dtype_bytes)
+
+    shape, state, pool = kept(calls)
+    training = [c for c in calls if c.name != "eval"]
+    releasable = 0
+    if training and len(training) < len(calls):
+        _, t_state, t_pool = kept(training)
+        releasable = sum(state.values()) + pool - sum(t_state.values()) - t_pool
+    return DecodePlan(calls, shape, state, pool, releasable)

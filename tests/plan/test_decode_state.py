@@ -1,0 +1,191 @@
+"""The planner's static decode (plan/decode_state.py) against the decoder itself: the state's and the decoder's own
+tensors byte for byte per bucket (slot rounding and the union of calls included), the sampler's live temporaries
+against the documented bound, and which calls size the kept state in a config's plan."""
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from grpo_engine.config import load_config
+from grpo_engine.model.tiny import tiny_config
+from grpo_engine.model.transformer import Transformer
+from grpo_engine.plan.decode_state import (
+    DecodeCall,
+    decode_plan,
+    sampler_step_bytes,
+    state_bytes,
+    state_shape,
+    wave_rows,
+)
+from grpo_engine.plan.from_config import plan_config
+from grpo_engine.rollout.sampling import Sampler, SamplingParams, work_buffer
+from grpo_engine.rollout.static_decode import release_static_decode, static_decoder
+
+BYTES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def decoder_tensors(decoder) -> dict[str, int]:
+    """Bytes of every tensor the decoder holds, named as plan/decode_state.py state_bytes names them; a tensor the
+    planner does not know fails the test."""
+    state, names = decoder.state, {"key_mask": "key mask", "uniforms": "uniforms", "hist": "hist"}
+    found: dict[str, int] = {"step buffers": 0}
+    for attr, value in vars(state).items():
+        tensors = value if isinstance(value, list) else [value]
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            continue
+        nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+        if attr in ("k", "v"):
+            found["kv cache"] = found.get("kv cache", 0) + nbytes
+        elif attr in ("ids", "positions", "write", "col"):
+            found["step buffers"] += nbytes
+        else:
+            found[names[attr]] = nbytes  # KeyError: a buffer the planner does not count
+    found["sampler work"] = decoder.work.untyped_storage().nbytes()
+    with torch.inference_mode():  # as decoding runs; the first product makes the head's buffer
+        decoder.head(torch.zeros(1, decoder.head.weight.shape[1], dtype=decoder.head.weight.dtype))
+    found["logits buffer"] = decoder.head.buf.untyped_storage().nbytes()
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, prompt, new", [(1, 10, 5), (3, 40, 24), (5, 64, 1), (17, 100, 29), (64, 7, 57)])
+def test_the_planned_state_is_the_decoders_own_tensors_per_bucket(rows, prompt, new, dtype):
+    cfg = tiny_config(vocab_size=1500)  # two sampling blocks, the second one padded
+    model = Transformer(cfg).to(dtype)
+    decoder = static_decoder(model, rows, prompt + new, new)
+    call = DecodeCall("rollout", rows, prompt, new)
+    shape = state_shape([call])
+    assert (decoder.state.rows, decoder.state.slots, decoder.state.columns) == (shape.rows, shape.slots, new)
+    assert decoder_tensors(decoder) == state_bytes(cfg, shape, BYTES[dtype])
+    release_static_decode(model)
+
+
+def test_the_kept_state_is_the_union_of_the_calls():
+    """A rollout of 6 rows x 40 slots, then an eval of 20 rows x 30 slots: the decoder keeps 32 rows (the eval's
+    bucket) x 64 slots (the rollout's 40 rounded), and the planner plans exactly that."""
+    cfg = tiny_config()
+    model = Transformer(cfg)
+    calls = [DecodeCall("rollout", 6, 30, 10), DecodeCall("eval", 20, 18, 12, temperature=0.0)]
+    for c in calls:
+        decoder = static_decoder(model, c.rows, c.slots, c.new_tokens)
+    shape = state_shape(calls)
+    assert (shape.rows, shape.slots, shape.columns) == (32, 64, 12)
+    assert decoder_tensors(decoder) == state_bytes(cfg, shape, 4)
+    release_static_decode(model)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of tensors that ops create while inside (in-place results and `ignore`d storages, the inputs,
+    are not new); a storage counts until it is freed."""
+
+    def __init__(self, ignore: list[torch.Tensor]):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in ignore}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, n = storage.data_ptr(), storage.nbytes()
+                if key in self.seen or n == 0:
+                    continue
+                self.seen.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self.free, key, n)
+        return out
+
+    def free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+
+SAMPLERS = [  # temperature, top_k, top_p, min_p, logits dtype
+    (1.0, 0, 1.0, 0.0, torch.float32),  # the head's logits sampled as they are: nothing [R, V] beyond them
+    (0.0, 0, 1.0, 0.0, torch.bfloat16),  # greedy
+    (0.7, 0, 0.9, 0.0, torch.bfloat16),  # top-p: the sort
+    (1.3, 50, 0.9, 0.05, torch.float32),  # every filter
+    (1.0, 20, 1.0, 0.1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p, dtype", SAMPLERS)
+def test_the_samplers_temporaries_stay_within_the_documented_bound(temperature, top_k, top_p, min_p, dtype):
+    """On the CPU (no CUDA sort workspace) the bound is the peak of the sampler's live tensors up to its small
+    [R, block] ones: it may not be exceeded, and it may not be loose by more than those."""
+    rows, vocab = 16, 5000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    work = work_buffer(rows, vocab, torch.float32, "cpu")
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    uniforms = torch.rand(rows, 1, generator=torch.Generator().manual_seed(1))
+    sample = Sampler(params, work=work)
+    with LiveBytes([logits, work, uniforms]) as live:
+        sample(logits, None, uniforms)
+    call = DecodeCall("rollout", rows, 1, 1, temperature, top_k, top_p, min_p)
+    bound = sampler_step_bytes(call, rows, vocab, BYTES[dtype], cuda=False)
+    small = sampler_step_bytes(DecodeCall("x", rows, 1, 1, 1.0), rows, vocab, 4, cuda=False)  # the [R, block] part
+    assert bound - small <= live.peak <= bound, (live.peak, bound - small, bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the sort's workspace is CUDA's")
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p, dtype", SAMPLERS)
+def test_the_samplers_cuda_memory_stays_within_the_bound(temperature, top_k, top_p, min_p, dtype):
+    rows, vocab = 64, 151936
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    work = work_buffer(rows, vocab, torch.float32, "cuda")
+    logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+    uniforms = torch.rand(rows, 1, device="cuda")
+    sample = Sampler(params, work=work)
+    sample(logits, None, uniforms)  # library handles and workspaces made once, as a graph's warm-up does
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sample(logits, None, uniforms)
+    torch.cuda.synchronize()
+    call = DecodeCall("rollout", rows, 1, 1, temperature, top_k, top_p, min_p)
+    assert torch.cuda.max_memory_allocated() - base <= sampler_step_bytes(call, rows, vocab, BYTES[dtype])
+
+
+def test_wave_rows_bound_every_wave_generate_makes():
+    from grpo_engine.rollout.generate import plan_waves
+
+    for budget in (0, 700, 2000):
+        params = SamplingParams(n=4, max_new_tokens=20, max_tokens_in_flight=budget or None)
+        for lengths in ([1] * 30, [5, 90, 7, 3] * 5, [50] * 9):
+            most = max(len(w) for w in plan_waves(lengths, params)) * 4
+            assert most <= wave_rows(len(lengths), 4, 20, budget)
+        assert wave_rows(30, 4, 20, budget) == max(len(w) for w in plan_waves([1] * 30, params)) * 4  # attained
+
+
+def plan_of(*overrides):
+    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_prompt_tokens=100",
+                             "rollout.max_new_tokens=50", "eval.max_examples=8", *overrides])
+    return plan_config(cfg, shape="qwen2.5-0.5b")
+
+
+def test_the_plan_keeps_the_largest_call_and_says_what_eval_adds():
+    small = plan_of()  # eval: 8 rows <= the rollout's 16
+    assert [(c.name, c.rows) for c in small.decode.calls] == [("rollout", 16), ("eval", 8)]
+    assert (small.decode.shape.rows, small.decode.shape.slots) == (16, 192)  # 150 slots rounded up to 64s
+    large = plan_of("eval.max_examples=100", "eval.every=10", "eval.max_new_tokens=200")
+    assert (large.decode.shape.rows, large.decode.shape.slots, large.decode.shape.columns) == (128, 320, 200)
+    kept = large.phase("training").components["static decode state (kept)"]
+    assert kept == sum(large.decode.state.values()) > sum(small.decode.state.values())
+    rollout_only = decode_plan(large.model, large.decode.calls[:1], 2)  # bf16: the planned card has it
+    assert large.decode.releasable_after_eval == large.decode.total - rollout_only.total > 0.8 * kept
+    curriculum = plan_of("curriculum.mode=semantic_entropy", "curriculum.samples=2")
+    assert ("curriculum", 16) in [(c.name, c.rows) for c in curriculum.decode.calls]  # 8 prompts x 2 samples
+
+
+def test_top_p_plans_its_sort():
+    """bf16 logits at temperature 1 with top-p: the fp32 copy (4 B an element), then during the sort its outputs
+    (12) and CUDA's workspace (28): 44 B = 11 x rows x V x 4 B, where 3 x was planned for any filter."""
+    top_p = plan_of("rollout.top_p=0.9")
+    rows, vocab = 16, 151936
+    small = sampler_step_bytes(DecodeCall("x", rows, 1, 1, 1.0), rows, vocab, 4)
+    assert top_p.decode.pool == sampler_step_bytes(top_p.decode.calls[0], rows, vocab, 2) == 44 * rows * vocab + small
