@@ -21,6 +21,7 @@ from grpo_engine.plan.decode_state import (
     wave_rows,
 )
 from grpo_engine.plan.from_config import plan_config
+from grpo_engine.plan.suggest import format_plan
 from grpo_engine.rollout.sampling import Sampler, SamplingParams, work_buffer
 from grpo_engine.rollout.static_decode import release_static_decode, static_decoder
 
@@ -178,6 +179,11 @@ def test_the_plan_keeps_the_largest_call_and_says_what_eval_adds():
     assert kept == sum(large.decode.state.values()) > sum(small.decode.state.values())
     rollout_only = decode_plan(large.model, large.decode.calls[:1], 2)  # bf16: the planned card has it
     assert large.decode.releasable_after_eval == large.decode.total - rollout_only.total > 0.8 * kept
+    text = format_plan(large, card_gib=large.total_gib - 0.5)
+    assert "static decode state kept: 128 rows x 320 slots" in text
+    assert f"the evaluation's larger call adds {large.decode.releasable_after_eval / 2**30:.2f} GiB" in text
+    assert "evaluate as many examples as the rollout has rows (eval.max_examples = P x G)" in text
+    assert "the evaluation's larger call" not in format_plan(plan_of("eval.max_examples=2"))
     curriculum = plan_of("curriculum.mode=semantic_entropy", "curriculum.samples=2")
     assert ("curriculum", 16) in [(c.name, c.rows) for c in curriculum.decode.calls]  # 8 prompts x 2 samples
 
