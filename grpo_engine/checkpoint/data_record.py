@@ -28,6 +28,7 @@ from pathlib import Path
 from ..config import Config
 from ..config.paths import open_regular, read_regular, regular_path
 from ..tasks.data import DataError
+from .stamps import remember, trusted
 
 DATA_FILE = "data.json"
 VERSION = 1
@@ -166,7 +167,7 @@ def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str]) -> dict[str, str]:
     stored absolute path as it is, a relative one refused (nothing says what it was relative to)."""
     fix = f"pass {EVAL_DATA_FLAG} FILE to evaluate on data you choose"
     record = stored_record(ckpt, "grpo eval", fix)
-    out = {}
+    out, seen = {}, {}  # seen: a file named by two keys (data_path and test_path) is hashed once
     for key, value in named_paths(cfg).items():
         if key not in keys:
             continue
@@ -178,20 +179,21 @@ def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str]) -> dict[str, str]:
             continue
         root = record.get("roots", {}).get(key) if isinstance(record.get("roots"), dict) else None
         where = Path(root) if isinstance(root, str) else Path(value)  # data.json before roots: the path as stored
-        problem = _not_as_recorded(key, where, record["files"])
+        problem = _not_as_recorded(key, where, record["files"], seen)
         if problem:
             raise DataChangedError(f"grpo eval {ckpt}: the run's data {problem}; {fix}")
         out[key] = str(where)
     return out
 
 
-def _not_as_recorded(key: str, where: Path, files: dict) -> str | None:
-    """What differs between the data at `where` (config key `key`) and its record, or None."""
+def _not_as_recorded(key: str, where: Path, files: dict, seen: dict[str, dict]) -> str | None:
+    """What differs between the data at `where` (config key `key`) and its record, or None; seen: real path ->
+    fingerprint of the files hashed so far."""
     stored = {k: v for k, v in files.items() if (k == key or k.startswith(key + ":")) and isinstance(v, dict)}
     if not os.path.lexists(where):
         return f"{where} ({key}) is not there any more"
     try:
-        current = {label: fingerprint(p) for label, p in _files(key, where).items()}
+        current = {label: _fingerprint_once(p, stored.get(label), seen) for label, p in _files(key, where).items()}
     except DataError as e:
         return f"cannot be read ({e})"
     if not stored:
@@ -199,3 +201,17 @@ def _not_as_recorded(key: str, where: Path, files: dict) -> str | None:
     changed = [_describe(k, stored.get(k), current.get(k)) for k in sorted(stored.keys() | current.keys())
                if (stored.get(k) or {}).get("sha256") != (current.get(k) or {}).get("sha256")]
     return "; ".join(changed) or None
+
+
+def _fingerprint_once(path: Path, recorded: dict | None, seen: dict[str, dict]) -> dict:
+    """fingerprint(path), hashed once per process (seen) and not at all when this machine found the file as
+    `recorded` before and it has not changed since (checkpoint/stamps.py, keyed by the file itself)."""
+    real = os.path.realpath(path)
+    sha = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if real not in seen and isinstance(sha, str) and trusted(Path(real), [""], sha):
+        seen[real] = recorded
+    if real not in seen:
+        seen[real] = fingerprint(path)
+        if seen[real]["sha256"] == sha:
+            remember(Path(real), [""], sha)  # name "": the stamp's root is the file itself
+    return {**seen[real], "path": str(path)}

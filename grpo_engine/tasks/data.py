@@ -17,6 +17,8 @@ takes) or that nests deeper than the JSON reader can follow is one line naming t
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +32,7 @@ Record = dict[str, object]  # one raw row as read from a file; tasks turn rows i
 MAX_FILE_MIB = 1024  # GSM8K's train split is 4 MiB, MATH's 20 MiB: a gigabyte of rows is a deliberate choice
 MAX_LINE_KIB = 1024  # a row is a problem and its answer; the chat template refuses a prompt over 1 MiB anyway
 FILE_OPTION, LINE_OPTION = "task.options.max_data_file_mib", "task.options.max_data_line_kib"
+READ_BYTES = 1 << 20  # one read of a file searched for its first byte that is not UTF-8
 
 
 @dataclass(frozen=True)
@@ -105,22 +108,35 @@ def _open_data(p: Path, limits: Limits):
 
 
 def _lines(p: Path, limits: Limits):
-    """(1-based line number, text) of each line of p, one at a time: no line longer than limits.line_kib is ever
-    held whole (reading stops at the limit, the error names the line and the option that raises it)."""
-    most, offset = limits.line_kib << 10, 0
-    with _open_data(p, limits) as f:
+    """(1-based line number, text) of each line of p, read as UTF-8 text one line at a time: a line is read up to
+    limits.line_kib KiB of characters and no further (the error names the line and the option that raises it)."""
+    most = limits.line_kib << 10
+    with _open_data(p, limits) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="\n") as f:
         line_no = 0
-        while raw := f.readline(most + 1):
-            line_no += 1
-            if len(raw) > most and not raw.endswith(b"\n"):
-                raise DataError(f"{p}: line {line_no} is longer than {limits.line_kib:,} KiB (the limit, "
-                                f"{LINE_OPTION}); shorten the row, or raise {LINE_OPTION} if it is meant to be "
-                                f"this long")
+        try:
+            while line := f.readline(most + 1):
+                line_no += 1
+                if len(line) > most and not line.endswith("\n"):
+                    raise DataError(f"{p}: line {line_no} is longer than {limits.line_kib:,} KiB (the limit, "
+                                    f"{LINE_OPTION}); shorten the row, or raise {LINE_OPTION} if it is meant to be "
+                                    f"this long")
+                yield line_no, line
+        except UnicodeDecodeError:
+            raise DataError(f"{p}: {_not_utf8_at(p, limits)}") from None
+
+
+def _not_utf8_at(p: Path, limits: Limits) -> str:
+    """_not_utf8 for the first byte of p that is not UTF-8, with its offset in the file (a second, binary pass: the
+    text reader's error counts from its own buffer)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with _open_data(p, limits) as f:
+        while block := f.read(READ_BYTES):
             try:
-                yield line_no, raw.decode("utf-8")
+                decoder.decode(block)
             except UnicodeDecodeError as e:
-                raise DataError(f"{p}: {_not_utf8(e, offset)}") from None
-            offset += len(raw)
+                return _not_utf8(e, offset - (len(e.object) - len(block)))  # e.object: held-back bytes + block
+            offset += len(block)
+    return "not UTF-8 text; re-save the file as UTF-8"
 
 
 def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
@@ -128,7 +144,7 @@ def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
     for line_no, line in _lines(p, limits):
         if not line.strip():
             continue
-        row = _parse(line, f"{p}: line {line_no}")
+        row = _parse(line, p, line_no)
         if not isinstance(row, dict):
             raise DataError(f"{p}: line {line_no} is a {type(row).__name__}, expected a JSON object")
         if "\\u" in line:  # only a \\u escape makes a lone surrogate
@@ -138,15 +154,15 @@ def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
     return Records(rows, lines)
 
 
-def _parse(text: str, where: str):
-    """json.loads(text); a malformed or too deeply nested text is a DataError naming `where`."""
+def _parse(text: str, source: Path, line_no: int | None = None):
+    """json.loads(text); a malformed or too deeply nested text is a DataError naming `source` (and the line)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where} is not valid JSON ({e.msg})") from None
+        problem = f"is not valid JSON ({e.msg})"
     except RecursionError:
-        raise DataError(f"{where} nests deeper than the JSON reader follows (about 1,000 levels); a row is an "
-                        f"object of text fields") from None
+        problem = "nests deeper than the JSON reader follows (about 1,000 levels); a row is an object of text fields"
+    raise DataError(f"{source}: line {line_no} {problem}" if line_no else f"{source} {problem}")
 
 
 def _check_text(row: Record, where: str) -> None:
@@ -212,7 +228,7 @@ def _read_saved_dataset(d: Path, limits: Limits = Limits()) -> list[Record]:
         raise DataError(f"{d}: not a saved datasets directory (no state.json); pass a .jsonl/.parquet file")
     pa = _pyarrow()
     listed = _parse(read_regular(state, "data file", max_bytes=limits.line_kib << 10, option=LINE_OPTION,
-                                 error=DataError).decode("utf-8"), str(state))
+                                 error=DataError).decode("utf-8"), state)
     try:
         names = [f["filename"] for f in listed["_data_files"]]
     except (TypeError, KeyError):
