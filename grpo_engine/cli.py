@@ -84,7 +84,7 @@ def _train(args) -> int:
     try:
         result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
                        allow_data_change=args.allow_data_change, command=_train_command(args),
-                       check=not args.no_check, held_out=True)
+                       check=not args.no_check, held_out=cfg.eval.before_after)
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1

@@ -113,6 +113,8 @@ class EvalSection:
     max_examples: int = option(64, "the first N examples of task.eval_split (a fixed subset, same every time)")
     max_new_tokens: int = option(256, "completion cap during evaluation")
     temperature: float = option(0.0, "sampling temperature during evaluation; 0 = greedy")
+    before_after: bool = option(True, "grpo train evaluates the starting model (not on --resume) and the final one on "
+                                      "these examples: a table at the end and RUN_DIR/before_after.json")
 
     def __post_init__(self) -> None:
         require(self.every >= 0, "eval.every must be >= 0")

@@ -312,7 +312,9 @@ def check_sizes(cfg: Config, eval_rows: int, device: torch.device, memory: Devic
     memory = memory or device_memory(device)
     model = _model_shape(cfg, shape)
     terms = scaled_terms(cfg, eval_rows, model, device)
-    if model is not None and max(t.nbytes for t in terms) <= memory.nbytes:  # bounded: the planner's floats are safe
+    bounded = max(t.nbytes for t in terms) <= memory.nbytes  # then the planner's floats are safe
+    # with memory.gpu_memory_gib set, check_memory_fits judges the whole plan against the card the config names
+    if model is not None and bounded and cfg.memory.gpu_memory_gib <= 0:
         terms = planned_terms(cfg, eval_rows, device, shape, memory.nbytes, batch=terms[1].nbytes)
     worst = max(terms, key=lambda t: t.nbytes)
     if worst.nbytes > memory.nbytes:

@@ -36,6 +36,9 @@ def fake_checkpoint(tmp_path) -> Path:
     (d / "config.json").write_text(json.dumps(QWEN25_15B_CONFIG))
     (d / "model.safetensors").write_bytes(b"")
     (d / "tokenizer.json").write_text("{}")
+    row = json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"})
+    for split in ("train", "test"):  # task.data_path=tmp_path: the data is read before the memory check
+        (tmp_path / f"{split}.jsonl").write_text(row + "\n")
     return d
 
 
