@@ -90,5 +90,13 @@ def bench_generate(args: argparse.Namespace) -> dict:
             "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts), "device": str(args.device),
             "dtype": dtype_name, "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "cpu": cpu_model(),  # the figures depend on it even on a GPU (the host's Python and sampler)
-            "cuda_graphs": graphs,  # the static decode in CUDA graphs ran (rollout.cuda_graphs)
-            "capture_seconds": (static_decode_stats(model) or {}).get("capture_seconds", 0.0)}  # in the warm-up
+            **graphs_report(graphs, static_decode_stats(model))}
+
+
+def graphs_report(graphs: bool, stats: dict | None) -> dict:
+    """Whether the timed call decoded in CUDA graphs: rollout.cuda_graphs turned them on and no capture check failed
+    (after one, `auto` decodes the same state eagerly: static_decode_stats' "fallback" is its cause); the captures'
+    seconds, spent in the warm-up."""
+    stats = stats or {}
+    return {"cuda_graphs": graphs and stats.get("fallback") is None, "cuda_graphs_fallback": stats.get("fallback"),
+            "capture_seconds": stats.get("capture_seconds", 0.0)}

@@ -16,6 +16,18 @@ def test_bench_generate_json_line(tiny_dir, capsys):
     result = json.loads(line)
     assert result["tokens_per_s"] > 0 and result["new_tokens"] == 2 * 2 * 5
     assert result["cpu"] == cpu_model()  # recorded figures name the CPU they were measured on
+    assert result["cuda_graphs"] is False and result["cuda_graphs_fallback"] is None  # the CPU decodes eagerly
+
+
+def test_bench_reports_a_capture_check_fallback_as_no_graphs():
+    """After a failed capture check `auto` decodes eagerly: the benchmark says graphs did not run, and why."""
+    from grpo_engine.bench.generate import graphs_report
+
+    cause = "the replayed chunk's tokens differ from the eager chunk's"
+    assert graphs_report(True, {"fallback": cause, "capture_seconds": 0.5}) == {
+        "cuda_graphs": False, "cuda_graphs_fallback": cause, "capture_seconds": 0.5}
+    assert graphs_report(True, {"fallback": None, "capture_seconds": 0.5})["cuda_graphs"] is True
+    assert graphs_report(False, None) == {"cuda_graphs": False, "cuda_graphs_fallback": None, "capture_seconds": 0.0}
 
 
 def test_decode_overhead_benchmark_times_every_projection(tiny_dir):
