@@ -47,6 +47,15 @@ def rollout_rows_in_flight(cfg: Config, slots: int) -> int:
     return min(r.prompts_per_step, groups) * r.group_size
 
 
+def static_decode_planned(cfg: Config) -> bool:
+    """Whether the run decodes on the static state (rollout/static_decode.py graphs_for) on the planned CUDA card:
+    rollout.cuda_graphs auto or on, single-turn rows, and for auto no FSDP2 units (distributed.strategy=fsdp2 decodes
+    with the dynamic loop's KV cache; `on` is refused there at the first rollout)."""
+    r = cfg.rollout
+    fsdp2 = cfg.distributed.strategy == "fsdp2"
+    return r.cuda_graphs != "off" and not cfg.tools.enabled and not (fsdp2 and r.cuda_graphs == "auto")
+
+
 def planned_precision(cfg: Config, bf16_native: bool | None = None) -> str:
     """memory.precision as the trainer resolves it on the planned card (bf16_native: whether that card has native
     bf16; None = this machine's card, or a card with it when there is none)."""
@@ -71,7 +80,7 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
         micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
         rollout_rows_in_flight=rollout_rows_in_flight(cfg, slots), reference=spec.reference,
-        static_decode=r.cuda_graphs != "off" and not cfg.tools.enabled,  # a CUDA card: auto is on (single-turn)
+        static_decode=static_decode_planned(cfg),
         **decode_call_knobs(cfg),
     )
 

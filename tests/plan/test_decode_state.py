@@ -195,3 +195,13 @@ def test_top_p_plans_its_sort():
     rows, vocab = 16, 151936
     small = sampler_step_bytes(DecodeCall("x", rows, 1, 1, 1.0), rows, vocab, 4)
     assert top_p.decode.pool == sampler_step_bytes(top_p.decode.calls[0], rows, vocab, 2) == 44 * rows * vocab + small
+
+
+def test_fsdp2_plans_no_static_decode_state_under_auto():
+    """rollout.cuda_graphs=auto makes no static state for a model with FSDP2 units (graphs_for): the plan counts the
+    dynamic loop's KV cache instead, as a run with cuda_graphs=off does."""
+    fsdp2 = plan_of("distributed.strategy=fsdp2")
+    off = plan_of("rollout.cuda_graphs=off")
+    assert fsdp2.decode is None and "static decode state (kept)" not in fsdp2.phase("training").components
+    assert fsdp2.phase("rollout").components == off.phase("rollout").components
+    assert plan_of().decode is not None and plan_of("distributed.strategy=ddp").decode is not None
