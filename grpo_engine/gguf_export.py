@@ -1,5 +1,5 @@
-"""`grpo export MODEL|CHECKPOINT|RUN_DIR OUT.gguf --type f16|q8_0`: a trained model as one GGUF file that
-llama.cpp and Ollama run, tokenizer and chat template inside.
+"""`grpo export MODEL|CHECKPOINT|RUN_DIR OUT.gguf --type f16|q8_0|bf16|f32`: a trained model as one GGUF file
+that llama.cpp and Ollama run, tokenizer and chat template inside.
 
 Written the way llama.cpp's own converter writes a Llama / Qwen2 / Qwen3 checkpoint: its metadata keys, its
 tensor names in the order of the Hugging Face tensor names, Llama's q/k rows permuted (the inverse of
@@ -23,8 +23,9 @@ from .progress import Progress
 if TYPE_CHECKING:
     from .model.transformer import Transformer
 
-TYPES = ("f16", "q8_0")
-FILE_TYPES = {"f16": 1, "q8_0": 7}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0
+TYPES = ("f16", "q8_0", "bf16", "f32")  # f32 and bf16: the files benchmarks/generate_vs_llamacpp.py times
+FILE_TYPES = {"f16": 1, "q8_0": 7, "bf16": 32, "f32": 0}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0,
+# MOSTLY_BF16, ALL_F32
 ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 Q8_0_BLOCK = 32  # values per Q8_0 block (one scale each); a row must hold a whole number of blocks
 
@@ -114,16 +115,19 @@ def _value_type(value):
 
 
 def _write_tensor(w, c, hf: str, tensor, kind: str, kept_f16: list[str]) -> None:
-    """One tensor into the GGUF writer: norms and biases F32, matrices F16 or Q8_0 (rows not a multiple of the
-    Q8_0 block stay F16, noted in kept_f16)."""
+    """One tensor into the GGUF writer: norms and biases F32, matrices F16, Q8_0 (rows not a multiple of the
+    Q8_0 block stay F16, noted in kept_f16), BF16 (rounded to nearest even, as torch's .bfloat16()) or F32."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
     t = tensor.float().numpy()  # [out, in] for a matrix: rows of length `in`
     if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
         t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
-    if t.ndim == 1:
+    if t.ndim == 1 or kind == "f32":
         w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
+    elif kind == "bf16":
+        q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.BF16)
+        w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.BF16)
     elif kind == "f16" or t.shape[-1] % Q8_0_BLOCK:
         if kind != "f16":
             kept_f16.append(f"{gguf_name(hf)} {list(t.shape)}")
@@ -152,7 +156,7 @@ def write_tensors(w, model: Transformer, kind: str) -> None:
 
 
 def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = False) -> Path:
-    """Write `source` (model dir, .gguf, checkpoint or run dir) to the GGUF file `out` as f16 or q8_0."""
+    """Write `source` (model dir, .gguf, checkpoint or run dir) to the GGUF file `out` as f16, q8_0, bf16 or f32."""
     import gguf
 
     from .model.finite import refuse_nonfinite
@@ -203,8 +207,8 @@ def add_export_parser(sub) -> None:
     p.add_argument("source", help="HF model dir, .gguf file, checkpoint dir, or run dir (its newest checkpoint)")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--type", default="f16", choices=TYPES,
-                   help="matrix type: f16 or q8_0 (norms stay F32; with q8_0, a matrix whose rows are not a "
-                        "multiple of 32 long stays F16)")
+                   help="matrix type: f16, q8_0, bf16 or f32 (norms stay F32; with q8_0, a matrix whose rows are "
+                        "not a multiple of 32 long stays F16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     add_allow_code_arg(p, "the checkpoint's stored config.yaml")
     p.set_defaults(func=_run)

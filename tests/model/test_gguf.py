@@ -255,3 +255,17 @@ def test_transformers_gguf_loader_reads_qwen3_head_dim_as_the_warning_says(tmp_p
         ours, tok = load_model(src), load_tokenizer(src)
         ids = tok.encode(tok.apply_chat_template(CHATS[1]))
         assert (hf_logits(load().eval(), ids) - ours_logits(ours, ids)).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("kind,gguf_type", [("f32", "F32"), ("bf16", "BF16")])
+def test_export_f32_and_bf16_hold_the_weights_exactly_or_rounded_as_torch_rounds(tmp_path, tiny_ckpt, kind, gguf_type):
+    """The F32 file holds every weight bit for bit; BF16 holds each matrix as torch's .bfloat16() rounds it (so
+    llama.cpp reading it and the engine running in bfloat16 use the same weights); norms and biases stay F32."""
+    out = export_gguf(str(tiny_ckpt), str(tmp_path / f"m.{kind}.gguf"), kind)
+    types = {(len(t.shape), t.tensor_type.name) for t in reader(out).tensors}  # (dimensions, type) of each tensor
+    assert types == {(1, "F32"), (2, gguf_type)}
+    back, source = load_model(out), load_model(tiny_ckpt)
+    for (name, a), b in zip(back.state_dict().items(), source.state_dict().values()):
+        want = b if a.dim() == 1 or kind == "f32" else b.bfloat16().float()
+        assert torch.equal(a, want), name
+    assert reader(out).fields["general.file_type"].contents() == {"f32": 0, "bf16": 32}[kind]
