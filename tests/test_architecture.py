@@ -56,9 +56,63 @@ def test_config_is_a_leaf():
 
 
 def test_model_file_is_architecture_only():
-    """transformer.py imports no kernel, training or rollout code (kernels/ applies those from outside)."""
+    """transformer.py imports no kernel, training or rollout code (kernels/ applies those from outside): only its
+    config and the declaration of the kernel slot it carries (model/kernels_slot.py, torch's products by default)."""
     ours = {m for m in _imports(PACKAGE / "model" / "transformer.py") if m.startswith("grpo_engine")}
-    assert ours <= {"grpo_engine.model.config"}, ours
+    assert ours <= {"grpo_engine.model.config", "grpo_engine.model.kernels_slot"}, ours
+    slot = {m for m in _imports(PACKAGE / "model" / "kernels_slot.py") if m.startswith("grpo_engine")}
+    assert slot == set(), slot
+
+
+# the attributes kernels once reached the code through, set from outside and probed for; now fields of the one
+# declared `Transformer.kernels` (model/kernels_slot.py), which no code probes for either
+KERNEL_ATTRIBUTES = {"kernels", "head_gemm", "decode_kernels", "weight_grads_in_place", "decode_attention"}
+PROBES = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _kernel_probes(source: str) -> list[str]:
+    """Where `source` probes for a kernel attribute (getattr / hasattr / setattr / delattr with its name, a read of
+    `__dict__` or vars() by its name), sets one of the old ad-hoc attributes on an object, or assigns `__class__`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in PROBES
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in KERNEL_ATTRIBUTES):
+            found.append(f"{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+              and node.slice.value in KERNEL_ATTRIBUTES and _is_dict_of_object(node.value)):
+            found.append(f"{node.lineno}: __dict__[{node.slice.value!r}]")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [f"{node.lineno}: .{t.attr} =" for target in targets for t in ast.walk(target)
+                      if isinstance(t, ast.Attribute) and (t.attr == "__class__" or t.attr in KERNEL_ATTRIBUTES - {
+                          "kernels"})]
+    return found
+
+
+def _is_dict_of_object(node: ast.expr) -> bool:
+    """`x.__dict__` or `vars(x)`."""
+    return ((isinstance(node, ast.Attribute) and node.attr == "__dict__")
+            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"))
+
+
+@pytest.mark.parametrize("source", [
+    'k = getattr(model, "decode_kernels", None)', 'ok = hasattr(model.lm_head, "head_gemm")',
+    'getattr(getattr(model, "lm_head", None), "head_gemm", None)', 'k = model.__dict__["weight_grads_in_place"]',
+    'k = vars(model)["kernels"]', 'module.__class__ = OneDNNLinear', 'block.attn.decode_attention = kernel',
+    'model.lm_head.head_gemm: object = None', 'setattr(model, "weight_grads_in_place", f)'])
+def test_the_kernel_probe_check_finds_each_way_of_probing(source):
+    assert _kernel_probes(source) != [], source
+
+
+def test_no_module_probes_for_kernel_attributes_or_swaps_a_class():
+    """Kernels reach the code through the declared `Transformer.kernels` only (docs/architecture.md, kernels/): no
+    module probes for them or sets them on objects ad hoc, and none swaps a module's class (kernels/ replaces a
+    module by a new one holding the same parameters)."""
+    clean = "model.kernels = replace(model.kernels, decode_attention=None)\nhead = model.kernels.head\n"
+    assert _kernel_probes(clean) == []
+    probes = [f"{p.relative_to(REPO)}:{hit}" for p in _sources() for hit in _kernel_probes(p.read_text())]
+    assert probes == []
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["plot", "--help"]])

@@ -1,15 +1,16 @@
 """CPU/GPU kernel choices and memory transforms, applied to a model from outside (the model file is
 architecture only): oneDNN GEMMs for fp32 CPU projections and the decode-step attention, the LM head's GEMMs for
-the log-prob head (rl/logprobs.py HeadGemm) and for decoding, and the weights a decode loop packs
-(rollout/decode_kernels.py DecodeKernels) (`apply_kernels`); activation checkpointing
+the log-prob head and for decoding, the weights a decode loop packs and the in-place weight gradients, all set in
+the model's one `Kernels` value (model/kernels_slot.py) by `apply_kernels`; activation checkpointing
 (`apply_activation_checkpointing`)."""
 
 import torch
-from torch import nn
 
+from ..model.kernels_slot import Kernels
+from ..model.transformer import Transformer
 from .attention import decode_attention_for
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from .onednn import OneDNNLinear, activate, planned_head_gemm, weight_grads_in_place
+from .onednn import OneDNNLinear, activate, planned_head_gemm, use_onednn_projections, weight_grads_in_place
 from .packing import planned_decode_kernels
 from .select import (
     PLAN_FILE,
@@ -23,33 +24,36 @@ from .select import (
 )
 
 
-def apply_kernels(model: nn.Module, plan: KernelPlan | None = None) -> nn.Module:
+def apply_kernels(model: Transformer, plan: KernelPlan | None = None) -> Transformer:
     """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
-    weight shape, which attention a decode step uses and how many threads torch uses, and turn the nn.Linear
-    projections of every block into OneDNNLinear (same parameters and names), which follows the plan; on CUDA
-    or in bf16 OneDNNLinear is nn.Linear itself. The LM head's GEMMs reach the code that calls it as attributes:
-    model.lm_head.head_gemm (rl.logprobs.head_gemm reads it) and model.decode_kernels (the decode loops' packing
-    and head product), each None where the plan keeps torch's products; model.weight_grads_in_place is the
-    context in which train/update.py's passes accumulate the planned weight gradients in place. On CUDA, decode
-    steps with grouped KV heads run the grouped attention whatever the plan (kernels/attention.py). Returns the
-    model."""
+    weight shape, which attention a decode step uses and how many threads torch uses: every block's nn.Linear
+    projections are replaced by OneDNNLinear modules holding the same parameters (same tensors, names and state
+    dict), which follow the plan (on CUDA or in bf16 they are nn.Linear itself), and `model.kernels` becomes the
+    plan's `Kernels` (model/kernels_slot.py), which the model's decode steps, rl/'s log-prob head, rollout/'s
+    decode loops and train/update.py's accumulation passes read. On CUDA, decode steps with grouped KV heads run
+    the grouped attention whatever the plan (kernels/attention.py). Returns the model."""
     plan = plan if plan is not None else choose_plan(model)
     activate(plan)
     if plan.threads != torch.get_num_threads():
         torch.set_num_threads(plan.threads)
-    key, c = attention_shape(model), model.config  # key: the head shape and dtype the plan's attention was timed at
-    decode_attention = decode_attention_for(model.device.type, c.num_attention_heads, c.num_key_value_heads,
-                                            plan.attention.get(key, "sdpa"))
     for block in model.layers:
-        for module in block.modules():
-            if type(module) is nn.Linear:
-                module.__class__ = OneDNNLinear
-        block.attn.decode_attention = decode_attention
-    model.lm_head.head_gemm = planned_head_gemm(plan, model.lm_head.weight)
-    model.decode_kernels = planned_decode_kernels(plan, model)
-    model.weight_grads_in_place = weight_grads_in_place  # the trainer's accumulation passes enter it
+        use_onednn_projections(block)
+    model.kernels = planned_kernels(plan, model)
     return model
 
 
+def planned_kernels(plan: KernelPlan, model: Transformer) -> Kernels:
+    """The products `plan` chose for `model` on this machine, torch's where it keeps them."""
+    key, c = attention_shape(model), model.config  # key: the head shape and dtype the plan's attention was timed at
+    return Kernels(
+        gemm=dict(plan.gemm),
+        decode_attention=decode_attention_for(model.device.type, c.num_attention_heads, c.num_key_value_heads,
+                                              plan.attention.get(key, "sdpa")),
+        head=planned_head_gemm(plan, model.lm_head.weight),
+        decode=planned_decode_kernels(plan, model),
+        weight_grads_in_place=weight_grads_in_place)  # the trainer's accumulation passes enter it
+
+
 __all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "activate", "apply_activation_checkpointing", "apply_kernels",
-           "bf16_slowdown", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here"]
+           "bf16_slowdown", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here",
+           "planned_kernels"]

@@ -1,8 +1,9 @@
 """Activation checkpointing applied to a model from outside: every k-th block recomputes its activations in
 backward instead of keeping them (memory.activation_checkpointing).
 
-The transform swaps the class of the chosen blocks (like `apply_kernels`), so parameter names, state dicts,
-deep copies (the reference policy) and LoRA wrapping are unchanged; it acts only in training mode with
+The transform replaces each chosen block by a CheckpointedBlock holding the block's own submodules (and a
+checkpointed block that is no longer chosen by a plain Block holding them), so parameters, their names, state
+dicts, deep copies (the reference policy) and LoRA wrapping are unchanged; it acts only in training mode with
 gradients enabled, so rollout and scoring pay nothing for it.
 """
 
@@ -28,8 +29,20 @@ def apply_activation_checkpointing(model: Transformer, every: int) -> Transforme
     """Checkpoint block i when every > 0 and i % every == 0; every = 0 turns it off. Returns the model."""
     assert every >= 0, every
     for i, block in enumerate(model.layers):
-        block.__class__ = CheckpointedBlock if every and i % every == 0 else Block
+        kind = CheckpointedBlock if every and i % every == 0 else Block
+        if type(block) is not kind:
+            model.layers[i] = block_holding(block, kind)
     return model
+
+
+def block_holding(block: Block, kind: type[Block]) -> Block:
+    """A `kind` block holding `block`'s own submodules (norms, attention, MLP: the same parameters, nothing
+    copied), in its train / eval mode."""
+    new = kind.__new__(kind)
+    nn.Module.__init__(new)
+    for name, child in block.named_children():
+        setattr(new, name, child)
+    return new.train(block.training)
 
 
 def checkpointed_blocks(model: nn.Module) -> list[int]:

@@ -19,7 +19,7 @@ when that pays.
 
 The chunked log-prob head (rl/logprobs.py) and the decode loop's LM head (rollout/decode_kernels.py) import none
 of this: `planned_head_gemm` and packing.planned_decode_kernels build the products the plan chose for them, which
-kernels.apply_kernels attaches to the model.
+kernels.apply_kernels sets in the model's `Kernels` (model/kernels_slot.py).
 
 Inside `weight_grads_in_place`, the weight gradient of a shape the plan marks "inplace" is added straight into
 weight.grad by one GEMM with accumulation (torch's addmm_) instead of being returned to autograd, which would
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..rl.logprobs import HeadGemm
+from ..model.kernels_slot import HeadGemm
 
 _state: dict[str, bool] = {}
 _active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
@@ -145,7 +145,7 @@ def planned_head_gemm(plan, weight: torch.Tensor) -> HeadGemm | None:
     """The chunked log-prob head's GEMMs for the LM head `weight` [V, D] under `plan` (a KernelPlan): oneDNN's
     forward where the plan's `logprob_head` choice for the shape is oneDNN, oneDNN's input gradient where its
     `grad_input` choice is; None (torch's products) where neither is, the weight is no fp32 CPU matrix, or the op
-    does not work here. kernels.apply_kernels attaches it to model.lm_head as `head_gemm`."""
+    does not work here. kernels.apply_kernels sets it as `model.kernels.head`."""
     if plan is None or not (fp32_cpu_matrices(weight, weight) and op_works()):
         return None
     shape = tuple(weight.shape)
@@ -237,11 +237,23 @@ class OneDNNLinear(torch.nn.Linear):
     """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
     plan chooses it, and whose training weight gradient accumulates in place where the plan says so (on either
     GEMM); anything else (CUDA, bf16, no oneDNN) is nn.Linear itself.
-    `kernels.apply_kernels` turns a model's nn.Linear projections into this class in place. Inside a decode loop
+    `kernels.apply_kernels` puts one in place of each of a model's nn.Linear projections (`use_onednn_projections`).
+    Inside a decode loop
     `packed` holds the weight packed by oneDNN or MKL (kernels/packing.py sets and clears it), used without
     gradients."""
 
     packed: Callable[..., torch.Tensor] | None = None  # a kernels/packed.py PackedWeight: x [M, K] -> [M, N]
+
+    @classmethod
+    def holding(cls, linear: torch.nn.Linear) -> OneDNNLinear:
+        """A OneDNNLinear holding `linear`'s own parameters: the same tensors (nothing copied or allocated), so
+        names, state dicts, optimizer state and storage stay as they were."""
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                     dtype=linear.weight.dtype)
+        module.weight = linear.weight
+        if linear.bias is not None:
+            module.bias = linear.bias
+        return module.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
@@ -258,3 +270,11 @@ class OneDNNLinear(torch.nn.Linear):
         """A product on torch's GEMM whose weight gradient is to be accumulated in place (fp32 CPU training)."""
         w = self.weight
         return torch.is_grad_enabled() and w.requires_grad and fp32_cpu_matrices(x2, w) and _grad_in_place(w)
+
+
+def use_onednn_projections(module: torch.nn.Module) -> None:
+    """Replace every plain nn.Linear inside `module` by a OneDNNLinear holding the same parameters (`holding`)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, OneDNNLinear.holding(child))

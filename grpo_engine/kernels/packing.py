@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..rollout.decode_kernels import DecodeKernels
+from ..model.kernels_slot import DecodeKernels
 from . import onednn, packed
 from .packed import PackedWeight
 from .select import KernelPlan, shape_key
@@ -56,7 +56,7 @@ class DecodePacks:
             if p is not None:
                 m.packed = p
                 self.modules.append(m)
-        head = getattr(model, "lm_head", None)
+        head = model.lm_head
         self.head_weight = head.weight if isinstance(head, nn.Linear) and head.bias is None else None  # [V, hidden]
         self.head = _pack_if_pays(self.head_weight, rows, steps, plan) if self.head_weight is not None else None
 
@@ -81,16 +81,14 @@ def _repacked(p: PackedWeight | None, weight: torch.Tensor, rows: int, steps_lef
     return _pack_if_pays(weight, rows, steps_left, plan)
 
 
-def planned_decode_kernels(plan: KernelPlan, model: nn.Module) -> DecodeKernels | None:
+def planned_decode_kernels(plan: KernelPlan, model: nn.Module) -> DecodeKernels:
     """What a decode loop of `model` takes from `plan` (rollout/decode_kernels.py): packing where the plan has a
     weight that packing pays for, and oneDNN's product for the LM head at decode where the plan runs the head's
-    weight on oneDNN (an fp32 CPU matrix, the op working here); None when neither. kernels.apply_kernels
-    attaches it to the model as `decode_kernels`."""
-    head = getattr(model, "lm_head", None)
+    weight on oneDNN (an fp32 CPU matrix, the op working here); torch's way (`DecodeKernels()`) when neither.
+    kernels.apply_kernels sets it as `model.kernels.decode`."""
+    head = model.lm_head
     w = head.weight if isinstance(head, nn.Linear) else None  # [V, hidden]
     on_onednn = (w is not None and onednn.fp32_cpu_matrices(w, w) and onednn.op_works()
                  and plan.backend(tuple(w.shape)) == "onednn")
     pack = partial(DecodePacks, plan=plan) if any(v > 0 for v in plan.decode_packing.values()) else None
-    if pack is None and not on_onednn:
-        return None
     return DecodeKernels(pack=pack, head=onednn.fp32_linear if on_onednn else None)

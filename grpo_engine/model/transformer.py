@@ -21,7 +21,6 @@ This file imports nothing from training code.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, rope_kind
+from .kernels_slot import TORCH_KERNELS, DecodeAttention, Kernels
 
 
 class KVCacheLike(Protocol):
@@ -185,12 +185,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S]) -> [B, H, 1, D] for a decode step, or None for
-        # SDPA; set from outside by kernels.apply_kernels: on a CPU when it measured faster there, on CUDA whenever
-        # KV heads are grouped (SDPA with a key mask and GQA would run its math kernel, expanding K and V)
-        self.decode_attention: Callable | None = None
 
-    def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int,
+                decode_attention: DecodeAttention | None = None) -> torch.Tensor:
+        """decode_attention: the model's Kernels.decode_attention, run by a decode step instead of SDPA."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # [B, T, Hkv, D]
@@ -202,8 +200,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
-        if T == 1 and mask is not None and self.decode_attention is not None:  # a decode step
-            out = self.decode_attention(q, k, v, mask)
+        if T == 1 and mask is not None and decode_attention is not None:  # a decode step
+            out = decode_attention(q, k, v, mask)
         elif mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
@@ -252,8 +250,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask, cache, layer, decode_attention=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, decode_attention)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -264,7 +262,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding -> N blocks -> final RMSNorm -> LM head (tied to the embedding when configured).
 
-    Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/).
+    Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/): `kernels` holds
+    the products other than torch's that the model and the code running it use (model/kernels_slot.py; torch's
+    everywhere until kernels.apply_kernels sets it).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -274,6 +274,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.kernels: Kernels = TORCH_KERNELS
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -316,7 +317,7 @@ class Transformer(nn.Module):
             mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype)
         cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i)
+            x = block(x, cos, sin, mask, cache, i, self.kernels.decode_attention)
         if cache is not None:
             cache.start = start + T
         x = self.norm(x)

@@ -27,9 +27,9 @@ Precision: with bf16 hidden states / weights the matmul runs in the input dtype 
 softmax is done in fp32 per chunk; float64 inputs stay float64 (used by the exactness tests).
 
 GEMMs: the two products with the head weight that are not accumulations (a chunk's logits, the input gradient) run
-on torch's GEMM unless the caller hands in a `HeadGemm` (`gemm=head_gemm(model)`): kernels/ measures on the
-machine whether another GEMM (oneDNN on some CPUs) is faster and attaches its choice to the model. The math here
-imports no kernel code.
+on torch's GEMM unless the caller hands in a `HeadGemm` (`gemm=model.kernels.head`): kernels/ measures on the
+machine whether another GEMM (oneDNN on some CPUs) is faster and sets its choice in the model's `Kernels`
+(model/kernels_slot.py). The math here imports no kernel code.
 """
 
 from __future__ import annotations
@@ -40,33 +40,12 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..model.kernels_slot import HeadGemm, Product
+
 DEFAULT_CHUNK_SIZE = 1024
 
 # token_grad(start, end, logp [n], entropy [n] | None) -> (dL/dlogp [n], dL/dentropy [n] | None)
 TokenGradFn = Callable[[int, int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
-Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class HeadGemm:
-    """The products of the chunked head to run on a GEMM other than torch's; a field left None is torch's.
-
-    Why handed in: which GEMM is faster depends on the CPU and is measured by kernels/ (kernels.apply_kernels
-    attaches its choice to model.lm_head as `head_gemm`; read it with `head_gemm(model)`), while this module is
-    the math and stays free of kernel code. `accepts` says which inputs the products take (oneDNN's: fp32 CPU
-    matrices); other inputs run torch's products, as does every call given gemm=None.
-    """
-
-    logits: Product | None = None  # (h [n, D], W [V, D]) -> a new [n, V] = h W^T; None: torch.mm into a reused buffer
-    grad_input: Product | None = None  # (gz [n, V], W [V, D]) -> a new [n, D] = gz W; None: torch.mm
-    accepts: Callable[[torch.Tensor, torch.Tensor], bool] | None = None  # (hidden, W) -> usable; None: any inputs
-
-
-def head_gemm(model) -> HeadGemm | None:
-    """The GEMMs kernels/ chose for `model`'s LM head (the `head_gemm` attribute kernels.apply_kernels sets on
-    model.lm_head), or None for torch's own products: a model never passed through apply_kernels, or one whose
-    plan keeps the head on torch (CUDA, bf16, a CPU where torch's GEMM is as fast)."""
-    return getattr(getattr(model, "lm_head", None), "head_gemm", None)
 
 
 def _usable(gemm: HeadGemm | None, hidden: torch.Tensor, weight: torch.Tensor) -> HeadGemm | None:
@@ -286,7 +265,7 @@ def token_logprobs(
     (model.lm_head.weight), targets [N] token ids. Returns (logp [N], entropy [N] or None) in
     max(fp32, input dtype). Both outputs are differentiable w.r.t. hidden and weight; the full [N, V] logits
     tensor never exists -- peak extra memory is one (CPU) or two (CUDA) [chunk_size, V] buffers.
-    gemm: the head's GEMMs (`head_gemm(model)`), None for torch's.
+    gemm: the head's GEMMs (`model.kernels.head`), None for torch's.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     logp, ent = _ChunkedTokenLogprobs.apply(
@@ -330,7 +309,7 @@ def token_logprobs_with_grads(
 
     grad_weight_out: a [V, D] tensor in the compute dtype (e.g. the fp32 weight's .grad) that dL/dweight is
     ADDED to in place and returned as grad_weight -- no second [V, D] buffer (311 MB for Qwen's vocabulary).
-    gemm: the head's GEMMs (`head_gemm(model)`), None for torch's.
+    gemm: the head's GEMMs (`model.kernels.head`), None for torch's.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     n_tok, cdt, t_all = hidden.shape[0], _compute_dtype(hidden.dtype), targets.long()

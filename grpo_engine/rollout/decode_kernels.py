@@ -1,51 +1,23 @@
 """What a decode loop takes from kernels/ without importing it: weights packed for the loop, and the LM head's
-product, read off the model (`decode_kernels(model)`).
+product, read off the model's `Kernels` (`model.kernels.decode`, model/kernels_slot.py DecodeKernels).
 
 Why handed in: whether packing a weight into a library's blocked layout pays over a decode loop, and which GEMM
-runs the LM head at decode size, depend on the CPU and are measured by kernels/ (kernels.apply_kernels attaches its
-choices to the model as `decode_kernels`). A model without them (CUDA, bf16, a plan that keeps everything on torch,
-one never passed through apply_kernels) decodes on torch's products and packs nothing.
+runs the LM head at decode size, depend on the CPU and are measured by kernels/ (kernels.apply_kernels sets its
+choices in `model.kernels`). A model whose kernels keep torch's way (CUDA, bf16, a plan that keeps everything on
+torch, one never passed through apply_kernels) decodes on torch's products and packs nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from ..model.kernels_slot import DecodeKernels, PackedWeights
 
-class PackedWeights(Protocol):
-    """The weights one decode loop packed (kernels/packing.py DecodePacks): while it lasts, the packed
-    projections serve their products without gradients, and `head` (None: not packed) the LM head's."""
-
-    head: Callable[[torch.Tensor], torch.Tensor] | None  # hidden [A, D] -> logits [A, V]
-
-    def resize(self, rows: int, steps_left: int) -> None:
-        """The loop's batch now has `rows` rows and at most `steps_left` decode steps to go."""
-
-    def release(self) -> None:
-        """Unpack everything: the projections go back to their plain weights."""
-
-
-@dataclass(frozen=True)
-class DecodeKernels:
-    """kernels/'s choices for decoding a model; a field left None is torch's way. The callables take the model or
-    weight as an argument (no closure over it), so a copied model (the KL reference) uses its own weights."""
-
-    pack: Callable[[nn.Module, int, int], PackedWeights] | None = None  # (model, rows, steps) -> the loop's packs
-    head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (h [A, D], W [V, D]) -> new [A, V]
-
-
-NO_DECODE_KERNELS = DecodeKernels()
-
-
-def decode_kernels(model: nn.Module) -> DecodeKernels:
-    """The decode kernels kernels.apply_kernels attached to `model` (its `decode_kernels` attribute), or none."""
-    return getattr(model, "decode_kernels", None) or NO_DECODE_KERNELS
+__all__ = ["DecodeHead", "DecodeKernels", "PackedWeights", "packed_for_decode"]
 
 
 class _Unpacked:
@@ -64,7 +36,7 @@ class _Unpacked:
 def packed_for_decode(model: nn.Module, rows: int, steps: int) -> Iterator[PackedWeights]:
     """The model's weights packed (where its decode kernels say it pays) for a decode loop of `steps` steps over
     `rows` rows; unpacked on exit."""
-    pack = decode_kernels(model).pack
+    pack = model.kernels.decode.pack
     packs = pack(model, rows, steps) if pack is not None else _Unpacked()
     try:
         yield packs
@@ -83,7 +55,7 @@ class DecodeHead:
 
     def __init__(self, model: nn.Module, rows: int, packs: PackedWeights | None = None):
         self.weight, self.packs, self.rows = model.lm_head.weight, packs, rows  # [V, hidden]
-        self.product = decode_kernels(model).head
+        self.product = model.kernels.decode.head
         self.buf: torch.Tensor | None = None  # [rows, V], made at the first product that needs it
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

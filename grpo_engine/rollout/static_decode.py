@@ -91,11 +91,12 @@ def fsdp_sharded(model: torch.nn.Module) -> bool:
 
 def model_signature(model: Transformer) -> tuple:
     """What a captured step bakes in beyond the weights' values: each parameter's and buffer's storage, dtype and
-    shape, and each module's Python switches (train mode, LoRA merged, adapters on, a decode attention kernel)."""
+    shape, each module's Python switches (train mode, LoRA merged, adapters on) and the model's kernels (the decode
+    attention among them)."""
     tensors = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*model.parameters(), *model.buffers()))
-    flags = tuple((m.training, getattr(m, "merged", None), getattr(m, "adapter_enabled", None),
-                   id(getattr(m, "decode_attention", None))) for m in model.modules())
-    return tensors, flags
+    flags = tuple((m.training, getattr(m, "merged", None), getattr(m, "adapter_enabled", None))
+                  for m in model.modules())
+    return tensors, flags, id(model.kernels)
 
 
 class CaptureCheckFailed(RuntimeError):

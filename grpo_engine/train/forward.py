@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rl.logprobs import head_gemm, token_logprobs
+from ..rl.logprobs import token_logprobs
 from .batch import RolloutBatch, plan_micro_batches
 
 
@@ -153,7 +153,7 @@ def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_s
     hidden, targets, mask = completion_hidden(model, batch)  # [N, D], [N], [b, T-1]
     logp, ent = token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
                                chunk_size=chunk_size, with_entropy=with_entropy,
-                               gemm=head_gemm(model))  # [N], [N] | None
+                               gemm=model.kernels.head)  # [N], [N] | None
     return scatter_completion(logp, mask), None if ent is None else scatter_completion(ent, mask)
 
 

@@ -8,7 +8,6 @@ exactly the gradient of one big batch, whatever the split.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rl.logprobs import head_gemm
 from ..rl.losses import LossConfig, ResolvedLoss, is_tokenwise, policy_loss, resolve
 from ..world import World
 from .batch import RolloutBatch, plan_micro_batches
@@ -92,7 +90,7 @@ def grpo_loss(model, sub: RolloutBatch, loss: ResolvedLoss, totals: tuple[int, i
         num_seqs_total=totals[1])
     if fused:
         return fused_head_backward(model, sub, objective, temperature=temperature, chunk_size=chunk_size,
-                                   entropy_grad=loss.cfg.entropy_coef > 0, gemm=head_gemm(model),
+                                   entropy_grad=loss.cfg.entropy_coef > 0, gemm=model.kernels.head,
                                    correction=loss.cfg.rollout_correction != "none")
     logp, entropy = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
                                       with_entropy=True)  # [b, T] each
@@ -203,7 +201,7 @@ def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSetting
     for _ in range(s.mu if totals is not None else 0):
         optimizer.zero_grad(set_to_none=True)
         # fsdp2 reduces gradients from autograd hooks, which a gradient written straight into .grad would bypass
-        with accumulating(model, world), _weight_grads_in_place(model, world.strategy != "fsdp2"):
+        with accumulating(model, world), model.kernels.weight_grads_in_place(world.strategy != "fsdp2"):
             if batch is not None:
                 outcome.stats = accumulate_gradients(
                     model, batch, s.loss, outcome.micro_tokens, temperature=s.temperature, chunk_size=s.chunk_size,
@@ -248,9 +246,3 @@ def _advance_schedule(scheduler) -> None:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         scheduler.step()
 
-
-def _weight_grads_in_place(model, enabled: bool):
-    """The in-place weight-gradient accumulation kernels.apply_kernels attached to the model, if any
-    (kernels/onednn.py: weight_grads_in_place)."""
-    hook = getattr(model, "weight_grads_in_place", None)
-    return hook(enabled) if hook is not None else contextlib.nullcontext()

@@ -70,10 +70,10 @@ def test_a_bf16_model_gets_the_decode_attention_timed_in_bf16(tiny_ckpt, tmp_pat
         assert plan.attention == {key: "sdpa"}
         return
     assert timed == [key] and plan.attention == {key: "grouped"} and plan.gemm == {}  # no fp32 weights to time
-    assert {block.attn.decode_attention for block in model.layers} == {grouped_decode_attention}
+    assert model.kernels.decode_attention is grouped_decode_attention
 
 
-def test_the_plan_sets_the_decode_attention_of_every_block(tiny_ckpt):
+def test_the_plan_sets_the_decode_attention_of_the_model(tiny_ckpt):
     from grpo_engine.rollout import SamplingParams, generate
 
     model = load_model(tiny_ckpt, dtype=torch.float64)
@@ -85,8 +85,7 @@ def test_the_plan_sets_the_decode_attention_of_every_block(tiny_ckpt):
         for choice in ("sdpa", "grouped"):
             apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
                                             {key: choice}))
-            kernels = {block.attn.decode_attention for block in model.layers}
-            assert kernels == ({None} if choice == "sdpa" else {grouped_decode_attention})
+            assert model.kernels.decode_attention is (None if choice == "sdpa" else grouped_decode_attention)
             outs[choice] = generate(model, [[1, 2, 3], [4, 5]], params, seed=7)
     finally:
         activate(None)

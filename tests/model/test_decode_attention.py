@@ -4,6 +4,8 @@ with no host sync; on CUDA with SDPA's math kernel switched off."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,8 +28,7 @@ def test_cuda_runs_the_grouped_kernel_for_grouped_heads_and_the_cpu_what_its_pla
 
 
 def _set_decode_attention(model, kernel) -> None:
-    for block in model.layers:
-        block.attn.decode_attention = kernel
+    model.kernels = replace(model.kernels, decode_attention=kernel)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
@@ -49,8 +50,15 @@ def test_the_grouped_kernel_decodes_as_sdpa_does_float64(tiny_ckpt_factory, kv_h
 
     _set_decode_attention(model, None)
     sdpa = run()
-    _set_decode_attention(model, grouped_decode_attention)
+    calls = []
+
+    def grouped_counted(q, k, v, mask):
+        calls.append(q.shape)
+        return grouped_decode_attention(q, k, v, mask)
+
+    _set_decode_attention(model, grouped_counted)
     grouped = run()
+    assert len(calls) >= 11 * len(model.layers)  # every decode step of every layer ran it (12 tokens: 11 steps)
     assert grouped.completion_ids == sdpa.completion_ids
     assert len({len(c) for c in sdpa.completion_ids}) > 1  # rows of different lengths
     for a, b in zip(grouped.logprobs, sdpa.logprobs):
@@ -111,7 +119,7 @@ def test_cuda_decodes_grouped_heads_with_the_math_sdpa_kernel_off(tiny_ckpt, dty
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = apply_kernels(load_model(tiny_ckpt, dtype=dtype, device="cuda"))
-    assert {b.attn.decode_attention for b in model.layers} == {grouped_decode_attention}
+    assert model.kernels.decode_attention is grouped_decode_attention
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):

@@ -9,7 +9,6 @@ from grpo_engine.kernels import KernelPlan, apply_kernels, onednn, packed
 from grpo_engine.kernels.select import shape_key, weight_shapes
 from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
-from grpo_engine.rollout.decode_kernels import decode_kernels
 
 pytestmark = pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
 
@@ -98,7 +97,7 @@ def test_a_shrinking_batch_repacks_mkl_weights_while_it_pays_and_drops_them_afte
     row count and stay as they are."""
     model = _planned_model(tiny_ckpt, packing_after=5, kind=kind)
     projections = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear)]
-    packs = decode_kernels(model).pack(model, 6, 20)  # what apply_kernels attached for the decode loops
+    packs = model.kernels.decode.pack(model, 6, 20)  # what apply_kernels set for the decode loops
     first = [m.packed for m in projections]
     assert all(p.kind == kind and p.rows == 6 for p in first) and packs.head.rows == 6
     packs.resize(4, 10)

@@ -1,5 +1,5 @@
-"""The LM head's GEMMs reach rl/ and rollout/ from outside: kernels.apply_kernels attaches what its plan chose to
-the model (model.lm_head.head_gemm, model.decode_kernels), the log-prob head and the decode loop run those products
+"""The LM head's GEMMs reach rl/ and rollout/ from outside: kernels.apply_kernels sets what its plan chose in the
+model's Kernels (model.kernels.head, model.kernels.decode), the log-prob head and the decode loop run those products
 when handed them and torch's otherwise, with the same numbers."""
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
 from grpo_engine.kernels.select import shape_key, weight_shapes
 from grpo_engine.model.loading import load_model
-from grpo_engine.rl.logprobs import head_gemm, token_logprobs, token_logprobs_with_grads
+from grpo_engine.model.kernels_slot import DecodeKernels
+from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 from grpo_engine.rollout import SamplingParams, generate
-from grpo_engine.rollout.decode_kernels import NO_DECODE_KERNELS, decode_kernels
 
 needs_onednn = pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
 
@@ -47,15 +47,15 @@ def _head_pass(model, gemm):
 @needs_onednn
 @pytest.mark.parametrize("head,grad_input", [("onednn", "onednn"), ("onednn", "torch"), ("torch", "onednn"),
                                              ("torch", "torch")])
-def test_log_prob_head_runs_the_gemms_apply_kernels_attached(tiny_ckpt, monkeypatch, head, grad_input):
+def test_log_prob_head_runs_the_gemms_apply_kernels_set(tiny_ckpt, monkeypatch, head, grad_input):
     model = load_model(tiny_ckpt)
-    assert head_gemm(model) is None  # never through apply_kernels: torch's products
+    assert model.kernels.head is None  # never through apply_kernels: torch's products
     calls = _record_onednn(monkeypatch)
     plain = _head_pass(model, None)
     assert calls == []
     apply_kernels(model, _plan(model, head, grad_input))
-    gemm = head_gemm(model)
-    assert (gemm is None) == (head == grad_input == "torch")  # nothing attached where the plan keeps torch's
+    gemm = model.kernels.head
+    assert (gemm is None) == (head == grad_input == "torch")  # nothing set where the plan keeps torch's
     got = _head_pass(model, gemm)
     v, d = model.lm_head.weight.shape
     expected = {(v, d)} if head == "onednn" else set()  # the chunks' logits h @ W^T
@@ -66,20 +66,20 @@ def test_log_prob_head_runs_the_gemms_apply_kernels_attached(tiny_ckpt, monkeypa
 
 
 @needs_onednn
-def test_a_later_plan_without_onednn_removes_what_an_earlier_one_attached(tiny_ckpt):
+def test_a_later_plan_without_onednn_removes_what_an_earlier_one_set(tiny_ckpt):
     model = load_model(tiny_ckpt)
     apply_kernels(model, _plan(model, "onednn", "onednn", "onednn"))
-    assert head_gemm(model) is not None and decode_kernels(model).head is not None
+    assert model.kernels.head is not None and model.kernels.decode.head is not None
     apply_kernels(model, _plan(model, "torch"))
-    assert head_gemm(model) is None and decode_kernels(model) is NO_DECODE_KERNELS
+    assert model.kernels.head is None and model.kernels.decode == DecodeKernels()
 
 
 @needs_onednn
-def test_nothing_is_attached_to_a_bf16_model(tiny_ckpt):
+def test_a_bf16_model_keeps_torchs_head_products(tiny_ckpt):
     """oneDNN's products here are fp32 ones: a bf16 model keeps torch's whatever the plan says."""
     model = load_model(tiny_ckpt, dtype=torch.bfloat16)
     apply_kernels(model, _plan(model, "onednn", "onednn", "onednn"))
-    assert head_gemm(model) is None and decode_kernels(model) is NO_DECODE_KERNELS
+    assert model.kernels.head is None and model.kernels.decode == DecodeKernels()
 
 
 def _sample(model):
@@ -89,7 +89,7 @@ def _sample(model):
 
 @needs_onednn
 @pytest.mark.parametrize("decode", ["onednn", "torch"])
-def test_decode_head_runs_the_product_apply_kernels_attached(tiny_ckpt, monkeypatch, decode):
+def test_decode_head_runs_the_product_apply_kernels_set(tiny_ckpt, monkeypatch, decode):
     """The decode loop's LM head on oneDNN where the plan runs the head's weight there (the prefill's last-position
     head is the model's own nn.Linear), else torch.mm into its reused buffer: the same samples either way."""
     calls = _record_onednn(monkeypatch)
@@ -97,8 +97,8 @@ def test_decode_head_runs_the_product_apply_kernels_attached(tiny_ckpt, monkeypa
     assert calls == []
     model = load_model(tiny_ckpt)
     apply_kernels(model, _plan(model, "torch", decode=decode))
-    assert (decode_kernels(model).head is None) == (decode == "torch")
-    assert decode_kernels(model).pack is None  # the plan packs nothing
+    assert (model.kernels.decode.head is None) == (decode == "torch")
+    assert model.kernels.decode.pack is None  # the plan packs nothing
     out = _sample(model)
     head_shape = tuple(model.lm_head.weight.shape)
     assert set(calls) == ({head_shape} if decode == "onednn" else set())

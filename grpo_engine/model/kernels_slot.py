@@ -1,0 +1,88 @@
+"""`Kernels`: every product a model runs other than torch's own, in one typed value the model carries
+(`Transformer.kernels`), with torch's products as the default.
+
+Why one value: which GEMM, attention or packing is fastest depends on the machine and is measured by kernels/
+(a `KernelPlan`), while the code that runs the products (the model's decode steps, rl/logprobs.py's chunked head,
+rollout/'s decode loops, train/update.py's accumulation passes) sits left of kernels/ in the layer order and may
+not import it. kernels.apply_kernels builds this value from the plan and sets `model.kernels`; the readers read
+`model.kernels.<field>` and need no check whether a model went through apply_kernels: a model that did not carries
+`Kernels()`, torch's products everywhere. The callables take the model or weight as an argument (no closure over
+it), so a deep copy of the model (the KL reference) runs them on its own weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S] bool) -> [B, H, 1, D]: a decode step's attention
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HeadGemm:
+    """The products of rl/logprobs.py's chunked head to run on a GEMM other than torch's; a field left None is
+    torch's. `accepts` says which inputs the products take (oneDNN's: fp32 CPU matrices); other inputs run torch's
+    products."""
+
+    logits: Product | None = None  # (h [n, D], W [V, D]) -> a new [n, V] = h W^T; None: torch.mm into a reused buffer
+    grad_input: Product | None = None  # (gz [n, V], W [V, D]) -> a new [n, D] = gz W; None: torch.mm
+    accepts: Callable[[torch.Tensor, torch.Tensor], bool] | None = None  # (hidden, W) -> usable; None: any inputs
+
+
+class PackedWeights(Protocol):
+    """The weights one decode loop packed (kernels/packing.py DecodePacks): while it lasts, the packed
+    projections serve their products without gradients, and `head` (None: not packed) the LM head's."""
+
+    head: Callable[[torch.Tensor], torch.Tensor] | None  # hidden [A, D] -> logits [A, V]
+
+    def resize(self, rows: int, steps_left: int) -> None:
+        """The loop's batch now has `rows` rows and at most `steps_left` decode steps to go."""
+
+    def release(self) -> None:
+        """Unpack everything: the projections go back to their plain weights."""
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    """What a decode loop (rollout/decode_kernels.py) runs other than torch's products; a field left None is
+    torch's way."""
+
+    pack: Callable[[nn.Module, int, int], PackedWeights] | None = None  # (model, rows, steps) -> the loop's packs
+    head: Product | None = None  # (h [A, D], W [V, D]) -> new [A, V]: the LM head at decode
+
+
+def no_weight_grads_in_place(enabled: bool = True) -> AbstractContextManager[None]:
+    """torch's way: autograd returns every weight gradient and adds it to .grad."""
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The products a model runs, as kernels/ chose them for this machine (`Kernels()`: torch's everywhere).
+
+    gemm: "out x in" of a projection weight -> "onednn" | "torch", the GEMM its products run on (the plan's
+        choice; kernels/onednn.OneDNNLinear, which apply_kernels puts in place of the blocks' nn.Linear, follows
+        it); empty: torch's.
+    decode_attention: the attention of a decode step (one new token per row), None for SDPA.
+    head: the chunked log-prob head's products (rl/logprobs.py), None for torch's.
+    decode: the decode loops' packing and LM-head product.
+    weight_grads_in_place: the context in which the trainer's accumulation passes add the planned weight
+        gradients straight into .grad (enabled=False: autograd's way, as sharded training needs).
+    """
+
+    gemm: dict[str, str] = field(default_factory=dict)
+    decode_attention: DecodeAttention | None = None
+    head: HeadGemm | None = None
+    decode: DecodeKernels = DecodeKernels()
+    weight_grads_in_place: Callable[[bool], AbstractContextManager[None]] = no_weight_grads_in_place
+
+
+TORCH_KERNELS = Kernels()
