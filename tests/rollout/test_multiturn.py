@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from grpo_engine.model.config import ModelConfig
+from grpo_engine.model.kernels_slot import Kernels
 from grpo_engine.rollout import SamplingParams, generate
 from grpo_engine.rollout.chat_turns import tools_paragraph
 from grpo_engine.rollout.multiturn import run_multiturn
@@ -60,6 +61,7 @@ class ScriptedModel(nn.Module):
         self.lm_head = nn.Linear(vocab, vocab, bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(torch.eye(vocab))
+        self.kernels = Kernels()  # torch's products, as a Transformer's before kernels.apply_kernels
         self.policy = policy
 
     @property
