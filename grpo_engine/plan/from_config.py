@@ -15,11 +15,47 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice
-from .memory import MemoryPlan, PlanInput, fits, plan_memory
+from .memory import MemoryPlan, PlanInput, fits, linear_shapes, plan_memory
 from .policy_spec import policy_spec
 from .precision import planned_card_native_bf16, resolve_precision
 from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
+
+SIZE_LIMIT = 2**32  # the most rows, tokens or examples a size setting is planned at (no card holds a step of more)
+SIZE_SETTINGS = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_prompt_tokens",
+                 "rollout.max_new_tokens", "eval.max_examples", "eval.max_new_tokens", "curriculum.samples",
+                 "curriculum.max_new_tokens", "lora.rank")
+
+
+def shown(n: int) -> str:
+    """An integer for a one-line error: 1,234,567 up to 10^18, then its leading digits and exponent."""
+    digits = str(n)
+    return f"{n:,}" if n < 10**18 else f"{digits[0]}.{digits[1:3]}e+{len(digits) - 1}"
+
+
+def check_sizes_plannable(cfg: Config) -> None:
+    """Refuse a size setting beyond SIZE_LIMIT in one line: the planner counts bytes in floats, and products of such
+    values overflow them (memory.micro_batch_tokens and rollout.max_tokens_in_flight mean 'all at once' when large:
+    they are capped by the step's rows instead)."""
+    for name in SIZE_SETTINGS:
+        section, field = name.split(".")
+        value = getattr(getattr(cfg, section), field)
+        if value > SIZE_LIMIT:
+            raise ConfigError(f"{name}={shown(value)} is more than any card holds (the planner counts sizes up to "
+                              f"{SIZE_LIMIT:,}): lower {name}")
+
+
+def check_lora_rank(knobs: PlanInput, model: ModelConfig) -> None:
+    """A LoRA update B @ A of a [in, out] projection has rank at most min(in, out): lora.rank above the largest such
+    bound of the targeted projections adds adapter weights and memory but no expressiveness."""
+    if knobs.mode == "full":
+        return
+    shapes = linear_shapes(model)
+    bound = max(min(shapes[t]) for t in knobs.lora_targets)
+    if knobs.lora_rank > bound:
+        raise ConfigError(f"lora.rank={shown(knobs.lora_rank)} is above {bound}, the highest rank an update of the "
+                          f"targeted projections ({', '.join(knobs.lora_targets)}) can have: set lora.rank <= {bound} "
+                          f"(or full fine-tuning: lora.enabled=false)")
 
 
 def decode_call_knobs(cfg: Config) -> dict:
@@ -67,6 +103,7 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
     """The planner's knobs for one step of `cfg`. Lengths are the caps (rollout.max_prompt_tokens,
     rollout.max_new_tokens), so the plan is the worst step, not the average one; a training micro-batch
     holds memory.micro_batch_tokens // (prompt + completion) rows of that worst length (at least one)."""
+    check_sizes_plannable(cfg)
     r, m = cfg.rollout, cfg.memory
     spec = policy_spec(cfg)  # the trainer's own decision: full / LoRA / QLoRA and where the reference lives
     slots = r.max_prompt_tokens + r.max_new_tokens
@@ -119,8 +156,10 @@ def plan_config(cfg: Config, shape: str | None = None, card_gib: float | None = 
     defaults."""
     card = card_gib if card_gib is not None else (cfg.memory.gpu_memory_gib or None)
     knobs = plan_input_from_config(cfg)
+    model = config_model_shape(cfg, shape)
+    check_lora_rank(knobs, model)
     choice = config_memory_choice(cfg, card, shape).knobs(knobs.prompt_len + knobs.completion_len)
-    return plan_memory(config_model_shape(cfg, shape), dataclasses.replace(knobs, **{**choice, **knob_overrides}))
+    return plan_memory(model, dataclasses.replace(knobs, **{**choice, **knob_overrides}))
 
 
 def check_memory_fits(cfg: Config) -> None:

@@ -20,7 +20,7 @@ chunks of `logprob_chunk` tokens with only one chunk's [chunk, V] fp32 buffers a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config.training import LORA_TARGETS as ALL_LINEAR
 from ..model.config import ModelConfig
@@ -359,7 +359,9 @@ def reference_bytes(cfg: ModelConfig, k: PlanInput) -> float:
 
 def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
     """Predict the GPU memory of each phase of one GRPO step and the peak (see module docstring)."""
-    c, k = model_cfg, knobs
+    # a micro-batch beyond the step's rows (memory.micro_batch_tokens meaning 'all at once') holds the step's rows
+    c, k = model_cfg, replace(knobs, micro_batch_rows=min(knobs.micro_batch_rows,
+                                                          knobs.prompts_per_step * knobs.group_size))
     n_train, grad_s = trainable(c, k)
     resident = {
         "weights": weight_bytes(c, k),

@@ -136,6 +136,47 @@ def test_plan_cli_errors(capsys, tmp_path):
                  "--activation-checkpointing", "all"]) == 0
 
 
+HUGE = 10**400  # no float holds it
+
+
+@pytest.mark.parametrize("setting", ["rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
+                                     "rollout.max_prompt_tokens", "eval.max_examples", "eval.max_new_tokens",
+                                     "curriculum.max_new_tokens", "lora.rank"])
+def test_plan_refuses_a_size_no_card_holds_in_one_line(capsys, setting):
+    """The planner's bytes are floats: a size of 10^400 overflowed them (an OverflowError traceback)."""
+    preset = str(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml")
+    assert main(["plan", preset, f"{setting}={HUGE}", "--model", "qwen2.5-1.5b"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"grpo plan: error: {setting}=1.00e+400 is more than any card holds (the planner counts sizes up "
+                   f"to 4,294,967,296): lower {setting}\n")
+
+
+def test_plan_takes_a_micro_batch_beyond_the_step_as_the_step(capsys):
+    """memory.micro_batch_tokens larger than the step's batch means 'all at once': planned as the step's rows."""
+    preset = str(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml")
+    cfg = load_config(preset, [f"memory.micro_batch_tokens={HUGE}"])
+    r = cfg.rollout
+    assert plan_config(cfg, "qwen2.5-1.5b").knobs.micro_batch_rows == r.prompts_per_step * r.group_size
+    assert main(["plan", preset, f"memory.micro_batch_tokens={HUGE}", "--model", "qwen2.5-1.5b"]) in (0, 1)
+
+
+def test_plan_refuses_a_lora_rank_above_the_projections_rank(capsys):
+    """Qwen2.5-1.5B: hidden 1536, the widest min(in, out) of the targeted projections, so a rank-1536 update of
+    q_proj is already full rank; k_proj alone (1536 -> 256) is full rank at 256."""
+    preset = str(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml")
+    assert main(["plan", preset, "lora.rank=1536", "--model", "qwen2.5-1.5b"]) in (0, 1)
+    capsys.readouterr()
+    assert main(["plan", preset, "lora.rank=100000000", "--model", "qwen2.5-1.5b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo plan: error: lora.rank=100,000,000 is above 1536, the highest rank an update of the "
+                          "targeted projections (") and err.endswith("set lora.rank <= 1536 (or full fine-tuning: "
+                                                                     "lora.enabled=false)\n")
+    assert err.count("\n") == 1
+    assert main(["plan", preset, "lora.rank=257", "lora.target_modules=[k_proj]", "--model", "qwen2.5-1.5b"]) == 2
+    assert "lora.rank=257 is above 256" in capsys.readouterr().err
+    assert main(["plan", preset, "lora.enabled=false", "lora.rank=100000000", "--model", "qwen2.5-1.5b"]) in (0, 1)
+
+
 def test_plan_cli_rejects_a_card_without_memory_and_a_non_boolean(capsys):
     """--card -1 got a "DOES NOT FIT" verdict, and --master-weights maybe was read as false."""
     assert main(["plan", "--model", "qwen2.5-0.5b", "--card", "-1"]) == 2
