@@ -3,19 +3,22 @@
     python benchmarks/step_vs_trl.py                       # ~100M-param Qwen2 shape, 151,936 vocab (minutes)
     python benchmarks/step_vs_trl.py --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 \
         --vocab 272 --steps 3                              # dry run in seconds
+    python benchmarks/step_vs_trl.py --engines ours,trl,trl-bf16   # TRL in fp32 and with bf16=True, one run
 
 Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of
 the same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours
 never stops on it, TRL has the EOS/pad ids suppressed), fp32, beta = 0 (no reference model), one update
 per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same learning rate, and the
 same kind of reward (a seeded pseudo-random number per completion: it varies within each group, so every
-advantage is non-zero and neither engine can skip a row of the update).
+advantage is non-zero and neither engine can skip a row of the update). The engine `trl-bf16` is TRL with
+GRPOConfig(bf16=True): Trainer's mixed precision (bf16 autocast over the fp32 weights and optimizer state),
+the setting TRL users pick on a CPU with bf16 products; its time and RSS ratios are reported beside fp32 TRL's.
 
 Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
   * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench/step.py: the trainer's phases);
   * TRL: this file with --child trl (GRPOTrainer; a TrainerCallback times on_step_begin -> on_step_end,
-    which covers generation, reward, loss, backward and the optimizer step).
-Both children are alive at once but take turns (grpo_engine/bench/turns.py): each one's set-up runs alone, then
+    which covers generation, reward, loss, backward and the optimizer step), with --trl-bf16 for trl-bf16.
+All children are alive at once but take turns (grpo_engine/bench/turns.py): each one's set-up runs alone, then
 our step 1, TRL's step 1, our step 2, TRL's step 2, ... A machine whose speed drifts over minutes then gives each
 pair of steps the same speed, and the time ratio is the median of the pairs' ratios after the first pair (the
 first steps pay one-off warm-up). Each engine's own figure is its median step after the first.
@@ -64,8 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0 = torch default)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="turn on TRL's gradient checkpointing (GRPOConfig's default); off = same as ours")
-    p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl")
+    p.add_argument("--engines", default="ours,trl", help="comma list: ours, trl (fp32), trl-bf16 (TRL with "
+                   "bf16=True: bf16 autocast over fp32 weights)")
     p.add_argument("--child", choices=["trl"], help=argparse.SUPPRESS)
+    p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)  # the trl-bf16 child
     p.add_argument("--turn-fds", help=argparse.SUPPRESS)  # the child's turn pipe (grpo_engine/bench/turns.py)
     return p.parse_args(argv)
 
@@ -159,13 +164,20 @@ def ours_command(args, model_dir: Path) -> list[str]:
             "--json", "model.device=cpu"]  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
 
 
-def trl_command(args, model_dir: Path) -> list[str]:
+def trl_command(args, model_dir: Path, bf16: bool = False) -> list[str]:
+    """The TRL child's command line; bf16: GRPOConfig(bf16=True) (the engine trl-bf16)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "trl", "--model", str(model_dir),
            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
            "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads)]
     if args.trl_gradient_checkpointing:
         cmd.append("--trl-gradient-checkpointing")
+    if bf16:
+        cmd.append("--trl-bf16")
     return cmd
+
+
+ENGINE_COMMANDS = {"ours": ours_command, "trl": trl_command,
+                   "trl-bf16": lambda args, model_dir: trl_command(args, model_dir, bf16=True)}
 
 
 # ------------------------------------------------------------------------------------------ TRL child
@@ -228,15 +240,7 @@ def trl_child(args) -> dict:
 
     never = sorted({*_eos_ids(args.model, tok), tok.pad_token_id} - {None})
     with tempfile.TemporaryDirectory() as out_dir:
-        config = GRPOConfig(
-            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=0,
-            per_device_train_batch_size=args.prompts * args.group,  # TRL counts completions
-            num_generations=args.group, max_completion_length=args.max_new, gradient_accumulation_steps=1,
-            num_iterations=1, beta=0.0, learning_rate=LR, temperature=1.0, max_steps=args.steps,
-            gradient_checkpointing=args.trl_gradient_checkpointing, model_init_kwargs={"dtype": "float32"},
-            generation_kwargs={"suppress_tokens": never},  # EOS/pad never sampled: every completion is max_new
-            save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-        )
+        config = GRPOConfig(**trl_config_kwargs(args, out_dir, never))
         timer = StepTimer()
         trainer = GRPOTrainer(model=args.model, reward_funcs=random_reward, args=config,
                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
@@ -244,13 +248,28 @@ def trl_child(args) -> dict:
         trainer.train()
     tail = timer.times[1:] or timer.times
     return {
-        "engine": "trl", "sec_per_step": statistics.median(tail), "step_times": timer.times,
+        "engine": "trl-bf16" if args.trl_bf16 else "trl", "bf16": bool(config.bf16),
+        "sec_per_step": statistics.median(tail), "step_times": timer.times,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "mean_completion_len": statistics.mean(lengths), "min_completion_len": min(lengths),
         "params": sum(p.numel() for p in trainer.model.parameters()), "threads": torch.get_num_threads(),
         "suppressed_token_ids": never, "gradient_checkpointing": args.trl_gradient_checkpointing,
         "optimizer": str(config.optim),
     }
+
+
+def trl_config_kwargs(args, out_dir: str, never: list[int]) -> dict:
+    """GRPOConfig's arguments: the same work as ours; with --trl-bf16, bf16=True (Trainer's bf16 autocast on the
+    CPU), the weights still loaded in fp32 as the master copy the optimizer updates."""
+    return dict(
+        output_dir=out_dir, use_cpu=True, bf16=bool(args.trl_bf16), fp16=False, seed=0,
+        per_device_train_batch_size=args.prompts * args.group,  # TRL counts completions
+        num_generations=args.group, max_completion_length=args.max_new, gradient_accumulation_steps=1,
+        num_iterations=1, beta=0.0, learning_rate=LR, temperature=1.0, max_steps=args.steps,
+        gradient_checkpointing=args.trl_gradient_checkpointing, model_init_kwargs={"dtype": "float32"},
+        generation_kwargs={"suppress_tokens": never},  # EOS/pad never sampled: every completion is max_new
+        save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+    )
 
 
 def _eos_ids(model_dir: str, tok) -> list[int]:
@@ -265,6 +284,17 @@ def _eos_ids(model_dir: str, tok) -> list[int]:
 def paired_ratios(ours: list[float], peer: list[float]) -> list[float]:
     """ours[i] / peer[i] for each step i both ran: step i of each ran back to back (run_interleaved)."""
     return [a / b for a, b in zip(ours, peer)]
+
+
+def peer_ratios(ours: dict, peer: dict) -> dict:
+    """Ours against one TRL child: the time ratio is the median of the step pairs after the first (the steps ran
+    in turn, pair by pair), with the medians' and the fastest steps' ratios (a load-robust second opinion when the
+    machine is shared) beside it, and the peak RSS ratio."""
+    pairs = paired_ratios(ours["step_times"], peer["step_times"])
+    return {"pair_time_ratios": pairs, "time_ratio": statistics.median(pairs[1:] or pairs),
+            "median_time_ratio": ours["sec_per_step"] / peer["sec_per_step"],
+            "rss_ratio": ours["peak_rss_mib"] / peer["peak_rss_mib"],
+            "min_time_ratio": min(ours["step_times"]) / min(peer["step_times"])}
 
 
 def report(args, results: dict[str, dict]) -> dict:
@@ -284,21 +314,19 @@ def report(args, results: dict[str, dict]) -> dict:
                "max_new": args.max_new, "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
                "dtype": "float32", "beta": 0.0, "mu": 1, "lr": LR,
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
-    if "ours" in results and "trl" in results:
-        ours, trl = results["ours"], results["trl"]
-        pairs = paired_ratios(ours["step_times"], trl["step_times"])
-        summary["pair_time_ratios"] = pairs
-        summary["time_ratio"] = statistics.median(pairs[1:] or pairs)  # the steps ran in turn: pair by pair
-        summary["median_time_ratio"] = ours["sec_per_step"] / trl["sec_per_step"]
-        summary["rss_ratio"] = ours["peak_rss_mib"] / trl["peak_rss_mib"]
-        # the fastest step of each: a load-robust second opinion when the machine is shared
-        summary["min_time_ratio"] = min(ours["step_times"]) / min(trl["step_times"])
-        summary["targets_met"] = {"time_ratio<=0.3": summary["time_ratio"] <= 0.3,
-                                  "rss_ratio<=0.5": summary["rss_ratio"] <= 0.5}
-        print(f"ratios (ours / TRL): time {summary['time_ratio']:.3f} (median of the step pairs after the first, "
-              f"target <= 0.3; pairs {' '.join(f'{r:.3f}' for r in pairs)}; medians "
-              f"{summary['median_time_ratio']:.3f}; fastest steps {summary['min_time_ratio']:.3f}), "
-              f"peak RSS {summary['rss_ratio']:.3f} (target <= 0.5)")
+    targets = {"trl": ("", {"time_ratio": 0.3, "rss_ratio": 0.5}), "trl-bf16": ("_trl_bf16", {"time_ratio": 0.6})}
+    for peer, (suffix, limits) in targets.items():
+        if "ours" not in results or peer not in results:
+            continue
+        ratios = peer_ratios(results["ours"], results[peer])
+        summary.update({key + suffix: value for key, value in ratios.items()})
+        summary.setdefault("targets_met", {}).update(
+            {f"{key}{suffix}<={limit}": ratios[key] <= limit for key, limit in limits.items()})
+        print(f"ratios (ours / {peer}): time {ratios['time_ratio']:.3f} (median of the step pairs after the first, "
+              f"target <= {limits['time_ratio']}; pairs {' '.join(f'{r:.3f}' for r in ratios['pair_time_ratios'])}; "
+              f"medians {ratios['median_time_ratio']:.3f}; fastest steps {ratios['min_time_ratio']:.3f}), "
+              f"peak RSS {ratios['rss_ratio']:.3f}" + (f" (target <= {limits['rss_ratio']})" if "rss_ratio" in limits
+                                                      else ""))
     return summary
 
 
@@ -308,12 +336,11 @@ def main(argv=None) -> int:
         print(RESULT_TAG + json.dumps(trl_child(args)), flush=True)
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not engines or set(engines) - {"ours", "trl"}:
-        raise SystemExit(f"--engines {args.engines!r}: give a comma list of ours, trl")
-    commands = {"ours": ours_command, "trl": trl_command}
+    if not engines or set(engines) - set(ENGINE_COMMANDS):
+        raise SystemExit(f"--engines {args.engines!r}: give a comma list of {', '.join(ENGINE_COMMANDS)}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_checkpoint(args, Path(tmp) / "model")
-        results = run_interleaved({name: commands[name](args, model_dir) for name in engines}, Path(tmp))
+        results = run_interleaved({name: ENGINE_COMMANDS[name](args, model_dir) for name in engines}, Path(tmp))
     if "ours" in results:
         results["ours"]["mean_completion_len"] = float(args.max_new)  # bench_step never stops early
     print(json.dumps(report(args, results)))
