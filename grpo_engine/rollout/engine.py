@@ -1,7 +1,8 @@
 """The one decode engine: prefill prompts once, then advance every row of a batch one sampled token per step.
 
-Single-turn generation (generate.py) and multi-turn trajectories (multiturn.py) are both rows of this engine:
-a single-turn row is a conversation that ends after one model turn. Each step:
+Single-turn completions and multi-turn trajectories are both rows of this engine (rows.Row, one type): a
+single-turn row is a conversation that ends after one model turn. generate.generate_rows picks this loop or the
+static decode (static_decode.py). Each step:
 
 1. sample one token for every row from the last logits (Sampler: temperature, top-k / top-p / min-p, the
    chosen token's log-prob under the full and under the filtered distribution), one host sync for the batch;
@@ -13,7 +14,9 @@ a single-turn row is a conversation that ends after one model turn. Each step:
    contiguous sequence for the model; the logits are taken at each row's last position.
 
 The cache has one write position for all rows, so feeding k environment tokens to one row writes k slots in
-every row (k - 1 masked holes in the others); the cache grows by doubling when they fill it.
+every row (k - 1 masked holes in the others); the cache grows by doubling when they fill it. Holes cost memory and
+attention, not correctness, and on typical tool turns (tens of tokens, a few per trajectory) they are a small
+fraction; in exchange no row waits for another and nothing is copied between caches.
 """
 
 from __future__ import annotations
@@ -21,30 +24,16 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
+from .rows import Row
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]  # ids [A, K], mask -> hidden [A, D]
-
-
-class Row(Protocol):
-    """A sequence in the batch: what the engine asks of generate's completions and multiturn's trajectories."""
-
-    generator: int  # which per-prompt generator draws its tokens (per-prompt seeds; see Draws)
-    pending: list[int]  # tokens to feed at the next step (its last sampled token, or environment tokens)
-
-    @property
-    def finished(self) -> bool: ...
-
-    def take(self, token: int, logp: float, filtered_logp: float) -> None: ...
-
-    def steps_left(self) -> int: ...  # decode steps it may still take (a bound): the packed weights' horizon
 
 
 def as_seed(seed: int | Sequence[int]) -> int | list[int]:

@@ -1,20 +1,21 @@
-"""Batched generation on the policy's own weights: prefill each prompt once, decode its G samples.
+"""The one decode front: `generate_rows` runs rows (rollout/rows.py) to their ends, single-turn completions
+(`generate`) and multi-turn trajectories (multiturn.run_multiturn) alike; which loop runs them is its choice
+(`choose_loop`): the dynamic loop (engine.decode) or the static decode (static_decode.decode_static), with CUDA
+graphs or eagerly.
 
-One call runs in waves (so rows x max length stays under `max_tokens_in_flight`). Within a wave:
+One call runs in waves (so rows x max length stays under `max_tokens_in_flight`; a multi-turn call is one wave).
+Each wave prefills its distinct first prompts once (a prefix all of them share runs once), copies each prompt's
+keys/values to its rows, then decodes: the dynamic loop (engine.py) one token per row per step with compaction;
+the static decode (static_decode.py) 16 steps a chunk on a preallocated state whose rows step down batch buckets.
 
-1. prefill: the wave's P prompts, left-padded to length L, go through the model once into a [P, ., L, .]
-   cache; the LM head is applied to the last position only ([P, V], not [P, L, V]). A prefix common to all P
-   prompts (a chat template's system prompt) runs once and is copied to every row;
-2. share: each prompt's keys/values are copied to its G rows of the decode cache [P*G, ., L+T, .] — the
-   prompt is never recomputed per sample;
-3. decode: all rows advance one token per step with a key-padding mask; rows that finish (stop token,
-   stop string, max_new_tokens) are dropped from the batch (cache, mask, state gathered by index) once they
-   are `compact_fraction` of the active rows, so long completions do not pay for finished ones.
+Multi-turn rows always take the dynamic loop, on CUDA too: the static step feeds exactly one sampled token per row
+(one write slot, one position, one uniform column each), so it cannot prefill a row's environment tokens mid-decode
+(docs/architecture.md says what that would take).
 
 Reproducibility: with `seed` an int, one torch.Generator seeded with it drives every draw, so the same call
-(same prompts, params, seed, device) gives the same completions. With one seed per prompt, each prompt draws
-from its own generator, and only for its unfinished rows: a prompt's completions then do not depend on which
-other prompts share the call, the wave plan, or when other rows finish (the trainer seeds each prompt by
+(same prompts, params, seed, device) gives the same completions. With one seed per prompt (per trajectory), each
+prompt draws from its own generator, and only for its unfinished rows: a prompt's completions then do not depend on
+which other prompts share the call, the wave plan, or when other rows finish (the trainer seeds each prompt by
 (seed, step, global prompt index), so splitting prompts across ranks does not change what is sampled).
 """
 
@@ -26,13 +27,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.transformer import Transformer
-from .decode_kernels import PackedWeights, packed_for_decode
-from .engine import DecodeStep, Draws, as_seed, decode, eager_step, prefill
+from .decode_kernels import packed_for_decode
+from .engine import Draws, as_seed, decode, eager_step, prefill
+from .rows import Row, validate_rows
 from .sampling import Sampler, SamplingParams
-from .static_decode import decode_static, graphs_for, release_static_decode, static_decoder
+from .static_decode import cuda_graphs_on, decode_static, graphs_for, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
-STOP, LENGTH = "stop", "length"
+LOOPS = ("dynamic", "static", "graphs")  # generate_rows' loops: engine.decode; decode_static eagerly / with graphs
 
 
 @dataclass
@@ -61,63 +63,8 @@ class GenerationOutput:
         return sum(len(c) for c in self.completion_ids)
 
 
-@dataclass
-class _Row:
-    """One completion (the engine's Row): a conversation that ends after one model turn."""
-
-    generator: int  # the prompt's index in the call (per-prompt seeds draw from its generator)
-    stop_ids: set[int]
-    stop_strings: StopStrings
-    max_new: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    filtered_logprobs: list[float] = field(default_factory=list)
-    reason: str | None = None  # STOP | LENGTH once finished
-    pending: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.reason is not None
-
-    def take(self, token: int, logp: float, filtered_logp: float) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logp)
-        self.filtered_logprobs.append(filtered_logp)
-        if token in self.stop_ids or self.stop_strings(self.tokens):
-            self.reason = STOP
-        elif len(self.tokens) >= self.max_new:
-            self.reason = LENGTH
-        self.pending = [token]
-
-    def steps_left(self) -> int:
-        return self.max_new - len(self.tokens)
-
-
 # ----------------------------------------------------------------------------------------------------
-# Validation and wave planning
-
-
-def _validate(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams, tokenizer) -> None:
-    cfg = model.config
-    if params.stop_strings and tokenizer is None:
-        raise ValueError(
-            "stop_strings need a tokenizer to decode completions: pass generate(..., tokenizer=tok)"
-        )
-    for i, p in enumerate(prompt_ids):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS)")
-        if len(p) > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens, longer than the model's max_position_embeddings="
-                f"{cfg.max_position_embeddings}; truncate the prompt"
-            )
-        if len(p) + params.max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i} ({len(p)} tokens) + max_new_tokens={params.max_new_tokens} exceeds the model's "
-                f"max_position_embeddings={cfg.max_position_embeddings}; lower max_new_tokens or shorten it"
-            )
-        if min(p) < 0 or max(p) >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={cfg.vocab_size})")
+# Wave planning
 
 
 def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
@@ -145,24 +92,7 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# One wave
-
-
-def _run_wave(model: Transformer, prompts: list[list[int]], params: SamplingParams, sample: Sampler, draws: Draws,
-              stop_strings: StopStrings, step: DecodeStep, prompt_ids: list[int], packs: PackedWeights) -> list[_Row]:
-    """Generate n completions for each prompt of the wave (their indices in the call: prompt_ids); rows in
-    (prompt, sample) order."""
-    n, T = params.n, params.max_new_tokens
-    share = [i for i in range(len(prompts)) for _ in range(n)]  # row -> its prompt in the wave
-    cache, key_mask, logits = prefill(model, prompts, share, T)
-    rows = [_Row(prompt_ids[i], set(params.stop_token_ids), stop_strings, T) for i in share]
-    packs.resize(len(rows), T)  # a wave smaller than the largest one
-    decode(model, rows, cache, key_mask, logits, sample, draws, packs, step, params.compact_fraction)
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------
-# Public entry point
+# Single-turn rows
 
 
 def generate(
@@ -173,83 +103,125 @@ def generate(
     *,
     tokenizer=None,
     compile: bool | str = False,
+    loop: str | None = None,
 ) -> GenerationOutput:
     """Sample params.n completions for each prompt with the model's own weights (no copy, no sync).
 
     seed: one int for the call, or one per prompt (see the module docstring: per-prompt seeds make a prompt's
     completions independent of the rest of the batch).
-    tokenizer: needed only for stop_strings. compile: torch.compile the decode step (True = inductor,
+    tokenizer: needed only for stop_strings. compile: torch.compile the dynamic loop's step (True = inductor,
     or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
-    params.cuda_graphs picks the loop (static_decode.graphs_for): `auto` (the default) runs the static decode
-    with CUDA graphs on CUDA (generate_static; eagerly after a failed capture check) unless the model is sharded by
-    FSDP2, and the dynamic loop below elsewhere.
+    loop: None lets params.cuda_graphs pick (choose_loop); `static` / `graphs` force the static decode without /
+    with CUDA graphs (same waves, same completions up to float rounding for greedy decoding; sampled ones come from
+    another random stream, Draws.table; params.compact_fraction does not apply there: finished rows leave by batch
+    buckets, static_cache.bucket_for).
     """
-    if graphs_for(model, params.cuda_graphs, bool(compile)):
-        return generate_static(model, prompt_ids, params, seed, tokenizer=tokenizer, graphs=True)
-    _validate(model, prompt_ids, params, tokenizer)
-    if not prompt_ids:
-        return GenerationOutput([], [], [], [])
-    draws = Draws(_seeds(seed, prompt_ids), model.device)
-    sample, stops = Sampler(params), StopStrings(params.stop_strings, tokenizer)
-    step = eager_step(model)
-    if compile:
-        step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
-    waves = plan_waves([len(p) for p in prompt_ids], params)
-    rows_in_flight = max(len(w) for w in waves) * params.n
-    pack_steps = 0 if compile else params.max_new_tokens  # a compiled step keeps the plain weights
-    rows: list[_Row] = []
-    with torch.inference_mode(), packed_for_decode(model, rows_in_flight, pack_steps) as packs:
-        for wave in waves:
-            rows += _run_wave(model, [prompt_ids[i] for i in wave], params, sample, draws, stops, step, wave, packs)
-    return _output(rows, params.n)
-
-
-def _seeds(seed: int | Sequence[int], prompt_ids: list[list[int]]) -> int | list[int]:
-    seed = as_seed(seed)
-    if not isinstance(seed, int) and len(seed) != len(prompt_ids):
-        raise ValueError(f"got {len(seed)} seeds for {len(prompt_ids)} prompts: give one int, or one seed per prompt")
-    return seed
-
-
-def _output(rows: list[_Row], n: int) -> GenerationOutput:
-    """The rows of every wave in prompt order (a stable sort: a prompt's samples stay in sampling order)."""
-    rows = sorted(rows, key=lambda r: r.generator)
+    n, T = params.n, params.max_new_tokens
+    stops = StopStrings(params.stop_strings, tokenizer)
+    rows = [Row(i, i, list(p), stops, params, len(p) + T) for i, p in enumerate(prompt_ids) for _ in range(n)]
+    waves = [[i * n + k for i in wave for k in range(n)] for wave in plan_waves([len(p) for p in prompt_ids], params)]
+    generate_rows(model, rows, params, seed, tokenizer=tokenizer, waves=waves, loop=loop, compile=compile)
     return GenerationOutput(
-        completion_ids=[r.tokens for r in rows],
-        logprobs=[r.logprobs for r in rows],
-        finish_reason=[r.reason for r in rows],
+        completion_ids=[r.tokens[r.prompt_len :] for r in rows],
+        logprobs=[r.logps[r.prompt_len :] for r in rows],
+        finish_reason=[r.finish for r in rows],
         prompt_index=[i // n for i in range(len(rows))],
-        filtered_logprobs=[r.filtered_logprobs for r in rows],
+        filtered_logprobs=[r.filtered_logps[r.prompt_len :] for r in rows],
     )
 
 
 def generate_static(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams,
                     seed: int | Sequence[int] = 0, *, tokenizer=None, graphs: bool = False) -> GenerationOutput:
-    """generate() on the static decode state (static_decode.py): with graphs=True (CUDA) what rollout.cuda_graphs
-    runs (each graph checked against an eager chunk when captured: params.cuda_graphs `on` raises on a failed
-    check, `auto` or `off` decode eagerly from then on); with graphs=False the same steps eagerly, on any device.
-    Same arguments, same waves, same completions up to float rounding for greedy decoding; sampled ones come from
-    another random stream (Draws.table). params.compact_fraction does not apply: finished rows leave by batch
-    buckets (static_cache.bucket_for)."""
-    _validate(model, prompt_ids, params, tokenizer)
-    n, T = params.n, params.max_new_tokens
-    if not prompt_ids:
-        return GenerationOutput([], [], [], [])
-    draws = Draws(_seeds(seed, prompt_ids), model.device)
-    stops, rows = StopStrings(params.stop_strings, tokenizer), []
-    waves = plan_waves([len(p) for p in prompt_ids], params)
+    """generate() on the static decode state: with graphs=True what rollout.cuda_graphs runs on CUDA (each graph
+    checked against an eager chunk when captured: params.cuda_graphs `on` raises on a failed check, `auto` or `off`
+    decode eagerly from then on); with graphs=False the same steps eagerly, on any device."""
+    return generate(model, prompt_ids, params, seed, tokenizer=tokenizer, loop="graphs" if graphs else "static")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The front: any rows, one validation, one set-up, the loop a choice
+
+
+def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, seed: int | Sequence[int] = 0, *,
+                  tokenizer=None, waves: list[list[int]] | None = None, loop: str | None = None,
+                  compile: bool | str = False) -> None:
+    """Run every row to its end; the rows record their tokens themselves. waves: row indices decoded together
+    (None: all rows at once); a wave's rows of one `source` share its prefill. seed: one int, or one per
+    generator (rows[i].generator indexes it). loop: see choose_loop (None: params.cuda_graphs decides)."""
+    multi_turn = any(r.env is not None for r in rows)
+    loop = choose_loop(model, params, compile, multi_turn) if loop is None else loop
+    if loop not in LOOPS or (multi_turn and loop != "dynamic"):
+        raise ValueError(f"loop={loop!r} cannot run these rows: pick one of {', '.join(LOOPS)} "
+                         "(multi-turn rows: dynamic, as the static step feeds one sampled token per row)")
+    validate_rows(model, rows, params, tokenizer)
+    if not rows:
+        return
+    draws = Draws(_seeds(seed, rows), model.device)
+    batches = [[rows[i] for i in w] for w in (waves if waves is not None else [range(len(rows))])]
+    if loop == "dynamic":
+        _decode_dynamic(model, batches, params, draws, compile)
+    else:
+        _decode_static(model, batches, params, draws, graphs=loop == "graphs")
+
+
+def choose_loop(model: Transformer, params: SamplingParams, compile: bool | str, multi_turn: bool) -> str:
+    """params.cuda_graphs -> the loop: `graphs` (the static decode with CUDA graphs: `auto` on CUDA unless the model
+    is sharded by FSDP2 or the step is compiled; static_decode.graphs_for), else `dynamic`; multi-turn rows always
+    `dynamic` (the module docstring says why), `on` on a CPU failing for them as for single-turn rows."""
+    if multi_turn:
+        cuda_graphs_on(params.cuda_graphs, model.device, bool(compile))
+        return "dynamic"
+    return "graphs" if graphs_for(model, params.cuda_graphs, bool(compile)) else "dynamic"
+
+
+def _seeds(seed: int | Sequence[int], rows: list[Row]) -> int | list[int]:
+    seed, count = as_seed(seed), max(r.generator for r in rows) + 1
+    one, many = ("prompt", "prompts") if rows[0].env is None else ("trajectory", "trajectories")
+    if not isinstance(seed, int) and len(seed) != count:
+        raise ValueError(f"got {len(seed)} seeds for {count} {many}: give one int, or one seed per {one}")
+    return seed
+
+
+def wave_prompts(rows: list[Row]) -> tuple[list[list[int]], list[int]]:
+    """-> the wave's distinct first prompts (by source, in order of first appearance), and row -> its prompt."""
+    index: dict[int, int] = {}
+    share = [index.setdefault(r.source, len(index)) for r in rows]
+    prompts: list[list[int]] = [[] for _ in index]
+    for r, j in zip(rows, share):
+        prompts[j] = r.tokens[: r.prompt_len]
+    return prompts, share
+
+
+def _decode_dynamic(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
+                    compile: bool | str) -> None:
+    """engine.decode, wave by wave, with the weights packed for the largest (none when the step is compiled: a
+    compiled step keeps the plain weights)."""
+    sample, step, T = Sampler(params), eager_step(model), params.max_new_tokens
+    if compile:
+        step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
+    with torch.inference_mode(), packed_for_decode(model, max(map(len, waves)), 0 if compile else T) as packs:
+        for rows in waves:
+            prompts, share = wave_prompts(rows)
+            cache, key_mask, logits = prefill(model, prompts, share, T)
+            packs.resize(len(rows), T)  # a wave smaller than the largest one
+            decode(model, rows, cache, key_mask, logits, sample, draws, packs, step, params.compact_fraction)
+
+
+def _decode_static(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
+                   graphs: bool) -> None:
+    """static_decode.decode_static, wave by wave, on the model's kept decoder; a failure frees it (a state left
+    mid-step, or NaN-poisoned, is not reused)."""
+    T = params.max_new_tokens
     mode = ("on" if params.cuda_graphs == "on" else "auto") if graphs else "off"  # static_decode.decode_static
     try:
         with torch.inference_mode():
-            decoder = static_decoder(model, max(len(w) for w in waves) * n, max(map(len, prompt_ids)) + T, T)
+            slots = max(r.prompt_len for rows in waves for r in rows) + T
+            decoder = static_decoder(model, max(map(len, waves)), slots, T)
             sample = decoder.sampler(params)
-            for wave in waves:
-                share = [j for j in range(len(wave)) for _ in range(n)]  # row -> its prompt in the wave
-                done = [_Row(wave[j], set(params.stop_token_ids), stops, T) for j in share]
-                uniforms = draws.table([wave[j] for j in share], T)  # [R, T]
-                decode_static(model, decoder, done, [prompt_ids[i] for i in wave], share, sample, uniforms, mode)
-                rows += done
+            for rows in waves:
+                prompts, share = wave_prompts(rows)
+                uniforms = draws.table([r.generator for r in rows], T)  # [R, T]
+                decode_static(model, decoder, rows, prompts, share, sample, uniforms, mode)
     except BaseException:
-        release_static_decode(model)  # a state left mid-step (or NaN-poisoned) is not reused
+        release_static_decode(model)
         raise
-    return _output(rows, n)

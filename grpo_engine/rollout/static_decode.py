@@ -1,5 +1,6 @@
-"""The static decode: generate's rows decoded on the static state (static_cache.py), CHUNK steps at a time; on CUDA
-each chunk is one CUDA graph per batch bucket, replayed; elsewhere the same code runs eagerly.
+"""The static decode: single-turn rows (rows.Row without an environment) decoded on the static state
+(static_cache.py), CHUNK steps at a time; on CUDA each chunk is one CUDA graph per batch bucket, replayed; elsewhere
+the same code runs eagerly.
 
 Per wave (`decode_static`):
 
@@ -27,7 +28,10 @@ state's buffers, the LM head's logits buffer, the sampler's work buffer, and the
 and LoRA merges write the weights in place, so graphs stay valid across training steps; what a capture bakes in
 beyond weight values (each parameter's storage, module switches such as LoRA merged / adapters on / train mode) is
 the model's `signature`, and a change of it, or a larger state, re-captures. The decoder (state, graphs) is kept per
-model between calls (`release_static_decode` frees it) and holds no reference to the model.
+model between calls (`release_static_decode` frees it) and holds no reference to the model. An evaluation runs
+inside `transient_static_decode()`: a call the kept decoder cannot hold (more rows than the rollout's bucket, longer
+replies) decodes on a decoder of its own, freed when the evaluation ends, so the kept state and graphs stay the
+rollout's (plan/decode_state.py plans the evaluation's as a peak during eval, not as kept memory).
 
 Randomness: each row's uniforms are drawn before the wave (engine.Draws.table): with per-prompt seeds a prompt's
 rows draw from that prompt's generator only, so its samples depend neither on its batch-mates nor on when any row
@@ -40,15 +44,17 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ConfigError
 from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead
-from .engine import Row, prefill_prompts
+from .engine import prefill_prompts
+from .rows import Row
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams, sampling_dtype, work_buffer
 from .static_cache import CHUNK, StaticDecodeState, bucket_for
 
@@ -305,10 +311,41 @@ def replay_mismatch(got: list[torch.Tensor], reference: list[torch.Tensor], tol:
 _DECODERS: weakref.WeakKeyDictionary[Transformer, StaticDecoder] = weakref.WeakKeyDictionary()
 
 
+@dataclass
+class TransientScope:
+    """Open transient_static_decode scopes (they nest) and the decoders made in them, one per model."""
+
+    depth: int = 0
+    decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+
+TRANSIENT = TransientScope()
+
+
+@contextmanager
+def transient_static_decode() -> Iterator[None]:
+    """Within: a call the model's kept decoder cannot hold decodes on a decoder of its own (grown as the kept one
+    grows), freed when the outermost scope ends; the kept decoder, its state and its graphs are left as they are.
+    The evaluations run in one, so their larger bucket is not kept across training steps and the rollout's graphs
+    are not captured again after each evaluation."""
+    TRANSIENT.depth += 1
+    try:
+        yield
+    finally:
+        TRANSIENT.depth -= 1
+        if not TRANSIENT.depth:
+            TRANSIENT.decoders.clear()  # its state and graphs (their pool with them)
+
+
 def static_decoder(model: Transformer, rows: int, slots: int, columns: int) -> StaticDecoder:
-    """The model's decoder, kept between calls; a larger one (the union of both sizes) when it does not fit."""
-    held = _DECODERS.get(model)
-    dtype, device = model.embed.weight.dtype, model.device
+    """The model's decoder, kept between calls; a larger one (the union of both sizes) when it does not fit. Inside
+    transient_static_decode, a call the kept one cannot hold gets the scope's decoder instead."""
+    kept, dtype, device = _DECODERS.get(model), model.embed.weight.dtype, model.device
+    if kept is not None and kept.state.fits(rows, slots, columns, dtype, device):
+        kept.renew(model)
+        return kept
+    home = TRANSIENT.decoders if TRANSIENT.depth else _DECODERS
+    held = home.get(model)
     if held is not None and held.state.fits(rows, slots, columns, dtype, device):
         held.renew(model)
         return held
@@ -317,15 +354,17 @@ def static_decoder(model: Transformer, rows: int, slots: int, columns: int) -> S
         rows, slots, columns = max(rows, s.rows), max(slots, s.slots), max(columns, s.columns)
         s = None
     held = None
-    release_static_decode(model)  # before the new one is allocated: the two never coexist
+    home.pop(model, None)  # before the new one is allocated: the two never coexist
     decoder = StaticDecoder(model, bucket_for(rows), -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, columns)
-    _DECODERS[model] = decoder
+    home[model] = decoder
     return decoder
 
 
 def release_static_decode(model: Transformer) -> None:
-    """Free the model's static state and graphs (the next static decode allocates and captures again)."""
+    """Free the model's static state and graphs, kept and transient (the next static decode allocates and captures
+    again)."""
     _DECODERS.pop(model, None)
+    TRANSIENT.decoders.pop(model, None)
 
 
 def static_decode_stats(model: Transformer) -> dict | None:
