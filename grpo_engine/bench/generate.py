@@ -53,8 +53,11 @@ def _print(r: dict, as_json: bool) -> None:
     print(json.dumps(r) if as_json else sentence)
 
 
-def bench_generate(args: argparse.Namespace) -> dict:
-    """Warm up once with a short run, then time one full generate() call; its figures as one JSON-ready dict."""
+def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = None) -> dict:
+    """Warm up once with a short run, then time one full generate() call; its figures as one JSON-ready dict.
+
+    prompts: token ids to generate from (default: bench_prompts' args.prompts questions), so that a peer engine's
+    benchmark (benchmarks/generate_vs_llamacpp.py) times this same call on its own work."""
     import torch
 
     from ..kernels import apply_kernels, cpu_model
@@ -66,7 +69,7 @@ def bench_generate(args: argparse.Namespace) -> dict:
     dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     model = apply_kernels(load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device))
     tok = load_tokenizer(args.model)
-    prompts = bench_prompts(tok, args.prompts)
+    prompts = bench_prompts(tok, args.prompts) if prompts is None else prompts
     stops = [] if args.ignore_eos else tok.eos_token_ids
     params = SamplingParams(
         n=args.group, temperature=args.temperature, max_new_tokens=args.max_new, stop_token_ids=stops,
