@@ -68,9 +68,9 @@ def no_weight_grads_in_place(enabled: bool = True) -> AbstractContextManager[Non
 class Kernels:
     """The products a model runs, as kernels/ chose them for this machine (`Kernels()`: torch's everywhere).
 
-    gemm: "out x in" of a projection weight -> "onednn" | "torch", the GEMM its products run on (the plan's
-        choice; kernels/onednn.OneDNNLinear, which apply_kernels puts in place of the blocks' nn.Linear, follows
-        it); empty: torch's.
+    gemm: "out x in" of a projection weight -> "onednn" | "torch", the GEMM its products run on: the plan's
+        choice, which apply_kernels also makes the process's active plan, the one the OneDNNLinear projections it
+        puts in place of the blocks' nn.Linear follow (kernels/onednn.py); empty: torch's.
     decode_attention: the attention of a decode step (one new token per row), None for SDPA.
     head: the chunked log-prob head's products (rl/logprobs.py), None for torch's.
     decode: the decode loops' packing and LM-head product.

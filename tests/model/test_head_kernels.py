@@ -7,8 +7,8 @@ import torch
 
 from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
 from grpo_engine.kernels.select import shape_key, weight_shapes
-from grpo_engine.model.loading import load_model
 from grpo_engine.model.kernels_slot import DecodeKernels
+from grpo_engine.model.loading import load_model
 from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 from grpo_engine.rollout import SamplingParams, generate
 
