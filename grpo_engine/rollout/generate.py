@@ -8,9 +8,8 @@ Each wave prefills its distinct first prompts once (a prefix all of them share r
 keys/values to its rows, then decodes: the dynamic loop (engine.py) one token per row per step with compaction;
 the static decode (static_decode.py) 16 steps a chunk on a preallocated state whose rows step down batch buckets.
 
-Multi-turn rows always take the dynamic loop, on CUDA too: the static step feeds exactly one sampled token per row
-(one write slot, one position, one uniform column each), so it cannot prefill a row's environment tokens mid-decode
-(docs/architecture.md says what that would take).
+Multi-turn rows run on the same loops: on the static state a row whose model turn ended inside a chunk is set back
+to that turn's end and its environment tokens go in between two chunks (static_turns.py); choose_loop says when.
 
 Reproducibility: with `seed` an int, one torch.Generator seeded with it drives every draw, so the same call
 (same prompts, params, seed, device) gives the same completions. With one seed per prompt (per trajectory), each
@@ -31,7 +30,7 @@ from .decode_kernels import packed_for_decode
 from .engine import Draws, as_seed, decode, eager_step, prefill
 from .rows import Row, validate_rows
 from .sampling import Sampler, SamplingParams
-from .static_decode import cuda_graphs_on, decode_static, graphs_for, release_static_decode, static_decoder
+from .static_decode import decode_static, graphs_for, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
 LOOPS = ("dynamic", "static", "graphs")  # generate_rows' loops: engine.decode; decode_static eagerly / with graphs
@@ -148,11 +147,9 @@ def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, s
     """Run every row to its end; the rows record their tokens themselves. waves: row indices decoded together
     (None: all rows at once); a wave's rows of one `source` share its prefill. seed: one int, or one per
     generator (rows[i].generator indexes it). loop: see choose_loop (None: params.cuda_graphs decides)."""
-    multi_turn = any(r.env is not None for r in rows)
-    loop = choose_loop(model, params, compile, multi_turn) if loop is None else loop
-    if loop not in LOOPS or (multi_turn and loop != "dynamic"):
-        raise ValueError(f"loop={loop!r} cannot run these rows: pick one of {', '.join(LOOPS)} "
-                         "(multi-turn rows: dynamic, as the static step feeds one sampled token per row)")
+    loop = choose_loop(model, params, compile, any(r.env is not None for r in rows)) if loop is None else loop
+    if loop not in LOOPS:
+        raise ValueError(f"loop={loop!r} is not a decode loop: pick one of {', '.join(LOOPS)}")
     validate_rows(model, rows, params, tokenizer)
     if not rows:
         return
@@ -164,14 +161,13 @@ def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, s
         _decode_static(model, batches, params, draws, graphs=loop == "graphs")
 
 
-def choose_loop(model: Transformer, params: SamplingParams, compile: bool | str, multi_turn: bool) -> str:
+def choose_loop(model: Transformer, params: SamplingParams, compile: bool | str, multi_turn: bool = False) -> str:
     """params.cuda_graphs -> the loop: `graphs` (the static decode with CUDA graphs: `auto` on CUDA unless the model
-    is sharded by FSDP2 or the step is compiled; static_decode.graphs_for), else `dynamic`; multi-turn rows always
-    `dynamic` (the module docstring says why), `on` on a CPU failing for them as for single-turn rows."""
-    if multi_turn:
-        cuda_graphs_on(params.cuda_graphs, model.device, bool(compile))
-        return "dynamic"
-    return "graphs" if graphs_for(model, params.cuda_graphs, bool(compile)) else "dynamic"
+    is sharded by FSDP2 or the step is compiled, `on`; static_decode.graphs_for), else `dynamic`. Multi-turn rows
+    take the graphs under `on` only: the planner plans no static state for a tool rollout (plan/from_config.py
+    static_decode_planned; docs/architecture.md), so under `auto` they keep the dynamic loop's transient cache."""
+    graphs = graphs_for(model, params.cuda_graphs, bool(compile))
+    return "graphs" if graphs and not (multi_turn and params.cuda_graphs == "auto") else "dynamic"
 
 
 def _seeds(seed: int | Sequence[int], rows: list[Row]) -> int | list[int]:
@@ -211,12 +207,12 @@ def _decode_static(model: Transformer, waves: list[list[Row]], params: SamplingP
                    graphs: bool) -> None:
     """static_decode.decode_static, wave by wave, on the model's kept decoder; a failure frees it (a state left
     mid-step, or NaN-poisoned, is not reused)."""
-    T = params.max_new_tokens
     mode = ("on" if params.cuda_graphs == "on" else "auto") if graphs else "off"  # static_decode.decode_static
+    every = [r for rows in waves for r in rows]
+    T = max(r.budget_end - r.prompt_len for r in every)  # tokens a row may add (max_new_tokens for a completion)
     try:
         with torch.inference_mode():
-            slots = max(r.prompt_len for rows in waves for r in rows) + T
-            decoder = static_decoder(model, max(map(len, waves)), slots, T)
+            decoder = static_decoder(model, max(map(len, waves)), max(r.prompt_len for r in every) + T, T)
             sample = decoder.sampler(params)
             for rows in waves:
                 prompts, share = wave_prompts(rows)

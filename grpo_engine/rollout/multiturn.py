@@ -6,9 +6,10 @@ Trajectory records; they decode as rows (rows.Row with an environment) of genera
 (generate.generate_rows): a model turn ends at a stop token (EOS), a stop string (the environment's, e.g.
 `</tool_call>`), the per-turn `max_new_tokens` or the trajectory's token budget, its text goes to `env.step`, and
 only the tokens of the messages it appends are fed (rendered on their own by chat_turns.py: the conversation is
-never re-rendered or re-tokenized), through the dynamic loop's step (engine.py: why one batch with masked holes
-rather than paused sub-batches). Log-probs are the Sampler's, as in generate, so a full forward over a trajectory
-reproduces them on its policy tokens (tests/rollout/test_multiturn.py checks 1e-4).
+never re-rendered or re-tokenized), by the dynamic loop's step (engine.py: why one batch with masked holes rather
+than paused sub-batches) or between two chunks of the static decode (static_turns.py). Log-probs are the
+Sampler's, as in generate, so a full forward over a trajectory reproduces them on its policy tokens
+(tests/rollout/test_multiturn.py checks 1e-4).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def run_multiturn(
     examples: Sequence,
     params: SamplingParams,
     seed: int | Sequence[int] = 0,
+    *,
+    loop: str | None = None,
 ) -> list[Trajectory]:
     """One trajectory per (environment, example): envs[i].reset(examples[i]), then model and environment
     turns until the environment ends it or a limit does.
@@ -70,7 +73,7 @@ def run_multiturn(
     environments of the same example; their shared prompt is prefilled once). seed: one int, or one per
     trajectory (then a trajectory's samples do not depend on the other rows). All trajectories decode as one
     batch (no waves: max_tokens_in_flight is not applied); split a large call in the caller.
-    Always the dynamic loop (generate.choose_loop says why); params.cuda_graphs is only checked here.
+    loop: as in generate (None: generate.choose_loop picks; on CUDA the static decode's graphs under `on` only).
     """
     if len(envs) != len(examples):
         raise ValueError(f"{len(envs)} environments but {len(examples)} examples; pass one each")
@@ -79,5 +82,5 @@ def run_multiturn(
                          "environments per example for a group)")
     sources: dict[tuple[int, ...], int] = {}
     rows = [_start_row(i, env, ex, tokenizer, params, sources) for i, (env, ex) in enumerate(zip(envs, examples))]
-    generate_rows(model, rows, params, seed, tokenizer=tokenizer)
+    generate_rows(model, rows, params, seed, tokenizer=tokenizer, loop=loop)
     return [Trajectory(r.tokens, r.mask, r.logps, r.reward, r.components, r.finish or DONE, r.metrics) for r in rows]

@@ -1,4 +1,4 @@
-"""The static decode: single-turn rows (rows.Row without an environment) decoded on the static state
+"""The static decode: rows (rows.Row: completions and multi-turn trajectories) decoded on the static state
 (static_cache.py), CHUNK steps at a time; on CUDA each chunk is one CUDA graph per batch bucket, replayed; elsewhere
 the same code runs eagerly.
 
@@ -11,9 +11,11 @@ Per wave (`decode_static`):
    filtered log-prob) and writes it into `hist`: no host sync, no generator call, nothing allocated outside the
    graph's pool;
 3. one read per chunk: the host copies `hist` (the one device-to-host sync per CHUNK steps) and each row takes its
-   tokens in order until it finishes (stop token, stop string, length); the tokens it sampled after that are
-   discarded, as is a finished row's work until it leaves the batch;
-4. when the live rows fit a smaller bucket (static_cache.bucket_for) they move to the front and the next chunks run
+   tokens in order until it finishes (stop token, stop string, length) or ends a model turn; the tokens it sampled
+   after that are discarded, as is a finished row's work until it leaves the batch;
+4. a trajectory whose model turn ended is set back to the turn's end and fed its environment's tokens, eagerly,
+   before the next chunk (static_turns.py);
+5. when the live rows fit a smaller bucket (static_cache.bucket_for) they move to the front and the next chunks run
    at that bucket.
 
 CUDA graphs (`StaticDecoder.run_chunk`): one per (bucket, sampling parameters), captured the first time that pair
@@ -57,6 +59,7 @@ from .engine import prefill_prompts
 from .rows import Row
 from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams, sampling_dtype, work_buffer
 from .static_cache import CHUNK, StaticDecodeState, bucket_for
+from .static_turns import feed_env_turns
 
 SLOT_ROUNDING = 64  # slots are allocated in multiples of this, so prompts a little longer reuse the graphs
 
@@ -386,7 +389,7 @@ def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row
     index = torch.tensor(share, dtype=torch.long, device=model.device)  # [R]
     state.start_rows(prefix, mask, index, uniforms)
     del prefix
-    R = len(rows)
+    R, prompt_slots = len(rows), mask.shape[1]
     state.record_first(sample(logits.index_select(0, index), None, state.uniforms[:R, :1]))
     slots, b, first = list(range(R)), bucket_for(R), 0  # slots[s]: the row in batch slot s
     if uniforms.shape[1] == 1:  # one token a row: the prefill's draw is all there is
@@ -394,24 +397,31 @@ def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row
         return
     while True:
         decoder.run_chunk(model, b, sample, graphs)
-        take_tokens(rows, slots, state.read(b, first))
+        turned = take_tokens(rows, slots, state.read(b, first))
         first = 1
         live = [s for s, r in enumerate(slots) if not rows[r].finished]
         if not live:
             return
+        if turned:  # multi-turn rows whose model turn ended: the environment's tokens go in before the next chunk
+            feed_env_turns(model, state, [rows[slots[s]] for s in turned], turned, prompt_slots)
         if bucket_for(len(live)) < b:
             state.move_rows(live)
             slots, b = [slots[s] for s in live], bucket_for(len(live))
 
 
-def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor) -> None:
-    """hist [3, b, C] (host): each live row takes its C tokens in order, up to the one that finishes it."""
+def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor) -> list[int]:
+    """hist [3, b, C] (host): each live row takes its C tokens in order, up to the one that finishes it or ends its
+    model turn. -> the batch slots of the rows whose turn ended with environment tokens to feed (static_turns.py)."""
     tokens, logps, filtered = hist[0].long().tolist(), hist[1].tolist(), hist[2].tolist()
+    turned = []
     for s, r in enumerate(slots):
-        row = rows[r]
+        row, turn = rows[r], rows[r].turn_start
         for j, token in enumerate(tokens[s]):
-            if row.finished:
+            if row.finished or row.turn_start != turn:
                 break
             if token == NAN_TOKEN:
                 raise NonFiniteLogits("NaN or +inf logits in the decode: the model's weights or activations blew up")
             row.take(token, logps[s][j], filtered[s][j])
+        if not row.finished and row.turn_start != turn:
+            turned.append(s)
+    return turned

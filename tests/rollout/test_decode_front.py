@@ -1,8 +1,9 @@
 """The one decode front (generate.generate_rows): single-turn completions and multi-turn trajectories are rows of one
-type, validated once, decoded in one call by the loop choose_loop picks; multi-turn rows refuse the static loop."""
+type, validated once, decoded in one call by the loop choose_loop picks; multi-turn rows on the static decode too."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -37,23 +38,32 @@ class EchoEnv:
         return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
 
 
-def test_completions_and_trajectories_decode_together_as_alone(tiny_dir, tiny_tok):
+@pytest.fixture(scope="module")
+def model64(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_completions_and_trajectories_decode_together_as_alone(model64, tiny_tok, loop):
     """One call of generate_rows with two prompts' completions and two trajectories in the same batch: with one
-    seed per generator every row equals what generate and run_multiturn give it alone (float64: tokens equal,
-    log-probs to 1e-10), though the trajectories' environment turns leave pad holes in the completions' rows."""
-    model = load_model(tiny_dir, dtype=torch.float64)
-    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
+    seed per generator every row equals what generate and run_multiturn give it alone on the same loop (float64:
+    tokens equal, log-probs to 1e-10), though the trajectories' environment turns leave pad holes (dynamic) or
+    set rows back between chunks (static) beside the completions. Greedy on the static loop: a call's uniform
+    table is as wide as its longest row may grow."""
+    model = model64
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0,
+                            temperature=1.0 if loop == "dynamic" else 0.0)
     prompts = [tiny_tok.encode(q) for q in ("What is 2", "Hi!")]
     examples, envs = [Example("0", "Solve x", ""), Example("1", "Hi!", "")], [EchoEnv(2), EchoEnv(7)]
-    alone_completions = generate(model, prompts, params, seed=[5, 6])
-    alone_trajectories = run_multiturn(model, tiny_tok, envs, examples, params, seed=[7, 8])
+    alone_completions = generate(model, prompts, params, seed=[5, 6], loop=loop)
+    alone_trajectories = run_multiturn(model, tiny_tok, envs, examples, params, seed=[7, 8], loop=loop)
 
     stops = StopStrings([], tiny_tok)
     rows = [Row(i, i, list(p), stops, params, len(p) + 8) for i, p in enumerate(prompts)]
     for i, (env, ex) in enumerate(zip(envs, examples)):
         ids = tiny_tok.encode(render_first_prompt(tiny_tok, env.reset(ex).messages, ""))
         rows.append(Row(2 + i, 2 + i, ids, stops, params, len(ids) + env.limits.max_tokens, env, tiny_tok))
-    generate_rows(model, rows, params, seed=[5, 6, 7, 8], tokenizer=tiny_tok)
+    generate_rows(model, rows, params, seed=[5, 6, 7, 8], tokenizer=tiny_tok, loop=loop)
 
     assert any(t.metrics.env_tokens for t in alone_trajectories)  # environment turns did run
     for r, tokens, logps in zip(rows, alone_completions.completion_ids, alone_completions.logprobs):
@@ -64,32 +74,79 @@ def test_completions_and_trajectories_decode_together_as_alone(tiny_dir, tiny_to
         torch.testing.assert_close(r.logps, t.logprobs, atol=1e-10, rtol=0)
 
 
+def full_forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """[N - 1]: each token's log-prob under one forward over the whole trajectory."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids]))[0]  # [N, V]
+    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+
+
+def test_trajectories_on_the_static_decode(model64, tiny_tok):
+    """Multi-turn rows on the static state (float64, per-trajectory seeds): each turn ends inside a chunk at another
+    step, rows finish at other chunks (bucket moves), and yet every trajectory equals the dynamic loop's (tokens,
+    loss mask, metrics, finish; log-probs to 1e-10), and its log-probs equal one full forward over it to 1e-10."""
+    params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
+    questions = ["What is 2", "Hi!", "Solve x for me", "What is 2", "Go"]
+    examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
+    limits = [TrajectoryLimits(4, 400), TrajectoryLimits(2, 400), TrajectoryLimits(4, 60), TrajectoryLimits(3, 400),
+              TrajectoryLimits(4, 400)]
+    envs = lambda: [EchoEnv(s, lim) for s, lim in zip((1, 9, 3, 12, 5), limits)]  # noqa: E731
+    seeds = [11, 22, 33, 44, 55]
+    static = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=seeds, loop="static")
+    dynamic = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=seeds, loop="dynamic")
+    turns = [[len(list(g)) for m, g in itertools.groupby(t.loss_mask) if m] for t in static]
+    assert sum(len(t) > 1 for t in turns) >= 3 and len({tuple(t) for t in turns}) >= 4  # turns end at other steps
+    assert len({len(t.token_ids) for t in static}) == len(static)  # rows end at other steps
+    for s, d in zip(static, dynamic):
+        assert (s.token_ids, s.loss_mask, s.finish_reason, s.metrics) == (d.token_ids, d.loss_mask, d.finish_reason,
+                                                                          d.metrics)
+        torch.testing.assert_close(s.logprobs, d.logprobs, atol=1e-10, rtol=0)
+        policy = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(s.logprobs[1:], dtype=torch.float64)[policy],
+                                   full_forward_logprobs(model64, s.token_ids)[policy], atol=1e-10, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_trajectories_on_cuda_graphs_equal_the_eager_static_decode(tiny_dir, tiny_tok):
+    """On CUDA, `on` runs trajectories on CUDA graphs: the environment's tokens go in between replays, and every
+    trajectory equals the eager static decode's (fp32 greedy: tokens; log-probs to 1e-5)."""
+    from grpo_engine.rollout.static_decode import static_decode_stats
+
+    model = load_model(tiny_dir, dtype=torch.float32).to("cuda")
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, stop_token_ids=list(range(100, 140)), cuda_graphs="on")
+    examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
+    envs = lambda: [EchoEnv(s, TrajectoryLimits(4, 300)) for s in (1, 9, 3)]  # noqa: E731
+    graphs = run_multiturn(model, tiny_tok, envs(), examples, params, seed=[1, 2, 3])
+    assert static_decode_stats(model)["captures"] > 0 and static_decode_stats(model)["fallback"] is None
+    eager = run_multiturn(model, tiny_tok, envs(), examples, params, seed=[1, 2, 3], loop="static")
+    assert sum(t.metrics.env_tokens for t in graphs) > 0
+    for g, e in zip(graphs, eager):
+        assert g.token_ids == e.token_ids and g.loss_mask == e.loss_mask
+        torch.testing.assert_close(g.logprobs, e.logprobs, atol=1e-5, rtol=0)
+
+
 class _OnCuda(nn.Module):
     """What choose_loop reads of a model: its device (here claimed to be CUDA) and its modules (no FSDP unit)."""
 
     device = torch.device("cuda")
 
 
-def test_the_loop_is_chosen_by_the_rows(tiny_model):
-    """On CUDA `auto` runs single-turn rows on CUDA graphs and multi-turn rows on the dynamic loop; `on` on a CPU
-    fails for both; a compiled step keeps the dynamic loop."""
+def test_the_loop_choice(tiny_model, tiny_tok):
+    """On CUDA `auto` runs completions on CUDA graphs and trajectories on the dynamic loop (the planner counts no
+    static state for them), `on` both on graphs, a compiled step on the dynamic loop; on a CPU the dynamic loop,
+    and `on` fails in one line; a loop that is none of the three is refused."""
     auto, on = SamplingParams(), SamplingParams(cuda_graphs="on")
-    assert choose_loop(_OnCuda(), auto, False, multi_turn=False) == "graphs"
+    assert choose_loop(_OnCuda(), auto, False) == "graphs"
     assert choose_loop(_OnCuda(), auto, False, multi_turn=True) == "dynamic"
-    assert choose_loop(_OnCuda(), auto, True, multi_turn=False) == "dynamic"
-    assert choose_loop(tiny_model, auto, False, multi_turn=False) == "dynamic"
-    for multi_turn in (False, True):
-        with pytest.raises(ConfigError, match="rollout.cuda_graphs=on needs a CUDA device"):
-            choose_loop(tiny_model, on, False, multi_turn)
-
-
-def test_multi_turn_rows_refuse_the_static_loop(tiny_model, tiny_tok):
-    params = SamplingParams(max_new_tokens=4)
+    assert choose_loop(_OnCuda(), on, False, multi_turn=True) == "graphs"
+    assert choose_loop(_OnCuda(), auto, True) == "dynamic"
+    assert choose_loop(tiny_model, auto, False, multi_turn=True) == "dynamic"
+    with pytest.raises(ConfigError, match="rollout.cuda_graphs=on needs a CUDA device"):
+        run_multiturn(tiny_model, tiny_tok, [EchoEnv(1)], [Example("0", "Hi!", "")], on)
     ids = tiny_tok.encode("Hi!")
-    row = Row(0, 0, ids, StopStrings([], tiny_tok), params, len(ids) + 10, EchoEnv(1), tiny_tok)
-    for loop in ("static", "graphs", "fast"):
-        with pytest.raises(ValueError, match=rf"loop='{loop}' cannot run these rows: pick one of dynamic, static"):
-            generate_rows(tiny_model, [row], params, loop=loop)
+    row = Row(0, 0, ids, StopStrings([], tiny_tok), auto, len(ids) + 10, EchoEnv(1), tiny_tok)
+    with pytest.raises(ValueError, match=r"^loop='fast' is not a decode loop: pick one of dynamic, static, graphs$"):
+        generate_rows(tiny_model, [row], auto, loop="fast")
     assert row.tokens == ids  # nothing decoded
 
 
