@@ -74,8 +74,8 @@ def one_run(base: list[str], seed: int, mode: str, sft: Path, out: Path) -> dict
     from grpo_engine.train.loop import train
     from grpo_engine.train.setup import task_of
 
-    cfg = load([*base, f"seed={seed}", f"run_dir={out / f'seed-{seed}-{mode}'}", f"curriculum.mode={mode}"])
-    cfg.model.path, cfg.warm_start.tiny.arch, cfg.warm_start.sft.steps = str(sft), "", 0  # start from the shared SFT
+    cfg = load([*base, f"seed={seed}", f"run_dir={out / f'seed-{seed}-{mode}'}", f"curriculum.mode={mode}",
+                f"model.path={sft}", "warm_start.tiny.arch=''", "warm_start.sft.steps=0"])  # from the shared SFT
     t0 = time.perf_counter()
     result = train(cfg, overwrite=True)
     seconds = time.perf_counter() - t0

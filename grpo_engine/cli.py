@@ -98,13 +98,15 @@ def _train(args) -> int:
 
 def _train_config(args):
     """CONFIG with its overrides, and with --control the control's changes (which win) in RUN_DIR-<control>."""
+    import dataclasses
+
     from .config import ConfigError, load_config
 
     cfg = load_config(args.config, [*args.overrides, *CONTROLS.get(args.control or "", ())])
     if args.control == "no-tools" and not load_config(args.config, args.overrides).tools.enabled:
         raise ConfigError("--control no-tools is the control of a run with tools (tools.enabled): this config has none")
     if args.control is not None:
-        cfg.run_dir = f"{cfg.run_dir}-{args.control}"
+        cfg = dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}-{args.control}")
     return cfg
 
 
@@ -199,13 +201,22 @@ def add_config_parser(sub) -> None:
     show = csub.add_parser("show", help="print the resolved config tree")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    show.add_argument("--resolved", action="store_true", help="print what this machine would decide for it: device, "
+                      "precision, the memory settings left to the engine, the warm start's model (resolved.yaml)")
     show.set_defaults(func=_config_show)
 
 
 def _config_show(args) -> int:
     from .config import load_config, to_yaml
 
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    if not args.resolved:
+        print(to_yaml(cfg), end="")
+        return 0
+    from .model.loading import pick_device
+    from .plan.resolved import resolve_settings
+
+    print(resolve_settings(cfg, pick_device(cfg.model.device, 0)).to_yaml(), end="")
     return 0
 
 

@@ -22,7 +22,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -129,9 +129,9 @@ def demo_config(overrides: list[str] | tuple[str, ...] = (), *, real: bool = Fal
     recipe = REAL_TOOLS_RECIPE if tools else REAL_RECIPE if real else DEMO_RECIPE
     cfg = load_config(Path(str(recipe)), [*overrides, *CONTROLS.get(control or "", ())])
     if control is not None:
-        cfg.run_dir = f"{cfg.run_dir}-{control}"
+        cfg = replace(cfg, run_dir=f"{cfg.run_dir}-{control}")
     if real:
-        cfg.model.path = real_model_path(model or cfg.model.path)
+        cfg = replace(cfg, model=replace(cfg.model, path=real_model_path(model or cfg.model.path)))
     return cfg
 
 
@@ -164,7 +164,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     console.print(f"GRPO: {cfg.schedule.steps} steps × {cfg.rollout.prompts_per_step} prompts × "
                   f"{cfg.rollout.group_size} samples")
     if not real:  # a real model's warm start (RUN_DIR/sft) is found again by train() from model.path
-        cfg.model.path = str(start)
+        cfg = replace(cfg, model=replace(cfg.model, path=str(start)))
     result = train(cfg)
     console.print("held-out evaluation of the GRPO model")
     after = held_out(result.checkpoint / "model", cfg, task)

@@ -55,6 +55,67 @@ def test_config_is_a_leaf():
         assert not any(m == "torch" or m.startswith("torch.") for m in _imports(path)), path.name
 
 
+# Settings are resolved once (plan/resolved.py) and then only read: the config's dataclasses are frozen, and no
+# module outside config/ assigns to a field of a config (a name cfg / config, an attribute chain through .cfg /
+# .config, or a name annotated with a class of grpo_engine.config).
+CONFIG_NAMES = {"cfg", "config"}
+
+
+def _settings_types() -> set[str]:
+    import grpo_engine.config as settings
+
+    return {name for name in settings.__all__ if name[0].isupper() and name != "ConfigError"}
+
+
+def _annotated_settings(tree: ast.AST, types: set[str]) -> set[str]:
+    """Names annotated (arguments, `x: T = ...`) with a config class."""
+    def typed(annotation) -> bool:
+        return annotation is not None and ast.unparse(annotation).split("|")[0].strip().strip("'\"") in types
+
+    return ({n.arg for n in ast.walk(tree) if isinstance(n, ast.arg) and typed(n.annotation)}
+            | {n.target.id for n in ast.walk(tree)
+               if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and typed(n.annotation)})
+
+
+def _config_field_assignments(source: str, types: set[str]) -> list[str]:
+    """Each `a.b... = / += ...` whose chain starts at a config name or passes through .cfg / .config."""
+    tree = ast.parse(source)
+    roots, found = _annotated_settings(tree, types) | CONFIG_NAMES, []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]:
+            chain, inner = [], target
+            while isinstance(inner, ast.Attribute):
+                chain, inner = [inner.attr, *chain], inner.value
+            if chain and ((isinstance(inner, ast.Name) and inner.id in roots) or CONFIG_NAMES & set(chain[:-1])):
+                found.append(f"{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    "cfg.model.path = 'x'", "def f(c: Config):\n    c.run_dir = 'x'", "run.cfg.memory.micro_batch_tokens += 1",
+    "config.seed, x = 1, 2", "def f(m: MemorySection | None):\n    m.precision = 'bf16'",
+])
+def test_the_config_assignment_check_finds_each_form(source):
+    assert len(_config_field_assignments(source, _settings_types())) == 1
+
+
+def test_no_module_assigns_to_a_config_field_and_the_config_is_frozen():
+    import dataclasses
+
+    from grpo_engine.config import load_config
+
+    types = _settings_types()
+    found = [f"{path.relative_to(REPO)}:{hit}" for path in _sources() if path.parent.name != "config"
+             for hit in _config_field_assignments(path.read_text(), types)]
+    assert found == []
+    cfg = load_config(None, [])
+    for section in (cfg, cfg.memory, cfg.algorithm, cfg.optimizer, cfg.model):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            section.seed = 1
+
+
 def test_model_file_is_architecture_only():
     """transformer.py imports no kernel, training or rollout code (kernels/ applies those from outside): only its
     config and the declaration of the kernel slot it carries (model/kernels_slot.py, torch's products by default)."""

@@ -128,7 +128,7 @@ def test_the_shipped_configs_and_demos_pass_on_a_24_gb_machine(tiny_ckpt, tmp_pa
         gpu = path.name.startswith("gpu")
         shape = re.match(r"qwen2\.5-\d+(\.\d+)?b", Path(cfg.model.path).name.lower()).group(0) if gpu else None
         if not gpu and not cfg.warm_start.tiny.arch:
-            cfg.model.path = str(tiny_ckpt if path.name.startswith("tiny") else smollm2)  # the model each is for
+            cfg = load_config(path, [f"model.path={tiny_ckpt if path.name.startswith('tiny') else smollm2}"])
         device = torch.device("cuda" if gpu else "cpu")
         check_sizes(cfg, cfg.eval.max_examples if cfg.eval.every else 0, device, DeviceMemory(24 * GIB, "24 GiB"),
                     shape=shape)

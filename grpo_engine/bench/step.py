@@ -97,6 +97,7 @@ def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prom
     from ..collect.groups import PromptSampler
     from ..config import load_config
     from ..model.loading import load_tokenizer, pick_device
+    from ..plan.resolved import resolve_settings
     from ..train.policy import build_policy
     from ..train.setup import sampling_params, seed_everything
     from ..train.step import StepInputs, StepState
@@ -107,7 +108,8 @@ def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prom
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or model_dir)
     task = BenchTask(bench_questions(tokenizer, prompts * steps, prompt_len))
-    policy = build_policy(cfg, pick_device(cfg.model.device))
+    resolved = resolve_settings(cfg, pick_device(cfg.model.device))
+    cfg, policy = resolved.config, build_policy(resolved)
     params = replace(sampling_params(cfg, tokenizer), stop_token_ids=[])  # every completion has max_new tokens
     examples = task.examples("train")
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed), params)

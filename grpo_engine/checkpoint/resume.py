@@ -20,6 +20,7 @@ import torch
 
 from ..config import Config, ConfigError, config_from_yaml_text
 from ..plan.precision import resolve_precision
+from .store import stored_settings_file
 
 # Dotted keys (or prefixes ending in ".") whose change a resumed run cannot honour.
 FIXED = ("seed", "model.path", "tokenizer.", "task.", "lora.", "warm_start.", "rollout.group_size",
@@ -124,8 +125,9 @@ def _changes_optimizer_state(change: tuple[str, object, object], cfg: Config) ->
 
 
 def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tuple[str, object, object]]:
-    """The changes since the checkpoint; refuses the ones that cannot take effect (ConfigError)."""
-    stored = ckpt_dir / "config.yaml"
+    """The changes since the checkpoint (its resolved.yaml, else config.yaml); refuses the ones that cannot take
+    effect (ConfigError)."""
+    stored = stored_settings_file(ckpt_dir)
     if not stored.is_file():
         raise ConfigError(f"--resume {ckpt_dir}: config.yaml is missing, so the settings this run cannot change "
                           f"are unchecked; copy config.yaml from another checkpoint of the run into it, or start "

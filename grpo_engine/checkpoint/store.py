@@ -8,6 +8,8 @@ Layout: run_dir/checkpoints/step-000010/
                         curriculum queue:
     trainer_state.safetensors   the structure as JSON, the tensors as safetensors (no pickles, checkpoint/state_io.py)
     config.yaml         the resolved config of the run
+    resolved.yaml       the same config with what the machine decided (plan/resolved.py); read first by resume,
+                        eval and export (stored_settings_file), config.yaml for checkpoints written before it
     metrics.jsonl       copy of the metrics so far
     kernels.json, data.json   the kernel plan; the task data's fingerprint (checkpoint/data_record.py)
     manifest.json       every other file's size and block hashes, checked before a resume, eval or export
@@ -39,6 +41,7 @@ from ..model.config import CheckpointError
 from ..model.hf_io import hf_name_table
 from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
+from ..plan.resolved import RESOLVED_FILE
 from .disk import removed_on_failure
 from .run_dir import (
     LEGACY_STATE,
@@ -286,17 +289,25 @@ def _checked_model(model: Path, *, newest: bool = False) -> Path:
     return model
 
 
+def stored_settings_file(ckpt: Path) -> Path:
+    """The file a checkpoint's settings are read from: resolved.yaml, or config.yaml where it has none (checkpoints
+    written before resolved.yaml; the config both hold is the same)."""
+    resolved = Path(ckpt) / RESOLVED_FILE
+    return resolved if os.path.lexists(resolved) else Path(ckpt) / "config.yaml"
+
+
 def stored_config_text(path: str | Path) -> str | None:
-    """The config.yaml a run stored next to the model `path` resolves to (None for a plain model); read only as a
-    regular file of at most MAX_YAML_CHARS characters' worth of bytes (the YAML reader's own budget)."""
+    """The settings a run stored next to the model `path` resolves to (stored_settings_file; None for a plain
+    model); read only as a regular file of at most MAX_YAML_CHARS characters' worth of bytes (the YAML reader's own
+    budget)."""
     model = model_source(path)
-    stored = model.parent / "config.yaml"
+    stored = stored_settings_file(model.parent)
     if model.name != "model" or not stored.is_file():
         return None
-    raw = read_regular(stored, "config.yaml", max_bytes=4 * MAX_YAML_CHARS, option="a config of at most "
+    raw = read_regular(stored, stored.name, max_bytes=4 * MAX_YAML_CHARS, option="a config of at most "
                        f"{MAX_YAML_CHARS:,} characters", error=CheckpointError)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"{stored} is not UTF-8 text ({e.reason}); copy config.yaml from another checkpoint "
+        raise CheckpointError(f"{stored} is not UTF-8 text ({e.reason}); copy {stored.name} from another checkpoint "
                               f"of the run") from None

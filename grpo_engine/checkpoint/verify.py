@@ -43,6 +43,7 @@ import xxhash
 
 from ..config.paths import read_regular
 from ..model.config import CheckpointError
+from ..plan.resolved import RESOLVED_FILE
 from .run_dir import LEGACY_STATE, STATE, step_dirs
 from .stamps import remember, trusted
 
@@ -56,8 +57,8 @@ HASHES = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}  # what a manif
 CHECKED = "xxh3_128"  # what a check compares, where the manifest has it (else sha256)
 REQUIRED = (f"{STATE}.json", "model/config.json")  # what a resumable checkpoint has, manifest or not
 # what `grpo eval` / `grpo generate` / `grpo export` read of a checkpoint (eval: data.json, where the run's data is)
-MODEL_PARTS = ("model/", "adapter/", "config.yaml", "data.json")
-MANIFEST_ERA = ("data.json",)  # written only into checkpoints that carry a manifest (checkpoint/data_record.py)
+MODEL_PARTS = ("model/", "adapter/", "config.yaml", RESOLVED_FILE, "data.json")
+MANIFEST_ERA = ("data.json", RESOLVED_FILE)  # written only into checkpoints that carry a manifest
 
 
 class CorruptCheckpointError(CheckpointError):

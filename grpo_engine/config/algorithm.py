@@ -23,7 +23,7 @@ SE_PROBABILITIES = ("count", "likelihood")
 REFERENCE_MODES = ("none", "frozen", "hard_reset", "mixin")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossConfig:
     """Policy loss; `loss` picks a preset, the None-valued fields below override its choices."""
 
@@ -82,7 +82,7 @@ class LossConfig:
                 f"algorithm.rollout_correction_cap must be > 1 (e.g. 2.0), got {self.rollout_correction_cap}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AdvantageConfig:
     """How rewards become advantages."""
 
@@ -103,7 +103,7 @@ class AdvantageConfig:
         require(not bad, f"algorithm.advantage.component_weights {bad} must be finite numbers")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SemanticEntropyConfig:
     """Semantic-entropy advantage modulation (SEED-GRPO) and difficulty scoring."""
 
@@ -121,7 +121,7 @@ class SemanticEntropyConfig:
         require(self.alpha >= 0, f"algorithm.semantic_entropy: alpha must be >= 0, got {self.alpha}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlongConfig:
     """Handling of completions that reach the length limit."""
 
@@ -134,7 +134,7 @@ class OverlongConfig:
         require(self.max_len >= 0 and self.cache_len >= 0, "algorithm.overlong.max_len / cache_len must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupFilterConfig:
     """DAPO dynamic sampling."""
 
@@ -147,7 +147,7 @@ class GroupFilterConfig:
         require(self.tol >= 0, "algorithm.group_filter.tol must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgorithmSection(LossConfig):
     """The policy loss (LossConfig's fields, e.g. algorithm.loss=dapo, algorithm.beta=0.04) and the rest of the
     algorithm: advantages, semantic entropy, overlong handling, dynamic sampling, passes per batch."""
@@ -167,7 +167,7 @@ class AlgorithmSection(LossConfig):
         require(self.mu >= 1, "algorithm.mu must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReferenceConfig:
     """The reference policy behind the KL penalty (ignored when the loss's beta is 0)."""
 

@@ -15,7 +15,7 @@ from .fields import one_of, option, require
 CURRICULUM_MODES = ("none", "semantic_entropy", "accuracy_band")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CurriculumSection:
     mode: str = option("none", "none: the plain shuffled stream | semantic_entropy: serve each scored pool easy -> "
                                "hard by difficulty, then return to the stream | accuracy_band: serve only the pooled "

@@ -198,9 +198,21 @@ def _build(merged: DictConfig, source: str) -> Config:
     raise AssertionError("unreachable")
 
 
+def _schema() -> DictConfig:
+    """The Config tree's defaults as an OmegaConf node that merges accept: the sections are frozen dataclasses
+    (read-only nodes to OmegaConf), and only the built Config is meant to be read-only."""
+    schema = OmegaConf.structured(Config)
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        OmegaConf.set_readonly(node, None)
+        nodes += [node._get_node(k) for k in node if isinstance(node._get_node(k), DictConfig)]
+    return schema
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by every section."""
-    merged: DictConfig = OmegaConf.structured(Config)
+    merged: DictConfig = _schema()
     if path is not None:
         merged = _merge(merged, _empty_sections_dropped(merged, _read_yaml(Path(path))), str(path))
     for item in overrides:
@@ -214,10 +226,13 @@ def to_yaml(cfg: Config) -> str:
 
 def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
     """Rebuild a Config from `to_yaml` output (checkpoints and run folders store the config this way). A stored
-    config is data: its values that name code (trust.CODE_KEYS) run only with the user's --allow-code."""
+    config is data: its values that name code (trust.CODE_KEYS) run only with the user's --allow-code. A
+    checkpoint's resolved.yaml (plan/resolved.py: `machine` and `config`) gives its `config`."""
     try:
         data = load_yaml(text, source) or {}
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+        if isinstance(data, dict) and set(data) == {"machine", "config"}:  # resolved.yaml: the config it ran with
+            data = data["config"] or {}
+        merged = OmegaConf.merge(_schema(), OmegaConf.create(data))
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: malformed YAML ({str(e).splitlines()[0]})") from None
     except OmegaConfBaseException as e:

@@ -18,7 +18,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 CUDA_GRAPHS = ("auto", "on", "off")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSection:
     path: str = option("", "Hugging Face checkpoint directory (config.json + safetensors) of the policy")
     device: str = option("auto", "where to train: auto picks cuda when available", DEVICES)
@@ -27,12 +27,12 @@ class ModelSection:
         require(self.device in DEVICES, f"model.device={self.device!r} is not one of {', '.join(DEVICES)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerSection:
     path: str | None = option(None, "tokenizer directory; None = model.path")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskSection:
     name: str = option("arithmetic", "registered task name (see grpo_engine.tasks.make_task)")
     data_path: str | None = option(None, "local data file/directory for tasks that read one (gsm8k, math, custom)")
@@ -41,7 +41,7 @@ class TaskSection:
     options: dict[str, Any] = option({}, "extra keyword arguments passed to make_task(name, **options)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutSection:
     prompts_per_step: int = option(4, "P: distinct prompts drawn per optimizer step")
     group_size: int = option(8, "G: completions sampled per prompt (>= 2, advantages are group-relative)")
@@ -62,7 +62,8 @@ class RolloutSection:
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads a bare on / off (also yes / no) as a boolean, which reaches this str field as 'True' / 'False'
-        self.cuda_graphs = {"True": "on", "False": "off"}.get(str(self.cuda_graphs), self.cuda_graphs)
+        graphs = {"True": "on", "False": "off"}.get(str(self.cuda_graphs), self.cuda_graphs)
+        object.__setattr__(self, "cuda_graphs", graphs)  # a frozen section normalizes its own field
         one_of("rollout.cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         for ok, message in [
             (self.group_size >= 2, "rollout.group_size must be >= 2: advantages compare completions of one prompt"),
@@ -79,7 +80,7 @@ class RolloutSection:
             require(ok, message)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingSection:
     progress: bool = option(True, "console progress: a live bar on a terminal, else a plain line per step (or per "
                                   "10 s)")
@@ -97,7 +98,7 @@ class LoggingSection:
         require(self.no_signal_warn_steps >= 1, "logging.no_signal_warn_steps must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointSection:
     every: int = option(50, "save every N steps (and always at the end); 0 = only at the end")
     keep_last: int = option(3, "keep the newest K checkpoints; older ones are deleted")
@@ -107,7 +108,7 @@ class CheckpointSection:
         require(self.keep_last >= 1, "checkpoint.keep_last must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalSection:
     every: int = option(0, "evaluate on task.eval_split every N steps (and after the last step); 0 = off")
     max_examples: int = option(64, "the first N examples of task.eval_split (a fixed subset, same every time)")
@@ -123,7 +124,7 @@ class EvalSection:
         require(self.temperature >= 0, "eval.temperature must be >= 0 (0 = greedy)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckSection:
     enabled: bool = option(True, "grpo train samples a few groups before step 1, after any warm start, and reports "
                                  "the learning signal (skipped on --resume; --no-check skips it)")
@@ -138,7 +139,7 @@ class CheckSection:
         require(0 <= self.min_spread <= 1, "check.min_spread must be in [0, 1]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedSection:
     strategy: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the model, gradients "
                                    "summed once per pass) | fsdp2 (fully_shard: weights, gradients, optimizer state "
@@ -154,7 +155,7 @@ class DistributedSection:
         require(self.timeout_minutes >= 1, "distributed.timeout_minutes must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     seed: int = option(0, "seeds data order, sampling and initialisation; same seed = same run")
     run_dir: str = option("runs/grpo", "output directory: metrics.jsonl, samples.jsonl, checkpoints/")

@@ -16,7 +16,7 @@ TOOL_FORMATS = ("auto", "fallback", "undeclared")
 BUILTIN_TOOL_NAMES = ("calculator", "check_countdown")  # tasks/tools.py BUILTIN_TOOLS (this package has no torch)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolsSection:
     enabled: bool = option(False, "rollouts are multi-turn trajectories in which the policy may call the tools "
                                   "below (off: single-turn completions)")

@@ -20,7 +20,7 @@ ADAPTER_DTYPES = ("float32", "bfloat16", "float16", "float64")
 TINY_ARCHS = ("", "qwen2", "qwen2-tied", "qwen3", "llama3")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW and where its state lives."""
 
@@ -44,7 +44,7 @@ class OptimizerConfig:
                 f"optimizer eps={self.eps}, weight_decay={self.weight_decay}: eps must be > 0, weight_decay >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSection(OptimizerConfig):
     """OptimizerConfig plus what the loop does around optimizer.step()."""
 
@@ -80,7 +80,7 @@ def lr_factor(step: int, *, total: int, warmup: int, kind: str, min_ratio: float
     return SCHEDULES[kind](progress, min_ratio)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleSection:
     steps: int = option(100, "optimizer steps of the whole run")
     warmup_steps: int = option(0, "linear warmup from 0 to lr over this many steps")
@@ -94,7 +94,7 @@ class ScheduleSection:
         require(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio must be in [0, 1]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryConfig:
     """How weights and activations are held during training."""
 
@@ -119,7 +119,7 @@ class MemoryConfig:
         require(self.checkpoint_every >= 1, f"memory.checkpoint_every={self.checkpoint_every} must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemorySection(MemoryConfig):
     """MemoryConfig (precision, checkpointing) plus micro-batching."""
 
@@ -150,11 +150,12 @@ class MemorySection(MemoryConfig):
         require(self.micro_batch_tokens >= 0, "memory.micro_batch_tokens must be >= 1, or 0 for auto")
         require(self.logprob_chunk_size >= 0, "memory.logprob_chunk_size must be >= 1, or 0 for auto")
         require(self.gpu_memory_gib >= 0, "memory.gpu_memory_gib must be >= 0 (0 = no memory pre-flight check)")
-        self.cpu_update_mmap = str(self.cpu_update_mmap).lower()  # YAML's true / false arrive as "True" / "False"
+        mmap = str(self.cpu_update_mmap).lower()  # YAML's true / false arrive as "True" / "False"
+        object.__setattr__(self, "cpu_update_mmap", mmap)  # a frozen section normalizes its own field
         one_of("memory.cpu_update_mmap", self.cpu_update_mmap, UPDATE_MMAP)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters on the targeted projections; the rest of the model is frozen."""
 
@@ -184,7 +185,7 @@ class LoRAConfig:
                 f"lora.adapter_dtype={self.adapter_dtype!r} is not one of {', '.join(ADAPTER_DTYPES)}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTConfig:
     """Supervised warm-start settings."""
 
@@ -214,7 +215,7 @@ class SFTConfig:
                 "warm_start.sft: warmup_steps must be >= 0 and adam_beta2 in [0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TinyModelSection:
     arch: str = option("", "build a random tiny model of this family in run_dir/base ('' = start from model.path)",
                        TINY_ARCHS)
@@ -238,7 +239,7 @@ class TinyModelSection:
         one_of("warm_start.tiny.arch", self.arch, TINY_ARCHS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmStartSection:
     tiny: TinyModelSection = section(TinyModelSection, "optional tiny random base model (CPU demo, tests)")
     sft: SFTConfig = section(SFTConfig, "supervised warm start on the task's reference completions; steps=0: off")

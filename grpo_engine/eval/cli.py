@@ -217,13 +217,13 @@ def tools_for(args):
 
 def stored_run_config(model: str):
     """The Config a run stored next to `model` (a run dir or checkpoint), or None for a plain model."""
-    from ..checkpoint.store import model_source, stored_config_text
+    from ..checkpoint.store import model_source, stored_config_text, stored_settings_file
     from ..config import config_from_yaml_text
 
     text = stored_config_text(model) if Path(model).exists() else None
     if not text:
         return None
-    return config_from_yaml_text(text, str(model_source(model).parent / "config.yaml"))  # errors name the file
+    return config_from_yaml_text(text, str(stored_settings_file(model_source(model).parent)))  # errors name it
 
 
 def parse_ks(text: str) -> tuple[int, ...]:

@@ -147,16 +147,16 @@ def make_tiny_checkpoint(
     out = Path(out_dir)
     style = chat_style or ("llama3" if arch.startswith("llama") else "chatml")
     n_tok = write_byte_tokenizer(out, style)
-    cfg = tiny_config(arch, **overrides)
-    if cfg.vocab_size < n_tok:
-        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
+    shape = tiny_config(arch, **overrides)  # the model's own config (config.json), not a run's settings
+    if shape.vocab_size < n_tok:
+        raise ValueError(f"vocab_size={shape.vocab_size} is smaller than the tokenizer's {n_tok} tokens")
     with torch.device(device):
-        model = Transformer(cfg)
+        model = Transformer(shape)
     init_weights(model, seed)
     model.to(device="cpu", dtype=dtype)
     specials, bos, eos, pad, _ = CHAT_STYLES[style]
     ids = {s: 256 + i for i, s in enumerate(specials)}
-    cfg.extra = {"bos_token_id": ids.get(bos), "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
+    shape.extra = {"bos_token_id": ids.get(bos), "eos_token_id": ids[eos], "pad_token_id": ids[pad]}
     gen = {"bos_token_id": ids.get(bos), "eos_token_id": [ids[eos], ids[pad]], "pad_token_id": ids[pad]}
     save_hf_model(model, out, generation_config=gen)
     return out

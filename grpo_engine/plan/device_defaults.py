@@ -80,9 +80,3 @@ def _choice(model: ModelConfig, knobs: PlanInput, tokens: int, chunk: int, mode:
     choice = MemoryChoice(tokens, chunk, mode, every)
     plan = plan_memory(model, dataclasses.replace(knobs, **choice.knobs(knobs.prompt_len + knobs.completion_len)))
     return dataclasses.replace(choice, planned_gib=plan.total_gib)
-
-
-def apply_memory_choice(memory, choice: MemoryChoice) -> None:
-    """Write the choice into the config's memory section (the resolved config a run stores with checkpoints)."""
-    memory.micro_batch_tokens, memory.logprob_chunk_size = choice.micro_batch_tokens, choice.logprob_chunk_size
-    memory.activation_checkpointing, memory.checkpoint_every = choice.activation_checkpointing, choice.checkpoint_every

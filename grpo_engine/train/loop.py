@@ -19,6 +19,7 @@ from ..checkpoint.verify import MANIFEST
 from ..collect.signal_check import SignalCheckError, rng_untouched
 from ..config import to_yaml
 from ..eval.in_loop import EvalResult, combine_eval, evaluate_policy
+from ..plan.resolved import RESOLVED_FILE
 from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
@@ -179,7 +180,8 @@ def checkpoint(run: Run, step: int) -> Path:
         run.last_checkpoint = run.ckpt_root / step_dir_name(step)
         return run.last_checkpoint
     policy_state = inputs.policy.state_dict()
-    files = {**inputs.policy.kernel_files(), **({DATA_FILE: record_text(run.data)} if run.data is not None else {})}
+    files = {**inputs.policy.kernel_files(), **({DATA_FILE: record_text(run.data)} if run.data is not None else {}),
+             **({RESOLVED_FILE: run.resolved.to_yaml()} if run.resolved is not None else {})}
     extra = {"reference": policy_state["reference"]} if "reference" in policy_state else {}
     curriculum = inputs.curriculum.state_dict() if inputs.curriculum is not None else {}
     state = TrainerState(step, inputs.prompts.position, policy_state["optimizer"], policy_state["scheduler"],

@@ -33,10 +33,10 @@ from ..kernels import (
 )
 from ..model.loading import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter
-from ..plan.device_defaults import apply_memory_choice
-from ..plan.from_config import config_memory_choice, plan_input_from_config
+from ..plan.from_config import plan_input_from_config
 from ..plan.memory import resolve_checkpointing
 from ..plan.policy_spec import PolicySpec, policy_spec
+from ..plan.resolved import Resolved
 from ..world import World
 from .batch import RolloutBatch
 from .distributed import shard_model
@@ -107,18 +107,17 @@ class Policy:
             self.reference.module.load_state_dict(state["reference"])
 
 
-def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = None,
-                 world: World | None = None) -> Policy:
+def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: World | None = None) -> Policy:
     """The policy of `cfg` on `device`: weights (the checkpoint's when resuming full fine-tuning; LoRA reloads
     the base from model.path and the adapters from the checkpoint), kernels, memory options, optimizer,
     schedule and reference. A frozen reference is always the weights at model.path; a moving one is restored
     from the checkpoint by load_state_dict. Under fsdp2 the model (and a copied reference) are sharded before
-    the optimizer is built, so its state is sharded too. The memory settings left to the engine are resolved for
-    `device` first (written into cfg.memory: plan/device_defaults.py)."""
+    the optimizer is built, so its state is sharded too. The settings are the ones this machine resolved before
+    (plan/resolved.py: device, precision, the memory settings left to the engine)."""
     world = world or World()
-    apply_memory_choice(cfg.memory, config_memory_choice(cfg, card_gib(cfg, device)))
+    cfg, device = resolved.config, resolved.device
     spec = policy_spec(cfg)
-    dtype = torch_dtype(cfg.memory.precision, device)
+    dtype = torch_dtype(resolved.precision, device)
     full_resume = resume_dir is not None and spec.mode == "full"
     model = policy_model(cfg, spec, resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
     if spec.mode != "full" and resume_dir is not None:
@@ -139,14 +138,6 @@ def build_policy(cfg: Config, device: torch.device, resume_dir: Path | None = No
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
                                min_ratio=s.min_lr_ratio)
     return Policy(model, optimizer, scheduler, reference, spec, kernels)
-
-
-def card_gib(cfg: Config, device: torch.device) -> float | None:
-    """The card the memory settings are chosen for: memory.gpu_memory_gib, else the CUDA device's own memory;
-    None on a CPU."""
-    if device.type != "cuda":
-        return None
-    return cfg.memory.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
 def policy_model(cfg: Config, spec: PolicySpec, path, dtype: torch.dtype, device: torch.device):

@@ -8,7 +8,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import sys
@@ -36,6 +35,7 @@ from ..monitor import Monitor, RankMessages
 from ..plan import GIB
 from ..plan.from_config import check_memory_fits, config_model_shape, plan_config, planned_precision
 from ..plan.precision import resolve_precision
+from ..plan.resolved import Resolved, resolve_settings
 from ..rollout import SamplingParams
 from ..sft.warm_start import warm_start
 from ..tasks import build_task
@@ -64,6 +64,7 @@ class Run:
     lock: RunLock | None = None  # rank 0's hold on run_dir
     data: dict | None = None  # the data files the run reads, fingerprinted (rank 0; checkpoint/data_record.py)
     resumed_from: Path | None = None  # the checkpoint this run resumed from
+    resolved: Resolved | None = None  # what this machine decided (cfg is resolved.config); stored as resolved.yaml
 
 
 @dataclass
@@ -105,8 +106,10 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
         raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples: "
                           f"check task.data_path / the task's options")
     eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
-    check_sizes(cfg, len(eval_examples), pick_device(cfg.model.device, world.local_rank))  # before the run lock
+    device = pick_device(cfg.model.device, world.local_rank)
+    check_sizes(cfg, len(eval_examples), device)  # before the run lock
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
+    resolved = resolve_settings(cfg, device)  # what this machine decides, once: later stages read only this
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
     saved = load_trainer_state(resume_dir) if resume_dir else None
@@ -125,23 +128,23 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
                        data, options)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
     try:
-        return _load_run(cfg, checked, lock)
+        return _load_run(cfg, resolved, checked, lock)
     except BaseException:  # a failed load (weights, tokenizer, optimizer, Ctrl-C) leaves no stale lock behind
         if lock is not None:
             lock.release()
         raise
 
 
-def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
-    """setup_run's second half, under the run lock: the warm start, model, tokenizer, optimizer and resumed state."""
-    world, saved = c.world, c.saved
-    if warm_started(cfg):  # base/, sft/ under run_dir: it is ours now
+def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | None) -> Run:
+    """setup_run's second half, under the run lock: the warm start of the config as `asked` (from its model.path)
+    into resolved.config.model.path, then model, tokenizer, optimizer and resumed state."""
+    world, saved, cfg = c.world, c.saved, resolved.config
+    if warm_started(asked):  # base/, sft/ under run_dir: it is ours now
         take_run_dir(c.run_dir, lock)
-        cfg.model.path = str(on_main_first(world, lambda: warm_start(cfg, c.task)))
-    device = pick_device(cfg.model.device, world.local_rank)
+        on_main_first(world, lambda: warm_start(asked, c.task))
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    policy = build_policy(cfg, device, c.resume_dir, world)
+    policy = build_policy(resolved, c.resume_dir, world)
     if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
         raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options.command)
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
@@ -161,7 +164,7 @@ def _load_run(cfg: Config, c: _Checked, lock: RunLock | None) -> Run:
                                   saved.curriculum if saved else None)
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
     return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
-               RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir)
+               RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir, resolved)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
@@ -256,7 +259,9 @@ def check_config(cfg: Config) -> SignalReport:
         raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples")
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    policy = build_policy(cfg, pick_device(cfg.model.device, 0))
+    resolved = resolve_settings(cfg, pick_device(cfg.model.device, 0))
+    cfg = resolved.config
+    policy = build_policy(resolved)
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
     return signal_of(cfg, inputs)
@@ -382,9 +387,7 @@ def micro_batch_within_the_batch(cfg: Config, batch_tokens: int) -> Config:
     the planner would also carry into floats that overflow)."""
     if cfg.memory.micro_batch_tokens <= batch_tokens:
         return cfg
-    capped = copy.deepcopy(cfg)
-    capped.memory.micro_batch_tokens = batch_tokens
-    return capped
+    return replace(cfg, memory=replace(cfg.memory, micro_batch_tokens=batch_tokens))
 
 
 def completion_cap(cfg: Config) -> int:

@@ -75,9 +75,11 @@ def finite_garbage(path: Path) -> None:
 
 
 def before_manifests(ckpt: Path) -> None:
-    """ckpt as a checkpoint written before manifests: no manifest.json, and no data.json (written only alongside)."""
+    """ckpt as a checkpoint written before manifests: no manifest.json, and no data.json or resolved.yaml (written
+    only alongside one)."""
     (ckpt / "manifest.json").unlink()
     (ckpt / "data.json").unlink()
+    (ckpt / "resolved.yaml").unlink()
 
 
 def one_line_error(code: int, err: str) -> str:
@@ -358,3 +360,43 @@ def test_case14_a_lone_surrogate_is_one_line_in_train_eval_and_generate(work, ca
                                         capsys=capsys))
     err = one_line_error(*grpo("generate", "run", "caf\udce9", capsys=capsys))  # how Python passes latin-1 argv
     assert "the question holds a lone surrogate (\\udce9) at character 3" in err
+
+
+# issue 52: what the machine decided, stored as resolved.yaml -----------------------------------------------------
+def test_a_checkpoint_lists_resolved_yaml_as_grpo_config_show_resolved_prints_it(work, capsys):
+    """resolved.yaml is in the manifest, holds what `grpo config show CONFIG --resolved` says this machine decides
+    (the CPU's device and precision, the memory settings), and its config is the one config.yaml holds."""
+    from grpo_engine.config import config_from_yaml_text
+
+    ckpt = work / STEP2
+    assert "resolved.yaml" in json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert main(["config", "show", "train.yaml", "--resolved"]) == 0
+    shown = capsys.readouterr().out
+    assert (ckpt / "resolved.yaml").read_text() == shown
+    machine = yaml.safe_load(shown)["machine"]
+    assert machine == {"device": "cpu", "precision": "fp32", "card_gib": None, "planned_gib": None}
+    stored = config_from_yaml_text(shown)
+    assert stored == config_from_yaml_text((ckpt / "config.yaml").read_text())
+    assert stored.memory.logprob_chunk_size == 256  # tiny_arithmetic.yaml leaves it to the engine: the CPU default
+
+
+def test_resume_and_eval_read_resolved_yaml_first_and_older_checkpoints_resume_bit_for_bit(work, tmp_path, capsys):
+    from grpo_engine.checkpoint.verify import write_manifest
+    from grpo_engine.eval.cli import stored_run_config
+
+    old = shutil.copytree(work, tmp_path / "old")
+    (old / STEP2 / "resolved.yaml").unlink()  # a checkpoint written before resolved.yaml
+    write_manifest(old / STEP2)
+    assert stored_run_config(str(old / STEP2)).seed == stored_run_config(str(work / STEP2)).seed == 0
+    assert grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys)[0] == 0
+    os.chdir(old)
+    assert grpo("train", "train.yaml", "schedule.steps=3", "--resume", capsys=capsys)[0] == 0
+    step3 = "run/checkpoints/step-000003/model/model.safetensors"
+    assert (old / step3).read_bytes() == (work / step3).read_bytes()
+    resolved = work / STEP2 / "resolved.yaml"  # resolved.yaml, not config.yaml, is what they read
+    resolved.write_text(resolved.read_text().replace("\n  seed: 0\n", "\n  seed: 7\n"))
+    write_manifest(work / STEP2)
+    assert stored_run_config(str(work / STEP2)).seed == 7
+    os.chdir(work)
+    err = one_line_error(*grpo("train", "train.yaml", "schedule.steps=4", "--resume", STEP2, capsys=capsys))
+    assert "seed: 7 -> 0" in err

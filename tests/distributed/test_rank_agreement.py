@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from grpo_engine.collect.groups import Group
-from grpo_engine.config import Config
+from grpo_engine.config import load_config
 from grpo_engine.rl.advantages import compute_advantages
 from grpo_engine.tasks.base import Example, RewardResult
 from grpo_engine.train.batch import rollout_batch
@@ -50,8 +50,7 @@ def _groups(rewards: list[list[float]]) -> list[Group]:
 
 def test_batch_std_advantages_use_the_whole_steps_std():
     """estimator=batch_std: rank 0's advantages == one process's on the whole batch (not its share's std)."""
-    cfg = Config()
-    cfg.algorithm.advantage.estimator = "batch_std"
+    cfg = load_config(None, ["algorithm.advantage.estimator=batch_std"])
     rewards = [[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [5.0, -3.0, 2.0, 9.0], [4.0, 4.0, 0.0, 8.0]]
     whole, _ = rollout_batch(_groups(rewards), cfg, _Task(), pad_id=0)
     other = torch.tensor(rewards[2:], dtype=torch.float64)  # rank 1's [P/2, G]
@@ -63,8 +62,7 @@ def test_batch_std_advantages_use_the_whole_steps_std():
 
 def test_batch_std_on_a_rank_without_groups_still_joins_the_gather():
     """A rank whose groups were all filtered out (dynamic sampling) has no batch, but gives the others their std."""
-    cfg = Config()
-    cfg.algorithm.advantage.estimator = "batch_std"
+    cfg = load_config(None, ["algorithm.advantage.estimator=batch_std"])
     calls = []
 
     class Watching(TwoRanks):
@@ -83,6 +81,7 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
     from grpo_engine.collect.groups import PromptSampler
     from grpo_engine.config import load_config
     from grpo_engine.model.loading import load_tokenizer, pick_device
+    from grpo_engine.plan.resolved import resolve_settings
     from grpo_engine.train.policy import build_policy
     from grpo_engine.train.setup import sampling_params, task_of
     from grpo_engine.train.step import StepInputs, StepState, grpo_step
@@ -98,7 +97,9 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
 
     world = TwoRanks(0, other_sum=other_rank)
     world.gather = lambda obj: [obj, obj]
-    run = StepInputs(cfg, build_policy(cfg, pick_device("cpu")), tok, task, examples,
+    resolved = resolve_settings(cfg, pick_device("cpu"))
+    cfg = resolved.config
+    run = StepInputs(cfg, build_policy(resolved), tok, task, examples,
                      PromptSampler(len(examples), cfg.seed), sampling_params(cfg, tok), world)
     before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
     # every group's rewards equal: advantage 0, no rows on this rank

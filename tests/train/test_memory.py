@@ -202,13 +202,14 @@ def test_auto_checkpointing_resolved_by_the_trainer(tiny_ckpt, tmp_path, micro_b
     from grpo_engine.config import load_config
     from grpo_engine.plan.from_config import plan_input_from_config
     from grpo_engine.plan.memory import resolve_checkpointing
+    from grpo_engine.plan.resolved import resolve_settings
     from grpo_engine.train.policy import build_policy
 
     cfg = load_config(str(Path(__file__).parents[2] / "configs/tiny_arithmetic.yaml"),
                       [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "memory.precision=fp32",
                        f"memory.micro_batch_tokens={micro_batch_tokens}"])
     assert cfg.memory.activation_checkpointing == "auto"  # the default
-    policy = build_policy(cfg, torch.device("cpu"))
+    policy = build_policy(resolve_settings(cfg, torch.device("cpu")))
     knobs = plan_input_from_config(cfg)
     want = resolve_checkpointing(policy.model.config, replace(knobs, precision="fp32"), micro_batch_tokens)
     assert want == ("none" if micro_batch_tokens == 1024 else "all")
@@ -223,13 +224,14 @@ def test_unresolved_auto_is_refused():
 
 def test_build_policy_asks_about_bf16_only_for_bf16_on_the_cpu(monkeypatch, tiny_ckpt, tmp_path):
     from grpo_engine.config import load_config
+    from grpo_engine.plan.resolved import resolve_settings
     from grpo_engine.train import policy as policy_mod
 
     asked = []
     monkeypatch.setattr(policy_mod, "warn_if_bf16_is_slow", lambda config: asked.append(config.hidden_size))
     for precision in ("bf16", "fp32"):
         cfg = load_config(None, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", f"memory.precision={precision}"])
-        policy_mod.build_policy(cfg, torch.device("cpu"))
+        policy_mod.build_policy(resolve_settings(cfg, torch.device("cpu")))
     assert asked == [policy_mod.load_model(tiny_ckpt).config.hidden_size]  # once, for the bf16 run
 
 

@@ -165,6 +165,7 @@ def test_a_skipped_first_step_advances_the_schedule_without_a_warning(tiny_ckpt,
     from pathlib import Path
 
     from grpo_engine.config import load_config
+    from grpo_engine.plan.resolved import resolve_settings
     from grpo_engine.train.policy import build_policy
 
     cfg = load_config(str(Path(__file__).parents[2] / "configs/tiny_arithmetic.yaml"),
@@ -173,7 +174,7 @@ def test_a_skipped_first_step_advances_the_schedule_without_a_warning(tiny_ckpt,
     from grpo_engine.rl.losses import LossConfig
     from grpo_engine.train.update import UpdateSettings, update_policy
 
-    policy = build_policy(cfg, torch.device("cpu"))
+    policy = build_policy(resolve_settings(cfg, torch.device("cpu")))
     lrs = [policy.optimizer.param_groups[0]["lr"]]
     settings = UpdateSettings(LossConfig(), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4, auto_halve=False)
     with warnings.catch_warnings():

@@ -57,12 +57,15 @@ def _inputs(tiny_ckpt, tmp_path, overrides) -> StepInputs:
                        "tools.max_tokens=128", "tools.format=undeclared", *overrides])
     from grpo_engine.collect.groups import PromptSampler
     from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.plan.resolved import resolve_settings
     from grpo_engine.train.policy import build_policy
 
     seed_everything(cfg.seed)
     tok, task = load_tokenizer(tiny_ckpt), task_of(cfg)
     examples = task.examples("train")
-    return StepInputs(cfg, build_policy(cfg, pick_device("cpu")), tok, task, examples,
+    resolved = resolve_settings(cfg, pick_device("cpu"))
+    cfg = resolved.config
+    return StepInputs(cfg, build_policy(resolved), tok, task, examples,
                       PromptSampler(len(examples), cfg.seed), sampling_params(cfg, tok))
 
 

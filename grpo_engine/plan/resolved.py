@@ -1,0 +1,85 @@
+"""What this machine decides for a run, once, before the policy's weights load: `resolve_settings`.
+
+A config leaves some settings to the engine: model.device and memory.precision ("auto"), the memory settings
+(memory.micro_batch_tokens = 0, memory.logprob_chunk_size = 0, memory.activation_checkpointing = auto:
+plan/device_defaults.py), and with a warm start the model GRPO starts from (run_dir/base or run_dir/sft). They are
+decided here, in one place, into a frozen `Resolved`; every later stage reads it and nothing writes the config (its
+dataclasses are frozen). A checkpoint stores it as resolved.yaml (`Resolved.to_yaml`): its `config` is the config
+the run trained with, the same text as config.yaml, and `machine` says what this machine decided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from ..config import Config
+from ..config.trust import unmarked
+from .device_defaults import MemoryChoice
+from .from_config import config_memory_choice
+from .precision import resolve_precision
+
+RESOLVED_FILE = "resolved.yaml"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The settings a run trains with on this machine."""
+
+    config: Config  # the user's config with the engine's choices written in (memory.*, model.path)
+    device: torch.device  # where the policy trains (model.device resolved)
+    precision: str  # the weights' dtype, memory.precision resolved for `device` (fp32 | bf16 | fp16)
+    card_gib: float | None = None  # the card the memory settings were chosen for; None on a CPU
+    planned_gib: float | None = None  # the memory planner's peak for them on that card; None on a CPU
+
+    def machine(self) -> dict:
+        """What this machine decided, beside the config, as plain YAML values."""
+        return {"device": str(self.device), "precision": self.precision, "card_gib": self.card_gib,
+                "planned_gib": self.planned_gib}
+
+    def to_yaml(self) -> str:
+        """resolved.yaml: `machine` (what was decided here) and `config` (the config the run trains with)."""
+        config = OmegaConf.to_container(OmegaConf.structured(unmarked(self.config)))
+        return yaml.safe_dump({"machine": self.machine(), "config": config}, sort_keys=False)
+
+
+def resolve_settings(cfg: Config, device: torch.device) -> Resolved:
+    """`cfg` as it runs on `device`: the memory settings left to the engine chosen for this device's card (or the
+    CPU defaults), memory.precision resolved, and model.path the warm start's output. Reads at most the model's
+    config.json (the shape the card's memory plan needs), never its weights."""
+    card = card_gib(cfg, device)
+    choice = config_memory_choice(cfg, card)
+    config = dataclasses.replace(cfg, memory=chosen_memory(cfg, choice),
+                                 model=dataclasses.replace(cfg.model, path=warm_start_path(cfg)))
+    return Resolved(config, device, resolve_precision(cfg.memory.precision, device), card, choice.planned_gib)
+
+
+def chosen_memory(cfg: Config, choice: MemoryChoice):
+    """cfg.memory with the choice's values in place of the ones left to the engine."""
+    return dataclasses.replace(cfg.memory, micro_batch_tokens=choice.micro_batch_tokens,
+                               logprob_chunk_size=choice.logprob_chunk_size,
+                               activation_checkpointing=choice.activation_checkpointing,
+                               checkpoint_every=choice.checkpoint_every)
+
+
+def card_gib(cfg: Config, device: torch.device) -> float | None:
+    """The card the memory settings are chosen for: memory.gpu_memory_gib, else the CUDA device's own memory;
+    None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return cfg.memory.gpu_memory_gib or torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
+def warm_start_path(cfg: Config) -> str:
+    """The model GRPO starts from: the warm start's last stage (sft/warm_start.py writes run_dir/base for a tiny
+    random model, run_dir/sft after a supervised phase), else model.path."""
+    if cfg.warm_start.sft.steps > 0:
+        return str(Path(cfg.run_dir) / "sft")
+    if cfg.warm_start.tiny.arch:
+        return str(Path(cfg.run_dir) / "base")
+    return cfg.model.path
