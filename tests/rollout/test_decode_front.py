@@ -110,9 +110,9 @@ def test_trajectories_on_the_static_decode(model64, tiny_tok):
 def test_trajectories_on_cuda_graphs_equal_the_eager_static_decode(tiny_dir, tiny_tok):
     """On CUDA, `on` runs trajectories on CUDA graphs: the environment's tokens go in between replays, and every
     trajectory equals the eager static decode's (fp32 greedy: tokens; log-probs to 1e-5)."""
-    from grpo_engine.rollout.static_decode import static_decode_stats
+    from grpo_engine.rollout.static_decode import release_static_decode, static_decode_stats
 
-    model = load_model(tiny_dir, dtype=torch.float32).to("cuda")
+    model = load_model(tiny_dir, dtype=torch.float32, device="cuda")
     params = SamplingParams(max_new_tokens=9, temperature=0.0, stop_token_ids=list(range(100, 140)), cuda_graphs="on")
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
     envs = lambda: [EchoEnv(s, TrajectoryLimits(4, 300)) for s in (1, 9, 3)]  # noqa: E731
@@ -123,6 +123,7 @@ def test_trajectories_on_cuda_graphs_equal_the_eager_static_decode(tiny_dir, tin
     for g, e in zip(graphs, eager):
         assert g.token_ids == e.token_ids and g.loss_mask == e.loss_mask
         torch.testing.assert_close(g.logprobs, e.logprobs, atol=1e-5, rtol=0)
+    release_static_decode(model)
 
 
 class _OnCuda(nn.Module):
