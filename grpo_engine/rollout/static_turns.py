@@ -59,9 +59,7 @@ def prefill_at(model: Transformer, state: StaticDecodeState, at: list[int], base
     ids, real = left_pad(feeds, device)  # [m, K] each
     W, K = max(base), ids.shape[1]
     cache = KVCache.allocate(cfg, len(at), W + K, state.dtype, device)  # [m, H_kv, W + K, D] per layer
-    for dst, src in zip((*cache.k, *cache.v), (*state.k, *state.v)):
-        dst[:, :, :W] = src[:, :, :W].index_select(0, index)
-    cache.start = W
+    cache.copy_prefix_from(KVCache(state.k, state.v, start=W), index)  # their slots [0, W); start = W
     model(ids, torch.cat([state.key_mask[:, :W].index_select(0, index), real], dim=1), cache=cache,
           return_hidden=True)  # writes the feeds' keys/values at [W, W + K)
     pads = [K - len(f) for f in feeds]

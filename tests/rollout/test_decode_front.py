@@ -162,3 +162,18 @@ def test_one_validation_names_the_row_and_the_fix(tiny_model, tiny_tok):
         validate_rows(tiny_model, [trajectory], params, None)
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
         validate_rows(tiny_model, [], SamplingParams(stop_strings=["x"]), None)
+
+
+def test_a_stop_string_is_matched_in_the_turn_only(tiny_tok):
+    """A row holds its prompt too: a stop string that the prompt's end and the turn's first tokens spell together
+    does not end the turn; one the turn spells alone does, at its last token."""
+    params = SamplingParams(max_new_tokens=40)
+    prompt, turn = tiny_tok.encode("Say: Ans"), tiny_tok.encode("wer Answer and more")
+    row = Row(0, 0, list(prompt), StopStrings(["Answer"], tiny_tok), params, len(prompt) + 40)
+    for token in turn:
+        if row.finished:
+            break
+        row.take(token, -1.0, -1.0)
+    completion = tiny_tok.decode(row.tokens[row.prompt_len :])
+    assert row.finish == "stop" and completion == "wer Answer", completion
+    assert row.mask == [0] * len(prompt) + [1] * (len(row.tokens) - len(prompt))
