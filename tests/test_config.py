@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_engine.config import Config, ConfigError, check_paths, iter_config_docs, load_config, loss_config, to_yaml
-from grpo_engine.rl.losses import LossConfig
+from grpo_engine.config import Config, ConfigError, check_paths, iter_config_docs, load_config, to_yaml
+from grpo_engine.rl.losses import LossConfig, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,9 +25,12 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert (cfg.rollout.group_size, cfg.algorithm.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
     assert cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.max_new_tokens == 256  # default kept
-    # the rl library's dataclasses are embedded: the loss config handed to policy_loss is a real LossConfig
-    loss = loss_config(cfg)
-    assert type(loss) is LossConfig and (loss.loss, loss.eps_high, loss.max_completion_len) == ("dapo", 0.28, 256)
+    # the algorithm section is the rl library's LossConfig: resolved once (with Dr. GRPO's normaliser defaulting to
+    # rollout.max_new_tokens), it is what policy_loss reads
+    loss = resolve(cfg.algorithm, cfg.rollout.max_new_tokens)
+    assert isinstance(cfg.algorithm, LossConfig) and loss.cfg is cfg.algorithm
+    assert (loss.cfg.loss, loss.eps_high, loss.max_completion_len, loss.aggregation) == ("dapo", 0.28, 256,
+                                                                                         "token-mean")
     assert cfg.algorithm.advantage.estimator == "dr_grpo"
 
 

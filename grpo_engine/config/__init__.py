@@ -30,7 +30,6 @@ from .run import (
     RolloutSection,
     TaskSection,
     TokenizerSection,
-    loss_config,
 )
 from .tools import TOOL_FORMATS, ToolsSection
 from .training import (
@@ -55,5 +54,5 @@ __all__ = [
     "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TOOL_FORMATS", "TaskSection", "TinyModelSection",
     "TokenizerSection", "ToolsSection",
     "WarmStartSection", "check_paths", "config_docs_markdown", "config_from_yaml_text", "iter_config_docs",
-    "load_config", "loss_config", "to_yaml",
+    "load_config", "to_yaml",
 ]

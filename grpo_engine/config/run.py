@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .algorithm import AlgorithmSection, LossConfig, ReferenceConfig
+from .algorithm import AlgorithmSection, ReferenceConfig
 from .curriculum import CurriculumSection
 from .fields import one_of, option, require, section
 from .tools import ToolsSection
@@ -194,13 +194,3 @@ class Config:
         o = a.overlong
         require(not o.soft_punish or 0 < o.cache_len <= (o.max_len or r.max_new_tokens),
                 "algorithm.overlong.soft_punish needs 0 < cache_len <= max_len (max_len 0 = rollout.max_new_tokens)")
-
-
-def loss_config(cfg: Config) -> LossConfig:
-    """The algorithm section's LossConfig fields as a plain LossConfig; Dr. GRPO's constant normaliser
-    defaults to rollout.max_new_tokens."""
-    from dataclasses import fields
-
-    values = {f.name: getattr(cfg.algorithm, f.name) for f in fields(LossConfig)}
-    values["max_completion_len"] = values["max_completion_len"] or cfg.rollout.max_new_tokens
-    return LossConfig(**values)

@@ -50,20 +50,24 @@ PRESETS: dict[str, _Preset] = {
 
 @dataclass(frozen=True)
 class ResolvedLoss(_Preset):
-    """A LossConfig with the preset applied: every variant named, every number set."""
+    """A LossConfig (the config's algorithm section is one) with the preset applied: every variant named, every
+    number set. What the update step reads."""
 
     cfg: LossConfig
+    max_completion_len: int | None = None  # Dr. GRPO's constant normaliser: cfg's, else the rollout's length cap
 
 
-def resolve(cfg: LossConfig | ResolvedLoss) -> ResolvedLoss:
-    """Apply the preset. LossConfig checked every name and number when it was made (its __post_init__, against
-    the names of these tables); what depends on the preset is checked here. The trainer resolves once per run
-    and passes the ResolvedLoss on; resolving one again returns it as it is."""
+def resolve(cfg: LossConfig | ResolvedLoss, max_new_tokens: int | None = None) -> ResolvedLoss:
+    """Apply the preset; max_new_tokens (rollout.max_new_tokens) is Dr. GRPO's normaliser where
+    cfg.max_completion_len leaves it unset. LossConfig checked every name and number when it was made (its
+    __post_init__, against the names of these tables); what depends on the preset is checked here. The trainer
+    resolves once per run and passes the ResolvedLoss on; resolving one again returns it as it is."""
     if isinstance(cfg, ResolvedLoss):
         return cfg
     p = PRESETS[cfg.loss]
     aggregation = cfg.aggregation or p.aggregation
-    if aggregation == "seq-mean-token-sum-norm" and not (cfg.max_completion_len or 0) > 0:
+    length = cfg.max_completion_len or max_new_tokens
+    if aggregation == "seq-mean-token-sum-norm" and not (length or 0) > 0:
         raise ValueError("aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs max_completion_len > 0")
     return ResolvedLoss(
         ratio_level=cfg.ratio_level or p.ratio_level,
@@ -72,6 +76,7 @@ def resolve(cfg: LossConfig | ResolvedLoss) -> ResolvedLoss:
         eps_high=p.eps_high if cfg.eps_high is None else cfg.eps_high,
         aggregation=aggregation,
         cfg=cfg,
+        max_completion_len=length,
     )
 
 
@@ -198,7 +203,7 @@ def _seq_mean_token_mean(x, mask, num_tokens_total, num_seqs_total, r):
 
 def _seq_mean_token_sum_norm(x, mask, num_tokens_total, num_seqs_total, r):
     """Dr. GRPO: token sum / (max_completion_len * sequences of the whole step) -- no length bias."""
-    return (x * mask).sum() / (r.cfg.max_completion_len * num_seqs_total)
+    return (x * mask).sum() / (r.max_completion_len * num_seqs_total)
 
 
 AGGREGATIONS: dict[str, Callable] = {

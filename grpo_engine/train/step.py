@@ -20,9 +20,9 @@ from functools import partial
 
 from ..collect.curriculum import Curriculum, PoolReport
 from ..collect.groups import PromptSampler, RolloutRound, coin_flip_rewards, collect_groups
-from ..config import Config, loss_config
+from ..config import Config
 from ..monitor import StepMetrics
-from ..rl.losses import zero_advantage_is_inert
+from ..rl.losses import resolve, zero_advantage_is_inert
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from ..world import World
@@ -92,7 +92,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     #    loss normalisers are the step's token and sequence counts over all ranks
     batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id, run.world)
     totals = step_totals(batch, run.world)
-    if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(loss_config(cfg)):
+    if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(cfg.algorithm):
         batch = rows_with_signal(batch)  # rows with advantage 0 add nothing to this loss's gradient: not run
 
     # 5. old-policy (mu > 1) and reference (beta > 0) log-probs, only when the loss needs them
@@ -183,6 +183,8 @@ def step_totals(batch: RolloutBatch | None, world: World) -> tuple[int, int] | N
 
 
 def update_settings(cfg: Config) -> UpdateSettings:
-    return UpdateSettings(loss=loss_config(cfg), mu=cfg.algorithm.mu, grad_clip=cfg.optimizer.grad_clip,
+    """The update step's settings; the loss is the algorithm section resolved (rl/losses.py resolve), once."""
+    return UpdateSettings(loss=resolve(cfg.algorithm, cfg.rollout.max_new_tokens), mu=cfg.algorithm.mu,
+                          grad_clip=cfg.optimizer.grad_clip,
                           temperature=cfg.rollout.temperature, chunk_size=cfg.memory.logprob_chunk_size,
                           auto_halve=cfg.memory.auto_halve_micro_batch)
