@@ -9,9 +9,11 @@ whole groups that fit rollout.max_tokens_in_flight), the in-loop eval (its examp
 curriculum's pool scoring (chunks of P x G / samples prompts, `samples` rows each). The captured graphs share one
 memory pool, which holds the largest step's temporaries: the forward's, and the sampler's for the call's filters.
 
-The rollout's state and graphs stay across steps (re-allocating and re-capturing them each step costs seconds);
-an eval bucket larger than the training calls' is the one part that may be released after eval
-(`DecodePlan.releasable_after_eval`, docs/memory.md).
+The rollout's state and graphs stay across steps (re-allocating and re-capturing them each step costs seconds): the
+kept state is the union of the training calls (rollout, curriculum) and of an evaluation they hold. An evaluation
+they cannot hold (more rows than their bucket, longer replies) decodes under static_decode.transient_static_decode on
+a state and graphs' pool of its own, beside the kept ones while it runs and freed after it: a peak of the eval phase
+(`DecodePlan.eval_state`, `eval_pool`), not memory kept through the training phases (docs/memory.md).
 
 torch is imported inside the functions (the sizes come from the rollout code itself): `grpo --help` imports the
 planner without it.
@@ -19,7 +21,7 @@ planner without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
 
@@ -62,17 +64,25 @@ class StateShape:
 
 @dataclass
 class DecodePlan:
-    """What the static decode keeps for a run's calls (bytes)."""
+    """What the static decode keeps for a run's calls, and what an evaluation it cannot hold adds while it runs
+    (bytes)."""
 
     calls: list[DecodeCall]
-    shape: StateShape  # the union of the calls' sizes: what static_decoder holds after all of them ran
-    state: dict[str, int]  # the state's and the decoder's own tensors, by buffer
-    pool: int  # the graphs' pool: the largest step's temporaries over the calls
-    releasable_after_eval: int  # what releasing the state after eval would free (0: eval adds nothing)
+    shape: StateShape  # the kept state: the union of the training calls' sizes (an eval it holds fits in it)
+    state: dict[str, int]  # the kept state's and its decoder's own tensors, by buffer
+    pool: int  # the kept graphs' pool: the largest step's temporaries over the calls the kept state runs
+    eval_shape: StateShape | None = None  # the evaluation's own state (None: the kept state holds the evaluation)
+    eval_state: dict[str, int] = field(default_factory=dict)  # its tensors, by buffer: alive during eval only
+    eval_pool: int = 0  # its graphs' pool, freed with it
 
     @property
     def total(self) -> int:
         return sum(self.state.values()) + self.pool
+
+    @property
+    def releasable_after_eval(self) -> int:
+        """What the evaluation's own decoder adds during eval and frees after it (0: the kept state runs it)."""
+        return sum(self.eval_state.values()) + self.eval_pool
 
 
 def wave_rows(prompts: int, samples: int, new_tokens: int, budget: int = 0) -> int:
@@ -167,16 +177,24 @@ def step_pool_bytes(cfg: ModelConfig, calls: list[DecodeCall], shape: StateShape
     return max(one(c) for c in calls)
 
 
-def decode_plan(cfg: ModelConfig, calls: list[DecodeCall], dtype_bytes: int) -> DecodePlan:
-    """The static decode's kept memory for the run's calls, and what releasing it after eval would free."""
-    def kept(cs: list[DecodeCall]) -> tuple[StateShape, dict[str, int], int]:
-        shape = state_shape(cs)
-        return shape, state_bytes(cfg, shape, dtype_bytes), step_pool_bytes(cfg, cs, shape, dtype_bytes)
+def holds(shape: StateShape, call: DecodeCall) -> bool:
+    """Whether a state of `shape` runs `call` (static_cache.StaticDecodeState.fits after static_decoder's rounding)."""
+    need = state_shape([call])
+    return need.rows <= shape.rows and need.slots <= shape.slots and need.columns <= shape.columns
 
-    shape, state, pool = kept(calls)
-    training = [c for c in calls if c.name != "eval"]
-    releasable = 0
-    if training and len(training) < len(calls):
-        _, t_state, t_pool = kept(training)
-        releasable = sum(state.values()) + pool - sum(t_state.values()) - t_pool
-    return DecodePlan(calls, shape, state, pool, releasable)
+
+def decode_plan(cfg: ModelConfig, calls: list[DecodeCall], dtype_bytes: int) -> DecodePlan:
+    """The static decode's kept memory for the run's calls (the training calls and the evaluations they hold), and
+    the state and pool of the evaluations they do not hold, which decode on their own decoder during eval only."""
+    training = [c for c in calls if c.name != "eval"] or calls
+    shape = state_shape(training)
+    evals = [c for c in calls if c not in training]
+    own = [c for c in evals if not holds(shape, c)]
+    kept = [c for c in calls if c not in own]
+    plan = DecodePlan(calls, shape, state_bytes(cfg, shape, dtype_bytes), step_pool_bytes(cfg, kept, shape,
+                                                                                            dtype_bytes))
+    if own:
+        plan.eval_shape = state_shape(own)
+        plan.eval_state = state_bytes(cfg, plan.eval_shape, dtype_bytes)
+        plan.eval_pool = step_pool_bytes(cfg, own, plan.eval_shape, dtype_bytes)
+    return plan

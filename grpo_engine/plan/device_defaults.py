@@ -12,10 +12,10 @@ still fits. A setting the user wrote is kept as written.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
-from .memory import PlanInput, plan_memory
+from .memory import GIB, PlanInput, plan_memory
 
 CPU_MICRO_BATCH_TOKENS = 1024  # the CPU defaults (docs/benchmarks.md: larger micro-batches are no faster there)
 CPU_LOGPROB_CHUNK = 256
@@ -34,6 +34,8 @@ class MemoryChoice:
     activation_checkpointing: str  # as asked on CPU ("auto": train/policy.py resolves it per model), else a mode
     checkpoint_every: int
     planned_gib: float | None = None  # the planned peak on the card, None for a CPU run
+    step_gib: float | None = field(default=None, compare=False)  # the same over the step's phases: not the eval
+    #                                                               phase, which none of these settings changes
 
     def knobs(self, slots: int) -> dict:
         """The PlanInput fields this choice sets (slots: tokens of the longest row, prompt + completion)."""
@@ -71,7 +73,7 @@ def _largest_fitting(model: ModelConfig, knobs: PlanInput, memory, budget_gib: f
     for tokens in (memory.micro_batch_tokens,) if memory.micro_batch_tokens else MICRO_BATCH_CHOICES:
         for chunk in (memory.logprob_chunk_size,) if memory.logprob_chunk_size else CHUNK_CHOICES:
             choice = _choice(model, knobs, tokens, chunk, mode, every)
-            if choice.planned_gib <= budget_gib:
+            if choice.step_gib <= budget_gib:  # an evaluation larger than the card is check_memory_fits' to refuse
                 return choice
     return None
 
@@ -79,4 +81,7 @@ def _largest_fitting(model: ModelConfig, knobs: PlanInput, memory, budget_gib: f
 def _choice(model: ModelConfig, knobs: PlanInput, tokens: int, chunk: int, mode: str, every: int) -> MemoryChoice:
     choice = MemoryChoice(tokens, chunk, mode, every)
     plan = plan_memory(model, dataclasses.replace(knobs, **choice.knobs(knobs.prompt_len + knobs.completion_len)))
-    return dataclasses.replace(choice, planned_gib=plan.total_gib)
+    step = max(p.total for p in plan.phases if p.name != "eval")
+    k = plan.knobs
+    return dataclasses.replace(choice, planned_gib=plan.total_gib,
+                               step_gib=(step * (1 + k.fragmentation) + k.cuda_context_gib * GIB) / GIB)

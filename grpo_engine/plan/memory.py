@@ -2,7 +2,9 @@
 
 A step has four phases whose footprints differ (see docs/memory.md):
   rollout    weights + resident optimizer state + KV cache for all rows + prefill/decode transients (on CUDA the
-             static decode state and its graphs' pool instead, kept through every phase: plan/decode_state.py)
+             static decode state and its graphs' pool instead, kept through every phase: plan/decode_state.py;
+             with an evaluation, a fifth phase: its prompts' prefill, and when it is larger than the rollout its own
+             decode state, freed after it)
   scoring    old/reference log-probs, no grad: weights + one micro-batch's forward transients
   training   weights + gradients + optimizer state + saved activations of one micro-batch + backward
              transients + log-prob chunk buffers
@@ -399,10 +401,25 @@ def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
         "gradients": n_train * grad_s,
         "update temporaries": optimizer_temp_bytes(c, k),
     })
-    phases = [rollout, scoring, training, optimizer]
+    phases = [rollout, scoring, training, optimizer] + eval_phases(c, k, resident, decode)
     peak = max(phases, key=lambda p: p.total)
     total = peak.total * (1 + k.fragmentation) + k.cuda_context_gib * GIB
     return MemoryPlan(c, k, param_counts(c)[0], n_train, phases, peak.name, peak.total, total / GIB, decode)
+
+
+def eval_phases(cfg: ModelConfig, k: PlanInput, resident: dict[str, float], decode: DecodePlan | None) -> list[Phase]:
+    """The evaluations on the static decode: everything resident (the kept state included), the prefill of a wave's
+    prompts (one an example, so more than the rollout's P), and when the kept state cannot hold them their own state
+    and graphs' pool (static_decode.transient_static_decode), alive during eval only."""
+    evals = [c for c in decode.calls if c.name == "eval"] if decode is not None else []
+    if not evals:
+        return []
+    prompts = max(c.rows for c in evals) * k.prompt_len  # one row an example
+    s = DTYPE_BYTES[k.precision]
+    own = {"eval's decode state (freed after)": sum(decode.eval_state.values()),
+           "eval's graphs' pool (freed after)": decode.eval_pool} if decode.eval_shape is not None else {}
+    prefill = layer_transient_bytes(cfg, k, prompts) + 2 * prompts * cfg.hidden_size * s
+    return [Phase("eval", {**resident, **own, "prefill transients": prefill})]
 
 
 def fits(plan: MemoryPlan, card_gib: float) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .decode_state import holds
 from .memory import GIB, MemoryPlan, PlanInput, fits, plan_memory, resolve_checkpointing, rollout_rows
 
 
@@ -20,8 +21,8 @@ def _halve_rows_in_flight(k: PlanInput) -> PlanInput | None:
 
 
 def _eval_as_many_as_the_rollout(k: PlanInput) -> PlanInput | None:
-    """The evaluations decode one row per example at once: no more than the rollout's rows keeps the static decode
-    state the rollout's."""
+    """The evaluations decode one row per example at once: no more than the rollout's rows runs them on the rollout's
+    static decode state, with no state of their own beside it during eval."""
     rows = k.prompts_per_step * k.group_size
     return replace(k, eval_examples=rows) if k.eval_examples > rows and k.static_decode else None
 
@@ -101,18 +102,18 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
 
 
 def decode_lines(plan: MemoryPlan) -> list[str]:
-    """The static decode's kept state: its size, the calls that size it, and what the eval's bucket adds (the one
-    part that may be released after eval; docs/memory.md)."""
+    """The static decode's kept state: its size and the calls it runs; and the state of an evaluation it cannot hold,
+    alive during eval only (docs/memory.md)."""
     d = plan.decode
     if d is None:
         return []
-    calls = ", ".join(f"{c.name} {c.rows} rows x {c.slots} slots" for c in d.calls)
+    calls = ", ".join(f"{c.name} {c.rows} rows x {c.slots} slots" for c in d.calls if holds(d.shape, c))
     lines = [f"  static decode state kept: {d.shape.rows} rows x {d.shape.slots} slots (+1 scratch), "
              f"{sum(d.state.values()) / GIB:.2f} GiB + graphs' pool {d.pool / GIB:.2f} GiB; sized by the largest "
-             f"call ({calls})"]
-    if d.releasable_after_eval > 0:
-        lines.append(f"  the evaluation's larger call adds {d.releasable_after_eval / GIB:.2f} GiB of it: the part "
-                     f"that releasing the state after eval would free")
+             f"call it runs ({calls})"]
+    if d.eval_shape is not None:
+        lines.append(f"  the evaluation's larger call decodes on its own state, {d.eval_shape.rows} rows x "
+                     f"{d.eval_shape.slots} slots: {d.releasable_after_eval / GIB:.2f} GiB during eval, freed after it")
     return lines
 
 

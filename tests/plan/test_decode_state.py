@@ -3,6 +3,7 @@ tensors byte for byte per bucket (slot rounding and the union of calls included)
 against the documented bound, and which calls size the kept state in a config's plan."""
 
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from grpo_engine.plan.decode_state import (
     wave_rows,
 )
 from grpo_engine.plan.from_config import plan_config
+from grpo_engine.plan.memory import plan_memory
 from grpo_engine.plan.suggest import format_plan
 from grpo_engine.rollout.sampling import Sampler, SamplingParams, work_buffer
 from grpo_engine.rollout.static_decode import release_static_decode, static_decoder
@@ -169,23 +171,60 @@ def plan_of(*overrides):
     return plan_config(cfg, shape="qwen2.5-0.5b")
 
 
-def test_the_plan_keeps_the_largest_call_and_says_what_eval_adds():
-    small = plan_of()  # eval: 8 rows <= the rollout's 16
+def test_the_plan_keeps_the_training_calls_and_plans_a_larger_eval_as_an_eval_phase():
+    small = plan_of()  # eval: 8 rows <= the rollout's 16: the kept state runs it
     assert [(c.name, c.rows) for c in small.decode.calls] == [("rollout", 16), ("eval", 8)]
     assert (small.decode.shape.rows, small.decode.shape.slots) == (16, 192)  # 150 slots rounded up to 64s
-    large = plan_of("eval.max_examples=100", "eval.every=10", "eval.max_new_tokens=200")
-    assert (large.decode.shape.rows, large.decode.shape.slots, large.decode.shape.columns) == (128, 320, 200)
-    kept = large.phase("training").components["static decode state (kept)"]
-    assert kept == sum(large.decode.state.values()) > sum(small.decode.state.values())
-    rollout_only = decode_plan(large.model, large.decode.calls[:1], 2)  # bf16: the planned card has it
-    assert large.decode.releasable_after_eval == large.decode.total - rollout_only.total > 0.8 * kept
+    assert small.decode.eval_shape is None and small.decode.releasable_after_eval == 0
+    assert [p.name for p in small.phases] == ["rollout", "scoring", "training", "optimizer", "eval"]
+    ev = small.phase("eval").components  # the kept state runs it: nothing of its own, its 8 prompts' prefill
+    assert "eval's decode state (freed after)" not in ev and ev["prefill transients"] > 0
+    assert plan_memory(small.model, replace(small.knobs, eval_examples=0)).phases[-1].name == "optimizer"  # none
+    large = plan_of("eval.max_examples=100", "eval.every=10", "eval.max_new_tokens=200", "lora.enabled=true")
+    d = large.decode
+    assert (d.shape.rows, d.shape.slots, d.shape.columns) == (16, 192, 50)  # the rollout's alone
+    assert (d.eval_shape.rows, d.eval_shape.slots, d.eval_shape.columns) == (128, 320, 200)
+    rollout_only = decode_plan(large.model, d.calls[:1], 2)  # bf16: the planned card has it
+    assert d.total == rollout_only.total and d.state == small.decode.state  # LoRA changes no decode state
+    eval_only = decode_plan(large.model, [replace(d.calls[1], name="rollout")], 2)  # the eval's own decoder
+    assert d.eval_state == eval_only.state and d.releasable_after_eval == eval_only.total
+    for phase in ("rollout", "scoring", "training", "optimizer"):  # kept: the rollout's state only
+        assert large.phase(phase).components["static decode state (kept)"] == sum(d.state.values())
+    ev = large.phase("eval").components
+    assert ev["static decode state (kept)"] == sum(d.state.values())  # beside the kept one while it runs
+    assert ev["eval's decode state (freed after)"] + ev["eval's graphs' pool (freed after)"] == eval_only.total
+    assert large.phase("eval").total > large.phase("rollout").total and large.peak_phase == "eval"
     text = format_plan(large, card_gib=large.total_gib - 0.5)
-    assert "static decode state kept: 128 rows x 320 slots" in text
-    assert f"the evaluation's larger call adds {large.decode.releasable_after_eval / 2**30:.2f} GiB" in text
+    assert "static decode state kept: 16 rows x 192 slots" in text
+    assert (f"the evaluation's larger call decodes on its own state, 128 rows x 320 slots: "
+            f"{d.releasable_after_eval / 2**30:.2f} GiB during eval, freed after it") in text
     assert "evaluate as many examples as the rollout has rows (eval.max_examples = P x G)" in text
     assert "the evaluation's larger call" not in format_plan(plan_of("eval.max_examples=2"))
     curriculum = plan_of("curriculum.mode=semantic_entropy", "curriculum.samples=2")
     assert ("curriculum", 16) in [(c.name, c.rows) for c in curriculum.decode.calls]  # 8 prompts x 2 samples
+
+
+def test_the_planned_eval_state_is_the_transient_decoders_own_tensors():
+    """A rollout of 6 rows x 40 slots kept, then an eval of 20 rows x 30 slots in transient_static_decode: the
+    kept decoder stays the rollout's (8 rows x 64 slots), the eval's own is 32 rows x 64 slots, each equal to
+    the planner's bytes; after the scope only the rollout's remains."""
+    from grpo_engine.rollout.static_decode import TRANSIENT, transient_static_decode
+
+    cfg = tiny_config()
+    model = Transformer(cfg)
+    rollout, ev = DecodeCall("rollout", 6, 30, 10), DecodeCall("eval", 20, 18, 12, temperature=0.0)
+    plan = decode_plan(cfg, [rollout, ev], 4)
+    kept = static_decoder(model, rollout.rows, rollout.slots, rollout.new_tokens)
+    with transient_static_decode():
+        own = static_decoder(model, ev.rows, ev.slots, ev.new_tokens)
+        assert own is not kept and TRANSIENT.decoders[model] is own
+        assert (own.state.rows, own.state.slots, own.state.columns) == (32, 64, 12) == tuple(vars(plan.eval_shape)
+                                                                                            .values())
+        assert decoder_tensors(own) == plan.eval_state
+    assert (kept.state.rows, kept.state.slots) == (plan.shape.rows, plan.shape.slots) == (8, 64)
+    assert decoder_tensors(kept) == plan.state and model not in TRANSIENT.decoders
+    assert static_decoder(model, rollout.rows, rollout.slots, rollout.new_tokens) is kept
+    release_static_decode(model)
 
 
 def test_top_p_plans_its_sort():

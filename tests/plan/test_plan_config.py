@@ -177,6 +177,18 @@ def test_plan_refuses_a_lora_rank_above_the_projections_rank(capsys):
     assert main(["plan", preset, "lora.enabled=false", "lora.rank=100000000", "--model", "qwen2.5-1.5b"]) in (0, 1)
 
 
+def test_a_larger_evaluation_does_not_shrink_the_training_micro_batch():
+    """The memory settings left to the engine change the step's phases, not the eval phase: an evaluation that does
+    not fit the card leaves them as they are (and the size check refuses it), where the choice once fell to the
+    leanest micro-batch."""
+    preset = REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml"
+    usual = plan_config(load_config(preset), "qwen2.5-1.5b")
+    large = plan_config(load_config(preset, ["eval.max_examples=256"]), "qwen2.5-1.5b")
+    assert large.peak_phase == "eval" and not fits(large, 12.0)
+    assert large.knobs.micro_batch_rows == usual.knobs.micro_batch_rows == 8192 // 1024
+    assert large.knobs.logprob_chunk == usual.knobs.logprob_chunk
+
+
 def test_plan_cli_rejects_a_card_without_memory_and_a_non_boolean(capsys):
     """--card -1 got a "DOES NOT FIT" verdict, and --master-weights maybe was read as false."""
     assert main(["plan", "--model", "qwen2.5-0.5b", "--card", "-1"]) == 2
