@@ -34,9 +34,7 @@ from .run import (
 from .tools import TOOL_FORMATS, ToolsSection
 from .training import (
     LoRAConfig,
-    MemoryConfig,
     MemorySection,
-    OptimizerConfig,
     OptimizerSection,
     ScheduleSection,
     SFTConfig,
@@ -49,8 +47,8 @@ __all__ = [
     "ConfigError",
     "CurriculumSection", "DistributedSection",
     "EvalSection",
-    "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemoryConfig", "MemorySection",
-    "ModelSection", "OptimizerConfig", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",
+    "GroupFilterConfig", "LoRAConfig", "LoggingSection", "LossConfig", "MemorySection",
+    "ModelSection", "OptimizerSection", "OverlongConfig", "ReferenceConfig", "RolloutSection",
     "SFTConfig", "ScheduleSection", "SemanticEntropyConfig", "TOOL_FORMATS", "TaskSection", "TinyModelSection",
     "TokenizerSection", "ToolsSection",
     "WarmStartSection", "check_paths", "config_docs_markdown", "config_from_yaml_text", "iter_config_docs",

@@ -21,8 +21,9 @@ TINY_ARCHS = ("", "qwen2", "qwen2-tied", "qwen3", "llama3")
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW and where its state lives."""
+class OptimizerSection:
+    """AdamW, where its state lives, and what the loop does around optimizer.step(): one class from the YAML to
+    build_optimizer and the update step."""
 
     name: str = option("adamw_fused", "adamw_fused (torch's fused kernel, CPU and CUDA; plain adamw where it has "
                                       "none) | adamw (foreach) | adamw_offload | adamw_8bit")
@@ -33,6 +34,8 @@ class OptimizerConfig:
     master_weights: bool = option(True, "fp32 master copy + fp32 moments for bf16/fp16 params")
     pin_memory: bool = option(True, "pin offloaded CPU state for fast copies")
     strict: bool = option(False, "fail instead of falling back when the variant is unavailable")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
+    max_nonfinite_steps: int = option(3, "stop the run after this many consecutive NaN/inf losses or gradients")
 
     def __post_init__(self) -> None:
         require(self.name in OPTIMIZERS, f"optimizer.name={self.name!r}; choose from {sorted(OPTIMIZERS)}")
@@ -42,17 +45,6 @@ class OptimizerConfig:
                 f"optimizer.lr={self.lr} must be a finite number > 0 (e.g. 1e-6)")
         require(self.eps > 0 and self.weight_decay >= 0,
                 f"optimizer eps={self.eps}, weight_decay={self.weight_decay}: eps must be > 0, weight_decay >= 0")
-
-
-@dataclass(frozen=True)
-class OptimizerSection(OptimizerConfig):
-    """OptimizerConfig plus what the loop does around optimizer.step()."""
-
-    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
-    max_nonfinite_steps: int = option(3, "stop the run after this many consecutive NaN/inf losses or gradients")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
         require(self.grad_clip >= 0, "optimizer.grad_clip must be >= 0 (0 = off)")
         require(self.max_nonfinite_steps >= 1, "optimizer.max_nonfinite_steps must be >= 1")
 
@@ -95,8 +87,9 @@ class ScheduleSection:
 
 
 @dataclass(frozen=True)
-class MemoryConfig:
-    """How weights and activations are held during training."""
+class MemorySection:
+    """How weights and activations are held during training, and micro-batching: one class from the YAML to
+    apply_memory_config and the update step."""
 
     precision: str = option("auto", "weights dtype: auto (bf16 on a CUDA card with native bf16, compute "
                                             "capability 8.0+; fp32 on older cards, not fp16, which would need loss "
@@ -110,19 +103,6 @@ class MemoryConfig:
     checkpoint_every: int = option(2, "k for activation_checkpointing=every_k")
     empty_cache_between_phases: bool = option(True, "gc + torch.cuda.empty_cache() between rollout and training")
     allow_tf32: bool = option(True, "TF32 matmuls for fp32 weights on Ampere+ GPUs")
-
-    def __post_init__(self) -> None:
-        require(self.precision in PRECISIONS,
-                f"memory.precision={self.precision!r}; choose from {', '.join(PRECISIONS)}")
-        require(self.activation_checkpointing in CHECKPOINTING,
-                f"memory.activation_checkpointing={self.activation_checkpointing!r}; choose from {list(CHECKPOINTING)}")
-        require(self.checkpoint_every >= 1, f"memory.checkpoint_every={self.checkpoint_every} must be >= 1")
-
-
-@dataclass(frozen=True)
-class MemorySection(MemoryConfig):
-    """MemoryConfig (precision, checkpointing) plus micro-batching."""
-
     micro_batch_tokens: int = option(0, "token budget of one forward/backward micro-batch: padded rows x length, "
                                         "or with share_prompt_forward prompts x prompt length + rows x completion "
                                         "length. 0 = auto: 1024 on CPU; on CUDA the largest the memory planner "
@@ -146,7 +126,11 @@ class MemorySection(MemoryConfig):
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        require(self.precision in PRECISIONS,
+                f"memory.precision={self.precision!r}; choose from {', '.join(PRECISIONS)}")
+        require(self.activation_checkpointing in CHECKPOINTING,
+                f"memory.activation_checkpointing={self.activation_checkpointing!r}; choose from {list(CHECKPOINTING)}")
+        require(self.checkpoint_every >= 1, f"memory.checkpoint_every={self.checkpoint_every} must be >= 1")
         require(self.micro_batch_tokens >= 0, "memory.micro_batch_tokens must be >= 1, or 0 for auto")
         require(self.logprob_chunk_size >= 0, "memory.logprob_chunk_size must be >= 1, or 0 for auto")
         require(self.gpu_memory_gib >= 0, "memory.gpu_memory_gib must be >= 0 (0 = no memory pre-flight check)")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config.training import MemoryConfig
+from ..config.training import MemorySection
 from ..kernels import apply_activation_checkpointing, checkpointed_blocks
 from ..plan.memory import checkpoint_every
 from ..plan.precision import resolve_precision
@@ -34,7 +34,7 @@ def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dty
     return PRECISIONS[resolve_precision(precision, device)]
 
 
-def apply_memory_config(model: nn.Module, cfg: MemoryConfig) -> nn.Module:
+def apply_memory_config(model: nn.Module, cfg: MemorySection) -> nn.Module:
     """Cast floating weights to cfg.precision (LoRA adapters keep their own dtype) and set checkpointing
     (already resolved: "auto" needs the training config, train/policy.py checkpointing_for)."""
     if cfg.activation_checkpointing == "auto":

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..config.fields import ConfigError
-from ..config.training import SCHEDULES, OptimizerConfig, lr_factor
+from ..config.training import SCHEDULES, OptimizerSection, lr_factor
 
 # ----------------------------------------------------------------------------------------------------
 # Offloaded / master-weight AdamW
@@ -134,7 +134,7 @@ def adamw_update(state: dict, grad: torch.Tensor, group: dict) -> None:
 # The variants, chosen by name
 
 
-def _torch_adamw(params: list, cfg: OptimizerConfig, fused: bool):
+def _torch_adamw(params: list, cfg: OptimizerSection, fused: bool):
     if cfg.master_weights and any(p.dtype != torch.float32 for p in params):
         # torch keeps state in the param dtype: use our fp32-master path
         return OffloadedAdamW(params, cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay, state_device=None)
@@ -187,7 +187,7 @@ def build_adamw_8bit(params, cfg, device):
     return build_adamw(params, cfg, device)
 
 
-def _fallback(cfg: OptimizerConfig, why: str, what: str) -> None:
+def _fallback(cfg: OptimizerSection, why: str, what: str) -> None:
     if cfg.strict:  # a ConfigError (ValueError): the CLI prints this one line, not a traceback
         raise ConfigError(f"optimizer.name={cfg.name!r} unavailable: {why}; optimizer.strict=true forbids "
                            f"falling back. Choose another optimizer.name or set strict=false")
@@ -202,7 +202,7 @@ OPTIMIZERS: dict[str, Callable] = {
 }
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig,
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerSection,
                     device: str | torch.device = "cpu") -> torch.optim.Optimizer:
     """The optimizer named by cfg.name over the trainable `params` (those with requires_grad)."""
     params = [p for p in params if p.requires_grad]

@@ -13,7 +13,7 @@ from grpo_engine.model.lora import LoRAConfig, apply_lora
 from grpo_engine.model.tiny import init_weights, tiny_config
 from grpo_engine.model.transformer import Transformer
 from grpo_engine.train.memory import (
-    MemoryConfig,
+    MemorySection,
     apply_memory_config,
     free_rollout_memory,
     peak_memory_mib,
@@ -40,7 +40,7 @@ def test_checkpointing_gives_identical_loss_and_grads(mode, k, want_every):
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     model = tiny_model()
     ref_loss, ref_grads = loss_and_grads(model, ids)
-    cfg = MemoryConfig(precision="fp32", activation_checkpointing=mode, checkpoint_every=k)
+    cfg = MemorySection(precision="fp32", activation_checkpointing=mode, checkpoint_every=k)
     apply_memory_config(model, cfg)
     assert checkpointed_blocks(model) == [i for i in range(len(model.layers)) if i % want_every == 0]
     loss, grads = loss_and_grads(model, ids)
@@ -58,7 +58,7 @@ def test_checkpointing_with_lora_grads_match():
             if "lora_B" in n:
                 p.normal_(std=0.05)
     _, ref = loss_and_grads(model, ids)
-    apply_memory_config(model, MemoryConfig(precision="fp32", activation_checkpointing="all"))
+    apply_memory_config(model, MemorySection(precision="fp32", activation_checkpointing="all"))
     _, got = loss_and_grads(model, ids)
     assert sorted(got) == sorted(ref) and all("lora_" in n for n in got)
     for n in got:
@@ -67,7 +67,7 @@ def test_checkpointing_with_lora_grads_match():
 
 def test_precision_casts_base_but_not_adapters():
     model = apply_lora(tiny_model(), LoRAConfig(rank=4))
-    apply_memory_config(model, MemoryConfig(precision="bf16", activation_checkpointing="none"))
+    apply_memory_config(model, MemorySection(precision="bf16", activation_checkpointing="none"))
     assert model.layers[0].attn.q_proj.weight.dtype == torch.bfloat16
     assert model.embed.weight.dtype == torch.bfloat16
     assert model.layers[0].attn.q_proj.lora_A.dtype == torch.float32
@@ -76,9 +76,9 @@ def test_precision_casts_base_but_not_adapters():
 
 def test_bad_memory_config():
     with pytest.raises(ValueError, match="activation_checkpointing"):
-        MemoryConfig(activation_checkpointing="some")
+        MemorySection(activation_checkpointing="some")
     with pytest.raises(ValueError, match="precision"):
-        MemoryConfig(precision="fp8")
+        MemorySection(precision="fp8")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU RSS reader")
@@ -219,7 +219,7 @@ def test_auto_checkpointing_resolved_by_the_trainer(tiny_ckpt, tmp_path, micro_b
 
 def test_unresolved_auto_is_refused():
     with pytest.raises(ValueError, match="resolved"):
-        apply_memory_config(tiny_model(), MemoryConfig(precision="fp32", activation_checkpointing="auto"))
+        apply_memory_config(tiny_model(), MemorySection(precision="fp32", activation_checkpointing="auto"))
 
 
 def test_build_policy_asks_about_bf16_only_for_bf16_on_the_cpu(monkeypatch, tiny_ckpt, tmp_path):

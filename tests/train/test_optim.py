@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from grpo_engine.train.optim import OffloadedAdamW, OptimizerConfig, adamw_update, build_optimizer
+from grpo_engine.train.optim import OffloadedAdamW, OptimizerSection, adamw_update, build_optimizer
 
 
 def make_params(seed=0, dtype=torch.float32):
@@ -55,7 +55,7 @@ def test_bf16_params_get_fp32_master_and_match_fp32_adamw_rounded():
     ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in ref]
     # the fp32 reference starts from the bf16-rounded values
     ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = build_optimizer(ours, OptimizerConfig(name="adamw", lr=1e-2, betas=[0.9, 0.99], weight_decay=0.1))
+    opt = build_optimizer(ours, OptimizerSection(name="adamw", lr=1e-2, betas=[0.9, 0.99], weight_decay=0.1))
     assert isinstance(opt, OffloadedAdamW) and opt.state_device is None
     ref_opt = torch.optim.AdamW(ref, **HP)
     for step in range(4):
@@ -94,10 +94,10 @@ def test_offloaded_state_dict_resume_is_exact():
 
 def test_plain_and_lr_scheduler_compatible():
     params = make_params()
-    opt = build_optimizer(params, OptimizerConfig(name="adamw_offload", lr=1e-3))
+    opt = build_optimizer(params, OptimizerSection(name="adamw_offload", lr=1e-3))
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # requires a torch.optim.Optimizer
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
-    assert isinstance(build_optimizer(make_params(), OptimizerConfig(name="adamw")), torch.optim.AdamW)
+    assert isinstance(build_optimizer(make_params(), OptimizerSection(name="adamw")), torch.optim.AdamW)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
@@ -105,22 +105,22 @@ def test_plain_and_lr_scheduler_compatible():
 def test_cpu_fallbacks_warn_and_strict_fails(name, fell_back_to):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = build_optimizer(make_params(), OptimizerConfig(name=name))
+        opt = build_optimizer(make_params(), OptimizerSection(name=name))
     assert isinstance(opt, torch.optim.AdamW)
     msgs = [str(w.message) for w in caught]
     assert any(f"fell back to {fell_back_to}" in m for m in msgs), msgs
     with pytest.raises(ValueError, match="strict"):  # a config error: one line from the CLI, no traceback
-        build_optimizer(make_params(), OptimizerConfig(name=name, strict=True))
+        build_optimizer(make_params(), OptimizerSection(name=name, strict=True))
 
 
 def test_bad_config_and_frozen_params():
     with pytest.raises(ValueError, match="optimizer.name"):
-        OptimizerConfig(name="sgd")
+        OptimizerSection(name="sgd")
     with pytest.raises(ValueError, match="betas"):
-        OptimizerConfig(betas=[0.9])
+        OptimizerSection(betas=[0.9])
     frozen = [torch.nn.Parameter(torch.zeros(2), requires_grad=False)]
     with pytest.raises(ValueError, match="no trainable"):
-        build_optimizer(frozen, OptimizerConfig())
+        build_optimizer(frozen, OptimizerSection())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -144,8 +144,8 @@ def test_fused_adamw_runs_on_cpu_and_matches_foreach():
     a, b = make_params(), make_params()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fused = build_optimizer(a, OptimizerConfig(name="adamw_fused", lr=1e-2, weight_decay=0.1))
-    plain = build_optimizer(b, OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1))
+        fused = build_optimizer(a, OptimizerSection(name="adamw_fused", lr=1e-2, weight_decay=0.1))
+    plain = build_optimizer(b, OptimizerSection(name="adamw", lr=1e-2, weight_decay=0.1))
     assert fused.defaults["fused"] is True
     for step in range(5):
         g = torch.Generator().manual_seed(step)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from grpo_engine.config.training import LoRAConfig, OptimizerConfig
+from grpo_engine.config.training import LoRAConfig, OptimizerSection
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import apply_lora
 from grpo_engine.rl.losses import LossConfig
@@ -77,7 +77,7 @@ def test_a_training_step_keeps_every_parameter_and_buffer_where_it_was(tiny_ckpt
     if optimizer_name in ("bitsandbytes", "torchao"):
         optimizer = _eight_bit(trainable, optimizer_name)
     else:
-        cfg = OptimizerConfig(name=optimizer_name, lr=1e-2, master_weights=master, pin_memory=False)
+        cfg = OptimizerSection(name=optimizer_name, lr=1e-2, master_weights=master, pin_memory=False)
         optimizer = build_optimizer(trainable, cfg, "cpu")
     _check_in_place(model, optimizer, trainable)
 
@@ -104,5 +104,5 @@ def test_a_cuda_training_step_keeps_every_parameter_and_buffer_where_it_was(tiny
     trainable = [p for p in model.parameters() if p.requires_grad]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an 8-bit fallback says so
-        optimizer = build_optimizer(trainable, OptimizerConfig(name=name, lr=1e-2), "cuda")
+        optimizer = build_optimizer(trainable, OptimizerSection(name=name, lr=1e-2), "cuda")
     _check_in_place(model, optimizer, trainable)
