@@ -132,19 +132,26 @@ def validate_rows(model: Transformer, rows: list[Row], params: SamplingParams, t
     cfg = model.config
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode completions: pass generate(..., tokenizer=tok)")
+    checked: set[int] = set()  # sources whose prompt passed: a group's G rows share one
     for row in rows:
-        p, what = row.tokens[: row.prompt_len], _name(row)
-        limit = "max_new_tokens" if row.env is None else "the environment's max_tokens"
-        if not p:
-            raise ValueError(f"{what} is empty; every prompt needs at least one token (e.g. a BOS)")
-        if min(p) < 0 or max(p) >= cfg.vocab_size:
-            raise ValueError(f"{what} has token ids outside [0, vocab_size={cfg.vocab_size})")
-        if len(p) > cfg.max_position_embeddings:
-            raise ValueError(f"{what} has {len(p)} tokens, longer than the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}; truncate the prompt")
+        what, n = _name(row), row.prompt_len
+        if row.source not in checked:
+            _check_prompt(cfg, row.tokens[:n], what)
+            checked.add(row.source)
         if row.budget_end > cfg.max_position_embeddings:
-            raise ValueError(f"{what} ({len(p)} tokens) + {limit}={row.budget_end - len(p)} exceeds the model's "
+            limit = "max_new_tokens" if row.env is None else "the environment's max_tokens"
+            raise ValueError(f"{what} ({n} tokens) + {limit}={row.budget_end - n} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}; lower {limit} or shorten it")
+
+
+def _check_prompt(cfg, prompt: list[int], what: str) -> None:
+    if not prompt:
+        raise ValueError(f"{what} is empty; every prompt needs at least one token (e.g. a BOS)")
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+        raise ValueError(f"{what} has token ids outside [0, vocab_size={cfg.vocab_size})")
+    if len(prompt) > cfg.max_position_embeddings:
+        raise ValueError(f"{what} has {len(prompt)} tokens, longer than the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; truncate the prompt")
 
 
 def _name(row: Row) -> str:
