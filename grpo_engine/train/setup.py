@@ -371,6 +371,9 @@ def planned_terms(cfg: Config, eval_rows: int, device: torch.device, shape: str 
         "train LoRA adapters (lora.enabled) or a smaller model, or choose optimizer.name=adamw_8bit or adamw_offload"
         if step.peak_phase == "optimizer" else
         "lower memory.micro_batch_tokens, or train LoRA adapters (lora.enabled) or a smaller model")]
+    if step.peak_phase == "eval":  # the evaluation's prompts' prefill and, past the rollout's rows, its own state
+        terms = [Term(what, probe_settings(cfg), total, "lower eval.max_examples (at most rollout.prompts_per_step "
+                      "x group_size: the evaluation then decodes on the rollout's state)")]
     if eval_rows:
         rows = in_flight(cfg, eval_rows, 1, r.max_prompt_tokens + probe_cap(cfg))
         probe = plan_config(planned, shape, card, prompts_per_step=eval_rows, group_size=1,

@@ -189,6 +189,21 @@ def test_a_larger_evaluation_does_not_shrink_the_training_micro_batch():
     assert large.knobs.logprob_chunk == usual.knobs.logprob_chunk
 
 
+def test_grpo_trains_size_check_names_the_evaluation_when_it_is_the_peak():
+    """On a CUDA card (memory.gpu_memory_gib unset: the card's own memory), an evaluation whose own decode state and
+    prefill make the eval phase the peak is refused naming eval.max_examples, not the micro-batch."""
+    import torch
+
+    cfg = load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml",
+                      ["eval.max_examples=256", "memory.gpu_memory_gib=0"])
+    card = setup_mod.DeviceMemory(12 * 2**30, "the CUDA card cuda:0")
+    with pytest.raises(ConfigError) as e:
+        setup_mod.check_sizes(cfg, 256, torch.device("cuda"), card, shape="qwen2.5-1.5b")
+    msg = str(e.value)
+    assert "\n" not in msg and "one step (eval phase)" in msg and msg.startswith("eval.max_examples=256, ")
+    assert "lower eval.max_examples (at most rollout.prompts_per_step x group_size" in msg
+
+
 def test_plan_cli_rejects_a_card_without_memory_and_a_non_boolean(capsys):
     """--card -1 got a "DOES NOT FIT" verdict, and --master-weights maybe was read as false."""
     assert main(["plan", "--model", "qwen2.5-0.5b", "--card", "-1"]) == 2
