@@ -200,12 +200,24 @@ def transformers_installed() -> bool:
 SKIP_NO_TRANSFORMERS = {"skipped": "transformers not installed"}
 
 
-@torch.no_grad()
-def our_logits(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Our forward's logits [L, V] (fp32) of each prompt, in `dtype` weights."""
+def trainer_model(path: Path, dtype: torch.dtype, device: str, lora: bool = False):
+    """The model as the trainer holds it (train/policy.py build_policy): loaded, with LoRA adapters when `lora`
+    (with_adapters, and the Policy holding it), then the kernel plan applied (apply_kernels: the measured GEMMs and
+    decode attention; on CUDA the grouped decode kernel whenever KV heads are grouped, kernels/attention.py
+    decode_attention_for). -> (model, policy or None)."""
+    from grpo_engine.kernels import apply_kernels
     from grpo_engine.model.loading import load_model
 
-    model = load_model(path, dtype=dtype, device=device)
+    model, policy = load_model(path, dtype=dtype, device=device), None
+    if lora:
+        model, policy = with_adapters(model)
+    return apply_kernels(model), policy
+
+
+@torch.no_grad()
+def our_logits(path: Path, device: str, dtype: torch.dtype, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Our forward's logits [L, V] (fp32) of each prompt, in `dtype` weights, with the trainer's kernels."""
+    model, _ = trainer_model(path, dtype, device)
     return [model(torch.tensor([p], device=device))[0].float() for p in prompts]
 
 
@@ -281,8 +293,8 @@ def with_adapters(model):
 
 def rollout_mismatch(path: Path, device: str, prompts: list[list[int]], sizes: Sizes, case: MismatchCase) -> dict:
     """generate()'s per-token log-probs (rollout.cuda_graphs as the case says; with LoRA under the policy's
-    rollout_weights, as training samples) vs the training forward's (batch_logprobs) on the same completions."""
-    from grpo_engine.model.loading import load_model
+    rollout_weights, as training samples) vs the training forward's (batch_logprobs) on the same completions, both
+    with the trainer's kernels (trainer_model)."""
     from grpo_engine.rollout import SamplingParams, generate
     from grpo_engine.train.batch import build_rollout_batch
     from grpo_engine.train.forward import batch_logprobs
@@ -290,11 +302,8 @@ def rollout_mismatch(path: Path, device: str, prompts: list[list[int]], sizes: S
     if case.cuda_graphs == "on" and not torch.cuda.is_available():
         return {"skipped": "rollout.cuda_graphs=on needs CUDA"}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
-    model = load_model(path, dtype=dtype, device=device)
-    weights = contextlib.nullcontext()
-    if case.lora:
-        model, policy = with_adapters(model)
-        weights = policy.rollout_weights()
+    model, policy = trainer_model(path, dtype, device, lora=case.lora)
+    weights = policy.rollout_weights() if case.lora else contextlib.nullcontext()
     params = SamplingParams(n=sizes.group, temperature=1.0, max_new_tokens=sizes.completion, stop_token_ids=[],
                             max_tokens_in_flight=None, cuda_graphs=case.cuda_graphs)
     with weights:

@@ -138,6 +138,35 @@ def test_a_failing_measurement_records_its_error_and_the_section_goes_on(gpu_che
     assert "| bf16 | off | yes |" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_parity_and_mismatch_run_the_trainers_kernels(gpu_check, tmp_path, monkeypatch):
+    """The logits and the mismatch decode with the kernel plan the trainer applies (build_policy: LoRA first, then
+    apply_kernels), so on CUDA a decode step runs the grouped decode attention, not SDPA."""
+    import grpo_engine.kernels as kernels
+    from grpo_engine.bench.generate import bench_prompts
+    from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.model.lora import lora_modules
+
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path / "cache")
+    applied, real = [], kernels.apply_kernels
+
+    def apply_kernels(model, plan=None):
+        applied.append(sum(1 for _ in lora_modules(model)))
+        return real(model, plan)
+
+    monkeypatch.setattr(kernels, "apply_kernels", apply_kernels)
+    path = gpu_check.checkpoint("qwen2.5-0.5b", True)
+    prompts = bench_prompts(load_tokenizer(path), gpu_check.SMOKE.prompts)
+    model, _ = gpu_check.trainer_model(path, gpu_check.torch.float32, "cpu")
+    planned = kernels.planned_kernels(kernels.choose_plan(model), model)
+    assert applied == [0] and model.kernels.decode_attention == planned.decode_attention
+    assert model.kernels.gemm == planned.gemm
+    gpu_check.our_logits(path, "cpu", gpu_check.torch.float32, prompts)
+    lora = gpu_check.MismatchCase("fp32", "off", lora=True)
+    result = gpu_check.rollout_mismatch(path, "cpu", prompts, gpu_check.SMOKE, lora)
+    assert applied[1] == 0 and applied[2] > 0  # the adapters are in place before the kernels, as in training
+    assert result["mean_abs"] < 1e-4 and result["adapter_effect_mean_abs"] > 0
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the report of a machine without CUDA")
 def test_without_cuda_it_exits_cleanly_with_a_report_saying_so(gpu_check, tmp_path, capsys):
     gpu_check.main(["--out", str(tmp_path), "--sections", "parity,speed"])
