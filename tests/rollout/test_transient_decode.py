@@ -81,12 +81,11 @@ def test_an_eval_that_fits_the_rollout_uses_the_kept_decoder(model64, prompts):
 
 def test_scopes_nest_and_free_on_an_error(model64):
     release_static_decode(model64)
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(RuntimeError, match="boom"), transient_static_decode():
         with transient_static_decode():
-            with transient_static_decode():
-                static_decoder(model64, 16, 60, 24)
-            assert TRANSIENT.decoders[model64].state.rows == 16  # the inner scope's end frees nothing yet
-            raise RuntimeError("boom")
+            static_decoder(model64, 16, 60, 24)
+        assert TRANSIENT.decoders[model64].state.rows == 16  # the inner scope's end frees nothing yet
+        raise RuntimeError("boom")
     assert TRANSIENT.depth == 0 and model64 not in TRANSIENT.decoders
     assert static_decode_stats(model64) is None  # nothing was kept for the eval's sake
 
@@ -106,3 +105,25 @@ def test_evaluate_policy_decodes_in_a_transient_scope(model64, monkeypatch):
     (depth, decoder), = seen
     assert depth == 1 and decoder.state.rows == 32
     assert model64 not in TRANSIENT.decoders and static_decode_stats(model64) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real graphs and their pool")
+def test_on_cuda_the_eval_state_and_its_graphs_pool_are_freed(tiny_dir, prompts):
+    """With real graphs: what the eval allocated (its state, its graphs' pool) is no longer allocated after the
+    scope, and the rollout's graphs replay without a capture."""
+    model = load_model(tiny_dir, dtype=torch.float32, device="cuda")
+    rollout = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, cuda_graphs="on")
+    evaluation = SamplingParams(n=1, temperature=0.0, max_new_tokens=24, cuda_graphs="on")
+    first = generate_static(model, prompts[:2], rollout, seed=3, graphs=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    before, captures = torch.cuda.memory_allocated(), static_decode_stats(model)["captures"]
+    with transient_static_decode():
+        generate_static(model, prompts, evaluation, seed=5, graphs=True)
+        assert TRANSIENT.decoders[model].captures >= 1 and torch.cuda.memory_allocated() > before
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + 2**20
+    assert generate_static(model, prompts[:2], rollout, seed=3, graphs=True) == first
+    assert static_decode_stats(model)["captures"] == captures
+    release_static_decode(model)
