@@ -26,7 +26,8 @@ def _split_then_bytes(pattern: str):
 
 
 PRE_TOKENIZERS = {
-    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # llama.cpp's spelling
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # read, never written
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
@@ -124,9 +125,9 @@ def pre_tokenizer_name(tok: HFTokenizer) -> str:
             if pattern == split:
                 return name
     if kinds == ["ByteLevel"]:
-        return "gpt2"
+        return "gpt-2"  # llama.cpp refuses "gpt2" (unknown pre-tokenizer type)
     raise CheckpointError(f"this tokenizer's pre-tokenizer ({kinds}) has no llama.cpp equivalent this exporter "
-                          f"knows (smollm, llama-bpe, qwen2, gpt2)")
+                          f"knows (smollm, llama-bpe, qwen2, gpt-2)")
 
 
 def write_tokenizer(w, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:

@@ -269,3 +269,17 @@ def test_export_f32_and_bf16_hold_the_weights_exactly_or_rounded_as_torch_rounds
         want = b if a.dim() == 1 or kind == "f32" else b.bfloat16().float()
         assert torch.equal(a, want), name
     assert reader(out).fields["general.file_type"].contents() == {"f32": 0, "bf16": 32}[kind]
+
+
+def test_export_names_a_byte_level_pre_tokenizer_as_llama_cpp_does(tmp_path, tiny_ckpt):
+    """llama.cpp knows GPT-2's pre-tokenizer as "gpt-2" and refuses "gpt2" (unknown pre-tokenizer type), so the
+    export writes "gpt-2"; files that say "gpt2" still read, split the same way."""
+    from grpo_engine.model.gguf_io import read_gguf
+    from grpo_engine.model.gguf_tokenizer import build_tokenizer
+
+    out = export_gguf(str(tiny_ckpt), str(tmp_path / "m.gguf"), "f32")
+    meta = read_gguf(out).meta
+    assert meta["tokenizer.ggml.pre"] == "gpt-2"
+    text, want = "What is 38 + 45? ok", load_tokenizer(tiny_ckpt).encode("What is 38 + 45? ok")
+    assert build_tokenizer(meta, "m.gguf").encode(text) == want
+    assert build_tokenizer({**meta, "tokenizer.ggml.pre": "gpt2"}, "old.gguf").encode(text) == want
