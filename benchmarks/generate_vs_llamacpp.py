@@ -127,15 +127,27 @@ class LlamaCpp:
     def _rollout(self, sampler, new: int) -> tuple[float, int]:
         ll = self.ll
         t0 = time.perf_counter()
-        self._fill(prefill_entries(self.prompts, self.group))
-        self._decode()
+        self.prefill()
         tokens = [ll.llama_sampler_sample(sampler, self.ctx, row) for row in logits_rows(self.prompts, self.group)]
-        lengths = [len(self.prompts[s // self.group]) for s in range(len(tokens))]
-        for step in range(1, new):  # one token per sequence, at the position after its last one
-            self._fill([(tok, lengths[s] + step - 1, (s,), True) for s, tok in enumerate(tokens)])
-            self._decode()
+        for step in range(1, new):
+            self.step(tokens, step)
             tokens = [ll.llama_sampler_sample(sampler, self.ctx, s) for s in range(len(tokens))]
         return time.perf_counter() - t0, len(tokens) * new
+
+    def prefill(self) -> None:
+        """Every prompt once, its tokens in all its samples' sequences; logits at the rows of logits_rows."""
+        self._fill(prefill_entries(self.prompts, self.group))
+        self._decode()
+
+    def step(self, tokens: list[int], step: int) -> None:
+        """Decode new token number `step` (1, 2, ...) of every sequence; its logits are at the sequence's row."""
+        lengths = [len(self.prompts[s // self.group]) for s in range(len(tokens))]
+        self._fill([(tok, lengths[s] + step - 1, (s,), True) for s, tok in enumerate(tokens)])
+        self._decode()
+
+    def logits(self, row: int, vocab: int) -> list[float]:
+        """The logits of one row of the last decoded batch (a row that asked for them)."""
+        return self.ll.llama_get_logits_ith(self.ctx, row)[:vocab]
 
     def _fill(self, entries: list[tuple[int, int, tuple[int, ...], bool]]) -> None:
         b = self.batch

@@ -13,6 +13,24 @@ def bench():
     return load_benchmark("generate_vs_llamacpp")
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama checkpoint whose byte tokenizer has one merge, "a" "b" -> "ab" (in the place of byte 0xFF, so
+    every id stays where it was): llama.cpp refuses a BPE vocabulary without merges, and the GGUF writer leaves an
+    empty merges list out of the file."""
+    import json
+
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama3", rope_scaling=None)
+    data = json.loads((path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["ab"] = vocab.pop("\u00ff")  # byte 0xFF's token
+    data["model"]["merges"] = [["a", "b"]]
+    (path / "tokenizer.json").write_text(json.dumps(data))
+    return path
+
+
 def test_prefill_puts_each_prompt_once_in_all_its_samples_sequences(bench):
     """Prompt p's tokens at positions 0..len-1 belong to sequences p*G..p*G+G-1 (their KV cells are shared), and
     only each prompt's last token asks for logits."""
@@ -50,12 +68,12 @@ def test_demo_prompts_refuse_more_prompts_than_the_task_has(bench, tiny_ckpt, tm
         bench.demo_prompts(load_tokenizer(tiny_ckpt), 5, recipe)
 
 
-def test_the_comparison_prints_one_row_per_precision_last(bench, tiny_ckpt_factory, capsys):
+def test_the_comparison_prints_one_row_per_precision_last(bench, tiny_llama, capsys):
     """Both engines on a tiny Llama model's F32 and BF16 exports: the last line is the JSON list the issue asks
     for, and both engines generated P x G x T tokens (the row is refused otherwise)."""
     pytest.importorskip("llama_cpp")
-    model = tiny_ckpt_factory("llama3", rope_scaling=None)
-    rows = bench.main(["--model", str(model), "--prompts", "2", "--group", "3", "--max-new", "5", "--threads", "2"])
+    rows = bench.main(["--model", str(tiny_llama), "--prompts", "2", "--group", "3", "--max-new", "5",
+                       "--threads", "2"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == rows and [r["precision"] for r in last] == ["f32", "bf16"]
     for r in last:
@@ -83,3 +101,36 @@ def test_llama_cpp_is_a_benchmark_peer_not_a_dependency():
     assert [name for name, reqs in extras.items() if any(r.startswith("llama-cpp-python") for r in reqs)] == \
         ["llamacpp"]
     assert not [r for r in project["dependencies"] if r.startswith("llama-cpp-python")]
+
+
+def test_llamacpp_batches_give_the_logits_of_each_prompt_and_sample(bench, tiny_llama, tmp_path):
+    """The shared-prompt layout computes what it should: llama.cpp's logits on the F32 export after the prefill
+    (each prompt's last token) and after one step (each sample's own token at its position) equal our model's on
+    the same ids, within float32 summation-order differences. Wrong positions or sequence ids would not."""
+    pytest.importorskip("llama_cpp")
+    import torch
+
+    from grpo_engine.model.loading import load_model
+
+    gguf = bench.export_precision(str(tiny_llama), "f32", tmp_path)
+    ours = load_model(gguf)
+    vocab = ours.config.vocab_size
+    prompts, group = [[256, 72, 105, 33, 10], [256, 50, 43, 50]], 2  # 256: <|begin_of_text|>
+    engine = bench.LlamaCpp(gguf, 2, prompts, group, new=3)
+
+    def ours_last(ids):
+        with torch.no_grad():
+            return ours(torch.tensor([ids]))[0, -1].double()
+
+    try:
+        engine.prefill()
+        for s, row in enumerate(bench.logits_rows(prompts, group)):
+            got = torch.tensor(engine.logits(row, vocab), dtype=torch.float64)
+            torch.testing.assert_close(got, ours_last(prompts[s // group]), atol=2e-4, rtol=1e-4)
+        tokens = [65, 66, 67, 68]  # a different token for each of the 4 samples
+        engine.step(tokens, 1)
+        for s, tok in enumerate(tokens):
+            got = torch.tensor(engine.logits(s, vocab), dtype=torch.float64)
+            torch.testing.assert_close(got, ours_last(prompts[s // group] + [tok]), atol=2e-4, rtol=1e-4)
+    finally:
+        engine.close()
