@@ -5,7 +5,7 @@ A config leaves some settings to the engine: model.device and memory.precision (
 plan/device_defaults.py), and with a warm start the model GRPO starts from (run_dir/base or run_dir/sft). They are
 decided here, in one place, into a frozen `Resolved`; every later stage reads it and nothing writes the config (its
 dataclasses are frozen). A checkpoint stores it as resolved.yaml (`Resolved.to_yaml`): its `config` is the config
-the run trained with, the same text as config.yaml, and `machine` says what this machine decided.
+the run trained with (the one config.yaml holds), and `machine` says what this machine decided.
 """
 
 from __future__ import annotations

@@ -108,12 +108,12 @@ class Policy:
 
 
 def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: World | None = None) -> Policy:
-    """The policy of `cfg` on `device`: weights (the checkpoint's when resuming full fine-tuning; LoRA reloads
-    the base from model.path and the adapters from the checkpoint), kernels, memory options, optimizer,
-    schedule and reference. A frozen reference is always the weights at model.path; a moving one is restored
-    from the checkpoint by load_state_dict. Under fsdp2 the model (and a copied reference) are sharded before
-    the optimizer is built, so its state is sharded too. The settings are the ones this machine resolved before
-    (plan/resolved.py: device, precision, the memory settings left to the engine)."""
+    """The policy of resolved.config on resolved.device: weights (the checkpoint's when resuming full
+    fine-tuning; LoRA reloads the base from model.path and the adapters from the checkpoint), kernels, memory
+    options, optimizer, schedule and reference. A frozen reference is always the weights at model.path; a moving
+    one is restored from the checkpoint by load_state_dict. Under fsdp2 the model (and a copied reference) are
+    sharded before the optimizer is built, so its state is sharded too. The settings are the ones this machine
+    resolved before (plan/resolved.py: device, precision, the memory settings left to the engine)."""
     world = world or World()
     cfg, device = resolved.config, resolved.device
     spec = policy_spec(cfg)
