@@ -12,7 +12,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = [REPO, REPO / "grpo_engine", REPO / "tests", REPO / "benchmarks"]
-OURS = {p.name for root in ROOTS for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+OUTPUTS = {"runs", "data", "build", "dist"}  # what commands write (runs/NAME.json) or users download: not ours to check
+OURS = {p.name for root in ROOTS for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith((".", "__")) and p.name not in OUTPUTS}
 ROOMS = {p.name for p in (REPO / "grpo_engine").iterdir() if (p / "__init__.py").is_file()}
 
 FILE_PATH = re.compile(r"(?<![\w./~$<{*-])((?:[\w.-]+/)+[\w.-]+\.(?:py|yaml|md))(?![\w/*-])")
