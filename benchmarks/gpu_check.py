@@ -296,7 +296,7 @@ def rollout_mismatch(path: Path, device: str, prompts: list[list[int]], sizes: S
     rollout_weights, as training samples) vs the training forward's (batch_logprobs) on the same completions, both
     with the trainer's kernels (trainer_model)."""
     from grpo_engine.rollout import SamplingParams, generate
-    from grpo_engine.train.batch import build_rollout_batch
+    from grpo_engine.train.batch import build_train_batch
     from grpo_engine.train.forward import batch_logprobs
 
     if case.cuda_graphs == "on" and not torch.cuda.is_available():
@@ -309,7 +309,7 @@ def rollout_mismatch(path: Path, device: str, prompts: list[list[int]], sizes: S
     with weights:
         out = generate(model, prompts, params, seed=0)
     rows = [prompts[i] for i in out.prompt_index]
-    batch = build_rollout_batch(rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows),
+    batch = build_train_batch(rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows),
                                 pad_id=0)
     train = batch_logprobs(model, batch, 16384, temperature=1.0, chunk_size=1024)  # [B, T]
     mask = batch.completion_mask.bool()

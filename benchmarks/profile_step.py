@@ -78,7 +78,7 @@ def instrument(timers: Timers) -> None:
         (loop, "collect_groups", "rollout (generate + score)"),
         (rollouts, "generate", "  generate"),
         (rollouts, "safe_reward", "  reward"),
-        (loop, "rollout_batch", "advantages + batch"),
+        (loop, "train_batch", "advantages + batch"),
         (loop, "update_policy", "update (fwd, bwd, clip, optimizer)"),
         (update, "completion_hidden", "  forward to hidden states"),
         (update, "token_logprobs", "  LM head + log-probs"),

@@ -39,7 +39,7 @@ def test_bench_step_runs_the_trainers_step(tiny_ckpt, recorded_steps):
     records = recorded_steps
     result = bench_step(str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2)
     assert len(records) == 2 and result["step_times"] == [r.metrics.time_step_s for r in records]
-    assert all(len(c) == 5 for r in records for g in r.rollout.groups for c in g.completion_ids)
+    assert all(len(c) == 5 for r in records for g in r.collected.groups for c in g.completion_ids)
     from grpo_engine.plan.from_config import config_memory_choice
 
     defaults = load_config()
@@ -59,7 +59,7 @@ def test_bench_step_trains_every_row_even_when_completions_decode_to_nothing(tmp
                                 num_key_value_heads=1, intermediate_size=64, vocab_size=4096)
     records = recorded_steps
     bench_step(str(ckpt), prompts=2, group=3, max_new=4, prompt_len=24, steps=2)
-    texts = [t for r in records for g in r.rollout.groups for t in g.texts]
+    texts = [t for r in records for g in r.collected.groups for t in g.texts]
     assert sum(t == "" for t in texts) >= len(texts) // 2  # the situation this guards against
     assert [r.metrics.rows for r in records] == [6, 6] and [r.metrics.train_tokens for r in records] == [24, 24]
 

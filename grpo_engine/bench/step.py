@@ -94,7 +94,7 @@ def bench_questions(tokenizer, count: int, length: int, seed: int = 0) -> list[s
 def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prompt_len: int, steps: int,
                  overrides: list[str] | tuple[str, ...] = (), config: str | None = None):
     """The StepInputs and StepState of a benchmark run: the trainer's own, with BenchTask as the task."""
-    from ..collect.groups import PromptSampler
+    from ..collect.groups import ShuffledPrompts
     from ..config import load_config
     from ..model.loading import load_tokenizer, pick_device
     from ..plan.resolved import resolve_settings
@@ -112,7 +112,7 @@ def bench_inputs(model_dir: str, *, prompts: int, group: int, max_new: int, prom
     cfg, policy = resolved.config, build_policy(resolved)
     params = replace(sampling_params(cfg, tokenizer), stop_token_ids=[])  # every completion has max_new tokens
     examples = task.examples("train")
-    inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed), params)
+    inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed), params)
     return inputs, StepState(micro_tokens=cfg.memory.micro_batch_tokens)
 
 

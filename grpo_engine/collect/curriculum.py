@@ -32,7 +32,7 @@ from ..rl.semantic_entropy import curriculum_order, difficulty_scores
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from ..world import World, fail_together
-from .groups import PromptSampler, generate_groups
+from .groups import ShuffledPrompts, generate_groups
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Curriculum:
     """The prompt stream with a queue in front: `next()` serves the queued pool prompts first, then the plain
     stream; `refresh(step, model)` re-scores a pool when one is due and refills the queue."""
 
-    def __init__(self, cfg: CurriculumSection, stream: PromptSampler, scorer: PoolScorer, state: dict | None = None):
+    def __init__(self, cfg: CurriculumSection, stream: ShuffledPrompts, scorer: PoolScorer, state: dict | None = None):
         self.cfg, self.stream, self.scorer = cfg, stream, scorer
         state = state or {}
         self.queue: list[int] = [int(i) for i in state.get("queue", [])]  # example indices still to serve
@@ -160,7 +160,7 @@ class Curriculum:
         return {"queue": list(self.queue), "next_rescore": self.next_rescore}
 
 
-def build_curriculum(cfg: Config, stream: PromptSampler, tokenizer, task, examples: list[Example],
+def build_curriculum(cfg: Config, stream: ShuffledPrompts, tokenizer, task, examples: list[Example],
                      params: SamplingParams, world: World, state: dict | None = None) -> Curriculum | None:
     """The run's curriculum (None for curriculum.mode=none), restored from a checkpoint's `state`."""
     c = cfg.curriculum

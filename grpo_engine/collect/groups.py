@@ -1,4 +1,4 @@
-"""Rollout phase of a step: draw prompts, generate G completions each, score them, group advantages.
+"""Group collection for a step: draw prompts, sample G completions each, score them.
 
 Dynamic sampling (DAPO): groups whose G rewards are all equal carry no learning signal; when enabled they
 are dropped and fresh prompts are generated, up to `group_filter.max_rounds` rounds in all, to refill the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -16,14 +17,14 @@ import torch
 
 from ..config.algorithm import GroupFilterConfig
 from ..rl.advantages import select_groups
-from ..rollout import SamplingParams, generate
+from ..rollout import GenerationOutput, SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
 from ..world import World, fail_together
 
 
-class PromptSampler:
-    """Endless shuffled stream of example indices; its whole state is one integer (exact resume).
+class ShuffledPrompts:
+    """The prompt stream: endless shuffled example indices; its whole state is one integer (exact resume).
 
     Epoch e is a permutation seeded by (seed, e), so position p always maps to the same example.
     """
@@ -44,7 +45,7 @@ class PromptSampler:
 
 
 class PromptStream(Protocol):
-    """Where a step draws its prompts from: a PromptSampler, or a curriculum's queue in front of one
+    """Where a step draws its prompts from: ShuffledPrompts, or a curriculum's queue in front of one
     (collect/curriculum.py)."""
 
     def next(self) -> int: ...
@@ -71,17 +72,30 @@ class Group:
         return [r.total for r in self.rewards]
 
 
+# The sampler's call (rollout.generate): generate(model, prompt_ids, params, seed=..., tokenizer=...)
+Generate = Callable[..., GenerationOutput]
+
+
+class GroupSampler(Protocol):
+    """The groups-level callable a step, the probe and the checks sample with: examples -> (their scored groups,
+    generated tokens). generate_groups (single-turn), collect/tool_groups.generate_tool_groups (with tools, its
+    `tools` bound), coin_flip_rewards(one of those) (the random-reward control)."""
+
+    def __call__(self, model, tokenizer, task, examples: list[Example], params: SamplingParams,
+                 seed: int | list[int], max_prompt_tokens: int | None) -> tuple[list[Group], int]: ...
+
+
 REWARD_TIMEOUT_S = 5.0  # a reward that runs longer scores 0 and is counted as a timeout
 
 
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams,
                     seed: int | list[int], max_prompt_tokens: int | None,
-                    reward_timeout_s: float | None = None, generate_fn=generate) -> tuple[list[Group], int]:
+                    reward_timeout_s: float | None = None, generate: Generate = generate) -> tuple[list[Group], int]:
     """Generate params.n completions per example and score them. Returns (groups, generated tokens).
 
     The one generate-and-score path: training, the in-loop eval and `grpo eval` all call it, so a completion is
     rendered, decoded and scored the same way everywhere. seed: one int for the call, or one per example
-    (rollout.generate); max_prompt_tokens None: no cap; generate_fn: rollout.generate (tests script it)."""
+    (rollout.generate); max_prompt_tokens None: no cap; generate: the sampler (tests pass a scripted one)."""
     texts = [render_prompt(task, tokenizer, ex) for ex in examples]
     prompt_ids = [tokenizer.encode(t) for t in texts]
     for ex, ids in zip(examples, prompt_ids):
@@ -91,7 +105,7 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
     was_training = model.training
     model.eval()  # no dropout while sampling: the sampler's log-probs must match the policy
     try:
-        out = generate_fn(model, prompt_ids, params, seed=seed, tokenizer=tokenizer)
+        out = generate(model, prompt_ids, params, seed=seed, tokenizer=tokenizer)
     finally:
         model.train(was_training)
     groups, G = [], params.n
@@ -108,15 +122,15 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
     return groups, sum(len(c) for c in out.completion_ids)
 
 
-def coin_flip_rewards(generate_fn=generate_groups):
-    """generate_fn (generate_groups' arguments and result) with every completion's reward total replaced by a
+def coin_flip_rewards(sample_groups: GroupSampler = generate_groups) -> GroupSampler:
+    """sample_groups with every completion's reward total replaced by a
     coin flip, 0.0 or 1.0, drawn from its prompt's sampling seed and its index in the group: independent of what
     the completion says, reproducible, different for every step, round and prompt. The components stay the task's,
     so accuracy (the "answer" component) still tells the truth; dynamic sampling and the advantages see the
     coin. The control experiment of algorithm.random_reward."""
 
-    def generate(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs):
-        groups, n = generate_fn(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs)
+    def flipped(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs):
+        groups, n = sample_groups(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs)
         seeds = [f"{seed}-{p}" for p in range(len(groups))] if isinstance(seed, int) else list(seed)
         for g, s in zip(groups, seeds):
             rng = random.Random(f"random-reward-{s}")
@@ -124,7 +138,7 @@ def coin_flip_rewards(generate_fn=generate_groups):
                          for r in g.rewards]
         return groups, n
 
-    return generate
+    return flipped
 
 
 def prompt_seed(seed: int, step: int, round_: int, prompt: int) -> int:
@@ -135,8 +149,8 @@ def prompt_seed(seed: int, step: int, round_: int, prompt: int) -> int:
 
 
 @dataclass
-class RolloutRound:
-    """What the rollout phase hands to the rest of the step."""
+class CollectedGroups:
+    """One step's groups with their rewards: what collect_groups hands to the rest of the step."""
 
     groups: list[Group]  # the groups to train on (<= P)
     generated: list[Group]  # every group generated this step (for metrics)
@@ -145,19 +159,19 @@ class RolloutRound:
     time_generate_s: float
 
 
-def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, params: SamplingParams, *,
+def collect_groups(model, tokenizer, task, examples, stream: PromptStream, params: SamplingParams, *,
                    prompts: int, seed: int, step: int, max_prompt_tokens: int, group_filter: GroupFilterConfig,
-                   world: World | None = None, generate_fn=None) -> RolloutRound:
+                   world: World | None = None,
+                   sample_groups: GroupSampler = generate_groups) -> CollectedGroups:
     """Generate this rank's groups of the step's `prompts` (the global count); with group_filter.enabled keep
     only informative groups (rewards differ), drawing fresh prompts for the missing ones, for at most
     group_filter.max_rounds rounds (rl.advantages.select_groups).
 
     Every rank draws the same global prompts from the stream and generates its own share of them, each
     prompt seeded by its global index: the completions of a prompt do not depend on the number of ranks.
-    generate_fn: generate_groups' stand-in (the same arguments), e.g. collect/tool_groups.generate_tool_groups.
+    sample_groups: what samples and scores them (GroupSampler), e.g. collect/tool_groups.generate_tool_groups.
     """
     world = world or World()
-    generate_fn = generate_fn or generate_groups
     local = prompts // world.size
     rounds: list[list[Group]] = []
     gen_tokens, t0, selection = 0, time.perf_counter(), None
@@ -166,13 +180,13 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
         need = world.max(missing)  # every rank draws (and so advances the stream) in step
         if need == 0:
             break
-        drawn = [sampler.next() for _ in range(need * world.size)]  # global prompt index -> example
+        drawn = [stream.next() for _ in range(need * world.size)]  # global prompt index -> example
         mine = list(world.my_share(len(drawn)))[:missing]
         with fail_together(world, "rollout"):  # NaN logits on one rank stop every rank, not only that one
             if mine:
                 seeds = [prompt_seed(seed, step, round_, i) for i in mine]
-                groups, n = generate_fn(model, tokenizer, task, [examples[drawn[i]] for i in mine], params, seeds,
-                                        max_prompt_tokens)
+                groups, n = sample_groups(model, tokenizer, task, [examples[drawn[i]] for i in mine], params,
+                                          seeds, max_prompt_tokens)
                 rounds.append(groups)
                 gen_tokens += n
         if group_filter.enabled and rounds:
@@ -180,4 +194,4 @@ def collect_groups(model, tokenizer, task, examples, sampler: PromptStream, para
             selection = select_groups(rewards, local, group_filter.tol)
     generated = [g for r in rounds for g in r]
     kept = [rounds[r][p] for r, p in selection.keep] if selection is not None else generated
-    return RolloutRound(kept, generated, max(0, len(rounds) - 1), gen_tokens, time.perf_counter() - t0)
+    return CollectedGroups(kept, generated, max(0, len(rounds) - 1), gen_tokens, time.perf_counter() - t0)

@@ -34,7 +34,7 @@ import torch
 from ..rl.advantages import zero_variance_groups
 from ..rollout import SamplingParams
 from ..tasks.base import Example
-from .groups import Group, generate_groups, prompt_seed
+from .groups import Group, GroupSampler, generate_groups, prompt_seed
 
 TRUNCATION_CAUSE = 0.25  # replies cut at max_new_tokens: a share this high is named as the cause
 EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is named as the cause
@@ -198,19 +198,19 @@ class CheckSettings:
 
 
 def check_signal(model, tokenizer, task, examples: list[Example], params: SamplingParams, settings: CheckSettings,
-                 *, seed: int, max_prompt_tokens: int | None, generate_fn=None) -> SignalReport:
+                 *, seed: int, max_prompt_tokens: int | None,
+                 sample_groups: GroupSampler = generate_groups) -> SignalReport:
     """Sample `settings.groups` prompts of `examples` (chosen by a generator of their own, not the prompt stream) with
-    `params`, score them with the task's reward, and judge the signal. generate_fn: generate_groups' stand-in (the
-    run's tools); the process's random states are left as they were."""
-    generate_fn = generate_fn or generate_groups
+    `params`, score them with the task's reward, and judge the signal. sample_groups: the run's GroupSampler (its
+    tools); the process's random states are left as they were."""
     chosen = random.Random(f"signal-check-{seed}").sample(range(len(examples)), min(settings.groups, len(examples)))
     t0, groups = time.perf_counter(), []
     with rng_untouched():
         for start in range(0, len(chosen), settings.batch):
             part = chosen[start : start + settings.batch]
             seeds = [prompt_seed(seed, 0, 0, start + i) for i in range(len(part))]  # step 0: no training step's
-            batch, _ = generate_fn(model, tokenizer, task, [examples[i] for i in part], params, seeds,
-                                   max_prompt_tokens)
+            batch, _ = sample_groups(model, tokenizer, task, [examples[i] for i in part], params, seeds,
+                                     max_prompt_tokens)
             groups.extend(batch)
     stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
     return SignalReport(stats, verdict(stats, settings.min_spread))

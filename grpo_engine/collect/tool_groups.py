@@ -9,7 +9,7 @@ completion mask (train/batch.py): tool tokens are context for the training forwa
 sampler's log-probs are 0.0 on them and the real values on model tokens, so the mismatch metrics compare the
 same tokens the loss sees.
 
-`generate_tool_groups` takes generate_groups' arguments (plus `tools`), so either can serve collect_groups.
+`generate_tool_groups` with its `tools` bound is a GroupSampler (collect/groups.py), as generate_groups is.
 """
 
 from __future__ import annotations

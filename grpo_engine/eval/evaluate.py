@@ -1,6 +1,6 @@
 """Evaluate a model on a task: pass@1, pass@k, maj@k, format rate, completion length, truncation rate.
 
-Each problem gets n samples from the generate-and-score path training uses (`train.rollouts.generate_groups`:
+Each problem gets n samples from the generate-and-score path training uses (`collect.groups.generate_groups`:
 `render_prompt` in, the guarded task reward out). Metrics per problem, then averaged over problems:
 
 - pass@k: unbiased estimator from n samples with c correct (metrics.pass_at_k), so pass@1 = c / n.
@@ -26,14 +26,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..collect.groups import Group, generate_groups, prompt_seed
+from ..collect.groups import Generate, Group, generate_groups, prompt_seed
 from ..config.tools import ToolsSection
-from ..rollout import GenerationOutput, SamplingParams, generate
+from ..rollout import SamplingParams, generate
 from ..tasks.base import Example, RewardResult, Task
 from .metrics import maj_at_k, majority_answer, pass_at_k
 
 ANSWER = "answer"  # the RewardResult component that correctness reads (RewardResult.correct)
-GenerateFn = Callable[..., GenerationOutput]  # generate(model, prompt_ids, params, seed=..., tokenizer=...)
 
 
 @dataclass(frozen=True)
@@ -132,11 +131,11 @@ class EvalReport:
 
 # ---------------------------------------------------------------------------------------------- evaluation
 def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: EvalConfig, *,
-             generate_fn: GenerateFn = generate, progress: Callable[[int, int], None] | None = None,
+             generate: Generate = generate, progress: Callable[[int, int], None] | None = None,
              tools: ToolsSection | None = None) -> EvalReport:
     """Sample cfg.n completions per example with the model, score them with the task, aggregate.
 
-    generate_fn is the rollout `generate` (injectable so tests can script completions); progress(done, total)
+    generate: the sampler, rollout's `generate` (injectable so tests can script completions); progress(done, total)
     is called after each batch of prompts. tools: when enabled, each sample is a trajectory with those tools.
     """
     cfg, notes = cfg.resolved()
@@ -157,7 +156,7 @@ def evaluate(model, tokenizer, task: Task, examples: Sequence[Example], cfg: Eva
                                              cfg.reward_timeout_s, tools=tools)
         else:
             groups, _ = generate_groups(model, tokenizer, task, batch, params, seed, None, cfg.reward_timeout_s,
-                                        generate_fn)
+                                        generate)
         problems += [score_problem(task, g, cfg) for g in groups]
         if progress is not None:
             progress(len(problems), len(examples))

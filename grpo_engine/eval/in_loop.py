@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 
-from ..collect.groups import generate_groups
+from ..collect.groups import GroupSampler, generate_groups
 from ..rollout import SamplingParams
 from ..rollout.static_decode import transient_static_decode
 from ..tasks.base import Example, RewardResult
@@ -61,17 +61,16 @@ class EvalResult:
 
 
 def evaluate_policy(model, tokenizer, task, examples: list[Example], params: SamplingParams, *, seed: int,
-                    max_prompt_tokens: int, groups_fn=None) -> EvalResult:
-    """One completion per example (params.n is forced to 1), scored by the task's guarded reward. groups_fn: what
-    samples and scores them, as in training (default generate_groups; a run with tools passes its multi-turn
+                    max_prompt_tokens: int, sample_groups: GroupSampler = generate_groups) -> EvalResult:
+    """One completion per example (params.n is forced to 1), scored by the task's guarded reward.
+    sample_groups: the GroupSampler training uses (generate_groups; a run with tools passes its multi-turn
     collect.tool_groups.generate_tool_groups, so the probe samples with the tools the policy trains with).
     Its calls decode under transient_static_decode: a static state larger than the rollout's is freed afterwards,
     and the rollout's stays as it was."""
     if not examples:
         raise ValueError("evaluation got no examples: the task's eval split is empty")
-    groups_fn = groups_fn or generate_groups
     with transient_static_decode():
-        groups, _ = groups_fn(model, tokenizer, task, examples, replace(params, n=1), seed, max_prompt_tokens)
+        groups, _ = sample_groups(model, tokenizer, task, examples, replace(params, n=1), seed, max_prompt_tokens)
     results = [g.rewards[0] for g in groups]
     lengths = [len(g.completion_ids[0]) for g in groups]
     return EvalResult(

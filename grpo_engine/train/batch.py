@@ -1,5 +1,5 @@
 """A step's training rows: rewards of the scored groups -> group-relative advantages (+ SEED-GRPO modulation,
-overlong handling) -> the right-padded `RolloutBatch`; and its token-budget micro-batches.
+overlong handling) -> the right-padded `TrainBatch`; and its token-budget micro-batches.
 
 The update phase runs forward/backward over many rows of very different lengths. Packing rows sorted by
 length into micro-batches whose padded size (rows x longest row) stays under a token budget keeps padding
@@ -29,7 +29,7 @@ from ..world import World
 
 
 @dataclass
-class RolloutBatch:
+class TrainBatch:
     """One step's training rows: prompt + completion, right-padded.
 
     Position t of `*_logp` and `completion_mask` refers to the token input_ids[:, t] (predicted from t-1).
@@ -59,15 +59,15 @@ class RolloutBatch:
         """Rows with at least one active token: the step's sequence count for per-sequence aggregations."""
         return int((self.completion_mask.sum(1) > 0).sum().item())
 
-    def to(self, device) -> RolloutBatch:
+    def to(self, device) -> TrainBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return RolloutBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
+        return TrainBatch(*(move(getattr(self, f)) for f in self.__dataclass_fields__))
 
-    def select(self, rows: torch.Tensor) -> RolloutBatch:
+    def select(self, rows: torch.Tensor) -> TrainBatch:
         """The rows `rows` (index tensor), trimmed to their longest row."""
         T = int(self.lengths[rows].max().item())
         pick = lambda t: None if t is None else t[rows, :T]  # noqa: E731
-        return RolloutBatch(
+        return TrainBatch(
             input_ids=self.input_ids[rows, :T],
             completion_mask=self.completion_mask[rows, :T],
             advantages=self.advantages[rows],
@@ -80,7 +80,10 @@ class RolloutBatch:
         )
 
 
-def rows_with_signal(batch: RolloutBatch) -> RolloutBatch | None:
+RolloutBatch = TrainBatch  # the name train/update.py and train/fused_head.py import until they read TrainBatch
+
+
+def rows_with_signal(batch: TrainBatch) -> TrainBatch | None:
     """The rows with a nonzero advantage and at least one active token; None when there are none.
 
     For a loss where zero advantage means zero gradient (rl.losses.zero_advantage_is_inert) the other rows add
@@ -95,7 +98,7 @@ def rows_with_signal(batch: RolloutBatch) -> RolloutBatch | None:
     return batch.select(torch.nonzero(keep).flatten())
 
 
-def build_rollout_batch(
+def build_train_batch(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],
     sampler_logprobs: list[list[float]],
@@ -104,7 +107,7 @@ def build_rollout_batch(
     pad_id: int,
     share_prompts: bool = True,
     loss_masks: list[list[int]] | None = None,
-) -> RolloutBatch:
+) -> TrainBatch:
     """Concatenate prompt_ids[i] + completion_ids[i] per row; completion_keep[i]=False masks a row out.
 
     loss_masks: per row, one 0/1 per completion token (multi-turn rollouts: 0 on tool tokens, which the
@@ -124,7 +127,7 @@ def build_rollout_batch(
         if completion_keep[i] and c:
             mask[i, len(p) : len(p) + len(c)] = 1.0 if loss_masks is None else _row_mask(loss_masks[i], len(c))
         sampler[i, len(p) : len(p) + len(c)] = torch.tensor(sampler_logprobs[i], dtype=torch.float32)
-    return RolloutBatch(
+    return TrainBatch(
         input_ids=input_ids,
         completion_mask=mask,
         advantages=advantages.float(),
@@ -149,7 +152,7 @@ def shared_prompt_index(prompt_ids: list[list[int]]) -> torch.Tensor | None:
     return torch.tensor(index, dtype=torch.long) if len(seen) < len(index) else None
 
 
-def plan_micro_batches(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
+def plan_micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
     """Row indices of each micro-batch: whole prompt groups when the batch shares prompts, else by length."""
     if batch.prompt_index is None:
         return micro_batches(batch.lengths.tolist(), token_budget)
@@ -275,9 +278,9 @@ def _step_rewards(rewards: torch.Tensor | None, cfg: Config, world: World) -> to
     return torch.cat(shares) if shares else None
 
 
-def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int,
-                  world: World | None = None) -> tuple[RolloutBatch | None, AdvantageInfo]:
-    """Group advantages (+ SEED-GRPO modulation, overlong filtering) -> a right-padded RolloutBatch.
+def train_batch(groups: list[Group], cfg: Config, task, pad_id: int,
+                  world: World | None = None) -> tuple[TrainBatch | None, AdvantageInfo]:
+    """Group advantages (+ SEED-GRPO modulation, overlong filtering) -> a right-padded TrainBatch.
     world: this rank's place under torchrun (`groups` are then its share of the step's)."""
     rewards = _rewards(groups, cfg) if groups else None  # [P, G]
     step_rewards = _step_rewards(rewards, cfg, world or World())
@@ -292,7 +295,7 @@ def rollout_batch(groups: list[Group], cfg: Config, task, pad_id: int,
     if a.overlong.filter_truncated:
         keep &= overlong_keep_mask([f for g in groups for f in g.finish_reasons]).view_as(keep)
     G = len(groups[0].completion_ids)
-    batch = build_rollout_batch(
+    batch = build_train_batch(
         prompt_ids=[g.prompt_ids for g in groups for _ in range(G)],
         completion_ids=[c for g in groups for c in g.completion_ids],
         sampler_logprobs=[lp for g in groups for lp in g.logprobs],

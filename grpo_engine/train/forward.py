@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..rl.logprobs import token_logprobs
-from .batch import RolloutBatch, plan_micro_batches
+from .batch import TrainBatch, plan_micro_batches
 
 
 class PromptKV:
@@ -72,7 +72,7 @@ class SharedLayout:
     suffix_mask: torch.Tensor  # [b, S] bool, suffix positions that predict a trained completion token
 
 
-def shared_layout(batch: RolloutBatch) -> SharedLayout:
+def shared_layout(batch: TrainBatch) -> SharedLayout:
     """Where each row's prompt and suffix come from, computed with tensor ops on the batch's device."""
     ids, device = batch.input_ids, batch.input_ids.device  # [b, T]
     b, T = ids.shape
@@ -97,11 +97,11 @@ def shared_layout(batch: RolloutBatch) -> SharedLayout:
     )
 
 
-def shared_prompt_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shared_prompt_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """completion_hidden (train/update.py) with each prompt run once: (hidden [N, D], targets [N], mask [b, T-1]).
 
     Requires batch.prompt_index (rows with equal index have identical prompt tokens) and a completion_mask
-    that is 0 on prompt tokens (build_rollout_batch makes both).
+    that is 0 on prompt tokens (build_train_batch makes both).
     """
     lay = shared_layout(batch)
     cache = None
@@ -118,7 +118,7 @@ def shared_prompt_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torc
 # Completion hidden states and log-probs
 
 
-def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def completion_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Final hidden states at the positions that predict completion tokens, and those tokens.
 
     Returns (hidden [N, D], targets [N], mask [b, T-1]); mask[i, t] marks that position t of row i predicts
@@ -130,7 +130,7 @@ def completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.T
     return plain_completion_hidden(model, batch)
 
 
-def plain_completion_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plain_completion_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """completion_hidden with every row's prompt + completion through the model (no sharing)."""
     hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
     mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
@@ -144,7 +144,7 @@ def scatter_completion(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return out
 
 
-def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_size: int,
+def sequence_logprobs(model, batch: TrainBatch, *, temperature: float, chunk_size: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each completion token under `model`: [b, T] (0 off the completion), entropy likewise.
 
@@ -158,7 +158,7 @@ def sequence_logprobs(model, batch: RolloutBatch, *, temperature: float, chunk_s
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: RolloutBatch, token_budget: int, *, temperature: float,
+def batch_logprobs(model, batch: TrainBatch, token_budget: int, *, temperature: float,
                    chunk_size: int) -> torch.Tensor:
     """[B, T] log-probs of all rows, micro-batch by micro-batch, in eval mode (old / reference policy). Gathered on
     the model's device and copied to the host once, so a GPU does not wait for the host after every micro-batch."""

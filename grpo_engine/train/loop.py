@@ -25,7 +25,7 @@ from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
 from .setup import Run, StartOptions, eval_params, setup_run, signal_of, split_examples
-from .step import StepRecord, grpo_step, rollout_fn
+from .step import StepRecord, group_sampler, grpo_step
 from .update import NonFiniteError
 
 
@@ -149,16 +149,16 @@ def evaluate(run: Run, examples: list | None = None, max_new_tokens: int | None 
         result = evaluate_policy(inputs.policy.model, inputs.tokenizer, inputs.task, mine,
                                  replace(params, max_new_tokens=max_new_tokens or params.max_new_tokens), seed=cfg.seed,
                                  max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                                 groups_fn=rollout_fn(cfg)) if mine else None
+                                 sample_groups=group_sampler(cfg)) if mine else None
     return combine_eval([r for r in world.gather(result) if r is not None])
 
 
 def log(run: Run, record: StepRecord) -> None:
     run.monitor.log_step(record.metrics)
-    run.reward_watch(record.metrics, record.rollout)
+    run.reward_watch(record.metrics, record.collected)
     every = run.cfg.logging.samples_every
     if every and record.step % every == 0:
-        run.monitor.log_samples(sample_records(record.step, record.rollout, run.cfg.logging.samples_per_log))
+        run.monitor.log_samples(sample_records(record.step, record.collected, run.cfg.logging.samples_per_log))
 
 
 def checkpoint(run: Run, step: int) -> Path:

@@ -1,4 +1,4 @@
-"""The metrics of one step (a StepMetrics record for metrics.jsonl) from its rollout, batch and update."""
+"""The metrics of one step (a StepMetrics record for metrics.jsonl) from its collected groups, batch and update."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collect.groups import RolloutRound
+from ..collect.groups import CollectedGroups
 from ..eval.in_loop import accuracy
 from ..monitor import Sample, StepMetrics
 from ..rl.advantages import zero_variance_groups
 from ..rollout.static_decode import cuda_graphs_fallback
 from ..world import World
-from .batch import AdvantageInfo, RolloutBatch
+from .batch import AdvantageInfo, TrainBatch
 from .update import UpdateStats, combine_metrics
 
 
@@ -34,17 +34,17 @@ _UPDATE_METRICS = {"kl": "kl_mean", "entropy": "entropy_mean", "clip_frac_low": 
 class StepParts:
     """What a step's metrics are computed from (one rank's, or every rank's merged)."""
 
-    rollout: RolloutRound
+    collected: CollectedGroups
     rows: int  # training rows
     train_tokens: int  # active completion tokens
     update: UpdateStats | None
     adv: AdvantageInfo
 
 
-def step_parts(rollout: RolloutRound, batch: RolloutBatch | None, update: UpdateStats | None,
+def step_parts(collected: CollectedGroups, batch: TrainBatch | None, update: UpdateStats | None,
                adv: AdvantageInfo) -> StepParts:
     rows, tokens = (batch.num_rows, batch.active_tokens()) if batch is not None else (0, 0)
-    return StepParts(rollout, rows, tokens, update, adv)
+    return StepParts(collected, rows, tokens, update, adv)
 
 
 def merge_ranks(world: World, parts: StepParts) -> StepParts:
@@ -53,16 +53,16 @@ def merge_ranks(world: World, parts: StepParts) -> StepParts:
     if world.size == 1:
         return parts
     every = world.gather(parts)
-    rollouts = [p.rollout for p in every]
-    merged = RolloutRound([g for r in rollouts for g in r.groups], [g for r in rollouts for g in r.generated],
-                          max(r.refills for r in rollouts), sum(r.gen_tokens for r in rollouts),
-                          max(r.time_generate_s for r in rollouts))
+    ranks = [p.collected for p in every]
+    merged = CollectedGroups([g for r in ranks for g in r.groups], [g for r in ranks for g in r.generated],
+                             max(r.refills for r in ranks), sum(r.gen_tokens for r in ranks),
+                             max(r.time_generate_s for r in ranks))
     updates = [p.update for p in every if p.update is not None]
     update = None
     if updates:
         combined = combine_metrics([u.metrics for u in updates])
         update = UpdateStats(combined["loss"], combined, sum(u.tokens for u in updates))
-    groups = [len(p.rollout.groups) for p in every]
+    groups = [len(p.collected.groups) for p in every]
     se = [p.adv.semantic_entropy * n for p, n in zip(every, groups) if n]
     adv = AdvantageInfo(sum(p.adv.num_zero_variance for p in every), sum(p.adv.num_nonfinite for p in every),
                         sum(se) / max(1, sum(groups)) if se else math.nan)
@@ -70,8 +70,8 @@ def merge_ranks(world: World, parts: StepParts) -> StepParts:
 
 
 def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) -> StepMetrics:
-    rollout, adv, update = parts.rollout, parts.adv, parts.update
-    gen = rollout.generated
+    collected, adv, update = parts.collected, parts.adv, parts.update
+    gen = collected.generated
     results = [r for g in gen for r in g.rewards]
     lengths = [len(c) for g in gen for c in g.completion_ids]
     m = StepMetrics(step=step)
@@ -93,10 +93,10 @@ def step_metrics(step: int, parts: StepParts, zero_variance_tol: float = 0.0) ->
     m.reward_errors, m.reward_timeouts = errors.count("exception"), errors.count("timeout")
     m.reward_nonfinite = errors.count("nonfinite")
     m.semantic_entropy = adv.semantic_entropy
-    m.refills = rollout.refills
-    m.gen_tokens = rollout.gen_tokens
-    m.time_generate_s = rollout.time_generate_s
-    m.gen_tokens_per_s = rollout.gen_tokens / max(rollout.time_generate_s, 1e-9)
+    m.refills = collected.refills
+    m.gen_tokens = collected.gen_tokens
+    m.time_generate_s = collected.time_generate_s
+    m.gen_tokens_per_s = collected.gen_tokens / max(collected.time_generate_s, 1e-9)
     m.rows, m.train_tokens = parts.rows, parts.train_tokens
     m.tools = tool_metrics(gen)
     if update is not None:
@@ -123,10 +123,10 @@ def tool_metrics(groups) -> dict[str, float]:
             "turns": statistics.fmean(t.turns for t in trajs)}
 
 
-def sample_records(step: int, rollout, n: int) -> list[Sample]:
+def sample_records(step: int, collected, n: int) -> list[Sample]:
     """The first completion of each of the first n generated groups, for samples.jsonl."""
     records = []
-    for g in rollout.generated[:n]:
+    for g in collected.generated[:n]:
         r = g.rewards[0]
         error = f"{r.info['error']}: {r.info.get('message', '')}" if "error" in r.info else None
         records.append(Sample(step, g.prompt_text, g.texts[0], r.total, dict(r.components), r.answer,
@@ -143,16 +143,16 @@ class RewardWatch:
         self.warned: set[str] = set()
         self.quiet = 0
 
-    def __call__(self, m: StepMetrics, rollout) -> None:
+    def __call__(self, m: StepMetrics, collected) -> None:
         for kind, count in (("exception", m.reward_errors), ("timeout", m.reward_timeouts),
                             ("nonfinite", m.reward_nonfinite)):
             if count and kind not in self.warned:
                 self.warned.add(kind)
-                first = next(r.info for g in rollout.generated for r in g.rewards if r.info.get("error") == kind)
+                first = next(r.info for g in collected.generated for r in g.rewards if r.info.get("error") == kind)
                 self.message(f"warning: step {m.step}: {count} reward(s) failed ({kind}: {first.get('message')}); "
                              f"they score 0 (counted in metrics.jsonl as reward_errors / reward_timeouts / "
                              f"reward_nonfinite)")
-        all_equal = m.zero_variance_groups and m.zero_variance_groups == len(rollout.generated)
+        all_equal = m.zero_variance_groups and m.zero_variance_groups == len(collected.generated)
         self.quiet = self.quiet + 1 if all_equal else 0
         if self.quiet == self.quiet_steps:
             self.message(f"warning: {self.quiet_steps} steps in a row with no learning signal (every group's rewards "

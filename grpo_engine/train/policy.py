@@ -38,7 +38,7 @@ from ..plan.memory import resolve_checkpointing
 from ..plan.policy_spec import PolicySpec, policy_spec
 from ..plan.resolved import Resolved
 from ..world import World
-from .batch import RolloutBatch
+from .batch import TrainBatch
 from .distributed import shard_model
 from .forward import batch_logprobs
 from .memory import apply_memory_config, torch_dtype
@@ -65,11 +65,11 @@ class Policy:
         restored by subtraction, whose rounding would drift the frozen weights over a long run."""
         return contextlib.nullcontext(self.model)
 
-    def old_logprobs(self, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+    def old_logprobs(self, batch: TrainBatch, budget: int, *, temperature: float, chunk_size: int):
         """[B, T] log-probs of the policy as it is now (the behaviour policy of mu > 1 passes)."""
         return batch_logprobs(self.model, batch, budget, temperature=temperature, chunk_size=chunk_size)
 
-    def ref_logprobs(self, batch: RolloutBatch, budget: int, *, temperature: float, chunk_size: int):
+    def ref_logprobs(self, batch: TrainBatch, budget: int, *, temperature: float, chunk_size: int):
         """[B, T] log-probs of the reference policy, or None without a KL term."""
         if self.spec.reference == "none":
             return None

@@ -25,7 +25,7 @@ from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
-from ..collect.groups import PromptSampler
+from ..collect.groups import ShuffledPrompts
 from ..collect.signal_check import CheckSettings, SignalReport, check_signal
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
@@ -44,7 +44,7 @@ from ..world import World, on_main_first
 from .distributed import gathered, init_world
 from .metrics import RewardWatch
 from .policy import build_policy
-from .step import StepInputs, StepState, rollout_fn
+from .step import StepInputs, StepState, group_sampler
 from .update import weights_finite
 
 
@@ -152,7 +152,7 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
         (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
-    prompts = PromptSampler(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
+    prompts = ShuffledPrompts(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, resumed_micro_tokens(saved, cfg))
     if saved is not None:
         policy.load_state_dict({"optimizer": saved.optimizer, "scheduler": saved.scheduler, **saved.extra})
@@ -243,7 +243,8 @@ def signal_of(cfg: Config, inputs: StepInputs) -> SignalReport:
     policy = inputs.policy
     with policy.rollout_weights(), gathered(policy.model, inputs.world):
         return check_signal(policy.model, inputs.tokenizer, inputs.task, inputs.examples, inputs.params, settings,
-                            seed=cfg.seed, max_prompt_tokens=cfg.rollout.max_prompt_tokens, generate_fn=rollout_fn(cfg))
+                            seed=cfg.seed, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                            sample_groups=group_sampler(cfg))
 
 
 def check_config(cfg: Config) -> SignalReport:
@@ -262,7 +263,7 @@ def check_config(cfg: Config) -> SignalReport:
     resolved = resolve_settings(cfg, pick_device(cfg.model.device, 0))
     cfg = resolved.config
     policy = build_policy(resolved)
-    inputs = StepInputs(cfg, policy, tokenizer, task, examples, PromptSampler(len(examples), cfg.seed),
+    inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
     return signal_of(cfg, inputs)
 
@@ -281,7 +282,7 @@ def check_config(cfg: Config) -> SignalReport:
 # state and a micro-batch. The budget is the CUDA card's memory, or the machine's physical RAM on a CPU (swap left
 # out: a step that only fits in swap does not run in any useful time).
 
-# One padded RolloutBatch token (train/batch.py): input_ids int64, completion_mask and sampler_logp fp32.
+# One padded TrainBatch token (train/batch.py): input_ids int64, completion_mask and sampler_logp fp32.
 BATCH_BYTES_PER_TOKEN = 8 + 4 + 4
 LOGIT_BYTES = 4 * 3  # a decode step's [rows, V] fp32 logits and two sampling buffers of that size
 

@@ -19,14 +19,21 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from ..collect.curriculum import Curriculum, PoolReport
-from ..collect.groups import PromptSampler, RolloutRound, coin_flip_rewards, collect_groups
+from ..collect.groups import (
+    CollectedGroups,
+    GroupSampler,
+    ShuffledPrompts,
+    coin_flip_rewards,
+    collect_groups,
+    generate_groups,
+)
 from ..config import Config
 from ..monitor import StepMetrics
 from ..rl.losses import resolve, zero_advantage_is_inert
 from ..rollout import SamplingParams
 from ..tasks.base import Example
 from ..world import World
-from .batch import RolloutBatch, rollout_batch, rows_with_signal
+from .batch import TrainBatch, rows_with_signal, train_batch
 from .distributed import gathered
 from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
 from .metrics import graph_metrics, merge_ranks, step_metrics, step_parts
@@ -43,7 +50,7 @@ class StepInputs:
     tokenizer: object
     task: object
     examples: list[Example]  # the training split
-    prompts: PromptSampler  # endless shuffled stream of example indices (its state is one integer)
+    prompts: ShuffledPrompts  # endless shuffled stream of example indices (its state is one integer)
     params: SamplingParams  # rollout sampling (G completions per prompt)
     world: World = field(default_factory=World)  # this rank among the data-parallel ranks (size 1: alone)
     curriculum: Curriculum | None = None  # curriculum.mode != none: a scored queue in front of `prompts`
@@ -65,33 +72,33 @@ class StepState:
 class StepRecord:
     step: int
     metrics: StepMetrics  # one line of metrics.jsonl
-    rollout: RolloutRound  # every group generated this step (samples.jsonl reads it)
+    collected: CollectedGroups  # every group sampled this step (samples.jsonl reads it)
     update: UpdateOutcome
 
 
-def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[str], None] = print) -> StepRecord:
-    """Optimizer step number `step` (1-based) of the run: generate, score, update; returns its record."""
-    cfg, policy = run.cfg, run.policy
+def grpo_step(inputs: StepInputs, state: StepState, step: int, message: Callable[[str], None] = print) -> StepRecord:
+    """Optimizer step number `step` (1-based) of the run: sample, score, score, update; returns its record."""
+    cfg, policy = inputs.cfg, inputs.policy
     t_step = time.perf_counter()
     reset_peak_memory(policy.device)
 
     # 1-3. this rank's share of the P prompts -> G completions each, on the policy's own weights -> rewards;
     #      with a curriculum the prompts come from its queue first, refilled from a scored pool every K steps
-    stream = run.curriculum or run.prompts
-    with policy.rollout_weights(), gathered(policy.model, run.world):
-        pool = run.curriculum.refresh(step, policy.model) if run.curriculum is not None else None
-        rollout = collect_groups(policy.model, run.tokenizer, run.task, run.examples, stream, run.params,
-                                 prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
-                                 max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                                 group_filter=cfg.algorithm.group_filter, world=run.world,
-                                 generate_fn=training_rollout_fn(cfg))
+    stream = inputs.curriculum or inputs.prompts
+    with policy.rollout_weights(), gathered(policy.model, inputs.world):
+        pool = inputs.curriculum.refresh(step, policy.model) if inputs.curriculum is not None else None
+        collected = collect_groups(policy.model, inputs.tokenizer, inputs.task, inputs.examples, stream,
+                                   inputs.params, prompts=cfg.rollout.prompts_per_step, seed=cfg.seed, step=step,
+                                   max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+                                   group_filter=cfg.algorithm.group_filter, world=inputs.world,
+                                   sample_groups=training_group_sampler(cfg))
     if cfg.memory.empty_cache_between_phases:
         free_rollout_memory()
 
     # 4. rewards -> group advantages (+ semantic entropy, overlong handling) -> one right-padded batch; the
     #    loss normalisers are the step's token and sequence counts over all ranks
-    batch, adv_info = rollout_batch(rollout.groups, cfg, run.task, run.tokenizer.pad_token_id, run.world)
-    totals = step_totals(batch, run.world)
+    batch, adv_info = train_batch(collected.groups, cfg, inputs.task, inputs.tokenizer.pad_token_id, inputs.world)
+    totals = step_totals(batch, inputs.world)
     if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(cfg.algorithm):
         batch = rows_with_signal(batch)  # rows with advantage 0 add nothing to this loss's gradient: not run
 
@@ -100,7 +107,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     policy.model.train()
     if cfg.algorithm.mu > 1 or policy.spec.reference != "none":
         reference = policy.reference.module if policy.reference is not None else None
-        with gathered(policy.model, run.world), gathered(reference, run.world):  # fsdp2: weights gathered once
+        with gathered(policy.model, inputs.world), gathered(reference, inputs.world):  # fsdp2: gathered once
             if batch is not None:
                 attach_logprobs(batch, policy, cfg, state.micro_tokens)
     time_logprobs = time.perf_counter() - t0
@@ -108,7 +115,7 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     # 6. mu passes over the batch, each ending in one optimizer step; then the LR schedule and the reference
     t0 = time.perf_counter()
     lr = policy.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-    outcome = update_step(run, batch, state.micro_tokens, step, totals, message)
+    outcome = update_step(inputs, batch, state.micro_tokens, step, totals, message)
     state.micro_tokens = outcome.micro_tokens
     if outcome.nonfinite:
         state.nonfinite_in_row += 1
@@ -119,44 +126,44 @@ def grpo_step(run: StepInputs, state: StepState, step: int, message: Callable[[s
     time_update = time.perf_counter() - t0
 
     # 7. the step's record
-    parts = merge_ranks(run.world, step_parts(rollout, batch, outcome.stats, adv_info))
+    parts = merge_ranks(inputs.world, step_parts(collected, batch, outcome.stats, adv_info))
     m = step_metrics(step, parts, cfg.algorithm.advantage.zero_variance_tol)
     m.grad_norm, m.lr, m.skipped_update = outcome.grad_norm, lr, outcome.skipped
     m.micro_batch_tokens = state.micro_tokens
     m.time_logprobs_s, m.time_update_s = time_logprobs, time_update
     m.train_tokens_per_s = m.train_tokens * cfg.algorithm.mu / max(time_update, 1e-9)
     m.time_step_s, m.peak_mem_mib = time.perf_counter() - t_step, peak_memory_mib(policy.device)
-    m.rollout = graph_metrics(run.world)
+    m.rollout = graph_metrics(inputs.world)
     curriculum_metrics(m, pool)
-    return StepRecord(step, m, parts.rollout, outcome)
+    return StepRecord(step, m, parts.collected, outcome)
 
 
-def update_step(run: StepInputs, batch, micro_tokens: int, step: int, totals, message) -> UpdateOutcome:
+def update_step(inputs: StepInputs, batch, micro_tokens: int, step: int, totals, message) -> UpdateOutcome:
     """update_policy (with memory.cpu_update_mmap's allocation rule on CPU; it also advances the LR schedule and
     frees the gradients), then the reference."""
-    cfg, policy = run.cfg, run.policy
+    cfg, policy = inputs.cfg, inputs.policy
     with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.model, policy.device)):
-        outcome = update_policy(policy.model, policy.optimizer, batch, run.update, micro_tokens, message, run.world,
-                                totals, policy.scheduler)
+        outcome = update_policy(policy.model, policy.optimizer, batch, inputs.update, micro_tokens, message,
+                                inputs.world, totals, policy.scheduler)
     policy.after_update(step, updated=not outcome.skipped)
     return outcome
 
 
-def rollout_fn(cfg: Config):
-    """What generates a step's groups: None (collect_groups' single-turn default), or with tools.enabled the
-    multi-turn trajectories of collect/tool_groups.py."""
+def group_sampler(cfg: Config) -> GroupSampler:
+    """What samples and scores the run's groups: generate_groups, or with tools.enabled the multi-turn
+    trajectories of collect/tool_groups.py."""
     if not cfg.tools.enabled:
-        return None
+        return generate_groups
     from ..collect.tool_groups import generate_tool_groups
 
     return partial(generate_tool_groups, tools=cfg.tools)
 
 
-def training_rollout_fn(cfg: Config):
-    """rollout_fn, and with algorithm.random_reward its rewards replaced by seeded coin flips (the control
-    experiment; the in-loop evaluation keeps rollout_fn and the task's reward)."""
-    fn = rollout_fn(cfg)
-    return coin_flip_rewards(*([fn] if fn is not None else [])) if cfg.algorithm.random_reward else fn
+def training_group_sampler(cfg: Config) -> GroupSampler:
+    """group_sampler, and with algorithm.random_reward its rewards replaced by seeded coin flips (the control
+    experiment; the in-loop evaluation keeps group_sampler and the task's reward)."""
+    sample_groups = group_sampler(cfg)
+    return coin_flip_rewards(sample_groups) if cfg.algorithm.random_reward else sample_groups
 
 
 def curriculum_metrics(m: StepMetrics, pool: PoolReport | None) -> None:
@@ -167,7 +174,7 @@ def curriculum_metrics(m: StepMetrics, pool: PoolReport | None) -> None:
     m.curriculum_queued, m.curriculum_gen_tokens, m.curriculum_time_s = pool.queued, pool.gen_tokens, pool.time_s
 
 
-def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_tokens: int) -> None:
+def attach_logprobs(batch: TrainBatch, policy: Policy, cfg: Config, micro_tokens: int) -> None:
     """Old-policy log-probs (mu > 1: the ratio of later passes) and reference log-probs (beta > 0)."""
     kw = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.memory.logprob_chunk_size)
     if cfg.algorithm.mu > 1:
@@ -175,7 +182,7 @@ def attach_logprobs(batch: RolloutBatch, policy: Policy, cfg: Config, micro_toke
     batch.ref_logp = policy.ref_logprobs(batch, micro_tokens, **kw)
 
 
-def step_totals(batch: RolloutBatch | None, world: World) -> tuple[int, int] | None:
+def step_totals(batch: TrainBatch | None, world: World) -> tuple[int, int] | None:
     """(active tokens, active rows) of the whole step over all ranks; None when no rank has a batch."""
     local = [1.0, batch.active_tokens(), batch.active_rows()] if batch is not None else [0.0, 0.0, 0.0]
     ranks_with_data, tokens, rows = world.sum(local)

@@ -4,20 +4,20 @@ lengths (so ranks run different numbers of micro-batches), whole groups per rank
 import torch
 
 from grpo_engine.config import LossConfig
-from grpo_engine.train.batch import RolloutBatch, build_rollout_batch
+from grpo_engine.train.batch import TrainBatch, build_train_batch
 from grpo_engine.train.update import UpdateSettings
 
 LOSSES = ("grpo", "dapo", "dr_grpo")
 PROMPTS, GROUP = 4, 4
 
 
-def whole_batch() -> RolloutBatch:
+def whole_batch() -> TrainBatch:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (5 + 3 * i,), generator=g).tolist() for i in range(PROMPTS)]
     rows = PROMPTS * GROUP
     completions = [torch.randint(0, 250, (2 + (i * 7) % 9,), generator=g).tolist() for i in range(rows)]
     advantages = torch.randn(rows, generator=g)
-    return build_rollout_batch([prompts[i // GROUP] for i in range(rows)], completions,
+    return build_train_batch([prompts[i // GROUP] for i in range(rows)], completions,
                                [[0.0] * len(c) for c in completions], advantages, [True] * rows, pad_id=0)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo_engine.collect.groups import PromptSampler, collect_groups
+from grpo_engine.collect.groups import ShuffledPrompts, collect_groups
 from grpo_engine.config import load_config
 from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.train.setup import sampling_params, task_of
@@ -30,9 +30,9 @@ if rank == 1:
         model.lm_head.weight.fill_(float("nan"))
 examples = task.examples("train")
 try:
-    rollout = collect_groups(model, tok, task, examples, PromptSampler(len(examples), 0), sampling_params(cfg, tok),
-                             prompts=2, seed=0, step=1, max_prompt_tokens=512,
-                             group_filter=cfg.algorithm.group_filter, world=World(rank, size, rank, "ddp"))
+    collected = collect_groups(model, tok, task, examples, ShuffledPrompts(len(examples), 0),
+                               sampling_params(cfg, tok), prompts=2, seed=0, step=1, max_prompt_tokens=512,
+                               group_filter=cfg.algorithm.group_filter, world=World(rank, size, rank, "ddp"))
     step_totals(None, World(rank, size, rank, "ddp"))  # the next collective of a step
     result = "no error"
 except Exception as e:

@@ -9,7 +9,7 @@ from grpo_engine.collect.groups import Group
 from grpo_engine.config import load_config
 from grpo_engine.rl.advantages import compute_advantages
 from grpo_engine.tasks.base import Example, RewardResult
-from grpo_engine.train.batch import rollout_batch
+from grpo_engine.train.batch import train_batch
 from grpo_engine.world import World
 
 
@@ -52,9 +52,9 @@ def test_batch_std_advantages_use_the_whole_steps_std():
     """estimator=batch_std: rank 0's advantages == one process's on the whole batch (not its share's std)."""
     cfg = load_config(None, ["algorithm.advantage.estimator=batch_std"])
     rewards = [[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [5.0, -3.0, 2.0, 9.0], [4.0, 4.0, 0.0, 8.0]]
-    whole, _ = rollout_batch(_groups(rewards), cfg, _Task(), pad_id=0)
+    whole, _ = train_batch(_groups(rewards), cfg, _Task(), pad_id=0)
     other = torch.tensor(rewards[2:], dtype=torch.float64)  # rank 1's [P/2, G]
-    mine, _ = rollout_batch(_groups(rewards[:2]), cfg, _Task(), pad_id=0, world=TwoRanks(0, other))
+    mine, _ = train_batch(_groups(rewards[:2]), cfg, _Task(), pad_id=0, world=TwoRanks(0, other))
     assert torch.equal(mine.advantages, whole.advantages[:8])
     expected = compute_advantages(torch.tensor(rewards), cfg.algorithm.advantage).advantages[:2].flatten()
     assert torch.allclose(mine.advantages, expected)
@@ -70,7 +70,7 @@ def test_batch_std_on_a_rank_without_groups_still_joins_the_gather():
             calls.append(obj)
             return super().gather(obj)
 
-    batch, _ = rollout_batch([], cfg, _Task(), pad_id=0, world=Watching(1, torch.ones(1, 4, dtype=torch.float64)))
+    batch, _ = train_batch([], cfg, _Task(), pad_id=0, world=Watching(1, torch.ones(1, 4, dtype=torch.float64)))
     assert batch is None and calls == [None]
 
 
@@ -78,7 +78,7 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
     """This rank's groups all have advantage 0 (nothing to train on), the other rank's loss is NaN: the step is
     skipped on both and this rank reports the step's loss (it once failed with AttributeError on None.loss,
     leaving the other rank waiting in a collective)."""
-    from grpo_engine.collect.groups import PromptSampler
+    from grpo_engine.collect.groups import ShuffledPrompts
     from grpo_engine.config import load_config
     from grpo_engine.model.loading import load_tokenizer, pick_device
     from grpo_engine.plan.resolved import resolve_settings
@@ -99,13 +99,13 @@ def test_a_rank_without_rows_reports_a_nonfinite_step_of_the_others(tiny_ckpt, t
     world.gather = lambda obj: [obj, obj]
     resolved = resolve_settings(cfg, pick_device("cpu"))
     cfg = resolved.config
-    run = StepInputs(cfg, build_policy(resolved), tok, task, examples,
-                     PromptSampler(len(examples), cfg.seed), sampling_params(cfg, tok), world)
-    before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
+    inputs = StepInputs(cfg, build_policy(resolved), tok, task, examples,
+                     ShuffledPrompts(len(examples), cfg.seed), sampling_params(cfg, tok), world)
+    before = {n: p.detach().clone() for n, p in inputs.policy.model.named_parameters()}
     # every group's rewards equal: advantage 0, no rows on this rank
-    run.task.reward = lambda ex, text: RewardResult(0.0, {}, None)
+    inputs.task.reward = lambda ex, text: RewardResult(0.0, {}, None)
     messages = []
-    record = grpo_step(run, StepState(micro_tokens=256), 1, message=messages.append)
+    record = grpo_step(inputs, StepState(micro_tokens=256), 1, message=messages.append)
     assert record.update.skipped and record.update.nonfinite and record.update.stats is None
     assert messages == ["step 1: non-finite loss (nan) or grad norm (0.0); update skipped (1 in a row)"]
-    assert all(torch.equal(p, before[n]) for n, p in run.policy.model.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in inputs.policy.model.named_parameters())

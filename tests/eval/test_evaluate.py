@@ -69,7 +69,7 @@ def tok(tiny_ckpt):
 def run(tok, task, script=SCRIPT, examples=EXAMPLES, **cfg):
     fake = ScriptedGenerate(tok, script)
     model = DummyModel()
-    report = evaluate(model, tok, task, examples, EvalConfig(**{"n": 4, "ks": (1, 2, 4), **cfg}), generate_fn=fake)
+    report = evaluate(model, tok, task, examples, EvalConfig(**{"n": 4, "ks": (1, 2, 4), **cfg}), generate=fake)
     assert model.training  # mode restored
     return report, fake
 

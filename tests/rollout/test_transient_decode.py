@@ -94,14 +94,14 @@ def test_evaluate_policy_decodes_in_a_transient_scope(model64, monkeypatch):
     """The in-loop and the held-out evaluations (train/loop.py evaluate) sample through evaluate_policy."""
     seen = []
 
-    def groups_fn(model, tokenizer, task, examples, params, seed, max_prompt_tokens):
+    def sample_groups(model, tokenizer, task, examples, params, seed, max_prompt_tokens):
         seen.append((TRANSIENT.depth, static_decode.static_decoder(model, len(examples), 60, 24)))
         raise RuntimeError("sampled")
 
     release_static_decode(model64)
     with pytest.raises(RuntimeError, match="sampled"):
         evaluate_policy(model64, None, None, [object()] * 32, SamplingParams(n=4), seed=0, max_prompt_tokens=36,
-                        groups_fn=groups_fn)
+                        sample_groups=sample_groups)
     (depth, decoder), = seen
     assert depth == 1 and decoder.state.rows == 32
     assert model64 not in TRANSIENT.decoders and static_decode_stats(model64) is None

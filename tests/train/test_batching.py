@@ -3,7 +3,7 @@
 import torch
 
 from grpo_engine.config.training import lr_factor
-from grpo_engine.train.batch import build_rollout_batch, micro_batches
+from grpo_engine.train.batch import build_train_batch, micro_batches
 
 
 def test_micro_batches_respect_budget_and_cover_rows():
@@ -15,8 +15,8 @@ def test_micro_batches_respect_budget_and_cover_rows():
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
 
 
-def test_build_rollout_batch_layout():
-    batch = build_rollout_batch(
+def test_build_train_batch_layout():
+    batch = build_train_batch(
         prompt_ids=[[1, 2], [3]], completion_ids=[[4, 5, 6], [7]], sampler_logprobs=[[-1.0, -2.0, -3.0], [-0.5]],
         advantages=torch.tensor([1.0, -1.0]), completion_keep=[True, False], pad_id=0,
     )

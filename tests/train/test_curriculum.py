@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from grpo_engine.collect.curriculum import Curriculum, PoolScores, difficulty, easy_to_hard, in_band, pool_seed, select
-from grpo_engine.collect.groups import PromptSampler, prompt_seed
+from grpo_engine.collect.groups import ShuffledPrompts, prompt_seed
 from grpo_engine.config import ConfigError, CurriculumSection, load_config
 from grpo_engine.model.loading import load_model
 from grpo_engine.train.loop import train
@@ -95,8 +95,8 @@ class FakeScorer:
 
 
 def test_curriculum_serves_its_queue_then_the_stream_and_rescores_every_k():
-    stream = PromptSampler(8, seed=3)
-    plain = PromptSampler(8, seed=3)
+    stream = ShuffledPrompts(8, seed=3)
+    plain = ShuffledPrompts(8, seed=3)
     order = [plain.next() for _ in range(16)]  # the plain stream's first two epochs
     acc = {i: i / 8 for i in range(8)}  # example i has accuracy i / 8
     cfg = CurriculumSection(mode="accuracy_band", every=3, pool_size=4, band_low=0.2, band_high=0.8)
@@ -117,14 +117,14 @@ def test_curriculum_serves_its_queue_then_the_stream_and_rescores_every_k():
 
 
 def test_empty_band_falls_back_to_the_stream_and_state_round_trips():
-    stream = PromptSampler(8, seed=0)
+    stream = ShuffledPrompts(8, seed=0)
     cfg = CurriculumSection(mode="accuracy_band", every=2, pool_size=3, band_low=0.9, band_high=1.0)
     cur = Curriculum(cfg, stream, FakeScorer({i: 0.0 for i in range(8)}))
     cur.refresh(1, model=None)
-    assert cur.queue == [] and cur.next() == PromptSampler(8, seed=0, position=3).next()
+    assert cur.queue == [] and cur.next() == ShuffledPrompts(8, seed=0, position=3).next()
     cur.queue = [5, 2]
     state = json.loads(json.dumps(cur.state_dict()))  # JSON-friendly
-    again = Curriculum(cfg, PromptSampler(8, seed=0, position=cur.position), FakeScorer({}), state)
+    again = Curriculum(cfg, ShuffledPrompts(8, seed=0, position=cur.position), FakeScorer({}), state)
     assert (again.queue, again.next_rescore, again.position) == ([5, 2], 3, 4)
     assert [again.next() for _ in range(3)] == [5, 2, cur.stream.next()]
 

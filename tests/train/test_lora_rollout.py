@@ -13,7 +13,7 @@ from grpo_engine.model.lora import LoRALinear, adapters_disabled, apply_lora, lo
 from grpo_engine.plan.policy_spec import PolicySpec
 from grpo_engine.rollout.generate import generate
 from grpo_engine.rollout.sampling import SamplingParams
-from grpo_engine.train.batch import build_rollout_batch
+from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.forward import batch_logprobs
 from grpo_engine.train.policy import Policy
 
@@ -63,7 +63,7 @@ def test_a_bf16_lora_rollout_samples_the_adapted_policy_that_a_merge_would_round
     with policy.rollout_weights():
         out = generate(model, prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=24), seed=0)
     rows = [prompts[i] for i in out.prompt_index]
-    batch = build_rollout_batch(rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows), 0)
+    batch = build_train_batch(rows, out.completion_ids, out.logprobs, torch.zeros(len(rows)), [True] * len(rows), 0)
     rollout = batch.sampler_logp.double()[batch.completion_mask.bool()]  # [N]
     trainer, reference = _completion_logprobs(model, batch), _completion_logprobs(exact, batch)
     with adapters_disabled(model), adapters_disabled(exact):

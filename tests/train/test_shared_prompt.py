@@ -8,7 +8,7 @@ from grpo_engine.kernels import apply_activation_checkpointing
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora
 from grpo_engine.rl.losses import LossConfig
-from grpo_engine.train.batch import build_rollout_batch, group_micro_batches, plan_micro_batches, shared_prompt_index
+from grpo_engine.train.batch import build_train_batch, group_micro_batches, plan_micro_batches, shared_prompt_index
 from grpo_engine.train.forward import completion_hidden, plain_completion_hidden, shared_layout
 from grpo_engine.train.update import accumulate_gradients
 
@@ -32,7 +32,7 @@ def _batch(vocab: int, groups=GROUPS, keep_out=(1, 6), interleave=True, seed=0):
     prompts, comps = [prompts[i] for i in order], [comps[i] for i in order]
     adv = torch.randn(len(prompts), generator=g)
     keep = [i not in keep_out for i in range(len(prompts))]
-    return build_rollout_batch(prompts, comps, [[0.0] * len(c) for c in comps], adv, keep, pad_id=0)
+    return build_train_batch(prompts, comps, [[0.0] * len(c) for c in comps], adv, keep, pad_id=0)
 
 
 def _unshared(batch):
@@ -105,7 +105,7 @@ def test_all_prompts_of_one_token(tiny_ckpt):
 
 def test_layout_by_hand():
     """Prompt A = [1, 2, 3] (rows 0 and 2), prompt B = [4, 5] (row 1); completions [6, 7], [8], [9, 10, 11]."""
-    batch = build_rollout_batch([[1, 2, 3], [4, 5], [1, 2, 3]], [[6, 7], [8], [9, 10, 11]],
+    batch = build_train_batch([[1, 2, 3], [4, 5], [1, 2, 3]], [[6, 7], [8], [9, 10, 11]],
                                 [[0.0] * 2, [0.0], [0.0] * 3], torch.zeros(3), [True, True, False], pad_id=0)
     assert batch.prompt_index.tolist() == [0, 1, 0] and batch.prompt_lengths.tolist() == [3, 2, 3]
     lay = shared_layout(batch)
@@ -123,7 +123,7 @@ def test_layout_by_hand():
 def test_shared_prompt_index():
     assert shared_prompt_index([[1, 2], [3], [4]]) is None  # nothing repeats: no sharing
     assert shared_prompt_index([[1, 2], [3], [1, 2], [3], [5]]).tolist() == [0, 1, 0, 1, 2]
-    off = build_rollout_batch([[1], [1]], [[2], [3]], [[0.0], [0.0]], torch.zeros(2), [True, True], 0,
+    off = build_train_batch([[1], [1]], [[2], [3]], [[0.0], [0.0]], torch.zeros(2), [True, True], 0,
                               share_prompts=False)
     assert off.prompt_index is None and off.select(torch.tensor([1])).prompt_lengths.tolist() == [1]
 

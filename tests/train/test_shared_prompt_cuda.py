@@ -13,7 +13,7 @@ import torch
 
 from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig
-from grpo_engine.train.batch import build_rollout_batch
+from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.update import accumulate_gradients
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,7 +30,7 @@ def _batch(vocab: int, share: bool):
             prompts.append(prompt)
             comps.append(torch.randint(0, vocab, (n,), generator=g).tolist())
     adv = torch.randn(len(prompts), generator=g)
-    return build_rollout_batch(
+    return build_train_batch(
         prompts, comps, [[0.0] * len(c) for c in comps], adv, [True] * len(prompts), 0, share_prompts=share
     )
 

@@ -8,7 +8,7 @@ import torch
 from grpo_engine.config import algorithm as A
 from grpo_engine.model.loading import load_model
 from grpo_engine.rl.losses import LossConfig, is_tokenwise, resolve
-from grpo_engine.train.batch import build_rollout_batch, micro_batches
+from grpo_engine.train.batch import build_train_batch, micro_batches
 from grpo_engine.train.forward import batch_logprobs
 from grpo_engine.train.update import accumulate_gradients, combine_metrics
 
@@ -20,7 +20,7 @@ def _batch(vocab: int):
     comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in comp_lens]
     adv = torch.tensor([1.0, -0.5, 0.25, -1.5, 0.75, 0.0])
     keep = [True, True, True, True, True, False]  # the last row is masked out (e.g. truncated)
-    return build_rollout_batch(prompts, comps, [[0.0] * n for n in comp_lens], adv, keep, pad_id=0)
+    return build_train_batch(prompts, comps, [[0.0] * n for n in comp_lens], adv, keep, pad_id=0)
 
 
 def _grads(model, batch, cfg, budget):
@@ -141,7 +141,7 @@ def _grouped_batch(vocab: int, share: bool):
     comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in comp_lens]
     adv = torch.linspace(-1.0, 1.0, 9)
     keep = [True] * 8 + [False]
-    return build_rollout_batch([prompts[i // 3] for i in range(9)], comps, [[0.0] * n for n in comp_lens], adv,
+    return build_train_batch([prompts[i // 3] for i in range(9)], comps, [[0.0] * n for n in comp_lens], adv,
                                keep, pad_id=0, share_prompts=share)
 
 

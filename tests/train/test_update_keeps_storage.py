@@ -15,7 +15,7 @@ from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import apply_lora
 from grpo_engine.rl.losses import LossConfig
 from grpo_engine.rollout.static_decode import model_signature
-from grpo_engine.train.batch import build_rollout_batch
+from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.optim import build_optimizer
 from grpo_engine.train.update import UpdateSettings, update_policy
 
@@ -25,7 +25,7 @@ def _batch(vocab: int):
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
     comps = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (6, 2, 5, 4)]
     adv = torch.tensor([1.0, -0.5, 0.25, -1.5])
-    return build_rollout_batch(prompts, comps, [[-5.0] * len(c) for c in comps], adv, [True] * 4, pad_id=0)
+    return build_train_batch(prompts, comps, [[-5.0] * len(c) for c in comps], adv, [True] * 4, pad_id=0)
 
 
 def _storage(model) -> dict[str, int]:
