@@ -14,7 +14,9 @@ Two entry points:
   Dr. GRPO, CISPO, KL, entropy bonus), the loss gradient of token i depends only on token i's own log-prob and
   entropy. The caller passes that per-token gradient as a function, and the gradients w.r.t. hidden and weight
   are computed in the same pass as the log-probs: three vocab-sized matmuls, no recompute. On the CPU
-  benchmark shape the LM head is most of an update, so this is the trainer's fast path.
+  benchmark shape the LM head is most of an update, so this is the trainer's fast path. `head_chunks` is the
+  same pass with the loop handed to the caller: the trainer's grpo_loss evaluates and back-propagates the loss
+  of each chunk itself (train/update.py, train/fused_head.py).
 
 The chunk buffers are allocated once per call and written with `out=`: a fresh 150 MB tensor per chunk costs
 page faults on every first touch, which made the forward matmul about 2x slower than the same matmul into a
@@ -311,11 +313,24 @@ def token_logprobs_with_grads(
     ADDED to in place and returned as grad_weight -- no second [V, D] buffer (311 MB for Qwen's vocabulary).
     gemm: the head's GEMMs (`model.kernels.head`), None for torch's.
     """
+    out = head_grads(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+                     with_entropy=with_entropy, weight_grad=weight_grad, grad_weight_out=grad_weight_out)
+    for c in head_chunks(hidden, weight, targets, out, temperature=temperature, chunk_size=chunk_size, gemm=gemm):
+        c.backward(*token_grad(c.start, c.end, c.logp, c.entropy))
+    if out.grad_weight is not None and grad_weight_out is None:
+        out.grad_weight = out.grad_weight.to(weight.dtype)
+    return out
+
+
+def head_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+               chunk_size: int, with_entropy: bool, weight_grad: bool,
+               grad_weight_out: torch.Tensor | None = None) -> HeadGrads:
+    """The inputs checked and the outputs of a fused head pass allocated (`head_chunks` fills them): grad_weight is
+    grad_weight_out when given (added to in place), else zeros in the compute dtype; None without weight_grad."""
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
-    n_tok, cdt, t_all = hidden.shape[0], _compute_dtype(hidden.dtype), targets.long()
+    n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
     logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
     ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
-    grad_h = torch.empty_like(hidden)  # [N, D]
     grad_w = None
     if weight_grad:
         grad_w = grad_weight_out if grad_weight_out is not None else torch.zeros(weight.shape, dtype=cdt,
@@ -323,16 +338,40 @@ def token_logprobs_with_grads(
         if grad_w.shape != weight.shape or grad_w.dtype != cdt:
             raise ValueError(f"grad_weight_out must be {tuple(weight.shape)} {cdt}, got {tuple(grad_w.shape)} "
                              f"{grad_w.dtype}")
-    bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, _usable(gemm, hidden, weight))
-    for s, e in _chunks(n_tok, chunk_size):
+    return HeadGrads(logp, ent, torch.empty_like(hidden), grad_w)  # grad_hidden [N, D]
+
+
+@dataclass
+class HeadChunk:
+    """One chunk of `head_chunks`: tokens start..end-1 with their values, and `backward(dL/dlogp [n], dL/dentropy
+    [n] | None)`, which writes the chunk's rows of dL/dhidden and adds its share of dL/dweight (two of the head's
+    three vocabulary-sized products; the logits were the first)."""
+
+    start: int
+    end: int
+    logp: torch.Tensor  # [n] (no autograd graph)
+    entropy: torch.Tensor | None  # [n]
+    backward: Callable[[torch.Tensor, torch.Tensor | None], None]
+
+
+def head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, out: HeadGrads, *,
+                temperature: float, chunk_size: int, gemm: HeadGemm | None = None):
+    """The pass of `token_logprobs_with_grads` with the loop handed to the caller, who evaluates the loss of each
+    yielded chunk itself and calls chunk.backward with its gradients before asking for the next chunk (which
+    reuses the buffers). Fills `out` (from `head_grads`). hidden and weight must hold no autograd graph (detach
+    them): the pass records none and does not change the grad mode, which would leak out of a generator."""
+    with_entropy, t_all = out.entropy is not None, targets.long()
+    bufs = _ChunkBuffers(chunk_size, weight.shape[0], out.logp.dtype, hidden.device, hidden.shape[0],
+                         _usable(gemm, hidden, weight))
+    for s, e in _chunks(hidden.shape[0], chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)
-        logp[s:e] = c.logp
+        out.logp[s:e] = c.logp
         if with_entropy:
-            ent[s:e] = c.ent
-        g_lp, g_ent = token_grad(s, e, c.logp, c.ent)
-        gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
-        _apply_logit_grad(gz, h, weight, grad_h[s:e], grad_w, bufs.grad_input)
-    if grad_w is not None and grad_weight_out is None:
-        grad_w = grad_w.to(weight.dtype)
-    return HeadGrads(logp, ent, grad_h, grad_w)
+            out.entropy[s:e] = c.ent
+
+        def backward(g_lp, g_ent, c=c, h=h, t=t, s=s, e=e):
+            gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
+            _apply_logit_grad(gz, h, weight, out.grad_hidden[s:e], out.grad_weight, bufs.grad_input)
+
+        yield HeadChunk(s, e, c.logp, c.ent, backward)
