@@ -83,7 +83,7 @@ def resolve(cfg: LossConfig | ResolvedLoss, max_new_tokens: int | None = None) -
 def is_tokenwise(cfg: LossConfig | ResolvedLoss) -> bool:
     """True when the loss is a sum of per-token terms, each depending on that token's log-prob and entropy only.
 
-    Then the LM head can compute its gradients in its forward pass (rl.logprobs.token_logprobs_with_grads).
+    Then the LM head can compute its gradients in its forward pass (train/fused_head.py, rl.logprobs.head_chunks).
     Not per-token: GSPO's sequence ratio (a mean over the sequence), top-entropy masking (a batch quantile) and a
     sequence-level rollout correction (its weight depends on every token of the sequence).
     """

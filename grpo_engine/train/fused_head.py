@@ -1,87 +1,90 @@
-"""The fused LM-head backward, for per-token losses (rl.losses.is_tokenwise): the head yields the log-probs and
-their gradients in one chunked pass (3 vocabulary-sized products instead of 4), so the [N, V] logits are never
-held with a graph.
+"""The fused LM head: for a per-token loss (rl.losses.is_tokenwise), the LM head yields each chunk's log-probs and
+then takes the loss's gradients w.r.t. them in the same pass, so it computes 3 vocabulary-sized products per chunk
+(logits, dL/dhidden, dL/dweight) instead of autograd's 4 (the logits again in the backward), and never holds the
+[N, V] logits with a graph. On the CPU benchmark shape the LM head is most of an update (docs/benchmarks.md).
 
-`objective(logp [b, T], entropy=..., sampler_logp=...) -> (loss, metrics)` is the micro-batch's loss with every
-other input bound (train/update.py: grpo_loss); it is evaluated once per head chunk for the chunk's gradients
-(the other positions hold placeholders, which a per-token loss does not look at) and once for the metrics.
+Why per-token losses only: a chunk's gradients are needed while its softmax is in the buffers, before the later
+chunks' log-probs exist. grpo_loss (train/update.py) evaluates the loss over the [b, T] batch with the chunk's
+log-probs and entropies in place and the other positions holding placeholders (the old log-probs, or 0); when
+every token's term depends on that token alone, the gradient at the chunk's positions does not depend on the
+placeholders, so it is exact. GSPO's sequence ratio, top-entropy masking (a quantile over the batch) and a
+sequence-level rollout correction couple the tokens: those losses take autograd through the chunked head.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 
-from ..rl.logprobs import HeadGemm, token_logprobs_with_grads
+from ..rl.logprobs import HeadChunk, head_chunks, head_grads
 from .batch import RolloutBatch
 from .forward import completion_hidden, scatter_completion
 
-Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-
-def fused_head_backward(model, sub: RolloutBatch, objective: Objective, *, temperature: float, chunk_size: int,
-                        entropy_grad: bool, correction: bool, gemm: HeadGemm | None = None) -> dict[str, float]:
-    """Back-propagate `objective` through the model with the head's gradients from its own pass; returns the
-    metrics. entropy_grad: the loss has an entropy term; correction: it reweights by the sampler's log-probs.
+class FusedHead:
+    """One micro-batch's fused head pass, for grpo_loss: the body's forward is run here (hidden [N, D] with its
+    graph); `chunks` yields the head's chunks, `place` puts a chunk's values into [b, T] leaves for the loss,
+    `backward` hands the loss's gradients at them to the head, and `body_grad` returns dL/dhidden for the body.
 
     The LM-head gradient is added straight into weight.grad, and the embedding's gradient arrives sparse and is
     added into a dense .grad in place: with a tied 151,936 x 512 embedding that keeps two [V, D] temporaries
     (2 x 311 MB) out of every micro-batch.
     """
-    with sparse_embedding_grad(model):
-        hidden, targets, mask = completion_hidden(model, sub)  # [N, D] (with graph), [N], [b, T-1]
-    weight = model.lm_head.weight
-    into = dense_grad(weight) if weight.requires_grad else None
-    if into is not None and into.dtype != torch.promote_types(weight.dtype, torch.float32):
-        into = None  # bf16 weights: the head accumulates in fp32 and we add once below
-    head = token_logprobs_with_grads(
-        hidden.detach(), weight.detach(), targets, _token_grad_fn(sub, mask, objective, entropy_grad, correction),
-        temperature=temperature, chunk_size=chunk_size, with_entropy=True, weight_grad=weight.requires_grad,
-        grad_weight_out=into, gemm=gemm,
-    )
-    if weight.requires_grad and into is None:
-        weight.grad += head.grad_weight
-    with torch.no_grad():
-        _, metrics = objective(scatter_completion(head.logp, mask), entropy=scatter_completion(head.entropy, mask))
-    if hidden.requires_grad:
-        if model.embed.weight.requires_grad:
-            dense_grad(model.embed.weight)  # so the sparse embedding gradient is added in place
-        hidden.backward(head.grad_hidden)
-    return metrics
 
+    def __init__(self, model, sub: RolloutBatch, *, temperature: float, chunk_size: int, entropy_grad: bool):
+        with sparse_embedding_grad(model):
+            self.hidden, targets, self.mask = completion_hidden(model, sub)  # [N, D] (with graph), [N], [b, T-1]
+        self.model, self.entropy_grad = model, entropy_grad
+        weight = model.lm_head.weight
+        into = dense_grad(weight) if weight.requires_grad else None
+        if into is not None and into.dtype != torch.promote_types(weight.dtype, torch.float32):
+            into = None  # bf16 weights: the head accumulates in fp32 and body_grad adds once
+        self.out = head_grads(self.hidden.detach(), weight.detach(), targets, temperature=temperature,
+                              chunk_size=chunk_size, with_entropy=True, weight_grad=weight.requires_grad,
+                              grad_weight_out=into)
+        self.into_grad = into is not None
+        self._chunks = head_chunks(self.hidden.detach(), weight.detach(), targets, self.out, temperature=temperature,
+                                   chunk_size=chunk_size, gemm=model.kernels.head)
+        rows, cols = self.mask.nonzero(as_tuple=True)  # [N] each, row-major like the head's tokens
+        self.rows, self.cols = rows, cols + 1  # mask[:, t] marks the token at position t + 1
+        self.placeholder = sub.old_logp if sub.old_logp is not None else torch.zeros(sub.input_ids.shape)  # [b, T]
+        self.leaves: list[torch.Tensor] = []
 
-def _token_grad_fn(sub: RolloutBatch, mask: torch.Tensor, objective: Objective, entropy_grad: bool,
-                   correction: bool):
-    """dL/dlogp and dL/dentropy of the tokens of one head chunk, from the objective itself.
+    def chunks(self):
+        return self._chunks
 
-    The chunk's values go into a [b, T] log-prob tensor whose other entries are placeholders (the old
-    log-probs, or 0); for a per-token loss the gradient at the chunk's positions does not depend on them.
-    """
-    rows, cols = mask.nonzero(as_tuple=True)  # [N] each, row-major like the head's tokens
-    cols = cols + 1  # mask[:, t] marks the token at position t + 1
-    placeholder = sub.old_logp if sub.old_logp is not None else torch.zeros(sub.input_ids.shape)  # [b, T]
-    # per chunk only the gradient is kept: sampler log-probs only when the correction needs them, so the mismatch
-    # metrics (host syncs) are not recomputed for every chunk; the metrics pass reports them once
-    sampler_logp = sub.sampler_logp if correction else None
+    def place(self, chunk: HeadChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, T] log-probs and entropies with the chunk's tokens as leaves (the entropies' only with an entropy
+        term in the loss) and placeholders elsewhere."""
+        idx = (self.rows[chunk.start:chunk.end], self.cols[chunk.start:chunk.end])
+        lp_leaf = chunk.logp.detach().requires_grad_()  # [n]
+        ent_leaf = chunk.entropy.detach().requires_grad_(self.entropy_grad)  # [n]
+        logp = self.placeholder.to(device=lp_leaf.device, dtype=lp_leaf.dtype).index_put(idx, lp_leaf)  # [b, T]
+        self.leaves = [lp_leaf, ent_leaf]
+        return logp, torch.zeros_like(logp).index_put(idx, ent_leaf)  # [b, T] each
 
-    def token_grad(start: int, end: int, logp: torch.Tensor, ent: torch.Tensor | None):
-        idx = (rows[start:end], cols[start:end])
-        with torch.enable_grad():
-            lp_leaf = logp.detach().requires_grad_()  # [n]
-            full_lp = placeholder.to(device=logp.device, dtype=logp.dtype).index_put(idx, lp_leaf)  # [b, T]
-            leaves, full_ent = [lp_leaf], None
-            if ent is not None:
-                ent_leaf = ent.detach().requires_grad_(entropy_grad)  # [n]
-                full_ent = torch.zeros_like(full_lp).index_put(idx, ent_leaf)  # [b, T]
-                leaves += [ent_leaf] if entropy_grad else []
-            loss, _ = objective(full_lp, entropy=full_ent, sampler_logp=sampler_logp, with_metrics=False)
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        g_lp = torch.zeros_like(logp) if grads[0] is None else grads[0]
-        return g_lp, grads[1] if len(grads) > 1 else None
+    def backward(self, chunk: HeadChunk) -> None:
+        """The loss's gradients at the placed leaves (zeros where it left them out) -> the chunk's head gradients."""
+        lp_leaf, ent_leaf = self.leaves
+        g_lp = lp_leaf.grad if lp_leaf.grad is not None else torch.zeros_like(lp_leaf)
+        chunk.backward(g_lp, ent_leaf.grad if self.entropy_grad else None)
 
-    return token_grad
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's log-prob and entropy, [b, T] each (once the chunks are done)."""
+        return scatter_completion(self.out.logp, self.mask), scatter_completion(self.out.entropy, self.mask)
+
+    def body_grad(self) -> torch.Tensor | None:
+        """The head's weight gradient into weight.grad (when not accumulated there already); dL/dhidden [N, D] for
+        the body's backward, None when the body has no trainable input."""
+        weight = self.model.lm_head.weight
+        if weight.requires_grad and not self.into_grad:
+            weight.grad += self.out.grad_weight.to(weight.dtype)
+        if not self.hidden.requires_grad:
+            return None
+        if self.model.embed.weight.requires_grad:
+            dense_grad(self.model.embed.weight)  # so the sparse embedding gradient is added in place
+        return self.out.grad_hidden
 
 
 def zero_grads(model) -> None:

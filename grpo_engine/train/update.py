@@ -20,7 +20,7 @@ from ..world import World
 from .batch import RolloutBatch, plan_micro_batches
 from .distributed import accumulating, sum_gradients
 from .forward import sequence_logprobs
-from .fused_head import fused_head_backward, zero_grads
+from .fused_head import FusedHead, zero_grads
 
 OOM_KNOBS = (
     "memory.micro_batch_tokens (tokens per forward/backward), rollout.max_tokens_in_flight (generation), "
@@ -81,21 +81,40 @@ def grpo_loss(model, sub: RolloutBatch, loss: ResolvedLoss, totals: tuple[int, i
 
     with the ratio, surrogate (clip / CISPO / SAPO), aggregation and KL estimator chosen once from rl.losses'
     tables, and agg_t normalised by the WHOLE step's tokens / sequences (`totals`), so the micro-batches'
-    gradients add up to the one-batch gradient. `fused`: a per-token loss, whose LM-head gradients come from the
-    head's own pass (train/fused_head.py); otherwise autograd runs through the chunked head.
+    gradients add up to the one-batch gradient.
+
+    `fused` (a per-token loss, rl.losses.is_tokenwise): the fused LM head (train/fused_head.py says what it saves
+    and why only per-token losses) yields its chunks one at a time, and L is back-propagated here once per chunk,
+    with that chunk's log-probs and entropies in place (the other positions: placeholders that a per-token term
+    never reads); the head turns the chunk's gradients into its own, and dL/dhidden goes through the body.
+    Otherwise autograd runs through the chunked head (any loss: GSPO's sequence ratio, top-entropy masking).
     """
     objective = functools.partial(
         policy_loss, old_logp=sub.old_logp, ref_logp=sub.ref_logp, advantages=sub.advantages,
         mask=sub.completion_mask, cfg=loss, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
         num_seqs_total=totals[1])
-    if fused:
-        return fused_head_backward(model, sub, objective, temperature=temperature, chunk_size=chunk_size,
-                                   entropy_grad=loss.cfg.entropy_coef > 0, gemm=model.kernels.head,
-                                   correction=loss.cfg.rollout_correction != "none")
-    logp, entropy = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
-                                      with_entropy=True)  # [b, T] each
-    value, metrics = objective(logp, entropy=entropy)
-    value.backward()
+    if not fused:
+        logp, entropy = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
+                                          with_entropy=True)  # [b, T] each
+        value, metrics = objective(logp, entropy=entropy)
+        value.backward()
+        return metrics
+    head = FusedHead(model, sub, temperature=temperature, chunk_size=chunk_size,
+                     entropy_grad=loss.cfg.entropy_coef > 0)
+    # per chunk the gradient only: the sampler's log-probs only when the correction needs them (the mismatch
+    # metrics, host syncs, are computed once below)
+    sampler_logp = sub.sampler_logp if loss.cfg.rollout_correction != "none" else None
+    for chunk in head.chunks():
+        logp, entropy = head.place(chunk)  # [b, T] each: the chunk's tokens are leaves
+        value, _ = objective(logp, entropy=entropy, sampler_logp=sampler_logp, with_metrics=False)
+        value.backward()  # into the chunk's leaves
+        head.backward(chunk)  # -> the chunk's rows of dL/dhidden and its share of dL/dweight
+    grad_hidden = head.body_grad()  # [N, D] (the head's weight gradient is in weight.grad now)
+    with torch.no_grad():
+        logp, entropy = head.values()  # [b, T] each
+        _, metrics = objective(logp, entropy=entropy)
+    if grad_hidden is not None:
+        head.hidden.backward(grad_hidden)  # through the transformer body
     return metrics
 
 
@@ -113,12 +132,16 @@ def accumulate_gradients(model, batch: RolloutBatch, loss: LossConfig | Resolved
     if totals is None:  # one process: this batch is the whole step
         totals = (batch.active_tokens(), batch.active_rows())
     totals = (max(1, totals[0]), max(1, totals[1]))
+    # the fused LM head (3 vocabulary-sized products per chunk, not 4) is exact for per-token losses only: why in
+    # train/fused_head.py
     fused = fused_head and is_tokenwise(loss)
     while True:
         try:
-            parts = [grpo_loss(model, batch.select(torch.tensor(rows)).to(model.device), loss, totals,
-                               temperature=temperature, chunk_size=chunk_size, fused=fused)
-                     for rows in plan_micro_batches(batch, token_budget)]
+            parts = []
+            for rows in plan_micro_batches(batch, token_budget):  # a loop, not a comprehension: one frame less
+                sub = batch.select(torch.tensor(rows)).to(model.device)
+                parts.append(grpo_loss(model, sub, loss, totals, temperature=temperature, chunk_size=chunk_size,
+                                       fused=fused))
             combined = combine_metrics(parts)
             return UpdateStats(combined["loss"], combined, totals[0], token_budget)
         except torch.OutOfMemoryError as e:
