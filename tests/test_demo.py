@@ -26,10 +26,10 @@ def test_the_demo_recipe_loads():
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path):
     result = run_demo([*QUICK_OVERRIDES, f"run_dir={tmp_path / 'demo'}"])
-    run = tmp_path / "demo"
+    run_dir = tmp_path / "demo"
     for sub in ("base", "sft"):
-        assert (run / sub / ".complete").exists() and (run / sub / "model.safetensors").exists()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert (run_dir / sub / ".complete").exists() and (run_dir / sub / "model.safetensors").exists()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert result.before.num_problems == result.after.num_problems == 16
     for r in (result.before, result.after):

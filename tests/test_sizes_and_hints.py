@@ -52,12 +52,12 @@ def no_lock(monkeypatch):
 ])
 def test_sizes_beyond_this_machine_are_refused_before_the_run_lock(tiny_ckpt, tmp_path, capsys, no_lock, overrides,
                                                                    named):
-    run = tmp_path / "run"
-    code, err = grpo(capsys, "train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run}", *overrides)
+    run_dir = tmp_path / "run"
+    code, err = grpo(capsys, "train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", *overrides)
     line = one_error_line(err)
     ram = (line.split("more than the ")[1]).split(" bytes")[0]
     assert code == 2 and named in line and "physical RAM" in line and int(ram.replace(",", "")) > 0
-    assert not run.exists()  # nothing written, no lock left behind
+    assert not run_dir.exists()  # nothing written, no lock left behind
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -136,13 +136,13 @@ def test_the_shipped_configs_and_demos_pass_on_a_24_gb_machine(tiny_ckpt, tmp_pa
 
 # Case 11: --model without --real --------------------------------------------------------------------------------
 def test_demo_model_without_real_is_refused_and_the_hint_works(tiny_ckpt, tmp_path, capsys):
-    run = tmp_path / "demo"
-    code, err = grpo(capsys, "demo", "--model", tiny_ckpt, "--quick", f"run_dir={run}")
+    run_dir = tmp_path / "demo"
+    code, err = grpo(capsys, "demo", "--model", tiny_ckpt, "--quick", f"run_dir={run_dir}")
     line = one_error_line(err)
-    assert code == 2 and "add --real" in line and str(tiny_ckpt) in line and not run.exists()
-    code, err = grpo(capsys, "demo", "--real", "--model", tiny_ckpt, "--quick", f"run_dir={run}")
+    assert code == 2 and "add --real" in line and str(tiny_ckpt) in line and not run_dir.exists()
+    code, err = grpo(capsys, "demo", "--real", "--model", tiny_ckpt, "--quick", f"run_dir={run_dir}")
     assert code == 0, err
-    assert str(tiny_ckpt) in (run / "checkpoints" / "step-000001" / "config.yaml").read_text()
+    assert str(tiny_ckpt) in (run_dir / "checkpoints" / "step-000001" / "config.yaml").read_text()
 
 
 # Case 16: non-finite weights in eval, generate and export -------------------------------------------------------
@@ -152,30 +152,30 @@ def nan_run(tiny_ckpt, tmp_path, capsys):
     diverged at its last step: the manifest says what was written, not that it is sound)."""
     from grpo_engine.checkpoint.verify import write_manifest
 
-    run = tmp_path / "run"
-    code, err = grpo(capsys, "train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2")
+    run_dir = tmp_path / "run"
+    code, err = grpo(capsys, "train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=2")
     assert code == 0, err
-    step2 = run / "checkpoints" / "step-000002"
+    step2 = run_dir / "checkpoints" / "step-000002"
     weights = step2 / "model" / "model.safetensors"
     tensors = load_file(weights)
     name = sorted(tensors)[0]
     tensors[name][0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
     write_manifest(step2)
-    return run, name
+    return run_dir, name
 
 
 @pytest.mark.parametrize("command", ["eval", "generate", "export"])
 def test_nan_weights_are_refused_in_one_line_naming_an_earlier_checkpoint(nan_run, tmp_path, capsys, command):
-    run, name = nan_run
+    run_dir, name = nan_run
     extra = {"eval": ["--n", "1", "--max-examples", "2", "--max-new", "4"], "generate": ["1+1=", "--max-new", "4"],
              "export": [tmp_path / "m.gguf"]}[command]
-    code, err = grpo(capsys, command, run / "checkpoints" / "step-000002", *extra)
+    code, err = grpo(capsys, command, run_dir / "checkpoints" / "step-000002", *extra)
     line = one_error_line(err)
     assert code == 2 and "NaN/inf" in line and name in line, err
-    assert line.endswith(f"pass an earlier checkpoint instead, e.g. {run / 'checkpoints' / 'step-000001'}")
+    assert line.endswith(f"pass an earlier checkpoint instead, e.g. {run_dir / 'checkpoints' / 'step-000001'}")
     assert not (tmp_path / "m.gguf").exists()
-    code, err = grpo(capsys, command, run / "checkpoints" / "step-000001", *extra)  # the hint, run
+    code, err = grpo(capsys, command, run_dir / "checkpoints" / "step-000001", *extra)  # the hint, run
     assert code == 0, err
 
 
@@ -218,8 +218,8 @@ def test_after_a_full_disk_the_hinted_flag_continues_the_run(tiny_ckpt, tmp_path
                                                              flag):
     """The first checkpoint failing left no checkpoint, and `--resume` (the old hint) failed with 'no complete
     checkpoint'; the second failing leaves step 1, and --resume continues from it."""
-    run = tmp_path / "run"
-    argv = ["train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2"]
+    run_dir = tmp_path / "run"
+    argv = ["train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=2"]
     restore = _disk_full_at_save(monkeypatch, failing_call)
     code, err = grpo(capsys, *argv)
     line = one_error_line(err)
@@ -228,7 +228,7 @@ def test_after_a_full_disk_the_hinted_flag_continues_the_run(tiny_ckpt, tmp_path
     restore()
     code, err = grpo(capsys, *argv, flag)  # the hint, run
     assert code == 0, err
-    assert (run / "checkpoints" / "step-000002" / "manifest.json").is_file()
+    assert (run_dir / "checkpoints" / "step-000002" / "manifest.json").is_file()
 
 
 # Case 19: a malformed kernels.json that its manifest lists ------------------------------------------------------
@@ -237,16 +237,16 @@ def test_a_malformed_kernel_plan_is_measured_again_with_one_warning(tiny_ckpt, t
     file. The plan is only timings: it is measured again, with a warning naming the file."""
     from grpo_engine.checkpoint.verify import write_manifest
 
-    run = tmp_path / "run"
-    argv = ["train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run}"]
+    run_dir = tmp_path / "run"
+    argv = ["train", TINY, f"model.path={tiny_ckpt}", f"run_dir={run_dir}"]
     assert grpo(capsys, *argv, "schedule.steps=1")[0] == 0
-    step1 = run / "checkpoints" / "step-000001"
+    step1 = run_dir / "checkpoints" / "step-000001"
     (step1 / "kernels.json").write_text(json.dumps({"cpu": "x"}))  # JSON, not a plan this version reads
     write_manifest(step1)  # listed: deleting it would be refused as a missing file
     with pytest.warns(UserWarning, match=re.escape(f"{step1 / 'kernels.json'}: not a kernel plan")):
         code, err = grpo(capsys, *argv, "schedule.steps=2", "--resume")
     assert code == 0, err
-    assert "delete it" not in err and (run / "checkpoints" / "step-000002" / "kernels.json").is_file()
+    assert "delete it" not in err and (run_dir / "checkpoints" / "step-000002" / "kernels.json").is_file()
 
 
 # Case 20: run_dir=. ------------------------------------------------------------------------------------------------

@@ -162,11 +162,11 @@ def task_for(args):
     """(name, task): the run's own task, data and options when the model is a run or checkpoint and no --task
     is given (--task-option / --data still override them); else --task with the given options."""
     options, data = parse_task_options(args.task_option), getattr(args, "data", None)
-    run = stored_run_config(args.model)
-    stored = run.task if run is not None else None
+    run_cfg = stored_run_config(args.model)
+    stored = run_cfg.task if run_cfg is not None else None
     if args.task is None and stored is not None:
         if hasattr(args, "data"):  # eval reads the run's data: where the run read it, and only as it was
-            return stored.name, build_task(stored.name, *run_data(args.model, run, options, data))
+            return stored.name, build_task(stored.name, *run_data(args.model, run_cfg, options, data))
         return stored.name, build_task(stored.name, {**stored.options, **options}, stored.data_path)
     name = args.task or "arithmetic"
     if name == "custom" and data is None and "data_path" not in options:
@@ -181,7 +181,7 @@ def task_for(args):
     return name, task
 
 
-def run_data(model: str, run, given: dict, data: str | None) -> tuple[dict, str | None]:
+def run_data(model: str, run_cfg, given: dict, data: str | None) -> tuple[dict, str | None]:
     """(task options, data path) to evaluate a run's own task with: --data and --task-option as given; every data path
     of the run's config.yaml they leave where the run recorded it (checkpoint/data_record.py eval_data_paths: its
     absolute path, used only when the files there have their recorded fingerprints; else one line naming --data)."""
@@ -191,11 +191,11 @@ def run_data(model: str, run, given: dict, data: str | None) -> tuple[dict, str 
     chosen = {f"task.options.{k}" for k in given}
     if data is not None:
         chosen |= {"task.data_path", "task.options.data_path"}
-    keys = set(named_paths(run)) - chosen
-    paths = eval_data_paths(model_source(model).parent, run, keys)
-    options = {k: v for k, v in run.task.options.items() if not (data is not None and k == "data_path")}
+    keys = set(named_paths(run_cfg)) - chosen
+    paths = eval_data_paths(model_source(model).parent, run_cfg, keys)
+    options = {k: v for k, v in run_cfg.task.options.items() if not (data is not None and k == "data_path")}
     options.update({key.removeprefix("task.options."): v for key, v in paths.items() if key != "task.data_path"})
-    return {**options, **given}, data if data is not None else paths.get("task.data_path", run.task.data_path)
+    return {**options, **given}, data if data is not None else paths.get("task.data_path", run_cfg.task.data_path)
 
 
 def tools_for(args):
@@ -205,8 +205,8 @@ def tools_for(args):
 
     from ..config.tools import ToolsSection
 
-    run = stored_run_config(args.model)
-    stored = run.tools if run is not None else None
+    run_cfg = stored_run_config(args.model)
+    stored = run_cfg.tools if run_cfg is not None else None
     if args.tools is None:
         return stored if stored is not None and stored.enabled else None
     names = [n.strip() for n in args.tools.split(",") if n.strip()]

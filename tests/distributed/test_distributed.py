@@ -136,27 +136,27 @@ def test_sigterm_to_the_nproc_launcher_stops_the_ranks_with_a_checkpoint(tiny_ck
     import signal
     import time
 
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "grpo_engine.cli", "train", str(REPO / "configs/tiny_arithmetic.yaml"),
-           f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=500", "rollout.prompts_per_step=4",
+           f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=500", "rollout.prompts_per_step=4",
            "rollout.group_size=4", "rollout.max_new_tokens=6", "checkpoint.every=0", "--nproc=2"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
             assert proc.poll() is None and time.monotonic() < deadline, "no step was logged"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=120)[1]
-        steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
         time.sleep(3)  # ranks left running would log more steps meanwhile
-        assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == steps
+        assert [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()] == steps
         assert f"[rank 1] stopped after step {steps[-1]} (SIGTERM)" in err, err[-4000:]
         assert proc.returncode == 0 and "SignalException" not in err, err[-4000:]
-        assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-{steps[-1]:06d}"]
+        assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [f"step-{steps[-1]:06d}"]
         assert steps[-1] < 500
     finally:
         if proc.poll() is None:
             os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-        subprocess.run(["pkill", "-9", "-f", str(run)], check=False)
+        subprocess.run(["pkill", "-9", "-f", str(run_dir)], check=False)

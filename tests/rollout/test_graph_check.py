@@ -218,9 +218,9 @@ def test_the_fallback_reaches_metrics_jsonl(tiny_ckpt, tmp_path, monkeypatch, ca
     monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice, compiled=False: choice != "off")
     monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault="raise"))
     cfg = Path(__file__).resolve().parents[2] / "configs/tiny_arithmetic.yaml"
-    run = tmp_path / "run"
-    train(load_config(str(cfg), [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2"]))
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    run_dir = tmp_path / "run"
+    train(load_config(str(cfg), [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=2"]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and [r["rollout/cuda_graphs_fallback"] for r in rows] == [1, 1]
     assert capsys.readouterr().err.count("rollout.cuda_graphs: capture check failed") == 1
 

@@ -150,12 +150,12 @@ def test_a_warm_start_folder_it_did_not_write_is_moved_aside(tmp_path, capsys):
     from grpo_engine.config import load_config
     from grpo_engine.sft.warm_start import DONE_MARKER, build_tiny_base
 
-    run = tmp_path / "r"
-    (run / "base").mkdir(parents=True)
-    (run / "base" / "notes.txt").write_text("mine")
-    cfg = load_config(None, [f"run_dir={run}", "warm_start.tiny.arch=qwen2"])
-    assert build_tiny_base(cfg) == run / "base" and (run / "base" / DONE_MARKER).is_file()
-    (aside,) = run.glob("base.prev-*")
+    run_dir = tmp_path / "r"
+    (run_dir / "base").mkdir(parents=True)
+    (run_dir / "base" / "notes.txt").write_text("mine")
+    cfg = load_config(None, [f"run_dir={run_dir}", "warm_start.tiny.arch=qwen2"])
+    assert build_tiny_base(cfg) == run_dir / "base" and (run_dir / "base" / DONE_MARKER).is_file()
+    (aside,) = run_dir.glob("base.prev-*")
     assert (aside / "notes.txt").read_text() == "mine" and "nothing deleted" in capsys.readouterr().err
 
 

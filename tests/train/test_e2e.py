@@ -41,10 +41,10 @@ def custom_task_config(tmp_path, monkeypatch) -> str:
 
 @pytest.mark.slow
 def test_grpo_train_arithmetic_artifacts(tmp_path, tiny_ckpt):
-    run = tmp_path / "run"
-    assert main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "eval.every=2",
+    run_dir = tmp_path / "run"
+    assert main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "eval.every=2",
                  "eval.max_examples=3", "eval.max_new_tokens=4"]) == 0
-    rows = _metrics(run)
+    rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("reward_mean", "reward_std", "reward_components", "accuracy", "completion_len_mean",
                 "truncation_rate", "zero_variance_frac", "semantic_entropy", "entropy", "grad_norm", "lr",
@@ -60,10 +60,10 @@ def test_grpo_train_arithmetic_artifacts(tmp_path, tiny_ckpt):
     for r in rows[1:]:
         assert 0.0 <= r["eval/accuracy"] <= 1.0 and 0.0 <= r["eval/format_rate"] <= 1.0
         assert 1.0 <= r["eval/length_mean"] <= 4.0
-    assert len((run / "samples.jsonl").read_text().splitlines()) >= 3
-    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) >= 3
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-000002", "step-000003"]  # keep_last=2
-    final = run / "checkpoints/step-000003/model"
+    final = run_dir / "checkpoints/step-000003/model"
     hf = AutoModelForCausalLM.from_pretrained(final)
     ours = load_model(final)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -72,16 +72,16 @@ def test_grpo_train_arithmetic_artifacts(tmp_path, tiny_ckpt):
 
 @pytest.mark.slow
 def test_grpo_train_countdown_artifacts(tmp_path, tiny_ckpt):
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     assert main(["train", str(REPO / "configs/tiny_countdown.yaml"), f"model.path={tiny_ckpt}",
-                 f"run_dir={run}"]) == 0
-    rows = _metrics(run)
+                 f"run_dir={run_dir}"]) == 0
+    rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert set(rows[0]["reward_components"]) == {"answer", "format"}
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["refills"] in (0, 1) for r in rows)
     assert all(0.0 <= r["semantic_entropy"] <= math.log(4) + 1e-6 for r in rows if r["semantic_entropy"] is not None)
-    assert (run / "checkpoints/step-000002/model/model.safetensors").is_file()
-    assert "countdown" in (run / "checkpoints/step-000002/config.yaml").read_text()
+    assert (run_dir / "checkpoints/step-000002/model/model.safetensors").is_file()
+    assert "countdown" in (run_dir / "checkpoints/step-000002/config.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -113,16 +113,16 @@ def test_exact_resume_bitwise_with_varying_rewards(tmp_path, tiny_ckpt, monkeypa
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_kl_reference_and_lora_checkpoint(tmp_path, tiny_ckpt, monkeypatch, lora):
     """beta > 0: the reference is the initial policy (full: frozen copy; LoRA: adapters disabled)."""
-    run = tmp_path / "run"
-    over = [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2", "algorithm.beta=0.1"]
+    run_dir = tmp_path / "run"
+    over = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=2", "algorithm.beta=0.1"]
     if lora:
         over += ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", "optimizer.lr=1e-2"]
     train(load_config(custom_task_config(tmp_path, monkeypatch), over))
-    rows = _metrics(run)
+    rows = _metrics(run_dir)
     # step 1 trains the initial policy, identical to the reference (LoRA B starts at 0): KL exactly 0;
     # step 2's policy has moved: KL > 0
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0
-    ckpt = run / "checkpoints/step-000002"
+    ckpt = run_dir / "checkpoints/step-000002"
     if lora:
         assert (ckpt / "adapter/adapter_config.json").is_file()
         model = load_model(tiny_ckpt)
@@ -181,17 +181,17 @@ def test_mismatch_metrics_and_rollout_correction_in_the_loop(tmp_path, tiny_ckpt
     and the plot draws the mismatch panels."""
     from grpo_engine.plot import plot_run
 
-    run = tmp_path / "r"
-    over = [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=2", "rollout.max_new_tokens=6",
+    run_dir = tmp_path / "r"
+    over = [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=2", "rollout.max_new_tokens=6",
             "rollout.temperature=0.8", "rollout.top_k=5", f"algorithm.mu={mu}", "algorithm.rollout_correction=tis",
             "checkpoint.every=0"]
     train(load_config(custom_task_config(tmp_path, monkeypatch), over))
-    rows = _metrics(run)
+    rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 < r["mismatch_mean_abs"] <= r["mismatch_max_abs"] < 1e-4, r
         assert 0 <= r["mismatch_k3"] < 1e-8 and r["rollout_correction_frac"] == 0.0
-    assert plot_run(run).stat().st_size > 5000
+    assert plot_run(run_dir).stat().st_size > 5000
 
 
 @pytest.mark.slow

@@ -51,38 +51,38 @@ def _wait_for(predicate, proc, timeout=60.0):
 
 @pytest.mark.slow
 def test_kill_9_mid_checkpoint_leaves_previous_usable_and_resume_works(tmp_path, tiny_ckpt):
-    run = tmp_path / "run"
-    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=3"], pause_at_step=2)
-    _wait_for(lambda: (run / "checkpoints/paused-2").exists(), proc)  # inside the write of step-000002
+    run_dir = tmp_path / "run"
+    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=3"], pause_at_step=2)
+    _wait_for(lambda: (run_dir / "checkpoints/paused-2").exists(), proc)  # inside the write of step-000002
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    latest = list_checkpoints(run / "checkpoints")[-1]
+    latest = list_checkpoints(run_dir / "checkpoints")[-1]
     assert latest.name == "step-000001"  # the half-written step 2 is not a checkpoint
-    assert (run / "checkpoints/.tmp-step-000002").is_dir()
+    assert (run_dir / "checkpoints/.tmp-step-000002").is_dir()
     load_model(latest / "model")  # the previous checkpoint is intact
-    result = train(load_config(CFG, [f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=3"]),
+    result = train(load_config(CFG, [f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=3"]),
                    resume="latest")
     assert (result.last_step, result.stopped_by) == (3, "completed")
-    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
-    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_finishes_step_checkpoints_and_exits_0(tmp_path, tiny_ckpt, sig):
-    run = tmp_path / "run"
-    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=500", "checkpoint.every=0",
+    run_dir = tmp_path / "run"
+    proc = _spawn([f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=500", "checkpoint.every=0",
                    "logging.samples_every=0"])
-    metrics = run / "metrics.jsonl"
+    metrics = run_dir / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    steps = [r["step"] for r in _metrics(run)]
+    steps = [r["step"] for r in _metrics(run_dir)]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 500
     assert f"done: {last} steps (signal)" in out and sig.name in err
-    assert list_checkpoints(run / "checkpoints")[-1].name == f"step-{last:06d}"
+    assert list_checkpoints(run_dir / "checkpoints")[-1].name == f"step-{last:06d}"
 
 
 # The random tiny model scores 0 on every sample, so every advantage is 0 and by default no row would reach the
@@ -108,23 +108,23 @@ def _poison_gradients_from(call: int, monkeypatch):
 
 @pytest.mark.slow
 def test_nonfinite_updates_skipped_then_stop_with_last_good_checkpoint(tmp_path, tiny_ckpt, monkeypatch, capsys):
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     _poison_gradients_from(2, monkeypatch)
-    rc = main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "schedule.steps=6",
+    rc = main(["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "schedule.steps=6",
                "optimizer.max_nonfinite_steps=2", "checkpoint.keep_last=5", *UPDATE_EVERY_ROW])
     err = capsys.readouterr().err
     assert rc == 1
     assert "step 2: non-finite" in err and "update skipped (1 in a row)" in err
     assert "2 consecutive updates had a NaN/inf loss or gradient (optimizer.max_nonfinite_steps=2)" in err
     assert "step-000002" in err  # the last good checkpoint, named in the message
-    rows = _metrics(run)
+    rows = _metrics(run_dir)
     assert [(r["step"], r["skipped_update"]) for r in rows] == [(1, False), (2, True), (3, True)]
     assert rows[1]["grad_norm"] is None  # NaN is written as null
     # step 2 took no optimizer step: its checkpoint holds exactly the weights after step 1, all finite
-    w1 = load_model(run / "checkpoints/step-000001/model").state_dict()
-    w2 = load_model(run / "checkpoints/step-000002/model").state_dict()
+    w1 = load_model(run_dir / "checkpoints/step-000001/model").state_dict()
+    w2 = load_model(run_dir / "checkpoints/step-000002/model").state_dict()
     assert all(torch.equal(w1[k], w2[k]) and torch.isfinite(w2[k]).all() for k in w1)
-    assert list_checkpoints(run / "checkpoints")[-1].name == "step-000002"
+    assert list_checkpoints(run_dir / "checkpoints")[-1].name == "step-000002"
 
 
 def _oom_above(budget: int, monkeypatch):

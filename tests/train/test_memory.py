@@ -171,9 +171,9 @@ def test_step_frees_the_gradients_before_the_next_rollout(tiny_ckpt, monkeypatch
 
     seen, real = [], step_mod.grpo_step
 
-    def step(run, state, n, message=print):
-        record = real(run, state, n, message)
-        seen.append((record.update.grad_norm, [p.grad for p in run.policy.model.parameters()]))
+    def step(inputs, state, n, message=print):
+        record = real(inputs, state, n, message)
+        seen.append((record.update.grad_norm, [p.grad for p in inputs.policy.model.parameters()]))
         return record
 
     monkeypatch.setattr(step_mod, "grpo_step", step)

@@ -27,12 +27,12 @@ EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 VOLATILE = ("time_", "tokens_per_s", "peak_mem")  # metrics that measure the machine, not the run
 
 
-def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
 
 
-def metrics(run: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows}
 
 
@@ -45,11 +45,11 @@ def unequal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def made_here(run: Path) -> bool:
+def made_here(run_dir: Path) -> bool:
     """Whether this machine is the CPU and torch the fixture was made on (the kernel plan a run of today's code
     recorded in `run` names them): only there can a run repeat the fixture's arithmetic bit for bit. Elsewhere
     torch's fp32 GEMM may take another code path (AVX2 / AVX-512) and round differently."""
-    plan = run / "kernels.json"
+    plan = run_dir / "kernels.json"
     here = json.loads(plan.read_text()) if plan.is_file() else {}
     return (here.get("cpu"), torch.__version__) == (EXPECTED["made_on"]["cpu"], EXPECTED["made_on"]["torch"])
 
@@ -71,23 +71,23 @@ def fixture_dir(tmp_path, monkeypatch) -> Path:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:the checkpoint's kernel plan was measured on")  # another CPU than the fixture's
 def test_a_v0_1_checkpoint_resumes_bit_for_bit(fixture_dir):
-    run, fresh = fixture_dir / "run", fixture_dir / "fresh"
+    run_dir, fresh = fixture_dir / "run", fixture_dir / "fresh"
     assert main(["train", "train.yaml", "--resume"]) == 0
     assert main(["train", "train.yaml", "run_dir=fresh"]) == 0
 
     # resumed from the 0.1 checkpoint == uninterrupted today, weights and logged step 3: bit for bit on the CPU the
     # fixture was made on; elsewhere steps 1-2 of the fresh run round differently from the fixture's, so step 3
     # agrees within that rounding (a step moves each weight by about 1e-3: lr, Adam)
-    assert sorted(metrics(run)) == [1, 2, 3]
-    resumed3, fresh3 = weights(run, 3), weights(fresh, 3)
-    assert unequal(weights(run, 2), resumed3), "step 3 left the weights as they were: the comparison proves nothing"
-    old2, fresh2 = weights(run, 2), weights(fresh, 2)
+    assert sorted(metrics(run_dir)) == [1, 2, 3]
+    resumed3, fresh3 = weights(run_dir, 3), weights(fresh, 3)
+    assert unequal(weights(run_dir, 2), resumed3), "step 3 left the weights as they were: the comparison proves nothing"
+    old2, fresh2 = weights(run_dir, 2), weights(fresh, 2)
     if not made_here(fresh):
         for step, (a, b) in {2: (fresh2, old2), 3: (fresh3, resumed3)}.items():
             for k in a:
                 msg = lambda m, k=k, s=step: f"step {s} {k}: {m}"  # noqa: E731
                 torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=msg)
-        got, want = metrics(run)[3], metrics(fresh)[3]
+        got, want = metrics(run_dir)[3], metrics(fresh)[3]
         assert got.keys() == want.keys()
         for k, v in want.items():
             close = isinstance(v, float) and got[k] == pytest.approx(v, rel=1e-3, abs=1e-5)
@@ -95,7 +95,7 @@ def test_a_v0_1_checkpoint_resumes_bit_for_bit(fixture_dir):
         return
     differ = unequal(resumed3, fresh3)
     assert not differ, f"step 3 resumed from the v0.1 checkpoint differs from an uninterrupted run in {differ}"
-    assert metrics(run)[3] == metrics(fresh)[3]
+    assert metrics(run_dir)[3] == metrics(fresh)[3]
     # today's code repeats the fixture's first two steps
     differ = unequal(old2, fresh2)
     assert not differ, f"today's code no longer reproduces the v0.1 run's step 2: {differ} differ"

@@ -23,12 +23,12 @@ def grpo(*argv, capsys=None) -> tuple[int, str]:
     return code, err
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def steps_on_disk(run: Path) -> list[str]:
-    return sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+def steps_on_disk(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
 
 
 @pytest.fixture
@@ -39,25 +39,27 @@ def base(tiny_ckpt, tmp_path):
 # 1. re-running a command must not delete data -------------------------------------------------------------
 @pytest.mark.slow
 def test_rerun_refuses_overwrite_renames_and_old_resume_supersedes(base, tmp_path, capsys):
-    run = tmp_path / "X"
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=6", "checkpoint.keep_last=2")[0] == 0
-    before = (run / "metrics.jsonl").read_text()
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "checkpoint.keep_last=2",
+    run_dir = tmp_path / "X"
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=6", "checkpoint.keep_last=2")[0] == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "checkpoint.keep_last=2",
                      capsys=capsys)
     assert code == 2 and "--resume" in err and "--overwrite" in err
-    assert (run / "metrics.jsonl").read_text() == before and steps_on_disk(run) == ["step-000005", "step-000006"]
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "checkpoint.keep_last=2",
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert steps_on_disk(run_dir) == ["step-000005", "step-000006"]
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "checkpoint.keep_last=2",
                 "--overwrite")[0] == 0
     (old,) = tmp_path.glob("X.prev-*")
     assert (old / "metrics.jsonl").read_text() == before and steps_on_disk(old) == ["step-000005", "step-000006"]
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3] and steps_on_disk(run) == ["step-000002", "step-000003"]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert steps_on_disk(run_dir) == ["step-000002", "step-000003"]
     # --resume from the older checkpoint: the later one and its log lines move aside, nothing is deleted
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=4", "checkpoint.keep_last=5", "--resume",
-                run / "checkpoints/step-000002")[0] == 0
-    (superseded,) = run.glob("superseded-*")
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=4", "checkpoint.keep_last=5", "--resume",
+                run_dir / "checkpoints/step-000002")[0] == 0
+    (superseded,) = run_dir.glob("superseded-*")
     assert steps_on_disk(superseded) == ["step-000003"]
     assert [json.loads(ln)["step"] for ln in (superseded / "metrics.jsonl").read_text().splitlines()] == [3]
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_resume_with_overwrite_is_refused(tmp_path):
@@ -86,13 +88,13 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tiny_ckpt, tmp_path):
 # 2. torn last line --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_torn_last_metrics_line_is_dropped_with_a_warning(base, tmp_path, capsys):
-    run = tmp_path / "r"
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=2")[0] == 0
-    with (run / "metrics.jsonl").open("a") as f:
+    run_dir = tmp_path / "r"
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=2")[0] == 0
+    with (run_dir / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "loss": 0.1, "rew')  # a crash mid-line
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "--resume", capsys=capsys)
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "--resume", capsys=capsys)
     assert code == 0 and "torn" in err
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
 
 
 def test_log_lines_after_the_resumed_checkpoint_move_aside(tmp_path, capsys):
@@ -100,32 +102,32 @@ def test_log_lines_after_the_resumed_checkpoint_move_aside(tmp_path, capsys):
     numbers): those lines move to superseded-<time>/, they were deleted."""
     from grpo_engine.monitor import Monitor
 
-    run = tmp_path / "r"
-    run.mkdir()
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
     for name in ("metrics.jsonl", "samples.jsonl"):
-        (run / name).write_text("".join(json.dumps({"step": s, "x": s * 0.5}) + "\n" for s in (1, 2, 3, 4)))
-    Monitor(run, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+        (run_dir / name).write_text("".join(json.dumps({"step": s, "x": s * 0.5}) + "\n" for s in (1, 2, 3, 4)))
+    Monitor(run_dir, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
             config={})
-    assert [r["step"] for r in metrics(run)] == [1, 2]
-    (aside,) = run.glob("superseded-*")
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    (aside,) = run_dir.glob("superseded-*")
     for name in ("metrics.jsonl", "samples.jsonl"):
         assert [json.loads(ln) for ln in (aside / name).read_text().splitlines()] == [
             {"step": 3, "x": 1.5}, {"step": 4, "x": 2.0}]
     assert "later lines moved to" in capsys.readouterr().err
-    Monitor(run, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
+    Monitor(run_dir, total_steps=6, start_step=2, progress=False, tensorboard=False, wandb=False, wandb_project="",
             config={})
-    assert len(list(run.glob("superseded-*"))) == 1  # nothing later: nothing moved, no empty folder
+    assert len(list(run_dir.glob("superseded-*"))) == 1  # nothing later: nothing moved, no empty folder
 
 
 # 3. non-finite weights ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_update_that_makes_weights_nonfinite_stops_and_is_never_saved(base, tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))  # a reward that varies, so the first update is not zero
-    run = tmp_path / "r"
-    code, err = grpo("train", custom(tmp_path, "even_bytes"), *base, f"run_dir={run}", "schedule.steps=3",
+    run_dir = tmp_path / "r"
+    code, err = grpo("train", custom(tmp_path, "even_bytes"), *base, f"run_dir={run_dir}", "schedule.steps=3",
                      "optimizer.lr=1e30", "optimizer.grad_clip=0", capsys=capsys)
     assert code == 1 and "NaN/inf" in err and "lower optimizer.lr" in err and "last good checkpoint" in err
-    assert not (run / "checkpoints").exists() or steps_on_disk(run) == []
+    assert not (run_dir / "checkpoints").exists() or steps_on_disk(run_dir) == []
     code, err = grpo("train", CFG, *base, f"run_dir={tmp_path / 's'}", "optimizer.lr=inf", capsys=capsys)
     assert code == 2 and "optimizer.lr=inf must be a finite number > 0" in err
 
@@ -151,22 +153,22 @@ def test_failed_rewards_are_counted_logged_and_warned(base, tmp_path, capsys, mo
     monkeypatch.syspath_prepend(str(HERE))
     if fn == "sleeps":
         monkeypatch.setattr("grpo_engine.collect.groups.REWARD_TIMEOUT_S", 0.05)
-    run = tmp_path / "r"
-    code, err = grpo("train", custom(tmp_path, fn), *base, f"run_dir={run}", "schedule.steps=2", capsys=capsys)
+    run_dir = tmp_path / "r"
+    code, err = grpo("train", custom(tmp_path, fn), *base, f"run_dir={run_dir}", "schedule.steps=2", capsys=capsys)
     assert code == 0 and err.count("reward(s) failed") == 1  # one warning, with the first error's message
-    assert all(r[key] == 8 for r in metrics(run))  # 2 prompts x 4 samples per step, each failed
-    samples = [json.loads(ln) for ln in (run / "samples.jsonl").read_text().splitlines()]
+    assert all(r[key] == 8 for r in metrics(run_dir))  # 2 prompts x 4 samples per step, each failed
+    samples = [json.loads(ln) for ln in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["error"] for s in samples)
 
 
 @pytest.mark.slow
 def test_huge_reward_is_clamped_and_no_signal_is_warned(base, tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
-    run = tmp_path / "r"
-    code, err = grpo("train", custom(tmp_path, "huge"), *base, f"run_dir={run}", "schedule.steps=2",
+    run_dir = tmp_path / "r"
+    code, err = grpo("train", custom(tmp_path, "huge"), *base, f"run_dir={run_dir}", "schedule.steps=2",
                      "logging.no_signal_warn_steps=2", capsys=capsys)
     assert code == 0 and "no learning signal" in err
-    rows = metrics(run)
+    rows = metrics(run_dir)
     assert all(r["reward_mean"] == 1e6 and r["zero_variance_groups"] == 2 for r in rows)
 
 
@@ -181,17 +183,17 @@ def test_component_weight_naming_no_component_is_an_error(base, tmp_path, capsys
 def test_resume_applies_a_new_lr_and_refuses_a_new_group_size(base, tmp_path, capsys, monkeypatch):
     from grpo_engine.train import setup as setup_mod
 
-    run = tmp_path / "r"
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=2")[0] == 0
+    run_dir = tmp_path / "r"
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=2")[0] == 0
     seen = []
     real = setup_mod.setup_run
     monkeypatch.setattr("grpo_engine.train.loop.setup_run", lambda *a: seen.append(real(*a)) or seen[-1])
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "optimizer.lr=5e-4", "--resume",
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "optimizer.lr=5e-4", "--resume",
                      capsys=capsys)
     assert code == 0 and "optimizer.lr 0.001 -> 0.0005" in err
     assert seen[0].inputs.policy.scheduler.base_lrs == [5e-4]
-    assert metrics(run)[-1]["lr"] == pytest.approx(5e-4)
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=4", "rollout.group_size=8", "--resume",
+    assert metrics(run_dir)[-1]["lr"] == pytest.approx(5e-4)
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=4", "rollout.group_size=8", "--resume",
                      capsys=capsys)
     assert code == 2 and "rollout.group_size: 4 -> 8" in err and "cannot change" in err
 
@@ -217,11 +219,11 @@ def test_a_load_that_fails_is_one_line_and_leaves_no_lock(base, tmp_path, capsys
     left RUN_DIR/.lock behind: the next run warned of a stale lock."""
     if torch.cuda.is_available():
         pytest.skip("8-bit AdamW may run here")
-    run = tmp_path / "r"
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "optimizer.name=adamw_8bit", "optimizer.strict=true",
+    run_dir = tmp_path / "r"
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "optimizer.name=adamw_8bit", "optimizer.strict=true",
                      capsys=capsys)
     assert code == 2 and err.startswith("grpo: error: optimizer.name='adamw_8bit' unavailable")
-    assert "Traceback" not in err and not (run / ".lock").exists()
+    assert "Traceback" not in err and not (run_dir / ".lock").exists()
 
 
 # 7. inputs that used to arrive as tracebacks ------------------------------------------------------------------
@@ -266,10 +268,10 @@ def test_files_that_are_wrong_are_named(base, tiny_ckpt, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_corrupt_trainer_state_names_the_file_and_the_previous_checkpoint(base, tmp_path, capsys):
-    run = tmp_path / "r"
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=2")[0] == 0
-    (run / "checkpoints/step-000002/trainer_state.safetensors").write_bytes(b"\0" * 10)
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "--resume", capsys=capsys)
+    run_dir = tmp_path / "r"
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=2")[0] == 0
+    (run_dir / "checkpoints/step-000002/trainer_state.safetensors").write_bytes(b"\0" * 10)
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "--resume", capsys=capsys)
     assert code == 2 and "trainer_state" in err and "earlier checkpoint" in err
 
 
@@ -280,7 +282,7 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_resume_works(base, 
     --resume continues."""
     import grpo_engine.model.hf_io as hf_io
 
-    run, real, calls = tmp_path / "r", hf_io.save_file, []
+    run_dir, real, calls = tmp_path / "r", hf_io.save_file, []
 
     def full_disk(tensors, filename, metadata=None):
         calls.append(filename)
@@ -289,12 +291,12 @@ def test_disk_full_mid_checkpoint_keeps_the_previous_one_and_resume_works(base, 
         return real(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(hf_io, "save_file", full_disk)
-    code, err = grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", capsys=capsys)
+    code, err = grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", capsys=capsys)
     assert code == 2 and "No space left on device" in err and "--resume" in err and "Traceback" not in err
-    assert steps_on_disk(run) == ["step-000001"] and not list((run / "checkpoints").glob(".tmp-*"))
+    assert steps_on_disk(run_dir) == ["step-000001"] and not list((run_dir / "checkpoints").glob(".tmp-*"))
     monkeypatch.setattr(hf_io, "save_file", real)
-    assert grpo("train", CFG, *base, f"run_dir={run}", "schedule.steps=3", "--resume")[0] == 0
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    assert grpo("train", CFG, *base, f"run_dir={run_dir}", "schedule.steps=3", "--resume")[0] == 0
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
 
 
 # 8. no pickles ------------------------------------------------------------------------------------------------

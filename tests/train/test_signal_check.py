@@ -99,15 +99,15 @@ def test_rng_untouched_restores_every_global_stream():
 
 # ----------------------------------------------------------------------------------------- on a tiny model
 def test_a_truncating_length_stops_grpo_train_before_step_1(tmp_path, tiny_ckpt, capsys):
-    run = tmp_path / "r"
-    args = [CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "rollout.max_new_tokens=2", "check.stop=true"]
+    run_dir = tmp_path / "r"
+    args = [CFG, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "rollout.max_new_tokens=2", "check.stop=true"]
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()  # the report (its figures), then the one error line
     assert [ln for ln in err if ln.startswith("grpo:")] == err[-1:] and "  correct: 0.0%" in err
     assert err[-1].startswith("grpo: error: signal check: no learning signal: ")
     assert "replies were cut at rollout.max_new_tokens=2: raise rollout.max_new_tokens (e.g. 8)" in err[-1]
     assert "--no-check" in err[-1]
-    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())  # no step ran
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())  # no step ran
     assert main(["check", *args[:1], f"model.path={tiny_ckpt}", "rollout.max_new_tokens=2"]) == 2
     out = capsys.readouterr().out
     assert "replies cut at rollout.max_new_tokens=2: 9" in out and "raise rollout.max_new_tokens" in out
@@ -134,23 +134,23 @@ def test_check_and_held_out_leave_the_run_bit_identical(tmp_path, tiny_ckpt, mon
 
 
 def test_before_after_json_and_the_random_reward_control(tmp_path, tiny_ckpt, capsys):
-    run = tmp_path / "r"
-    args = ["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run}", "eval.max_examples=4",
+    run_dir = tmp_path / "r"
+    args = ["train", CFG, f"model.path={tiny_ckpt}", f"run_dir={run_dir}", "eval.max_examples=4",
             "eval.max_new_tokens=300", "rollout.max_new_tokens=5", "schedule.steps=2"]  # 300 > the model's 64
     assert main([*args, "--no-check"]) == 0
     assert "Held-out greedy results (4 problems)" in capsys.readouterr().out
-    got = json.loads((run / "before_after.json").read_text())
+    got = json.loads((run_dir / "before_after.json").read_text())
     assert set(got["before"]) == set(got["after"]) == {"accuracy", "format_rate", "mean_length"}
     assert got["problems"] == 4 and got["control"] is None and got["seconds"] > 0
     assert 1 <= got["before"]["mean_length"] <= 5 and 0 <= got["after"]["accuracy"] <= 1  # rollout's cap
     assert main([*args, "--control", "random-reward", "--no-check"]) == 0
-    control = Path(f"{run}-random-reward")
+    control = Path(f"{run_dir}-random-reward")
     assert json.loads((control / "before_after.json").read_text())["control"] == "random-reward"
     stored = yaml.safe_load((control / "checkpoints/step-000002/config.yaml").read_text())
     assert stored["algorithm"]["random_reward"] is True and stored["run_dir"] == str(control)
-    assert json.loads((run / "before_after.json").read_text()) == got  # the main run untouched
+    assert json.loads((run_dir / "before_after.json").read_text()) == got  # the main run untouched
     assert main([*args, "schedule.steps=3", "--resume"]) == 0  # resumed: the run's start stays its `before`
-    resumed = json.loads((run / "before_after.json").read_text())
+    resumed = json.loads((run_dir / "before_after.json").read_text())
     assert resumed["before"] == got["before"]
 
 
