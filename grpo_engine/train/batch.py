@@ -80,9 +80,6 @@ class TrainBatch:
         )
 
 
-RolloutBatch = TrainBatch  # the name train/update.py and train/fused_head.py import until they read TrainBatch
-
-
 def rows_with_signal(batch: TrainBatch) -> TrainBatch | None:
     """The rows with a nonzero advantage and at least one active token; None when there are none.
 

@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from ..rl.logprobs import HeadChunk, head_chunks, head_grads
-from .batch import RolloutBatch
+from .batch import TrainBatch
 from .forward import completion_hidden, scatter_completion
 
 
@@ -32,7 +32,7 @@ class FusedHead:
     (2 x 311 MB) out of every micro-batch.
     """
 
-    def __init__(self, model, sub: RolloutBatch, *, temperature: float, chunk_size: int, entropy_grad: bool):
+    def __init__(self, model, sub: TrainBatch, *, temperature: float, chunk_size: int, entropy_grad: bool):
         with sparse_embedding_grad(model):
             self.hidden, targets, self.mask = completion_hidden(model, sub)  # [N, D] (with graph), [N], [b, T-1]
         self.model, self.entropy_grad = model, entropy_grad

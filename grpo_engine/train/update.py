@@ -17,7 +17,7 @@ import torch
 
 from ..rl.losses import LossConfig, ResolvedLoss, is_tokenwise, policy_loss, resolve
 from ..world import World
-from .batch import RolloutBatch, plan_micro_batches
+from .batch import TrainBatch, plan_micro_batches
 from .distributed import accumulating, sum_gradients
 from .forward import sequence_logprobs
 from .fused_head import FusedHead, zero_grads
@@ -73,7 +73,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def grpo_loss(model, sub: RolloutBatch, loss: ResolvedLoss, totals: tuple[int, int], *, temperature: float,
+def grpo_loss(model, sub: TrainBatch, loss: ResolvedLoss, totals: tuple[int, int], *, temperature: float,
               chunk_size: int, fused: bool) -> dict[str, float]:
     """The GRPO objective of one micro-batch, back-propagated into .grad; returns its metrics.
 
@@ -118,7 +118,7 @@ def grpo_loss(model, sub: RolloutBatch, loss: ResolvedLoss, totals: tuple[int, i
     return metrics
 
 
-def accumulate_gradients(model, batch: RolloutBatch, loss: LossConfig | ResolvedLoss, token_budget: int, *,
+def accumulate_gradients(model, batch: TrainBatch, loss: LossConfig | ResolvedLoss, token_budget: int, *,
                          temperature: float, chunk_size: int, fused_head: bool = True,
                          totals: tuple[int, int] | None = None, halve_on_oom: bool = False,
                          message=print) -> UpdateStats:
@@ -148,7 +148,7 @@ def accumulate_gradients(model, batch: RolloutBatch, loss: LossConfig | Resolved
             token_budget = _halved_budget(model, batch, token_budget, halve_on_oom, e, message)
 
 
-def _halved_budget(model, batch: RolloutBatch, budget: int, allowed: bool, error: Exception, message) -> int:
+def _halved_budget(model, batch: TrainBatch, budget: int, allowed: bool, error: Exception, message) -> int:
     """The budget for a retry after CUDA OOM, or the OOM again with the knobs that lower memory named."""
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
@@ -205,7 +205,7 @@ class UpdateSettings:
             object.__setattr__(self, "loss", resolve(self.loss))
 
 
-def update_policy(model, optimizer, batch: RolloutBatch | None, s: UpdateSettings, micro_tokens: int,
+def update_policy(model, optimizer, batch: TrainBatch | None, s: UpdateSettings, micro_tokens: int,
                   message=print, world: World | None = None, totals: tuple[int, int] | None = None,
                   scheduler=None, keep_grads: bool = False) -> UpdateOutcome:
     """mu passes over the batch, each: accumulate micro-batch gradients, sum over ranks, clip, check finite,
