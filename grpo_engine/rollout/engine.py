@@ -4,7 +4,7 @@ Single-turn completions and multi-turn trajectories are both rows of this engine
 single-turn row is a conversation that ends after one model turn. generate.generate_rows picks this loop or the
 static decode (static_decode.py). Each step:
 
-1. sample one token for every row from the last logits (Sampler: temperature, top-k / top-p / min-p, the
+1. sample one token for every row from the last logits (TokenSampler: temperature, top-k / top-p / min-p, the
    chosen token's log-prob under the full and under the filtered distribution), one host sync for the batch;
 2. each live row `take`s its token: it records it, may finish (stop token, stop string, length, budget), or,
    at the end of a model turn, queue environment tokens (tool results, the next turn's header) to prefill;
@@ -31,7 +31,7 @@ from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
 from .rows import Row
-from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler
+from .sampling import NAN_TOKEN, NonFiniteLogits, TokenSampler
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, KVCache], torch.Tensor]  # ids [A, K], mask -> hidden [A, D]
 
@@ -87,7 +87,7 @@ def eager_step(model: Transformer) -> DecodeStep:
 
 
 def decode(model: Transformer, rows: Sequence[Row], cache: KVCache, key_mask: torch.Tensor, logits: torch.Tensor,
-           sample: Sampler, draws: Draws, packs: PackedWeights, step: DecodeStep, compact_fraction: float) -> None:
+           sample: TokenSampler, draws: Draws, packs: PackedWeights, step: DecodeStep, compact_fraction: float) -> None:
     """Run every row to its end from the prefilled cache [R rows], key mask [R, slots] and logits [R, V]; the
     rows record their tokens themselves."""
     head = DecodeHead(model, len(rows), packs)

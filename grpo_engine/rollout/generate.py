@@ -29,7 +29,7 @@ from ..model.transformer import Transformer
 from .decode_kernels import packed_for_decode
 from .engine import Draws, as_seed, decode, eager_step, prefill
 from .rows import Row, validate_rows
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams, TokenSampler
 from .static_decode import decode_static, graphs_for, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
@@ -192,7 +192,7 @@ def _decode_dynamic(model: Transformer, waves: list[list[Row]], params: Sampling
                     compile: bool | str) -> None:
     """engine.decode, wave by wave, with the weights packed for the largest (none when the step is compiled: a
     compiled step keeps the plain weights)."""
-    sample, step, T = Sampler(params), eager_step(model), params.max_new_tokens
+    sample, step, T = TokenSampler(params), eager_step(model), params.max_new_tokens
     if compile:
         step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
     with torch.inference_mode(), packed_for_decode(model, max(map(len, waves)), 0 if compile else T) as packs:
@@ -213,7 +213,7 @@ def _decode_static(model: Transformer, waves: list[list[Row]], params: SamplingP
     try:
         with torch.inference_mode():
             decoder = static_decoder(model, max(map(len, waves)), max(r.prompt_len for r in every) + T, T)
-            sample = decoder.sampler(params)
+            sample = decoder.token_sampler(params)
             for rows in waves:
                 prompts, share = wave_prompts(rows)
                 uniforms = draws.table([r.generator for r in rows], T)  # [R, T]

@@ -8,7 +8,7 @@ Trajectory records; they decode as rows (rows.Row with an environment) of genera
 only the tokens of the messages it appends are fed (rendered on their own by chat_turns.py: the conversation is
 never re-rendered or re-tokenized), by the dynamic loop's step (engine.py: why one batch with masked holes rather
 than paused sub-batches) or between two chunks of the static decode (static_turns.py). Log-probs are the
-Sampler's, as in generate, so a full forward over a trajectory reproduces them on its policy tokens
+TokenSampler's, as in generate, so a full forward over a trajectory reproduces them on its policy tokens
 (tests/rollout/test_multiturn.py checks 1e-4).
 """
 

@@ -182,7 +182,7 @@ def sample_from_logits(
     ([R, V/block]), then the token inside that block through a cumsum of one block ([R, block]) — instead of
     a softmax plus a cumsum over all V. A token is drawn only if its weight is positive (a zero weight is a
     zero-width CDF step). log P(token) = logit - max - log(total). `work`: an optional reusable buffer of at
-    least [R, V + pad] (see Sampler) so a decode loop does not allocate a fresh [R, V] per step. `uniforms`
+    least [R, V + pad] (see TokenSampler) so a decode loop does not allocate a fresh [R, V] per step. `uniforms`
     [R, 1] in [0, 1): the rows' random numbers when the caller draws them (per-prompt generators), else
     they come from `generator`.
     """
@@ -226,7 +226,7 @@ def work_buffer(rows: int, vocab: int, dtype: torch.dtype, device) -> torch.Tens
     return torch.empty(rows, -(-vocab // SAMPLE_BLOCK) * SAMPLE_BLOCK, dtype=dtype, device=device)
 
 
-class Sampler:
+class TokenSampler:
     """params -> a callable logits [R, V] -> Draw (tokens [R], full and filtered log-probs [R]), filters fixed once.
 
     `key`: the parameters the draw's computation depends on (a captured CUDA graph bakes them in).

@@ -7,7 +7,7 @@ Per wave (`decode_static`):
 1. prefill: each distinct prompt once (engine.prefill_prompts: a prefix all prompts share runs once), its keys and
    values copied to its rows of the static cache; the first tokens are drawn from the prefill's logits;
 2. a chunk: CHUNK decode steps back to back on the device. A step feeds every row its last token, draws the next
-   one with the row's own pre-drawn uniform (Sampler: temperature, top-k / top-p / min-p, the full-softmax and the
+   one with the row's own pre-drawn uniform (TokenSampler: temperature, top-k / top-p / min-p, the full-softmax and the
    filtered log-prob) and writes it into `hist`: no host sync, no generator call, nothing allocated outside the
    graph's pool;
 3. one read per chunk: the host copies `hist` (the one device-to-host sync per CHUNK steps) and each row takes its
@@ -57,7 +57,7 @@ from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead
 from .engine import prefill_prompts
 from .rows import Row
-from .sampling import NAN_TOKEN, NonFiniteLogits, Sampler, SamplingParams, sampling_dtype, work_buffer
+from .sampling import NAN_TOKEN, NonFiniteLogits, SamplingParams, TokenSampler, sampling_dtype, work_buffer
 from .static_cache import CHUNK, StaticDecodeState, bucket_for
 from .static_turns import feed_env_turns
 
@@ -184,15 +184,15 @@ class CudaGraphs:
 
 
 class StaticDecoder:
-    """A model's static state, LM-head buffer, samplers and captured graphs (no reference to the model itself).
+    """A model's static state, LM-head buffer, token samplers and captured graphs (no reference to the model itself).
 
     `backend`: the CUDA graph API on the state's device (CudaGraphs); a test stands in a fake one on the CPU."""
 
     def __init__(self, model: Transformer, rows: int, slots: int, columns: int):
         dtype, device, cfg = model.embed.weight.dtype, model.device, model.config
         self.state = StaticDecodeState(cfg, rows, slots, columns, dtype, sampling_dtype(dtype), device)
-        self.work = work_buffer(rows, cfg.vocab_size, sampling_dtype(dtype), device)  # shared by the samplers
-        self.samplers: dict[tuple, Sampler] = {}
+        self.work = work_buffer(rows, cfg.vocab_size, sampling_dtype(dtype), device)  # shared by the token samplers
+        self.token_samplers: dict[tuple, TokenSampler] = {}
         self.graphs: dict[tuple, Callable[[], None]] = {}  # (bucket, sampling key) -> its graph's replay
         self.backend = CudaGraphs(device)
         self.captures, self.capture_seconds = 0, 0.0
@@ -206,13 +206,13 @@ class StaticDecoder:
             self.graphs.clear()
             self.signature, self.head = signature, DecodeHead(model, self.state.rows)
 
-    def sampler(self, params: SamplingParams) -> Sampler:
+    def token_sampler(self, params: SamplingParams) -> TokenSampler:
         key = (params.temperature, params.top_k, params.top_p, params.min_p)
-        if key not in self.samplers:
-            self.samplers[key] = Sampler(params, work=self.work)
-        return self.samplers[key]
+        if key not in self.token_samplers:
+            self.token_samplers[key] = TokenSampler(params, work=self.work)
+        return self.token_samplers[key]
 
-    def step(self, model: Transformer, b: int, sample: Sampler, j: int) -> None:
+    def step(self, model: Transformer, b: int, sample: TokenSampler, j: int) -> None:
         """Decode step j of a chunk for rows [:b], in place: feed each row its last token, draw the next one."""
         state = self.state
         hidden = model(state.ids[:b], state.key_mask[:b], cache=state.view(b), positions=state.positions[:b],
@@ -220,12 +220,12 @@ class StaticDecoder:
         u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
         state.advance(b, sample(self.head(hidden), None, u), j)
 
-    def chunk(self, model: Transformer, b: int, sample: Sampler) -> None:
+    def chunk(self, model: Transformer, b: int, sample: TokenSampler) -> None:
         """CHUNK decode steps of rows [:b], in place (hist columns 1..CHUNK): the code a graph captures."""
         for j in range(1, CHUNK + 1):
             self.step(model, b, sample, j)
 
-    def run_chunk(self, model: Transformer, b: int, sample: Sampler, graphs: str) -> None:
+    def run_chunk(self, model: Transformer, b: int, sample: TokenSampler, graphs: str) -> None:
         """One chunk at bucket b. graphs `off`, or `auto` after a failed capture check in this process: eagerly;
         else by the pair's graph, captured and checked the first time (`on`: a failed check raises)."""
         replay = self.graphs.get((b, sample.key))
@@ -236,7 +236,7 @@ class StaticDecoder:
         else:
             self.capture(model, b, sample, strict=graphs == "on")
 
-    def capture(self, model: Transformer, b: int, sample: Sampler, strict: bool) -> None:
+    def capture(self, model: Transformer, b: int, sample: TokenSampler, strict: bool) -> None:
         """Capture the chunk at bucket b and check the graph's first replay against the eager warm-up chunk that a
         capture needs anyway (check_capture). A capture that raises or a replay that differs: `strict` raises
         CaptureCheckFailed; otherwise this process decodes eagerly from now on (fall_back), and this chunk runs
@@ -260,7 +260,7 @@ class StaticDecoder:
         self.restore(before)
         self.chunk(model, b, sample)
 
-    def check_capture(self, model: Transformer, b: int, sample: Sampler, before: list[torch.Tensor]) -> str | None:
+    def check_capture(self, model: Transformer, b: int, sample: TokenSampler, before: list[torch.Tensor]) -> str | None:
         """Warm up eagerly (the reference), capture, replay once from the same state and compare: None when the
         replay equals the reference (the graph is kept), else what differs. A replay that writes nothing (an
         empty graph) leaves the poisoned hist and the restored step buffers, and so differs."""
@@ -381,7 +381,7 @@ def static_decode_stats(model: Transformer) -> dict | None:
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
-                  share: list[int], sample: Sampler, uniforms: torch.Tensor, graphs: str) -> None:
+                  share: list[int], sample: TokenSampler, uniforms: torch.Tensor, graphs: str) -> None:
     """Run rows (row i from prompt share[i], uniforms [R, T]) to their ends; the rows record their tokens. graphs:
     `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises)."""
     state = decoder.state

@@ -24,7 +24,7 @@ from grpo_engine.plan.decode_state import (
 from grpo_engine.plan.from_config import plan_config
 from grpo_engine.plan.memory import plan_memory
 from grpo_engine.plan.suggest import format_plan
-from grpo_engine.rollout.sampling import Sampler, SamplingParams, work_buffer
+from grpo_engine.rollout.sampling import SamplingParams, TokenSampler, work_buffer
 from grpo_engine.rollout.static_decode import release_static_decode, static_decoder
 
 BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -126,7 +126,7 @@ def test_the_samplers_temporaries_stay_within_the_documented_bound(temperature, 
     work = work_buffer(rows, vocab, torch.float32, "cpu")
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
     uniforms = torch.rand(rows, 1, generator=torch.Generator().manual_seed(1))
-    sample = Sampler(params, work=work)
+    sample = TokenSampler(params, work=work)
     with LiveBytes([logits, work, uniforms]) as live:
         sample(logits, None, uniforms)
     call = DecodeCall("rollout", rows, 1, 1, temperature, top_k, top_p, min_p)
@@ -143,7 +143,7 @@ def test_the_samplers_cuda_memory_stays_within_the_bound(temperature, top_k, top
     work = work_buffer(rows, vocab, torch.float32, "cuda")
     logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
     uniforms = torch.rand(rows, 1, device="cuda")
-    sample = Sampler(params, work=work)
+    sample = TokenSampler(params, work=work)
     sample(logits, None, uniforms)  # library handles and workspaces made once, as a graph's warm-up does
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -243,7 +243,7 @@ def test_the_decode_step_traces_as_one_graph(tiny_ckpt_factory, sampling):
     torch._dynamo.reset()
     with torch.inference_mode():
         decoder = static_decoder(model, 4, 64, 40)
-        state, sample = decoder.state, decoder.sampler(SamplingParams(**sampling))
+        state, sample = decoder.state, decoder.token_sampler(SamplingParams(**sampling))
         state.key_mask[:, :3] = True
         state.key_mask[:, state.slots] = True
         state.write.fill_(3)

@@ -1,4 +1,4 @@
-"""Sampler on a tiny hand-made vocabulary: exact support, renormalised (filtered) and full-softmax log-probs,
+"""TokenSampler on a tiny hand-made vocabulary: exact support, renormalised (filtered) and full-softmax log-probs,
 chi-square frequencies."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo_engine.rollout.sampling import NAN_TOKEN, Sampler, SamplingParams, sample_from_logits
+from grpo_engine.rollout.sampling import NAN_TOKEN, SamplingParams, TokenSampler, sample_from_logits
 
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]  # token i has probability PROBS[i]
 # chi-square critical values at p = 0.001 for df = 1..5 (tables)
@@ -18,7 +18,7 @@ CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
 def draw(params: SamplingParams, rows: int = 20000, seed: int = 0, probs=PROBS):
     logits = torch.log(torch.tensor(probs)).expand(rows, -1).contiguous()  # [rows, V]
     g = torch.Generator().manual_seed(seed)
-    return Sampler(params)(logits, g)
+    return TokenSampler(params)(logits, g)
 
 
 def check(params: SamplingParams, expected_probs: dict[int, float], probs=PROBS, full=None) -> None:
@@ -109,7 +109,7 @@ def test_filters_keep_what_transformers_warpers_keep(params):
                        (params.top_p < 1, warp.TopPLogitsWarper(params.top_p)),
                        (params.min_p > 0, warp.MinPLogitsWarper(max(params.min_p, 1e-9)))]:
         ref = warper(None, ref) if on else ref
-    sampler = Sampler(params)
+    sampler = TokenSampler(params)
     draw = sampler(logits, torch.Generator().manual_seed(1))
     assert torch.isfinite(ref).gather(-1, draw.tokens[:, None]).all()
     scaled = logits / params.temperature
@@ -173,7 +173,7 @@ def test_non_finite_rows_are_flagged(params, bad):
     last block; +inf used to return an arbitrary token with a NaN log-prob.)"""
     logits = torch.log(torch.tensor(PROBS)).expand(3, -1).contiguous()  # [3, V]
     logits[1, 2] = bad
-    tokens = Sampler(SamplingParams(**params))(logits, torch.Generator().manual_seed(0)).tokens
+    tokens = TokenSampler(SamplingParams(**params))(logits, torch.Generator().manual_seed(0)).tokens
     assert tokens[1] == NAN_TOKEN and all(0 <= t < len(PROBS) for t in tokens[[0, 2]].tolist())
     tokens, _ = sample_from_logits(logits, torch.Generator().manual_seed(0), block=4)  # several blocks
     assert tokens[1] == NAN_TOKEN and all(0 <= t < len(PROBS) for t in tokens[[0, 2]].tolist())

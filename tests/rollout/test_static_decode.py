@@ -181,13 +181,13 @@ def test_a_chunk_reads_nothing_back_to_the_host(tiny_dir, monkeypatch):
     with torch.inference_mode():
         decoder = StaticDecoder(model, 8, 64, 40)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)):
-            decoder.chunk(model, 8, decoder.sampler(params))
-            decoder.chunk(model, 2, decoder.sampler(params))
+            decoder.chunk(model, 8, decoder.token_sampler(params))
+            decoder.chunk(model, 2, decoder.token_sampler(params))
         real = StaticDecodeState.advance
         monkeypatch.setattr(StaticDecodeState, "advance", lambda self, b, draw, j: real(self, b, draw, j) or
                             draw.tokens.tolist())
         with pytest.raises(NotImplementedError, match="meta"):  # the detector works
-            decoder.chunk(model, 8, decoder.sampler(SamplingParams()))
+            decoder.chunk(model, 8, decoder.token_sampler(SamplingParams()))
 
 
 def test_the_graph_path_with_a_fake_graph_backend(tiny_dir, tiny_tok):
