@@ -123,11 +123,11 @@ def generate_groups(model, tokenizer, task, examples: list[Example], params: Sam
 
 
 def coin_flip_rewards(sample_groups: GroupSampler = generate_groups) -> GroupSampler:
-    """sample_groups with every completion's reward total replaced by a
-    coin flip, 0.0 or 1.0, drawn from its prompt's sampling seed and its index in the group: independent of what
-    the completion says, reproducible, different for every step, round and prompt. The components stay the task's,
-    so accuracy (the "answer" component) still tells the truth; dynamic sampling and the advantages see the
-    coin. The control experiment of algorithm.random_reward."""
+    """sample_groups with every completion's reward total replaced by a coin flip, 0.0 or 1.0, drawn from its
+    prompt's sampling seed and its index in the group: independent of what the completion says, reproducible,
+    different for every step, round and prompt. The components stay the task's, so accuracy (the "answer"
+    component) still tells the truth; dynamic sampling and the advantages see the coin. The control experiment
+    of algorithm.random_reward."""
 
     def flipped(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs):
         groups, n = sample_groups(model, tokenizer, task, examples, params, seed, max_prompt_tokens, *args, **kwargs)
