@@ -76,6 +76,8 @@ class SignalStats:
     error_rate: float = 0.0  # rewards that failed (exception, timeout, non-finite)
     first_error: str | None = None  # the first failed reward's message
     max_new_tokens: int = 0  # the length cap the replies were sampled with
+    finished_extracted_rate: float | None = None  # of the replies not cut off, those with an answer found; None:
+    # every reply was cut, or the task reports none
     seconds: float = 0.0
 
     def distribution(self, most: int = 4) -> str:
@@ -113,6 +115,7 @@ def signal_stats(groups: list[Group], max_new_tokens: int, tol: float = 0.0, sec
     graded = any("answer" in r.components for r in results)
     correct = torch.tensor([[float(r.correct) for r in g.rewards] for g in groups], dtype=torch.float64)  # [P, G]
     errors = [r.info for r in results if "error" in r.info]
+    finished = [r for g in groups for r, f in zip(g.rewards, g.finish_reasons) if f != "length"]
     return SignalStats(
         groups=len(groups), group_size=len(groups[0].rewards), rewards=[r.total for r in results],
         spread_share=float((~zero_variance_groups(totals, tol)).double().mean()),
@@ -122,7 +125,9 @@ def signal_stats(groups: list[Group], max_new_tokens: int, tol: float = 0.0, sec
         all_correct_share=float((correct.amin(1) >= 1.0).double().mean()) if graded else 0.0,
         correct_spread_share=float((~zero_variance_groups(correct)).double().mean()) if graded else 0.0,
         error_rate=len(errors) / len(results), first_error=errors[0].get("message") if errors else None,
-        max_new_tokens=max_new_tokens, seconds=seconds)
+        max_new_tokens=max_new_tokens, seconds=seconds,
+        finished_extracted_rate=statistics.fmean(r.answer is not None for r in finished) if graded and finished
+        else None)
 
 
 def verdict(s: SignalStats, min_spread: float = 0.05) -> Verdict:
@@ -145,7 +150,7 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
     if s.error_rate >= ERROR_CAUSE:
         return (f"{s.error_rate:.0%} of rewards failed ({s.first_error})",
                 "fix the reward function (task.options.reward_fn) or the task's data")
-    if s.truncation_rate >= TRUNCATION_CAUSE:
+    if s.truncation_rate >= TRUNCATION_CAUSE and not extractor_misses_finished_replies(s):
         return (f"{s.truncation_rate:.0%} of replies were cut at rollout.max_new_tokens={s.max_new_tokens}",
                 f"raise rollout.max_new_tokens (e.g. {4 * s.max_new_tokens})")
     if s.extracted_rate is not None and s.extracted_rate < EXTRACTION_CAUSE:
@@ -162,6 +167,14 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
                 "use easier data or a warm start, or raise rollout.group_size / rollout.temperature")
     return (f"every group's rewards are equal ({s.distribution()})",
             "check the reward function: it gives the same score to different replies")
+
+
+def extractor_misses_finished_replies(s: SignalStats) -> bool:
+    """True when most replies ended on their own and lack answers too: then a longer cap would not help, and the
+    extractor or the instruction is the cause (a cascade of only answer_tag on a model that never writes the tag).
+    When most replies are cut, the few that ended early say little: the length stays the cause."""
+    return (s.truncation_rate < 0.5 and s.finished_extracted_rate is not None
+            and s.finished_extracted_rate < EXTRACTION_CAUSE)
 
 
 @dataclass

@@ -41,6 +41,16 @@ def test_truncated_replies_name_max_new_tokens():
     assert v.fix == "raise rollout.max_new_tokens (e.g. 64)"
 
 
+def test_a_cascade_that_misses_the_finished_replies_too_names_the_extractor_not_the_length():
+    # SmolLM2-135M-Instruct on word problems with extractors=[answer_tag]: 30% cut at 96 tokens, no answer found in
+    # any reply, also in those that ended: a longer cap would not help
+    v = verdict(stats(truncation_rate=0.305, extracted_rate=0.0, finished_extracted_rate=0.0, max_new_tokens=96))
+    assert v.level == "none" and "extractor found an answer in only 0%" in v.cause
+    assert v.notes == ["30% of replies cut at rollout.max_new_tokens=96"]
+    v = verdict(stats(truncation_rate=0.805, extracted_rate=0.1, finished_extracted_rate=0.0))  # most replies cut:
+    assert "cut at rollout.max_new_tokens=16" in v.cause  # the few that ended early say little
+
+
 def test_answers_the_extractor_cannot_find_name_the_instruction_and_extractors():
     v = verdict(stats(extracted_rate=0.2))
     assert v.level == "none" and "extractor found an answer in only 20%" in v.cause
@@ -85,6 +95,7 @@ def test_stats_of_groups_hand_counted():
     assert (s.groups, s.group_size, s.rewards) == (2, 2, [1.0, 0.0, 0.0, 0.0])
     assert s.spread_share == 0.5 and s.truncation_rate == 0.75 and s.extracted_rate == 0.75
     assert s.accuracy == 0.25 and s.correct_spread_share == 0.5 and s.all_correct_share == 0.0
+    assert s.finished_extracted_rate == 1.0  # the one reply that stopped on its own has an answer
     assert s.distribution() == "0 x3, 1 x1"
 
 
