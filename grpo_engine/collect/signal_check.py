@@ -39,6 +39,7 @@ from .groups import Group, GroupSampler, generate_groups, prompt_seed
 TRUNCATION_CAUSE = 0.25  # replies cut at max_new_tokens: a share this high is named as the cause
 EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is named as the cause
 ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share this high is named as the cause
+MIN_SPREAD_GROUPS = 2  # one group with a spread among many is noise (one lucky reply), not a signal to train on
 
 
 class SignalCheckError(ValueError):
@@ -131,14 +132,16 @@ def signal_stats(groups: list[Group], max_new_tokens: int, tol: float = 0.0, sec
 
 
 def verdict(s: SignalStats, min_spread: float = 0.05) -> Verdict:
-    """The verdict on `s`: ok when at least `min_spread` of the groups have a reward spread, else weak (some
-    spread) or none, with the first cause that fits, in the order a person should look: rewards that fail,
-    replies cut at the length cap, answers the extractor cannot find, groups all correct, a reward that ignores
-    correctness, replies never correct, a reward that is constant."""
+    """The verdict on `s`: ok when at least `min_spread` of the groups, and at least MIN_SPREAD_GROUPS of them
+    (or every group, if fewer were sampled), have a reward spread, else weak (some spread) or none, with the first
+    cause that fits, in the order a person should look: rewards that fail, replies cut at the length cap, answers
+    the extractor cannot find, groups all correct, a reward that ignores correctness, replies never correct, a
+    reward that is constant."""
     notes = []
     if s.truncation_rate >= TRUNCATION_CAUSE:
         notes.append(f"{s.truncation_rate:.0%} of replies cut at rollout.max_new_tokens={s.max_new_tokens}")
-    if s.spread_share >= min_spread and s.spread_share > 0:
+    spread_groups = round(s.spread_share * s.groups)
+    if s.spread_share >= min_spread and spread_groups >= min(MIN_SPREAD_GROUPS, s.groups) and s.spread_share > 0:
         return Verdict("ok", notes=notes)
     level = "none" if s.spread_share == 0 else "weak"
     cause, fix = likely_cause(s)

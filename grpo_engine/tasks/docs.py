@@ -110,17 +110,17 @@ replies cut, verdict (exit code), the check's own seconds.
 | word_problems | recipe | 12.5% | 1.6% | 30.5% | signal present (0), 30 s (214 s under a heavier load) |
 | conversions | recipe | 37.5% | 6.2% | 2.3% | signal present (0), 17 s |
 | choice | recipe | 50.0% | 23.4% | 2.3% | signal present (0), 16 s |
-| word_problems | `rollout.max_new_tokens=8` | 6.2% | 0.8% | 100% | signal present (0), 4 s: one group of 16 |
+| word_problems | `rollout.max_new_tokens=8` | 6.2% | 0.8% | 100% | too little: replies cut (2), 4 s: one group of 16 |
 | conversions | `rollout.max_new_tokens=8` | 12.5% | 5.5% | 98.4% | signal present (0), 3 s |
 | choice | `rollout.max_new_tokens=8` | 43.8% | 25.8% | 61.7% | signal present (0), 4 s: the letter comes first |
 | word_problems | `rollout.max_new_tokens=2` | 0% | 0% | 100% | no signal: replies cut (2), 2 s |
-| conversions | `rollout.max_new_tokens=2` | 6.2% | 5.5% | 100% | signal present (0), 2 s: one group of 16 |
+| conversions | `rollout.max_new_tokens=2` | 6.2% | 5.5% | 100% | too little: replies cut (2), 2 s: one group of 16 |
 | choice | `rollout.max_new_tokens=2` | 37.5% | 32.8% | 100% | signal present (0), 2 s |
 | each of the three | `task.options.extractors=[answer_tag]` | 0% | 0% | 2-31% | no signal: the extractor (2), 15-31 s |
 
 At 8 tokens these tasks keep some signal: a choice reply states its letter first, and short conversion replies
-end on their number. Word problems at 8 tokens pass on one group of 16 with a spread (1 correct reply of 128, all
-cut), which the `check.min_spread` default of 5% admits; at 2 tokens the check stops them.
+end on their number. A spread in one group of 16 (word problems at 8 tokens: 1 correct reply of 128, all cut) is
+one lucky reply, not a signal: the check asks for at least two groups with a spread, and names the length.
 """
 
 

@@ -79,10 +79,19 @@ def test_failed_rewards_come_first():
 
 
 def test_tiny_spread_is_weak_and_the_threshold_is_a_setting():
-    weak = stats(spread_share=1 / 32, truncation_rate=0.5)
+    weak = stats(groups=64, spread_share=2 / 64, truncation_rate=0.5)
     assert verdict(weak).level == "weak" and "max_new_tokens" in verdict(weak).fix
     assert verdict(weak, min_spread=0.01).ok
     assert verdict(weak).line().startswith("signal check: too little learning signal: 50% of replies were cut")
+
+
+def test_one_group_with_a_spread_is_weak_however_low_the_threshold():
+    # word problems at 8 new tokens: every reply cut, one correct reply of 128 in one group of 16 (6.25% > 5%)
+    lucky = stats(spread_share=1 / 16, truncation_rate=1.0, extracted_rate=0.3, accuracy=1 / 128, max_new_tokens=8)
+    assert verdict(lucky).level == "weak" and verdict(lucky, min_spread=0.01).level == "weak"
+    assert "100% of replies were cut at rollout.max_new_tokens=8" in verdict(lucky).cause
+    assert verdict(stats(spread_share=2 / 16, truncation_rate=1.0, accuracy=0.02)).ok  # two groups: a signal
+    assert verdict(stats(groups=1, spread_share=1.0)).ok  # a check of one group has nothing more to ask
 
 
 def test_stats_of_groups_hand_counted():
