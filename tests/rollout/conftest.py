@@ -30,6 +30,20 @@ def mixed_prompts(tiny_tok):
     return [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x")]
 
 
+@pytest.fixture(scope="module")
+def model64(tiny_dir):
+    """The tiny model in float64, one per test module: a module's static decoders (attached to the model) are its
+    own."""
+    return load_model(tiny_dir, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tok):
+    """Eight prompts of 3 to 13 tokens: rows finish at different steps, so the static decode steps down buckets."""
+    return [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x", "abc", "Tell me",
+                                        "7 * 8 =", "Once upon", "xyz!?")]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_graph_health(monkeypatch):
     """Each test starts with this process's capture checks unrun (a fallback is process-wide: static_decode.HEALTH)."""

@@ -38,11 +38,6 @@ class EchoEnv:
         return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
 
 
-@pytest.fixture(scope="module")
-def model64(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float64)
-
-
 @pytest.mark.parametrize("loop", ["dynamic", "static"])
 def test_completions_and_trajectories_decode_together_as_alone(model64, tiny_tok, loop):
     """One call of generate_rows with two prompts' completions and two trajectories in the same batch: with one

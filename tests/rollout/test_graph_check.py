@@ -31,18 +31,7 @@ from grpo_engine.world import World
 
 WARNING = "warning: rollout.cuda_graphs: capture check failed ({}); decoding eagerly\n"
 RAISED = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
-TEXTS = ("What is 2", "Hi!", "<|im_start|>user\nSolve x", "abc", "Tell me", "7 * 8 =", "Once upon", "xyz!?")
 STOPS = [262, 152, 270, 198, 8]  # greedy rows of this tiny model end at many steps: the batch steps 16 -> 8 -> ...
-
-
-@pytest.fixture(scope="module")
-def model64(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_tok):
-    return [tiny_tok.encode(s) for s in TEXTS]
 
 
 def fresh_decoder(model):

@@ -24,18 +24,6 @@ from grpo_engine.rollout.static_decode import (
     transient_static_decode,
 )
 
-TEXTS = ("What is 2", "Hi!", "<|im_start|>user\nSolve x", "abc", "Tell me", "7 * 8 =", "Once upon", "xyz!?")
-
-
-@pytest.fixture(scope="module")
-def model64(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_tok):
-    return [tiny_tok.encode(s) for s in TEXTS]
-
 
 def test_an_eval_larger_than_the_rollout_is_freed_and_the_rollout_bucket_kept(model64, prompts):
     """Rollout: 2 prompts x 2 samples (bucket 4, graphs); eval: 8 prompts x 1 (bucket 8, eager). After the eval
