@@ -18,7 +18,7 @@ from pathlib import Path
 from .bench import add_bench_parser
 from .checkpoint.disk import as_os_error, error_line, user_can_fix
 from .config.trust import add_allow_code_arg, allowing_code
-from .demo import CONTROLS, add_demo_parser
+from .demo import CONTROLS, add_control_arg, add_demo_parser
 from .eval.cli import add_eval_parser, add_generate_parser
 from .gguf_export import add_export_parser
 from .plan.cli import add_plan_parser
@@ -42,9 +42,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the signal check before step 1 (= check.enabled=false; check.stop=false runs it and goes "
                         "on whatever it finds)")
-    p.add_argument("--control", choices=list(CONTROLS), default=None,
-                   help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
-                        "RUN_DIR-<control>, with its own before_after.json")
+    add_control_arg(p, ", with its own before_after.json")
     p.set_defaults(func=_train)
 
 

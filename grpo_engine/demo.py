@@ -301,6 +301,13 @@ def stored_before(path: Path) -> HeldOut | None:
         return None
 
 
+def add_control_arg(p, more: str = "") -> None:
+    """--control of `grpo demo` and `grpo train`: one of CONTROLS, run in RUN_DIR-<control>."""
+    p.add_argument("--control", choices=list(CONTROLS), default=None,
+                   help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
+                        f"RUN_DIR-<control>{more}")
+
+
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="tiny model learns arithmetic on CPU: SFT warm start, then GRPO (minutes); "
                                     "--real: SmolLM2-135M-Instruct; --tools: SmolLM2 with a calculator")
@@ -312,9 +319,7 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--tools", action="store_true",
                    help="SmolLM2-135M-Instruct learns to call a calculator on 3-digit x 2-digit products "
                         "(multi-turn GRPO after a short cold start; --real implied)")
-    p.add_argument("--control", choices=list(CONTROLS), default=None,
-                   help="the same run with only the reward (a seeded coin flip) or the tools (off) changed, in "
-                        "RUN_DIR-<control>")
+    add_control_arg(p)
     p.set_defaults(func=_demo)
 
 
