@@ -3,9 +3,11 @@ and everything else, phase by phase, beside the floor of `grpo bench step` (grpo
 
     python benchmarks/step_breakdown.py --model DIR                      # 4 x 8 x 64 after 32-token prompts
     python benchmarks/step_breakdown.py --model DIR memory.activation_checkpointing=none
+    python benchmarks/step_breakdown.py --model DIR --precision bf16       # bf16 weights, against a bf16 GEMM
 
-The floor is the step's matmul FLOPs over the best rate of one large fp32 GEMM; here the best of three
-measurements (before each of the last two steps and after the last), as this machine's speed drifts. A step
+The floor is the step's matmul FLOPs over the best rate of one large GEMM in the step's precision (--precision, the
+config's memory.precision; bench/floor.py gemm_rates); here the best of three measurements (before each of the last
+two steps and after the last), as this machine's speed drifts. A step
 cannot beat the time its own products take at their own shapes, so `products / floor` is the closest this CPU's
 GEMM libraries let the step come to the floor even if every other op (norms, RoPE, SwiGLU, softmax, the
 optimizer, Python) took no time; `other` is that remaining work. The products are the leaf ops that multiply
@@ -80,34 +82,37 @@ class PhaseProfiles:
 
 def measure(args) -> dict:
     import grpo_engine.train.step as step_module
-    from grpo_engine.bench.floor import gemm_rates
+    from grpo_engine.bench.floor import gemm_rates, weights_precision
     from grpo_engine.bench.step import bench_inputs, step_matmul_flops
     from grpo_engine.kernels import cpu_model
 
     sizes = dict(prompts=args.prompts, group=args.group, max_new=args.max_new, prompt_len=args.prompt_len)
-    overrides = ["model.device=cpu", *args.overrides]  # the floor is a CPU one: its rate is a CPU GEMM's
+    overrides = ["model.device=cpu", f"memory.precision={args.precision}", *args.overrides]  # a CPU floor
     inputs, state = bench_inputs(args.model, **sizes, steps=args.steps, overrides=overrides)
+    precision = weights_precision(inputs.policy.model)  # what the step runs in: its floor's rate is measured in it
     phases = {"collect_groups": "generate", "attach_logprobs": "logprobs", "update_step": "update"}
     times, rates = [], []
     with PhaseProfiles(step_module, phases) as profiles:
         for step in range(1, args.steps + 1):
             profiles.on = step == args.steps
             if step >= args.steps - 1:
-                rates.append(gemm_rates())
+                rates.append(gemm_rates(precision=precision))
             times.append(step_module.grpo_step(inputs, state, step, message=lambda _: None).metrics.time_step_s)
-    rates.append(gemm_rates())
+    rates.append(gemm_rates(precision=precision))
     rate = max(max(r.values()) for r in rates)  # the best seen around the last two steps: the speed drifts
     flops = step_matmul_flops(inputs, prompt_len=args.prompt_len, max_new=args.max_new)
     gflop = {"generate": flops.generate / 1e9, "logprobs": flops.logprobs / 1e9, "update": flops.update / 1e9}
-    return report(profiles.results, gflop, rate, times, cpu_model())
+    return report(profiles.results, gflop, rate, times, cpu_model(), precision)
 
 
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def report(results: dict, gflop: dict[str, float], rate: float, times: list[float], cpu: str) -> dict:
-    """Per phase: its floor (its GFLOP at the GEMM rate, GFLOP/s), wall time, product time, both over the floor."""
+def report(results: dict, gflop: dict[str, float], rate: float, times: list[float], cpu: str,
+           precision: str = "fp32") -> dict:
+    """Per phase: its floor (its GFLOP at the GEMM rate, GFLOP/s), wall time, product time, both over the floor.
+    `rate` is the GEMM rate in `precision`, the precision the step ran in."""
     phases = {}
     for name, r in results.items():
         phases[name] = {**r, "floor_s": gflop[name] / rate, "products_gflops": ratio(gflop[name], r["products_s"]),
@@ -116,12 +121,13 @@ def report(results: dict, gflop: dict[str, float], rate: float, times: list[floa
     floor = sum(gflop.values()) / rate
     products = sum(r["products_s"] for r in results.values())
     step = times[-2]  # the last step's own time includes the profiler's processing
-    return {"cpu": cpu, "gemm_gflops": rate, "floor_s": floor, "step_s": step, "products_s": products,
-            "step_over_floor": step / floor, "products_over_floor": products / floor, "phases": phases}
+    return {"cpu": cpu, "precision": precision, "gemm_gflops": rate, "floor_s": floor, "step_s": step,
+            "products_s": products, "step_over_floor": step / floor, "products_over_floor": products / floor,
+            "phases": phases}
 
 
 def show(r: dict) -> None:
-    print(f"{r['cpu']}: GEMM {r['gemm_gflops']:.0f} GFLOP/s, step floor {r['floor_s']:.2f} s")
+    print(f"{r['cpu']}: {r['precision']} GEMM {r['gemm_gflops']:.0f} GFLOP/s, step floor {r['floor_s']:.2f} s")
     print(f"{'phase':<9} {'floor s':>8} {'wall s':>8} {'products s':>11} {'GFLOP/s':>8} {'other s':>8} "
           f"{'wall/floor':>11} {'products/floor':>15}")
     for name, p in r["phases"].items():
@@ -139,8 +145,12 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=3, help="steps run (at least 2); the last is profiled")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="memory.precision of the step; the floor's GEMM rate is measured in it")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. memory.activation_checkpointing=none")
     args = p.parse_args()
+    if any(o.split("=", 1)[0].strip() == "memory.precision" for o in args.overrides):
+        p.error("set the step's precision with --precision fp32|bf16, not a memory.precision= override")
     if args.steps < 2:
         p.error("--steps must be at least 2: the last is profiled, the one before it gives the step's time")
     r = measure(args)

@@ -67,3 +67,46 @@ def test_update_flops_equal_torch_flop_counter(tiny_ckpt, loss, shared, fused):
         update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, s, micro_tokens=10_000)
     expected = update_flops(model.config, StepSizes(P, G, L, T, shared_prompt=shared, fused_head=fused))
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_gemm_rate_times_the_product_in_the_step_precision(monkeypatch, precision, dtype):
+    """fp32: torch.mm and oneDNN, the better one; bf16: torch.mm of bf16 tensors alone (a bf16 nn.Linear's path)."""
+    import grpo_engine.bench.floor as floor
+    from grpo_engine.kernels import onednn, select
+
+    monkeypatch.setattr(floor, "GEMM_SHAPE", (8, 4, 6))  # 2 x 8 x 4 x 6 = 384 FLOPs
+    seen, real_mm = [], torch.mm
+
+    def mm(a, b, out):
+        seen.append(("torch", a.dtype, b.dtype, out.dtype, tuple(a.shape), tuple(b.shape)))
+        return real_mm(a, b, out=out)
+
+    def linear(x, w):
+        seen.append(("onednn", x.dtype, w.dtype, None, tuple(x.shape), tuple(w.shape)))
+
+    seconds = iter([1.6e-9, 1.2e-9])  # torch.mm, then oneDNN
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(onednn, "op_works", lambda: True)
+    monkeypatch.setattr(onednn, "onednn_linear", linear)
+    monkeypatch.setattr(select, "best_time", lambda fn, reps: (fn(), next(seconds))[1])
+    rates = floor.gemm_rates(precision=precision)
+    if precision == "fp32":  # 384 FLOPs in 1.6 ns: 240 GFLOP/s; in 1.2 ns: 320
+        assert rates == pytest.approx({"torch": 240.0, "onednn": 320.0})
+        assert seen == [("torch", dtype, dtype, dtype, (8, 4), (4, 6)), ("onednn", dtype, dtype, None, (8, 4), (6, 4))]
+    else:
+        assert rates == pytest.approx({"torch": 240.0})
+        assert seen == [("torch", dtype, dtype, dtype, (8, 4), (4, 6))]
+    seconds = iter([1.6e-9, 1.2e-9])
+    assert floor.gemm_rate(precision) == pytest.approx(320.0 if precision == "fp32" else 240.0)
+
+
+def test_gemm_rate_and_weights_precision_refuse_other_dtypes():
+    from grpo_engine.bench.floor import gemm_rates, weights_precision
+
+    with pytest.raises(ValueError, match="choose from fp32, bf16"):
+        gemm_rates(precision="fp16")
+    assert weights_precision(torch.nn.Linear(2, 2).bfloat16()) == "bf16"
+    assert weights_precision(torch.nn.Linear(2, 2)) == "fp32"
+    with pytest.raises(ValueError, match="set memory.precision"):
+        weights_precision(torch.nn.Linear(2, 2).double())

@@ -39,9 +39,44 @@ def test_breakdown_profiles_a_real_step_and_leaves_the_trainer_as_it_was(tiny_ck
 
     bench = _breakdown()
     before = (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs)
-    args = SimpleNamespace(model=str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2, overrides=[])
+    args = SimpleNamespace(model=str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2, overrides=[],
+                           precision="fp32")
     r = bench.measure(args)
+    assert r["precision"] == "fp32"
     assert set(r["phases"]) == {"generate", "update"}  # beta 0, mu 1: no log-prob pass
     for phase in r["phases"].values():
         assert 0 < phase["products_s"] < phase["ops_s"] <= phase["wall_s"]
     assert (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs) == before
+
+
+def test_bf16_breakdown_runs_the_step_in_bf16_against_the_bf16_rate(tiny_ckpt, monkeypatch):
+    """--precision bf16: the step's weights are bf16, every GEMM reading is a bf16 one, and each phase's floor is its
+    matmul FLOPs over that rate (100 GFLOP/s here), not the fp32 one (400)."""
+    import grpo_engine.bench.floor as floor
+    from grpo_engine.model.loading import load_model
+
+    asked = []
+
+    def rates(reps=5, precision="fp32"):
+        asked.append(precision)
+        return {"torch": 100.0} if precision == "bf16" else {"torch": 400.0, "onednn": 350.0}
+
+    monkeypatch.setattr(floor, "gemm_rates", rates)
+    bench = _breakdown()
+    args = SimpleNamespace(model=str(tiny_ckpt), prompts=2, group=3, max_new=5, prompt_len=24, steps=2, overrides=[],
+                           precision="bf16")
+    r = bench.measure(args)
+    assert (r["precision"], r["gemm_gflops"]) == ("bf16", 100.0)  # precision read back from the weights' dtype
+    assert asked == ["bf16"] * 3  # before each of the last two steps and after the last
+    flops = floor.step_flops(load_model(tiny_ckpt).config, floor.StepSizes(2, 3, 24, 5))  # beta 0, mu 1, no recompute
+    assert r["phases"]["generate"]["floor_s"] == pytest.approx(flops.generate / 1e9 / 100.0)
+    assert r["phases"]["update"]["floor_s"] == pytest.approx(flops.update / 1e9 / 100.0)
+    assert r["floor_s"] == pytest.approx(flops.total / 1e9 / 100.0)
+
+
+def test_precision_is_set_by_the_flag_not_an_override(monkeypatch, capsys):
+    bench = _breakdown()
+    monkeypatch.setattr("sys.argv", ["step_breakdown.py", "--model", "m", "memory.precision=bf16"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--precision fp32|bf16, not a memory.precision= override" in capsys.readouterr().err

@@ -6,8 +6,12 @@ and the LM head; norms, RoPE and the sampler are not matmuls and not counted). t
 checks the counts against torch's own FLOP counter on the real generate and update; the recomputed forward of
 activation checkpointing is an estimate (the fraction of blocks checkpointed times one forward).
 
-The rate is the best of torch.mm and oneDNN on one [4096, 576] x [576, 1536] fp32 product at the run's thread
-count, timed in the same process as the step.
+The rate is that of one [4096, 576] x [576, 1536] product in the step's precision, at the run's thread count, timed
+in the same process as the step: in fp32 the better of torch.mm and oneDNN (the kernel plan picks between the two
+for each layer); in bf16 torch.mm of bf16 tensors, the path a bf16 model's nn.Linear takes on the CPU (the kernel
+plan leaves bf16 layers to nn.Linear). Each precision against its own rate: a CPU without native bf16 dot products
+runs bf16 several times slower than fp32, and an fp32 rate would put such a step's floor far below anything it can
+reach.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from ..model.config import ModelConfig
 
 GEMM_SHAPE = (4096, 576, 1536)  # M, K, N of the product whose rate defines the floor
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the precisions a floor's rate is measured in
 
 
 @dataclass(frozen=True)
@@ -107,17 +112,36 @@ def step_flops(cfg: ModelConfig, s: StepSizes) -> StepFlops:
     return StepFlops(generate_flops(cfg, s), logprob_flops(cfg, s), update_flops(cfg, s))
 
 
-def gemm_rates(reps: int = 5) -> dict[str, float]:
-    """GFLOP/s of torch.mm and (where it runs) oneDNN on GEMM_SHAPE in fp32 at the current thread count."""
+def gemm_rates(reps: int = 5, precision: str = "fp32") -> dict[str, float]:
+    """GFLOP/s of GEMM_SHAPE at the current thread count, per backend a `precision` model's layers run on the CPU:
+    fp32: torch.mm and (where it runs) oneDNN; bf16: torch.mm of bf16 tensors."""
     from ..kernels import onednn
     from ..kernels.select import best_time
 
+    if precision not in GEMM_DTYPES:
+        raise ValueError(f"GEMM rate precision {precision!r}; choose from {', '.join(GEMM_DTYPES)}")
+    dtype = GEMM_DTYPES[precision]
     m, k, n = GEMM_SHAPE
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    out = torch.empty(m, n)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
     flops = 2.0 * m * k * n
     rates = {"torch": flops / best_time(lambda: torch.mm(x, w.t(), out=out), reps) / 1e9}
-    if onednn.op_works():
+    if precision == "fp32" and onednn.op_works():
         rates["onednn"] = flops / best_time(lambda: onednn.onednn_linear(x, w), reps) / 1e9
     return rates
+
+
+def gemm_rate(precision: str = "fp32", reps: int = 5) -> float:
+    """The floor's rate in `precision`: GFLOP/s of its fastest backend (gemm_rates)."""
+    return max(gemm_rates(reps, precision).values())
+
+
+def weights_precision(model) -> str:
+    """"fp32" | "bf16": the dtype of the model's floating weights, the precision its products (and floor) run in."""
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    names = {d: name for name, d in GEMM_DTYPES.items()}
+    if dtype not in names:
+        raise ValueError(f"weights in {dtype}: the floor has a GEMM rate for {', '.join(GEMM_DTYPES)} only; "
+                         "set memory.precision to one of them")
+    return names[dtype]
