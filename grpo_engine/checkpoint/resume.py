@@ -32,7 +32,8 @@ GROUP_KEYS = {"optimizer.betas": "betas", "optimizer.eps": "eps", "optimizer.wei
 # Memory settings a config may leave to the engine (plan/device_defaults.py), with the value that says so: the
 # stored config.yaml holds what the engine chose for the run, so a config that still leaves them is unchanged.
 ENGINE_CHOSEN = {"memory.micro_batch_tokens": 0, "memory.logprob_chunk_size": 0,
-                 "memory.activation_checkpointing": "auto", "memory.checkpoint_every": None}
+                 "memory.activation_checkpointing": "auto", "memory.checkpoint_every": None,
+                 "memory.precision": "auto"}
 # Optimizers whose state has the same layout (torch AdamW's, or both the fp32-master one: train/optim.py).
 SAME_STATE = frozenset({"adamw", "adamw_fused"})
 
@@ -79,6 +80,20 @@ def precision_here(cfg: Config) -> str:
     """memory.precision as it resolves on this machine (plan/precision.py resolve_precision, as the trainer
     resolves it): auto is bf16 on a CUDA card with native bf16, fp32 elsewhere."""
     return resolve_precision(cfg.memory.precision, device_here(cfg))
+
+
+def kept_precision(ckpt_dir: Path, device: str) -> str | None:
+    """The weights' dtype the checkpoint's run trained in, which a resumed run with memory.precision=auto keeps (a
+    CPU's auto choice is measured, and could answer otherwise today). A stored config that still says auto (written
+    before the choice was stored in it) trained in what auto meant then: fp32 on a CPU; on CUDA (None) the card
+    answers as it did."""
+    stored = stored_settings_file(ckpt_dir)
+    if not stored.is_file():
+        return None  # check_resume_config refuses the checkpoint, in one line
+    setting = config_from_yaml_text(stored.read_text(), str(stored)).memory.precision
+    if setting != "auto":
+        return setting
+    return "fp32" if device == "cpu" else None
 
 
 def effective(cfg: Config) -> dict:

@@ -16,7 +16,7 @@ from .select import (
     PLAN_FILE,
     KernelPlan,
     attention_shape,
-    bf16_slowdown,
+    bf16_ratio,
     choose_plan,
     cpu_model,
     load_plan,
@@ -55,5 +55,5 @@ def planned_kernels(plan: KernelPlan, model: Transformer) -> Kernels:
 
 
 __all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "activate", "apply_activation_checkpointing", "apply_kernels",
-           "bf16_slowdown", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here",
+           "bf16_ratio", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here",
            "planned_kernels"]

@@ -6,6 +6,9 @@ import platform
 from pathlib import Path
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags that change which kernels win
+# bf16 dot products in hardware (AMX tiles; AVX-512 BF16's VDPBF16PS), best first: without one, a bf16 product is
+# converted to fp32 in software and runs slower than fp32 itself
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_model() -> str:
@@ -14,6 +17,18 @@ def cpu_model() -> str:
         return describe_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
         return platform.processor() or platform.machine()
+
+
+def native_bf16_isa(cpuinfo: str | None = None) -> str | None:
+    """The first of NATIVE_BF16_FLAGS the CPU has (`cpuinfo`: /proc/cpuinfo text, default this machine's), or None
+    (none, or no /proc/cpuinfo to say)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = _first_cpu_fields(cpuinfo).get("flags", "").split()
+    return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
 
 
 def describe_cpu(cpuinfo: str) -> str:

@@ -198,15 +198,36 @@ def choose_threads(model: nn.Module, cache: dict) -> int:
     return int(cache[key]["threads"])
 
 
-def bf16_slowdown(hidden: int, intermediate: int) -> float:
-    """Seconds of a training-sized bf16 product of a [intermediate, hidden] weight over those of the same product
-    in fp32, at the current thread count: about 0.5 on a CPU with native bf16 dot products (AVX512_BF16, AMX),
-    several times 1 on one without, where bf16 is converted in software."""
+def bf16_ratio(hidden: int, intermediate: int) -> float:
+    """bf16 seconds over fp32 seconds of a block's products at the current thread count, summed over both MLP
+    weight shapes ([intermediate, hidden] and its transpose) and both ROWS sizes, fp32 on its faster GEMM (torch
+    or oneDNN, as the kernel plan would run it): what memory.precision=auto weighs on a CPU (plan/precision.py).
+    Cached per CPU, torch, thread count and shape (never when other work was running: thread_choice.others_busy),
+    so a machine answers the same for every run of the model."""
+    threads = torch.get_num_threads()
+    key = f"bf16 | {cpu_model()} | torch {torch.__version__} | {threads} threads | {hidden}x{intermediate}"
+    path = cache_path()
+    cache = _read_cache(path)
+    if key in cache:
+        return float(cache[key]["ratio"])
+    fp32 = bf16 = 0.0
+    for shape in ((intermediate, hidden), (hidden, intermediate)):
+        times = measure_shape(*shape)
+        fp32 += min(times.values())
+        bf16 += measure_bf16_shape(*shape)
+    ratio = bf16 / fp32
+    if not thread_choice.others_busy():
+        cache[key] = {"ratio": ratio, "fp32_seconds": fp32, "bf16_seconds": bf16}
+        _write_cache(path, cache)
+    return ratio
+
+
+def measure_bf16_shape(out_features: int, in_features: int) -> float:
+    """Seconds of x @ W^T in bf16 for x of each ROWS size, summed: the product a bf16 model's nn.Linear runs."""
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(intermediate, hidden, generator=g), torch.randn(ROWS[1], hidden, generator=g)
-    fp32 = best_time(lambda: x @ w.t())
-    wb, xb = w.bfloat16(), x.bfloat16()
-    return best_time(lambda: xb @ wb.t()) / fp32
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    xs = [torch.randn(m, in_features, generator=g).bfloat16() for m in ROWS]
+    return sum(best_time(lambda x=x: x @ w.t()) for x in xs)
 
 
 def attention_shape(model: nn.Module) -> str | None:

@@ -8,6 +8,12 @@ torch.cuda.is_bf16_supported() answers True there unless told to leave emulation
 fp32, not fp16: fp16 would need loss scaling, which the engine does not do (its range would underflow small
 gradients). An explicit `bf16` on such a card is refused, in one line naming the setting.
 
+On a CPU, `auto` is bf16 where it pays (`choose_precision`): the CPU computes bf16 dot products natively (AMX,
+AVX512_BF16), the model's block products are big enough for their speed to matter (CPU_BF16_MIN_WEIGHT: a tiny
+model's step is bound by everything around its products, and the tests' float64/fp32 comparisons keep their models
+tiny), and this machine measures them faster in bf16 (kernels/select.py bf16_ratio, cached per CPU and torch).
+Elsewhere fp32: without native dot products bf16 is converted in software, several times slower.
+
 torch is imported inside the functions: `grpo --help` imports the planner without torch.
 """
 
@@ -15,10 +21,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..config import ConfigError
 
 NATIVE_BF16_CAPABILITY = (8, 0)  # Ampere: the first compute capability with bf16 tensor cores
+CPU_BF16_MIN_WEIGHT = 2**19  # elements of a block's MLP weight from which a CPU's bf16 products may pay
+CPU_BF16_PAYS = 0.8  # bf16 product seconds over fp32 at most this for `auto` to choose bf16 on a CPU
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """memory.precision as resolved for a run, and why: printed once and stored in resolved.yaml."""
+
+    precision: str  # fp32 | bf16
+    why: str
 
 
 def native_bf16(device=None) -> bool:
@@ -47,9 +64,10 @@ def card_name(device=None) -> str:
 def resolve_precision(setting: str, device, native: Callable[[], bool] | None = None) -> str:
     """memory.precision ("auto" | "fp32" | "bf16") on `device` -> "fp32" | "bf16".
 
-    CPU: auto is fp32 (bf16 matmuls are slow there and tests compare numbers in fp32). CUDA: auto is bf16 where the
-    card has it natively, else fp32; bf16 on a card without it raises ConfigError. `native`: the card's answer
-    (default native_bf16 of `device`), asked only on CUDA."""
+    CPU: auto is fp32 here (a run's CPU choice needs the model: choose_precision, which plan/resolved.py asks once
+    and writes into the run's config). CUDA: auto is bf16 where the card has it natively, else fp32; bf16 on a card
+    without it raises ConfigError. `native`: the card's answer (default native_bf16 of `device`), asked only on
+    CUDA."""
     if setting not in ("auto", "fp32", "bf16"):
         raise ValueError(f"precision {setting!r}; choose from auto, bf16, fp32")
     if str(device).split(":")[0] != "cuda" or setting == "fp32":
@@ -62,6 +80,32 @@ def resolve_precision(setting: str, device, native: Callable[[], bool] | None = 
     card = card_name(device) if native is None else "this card"
     raise ConfigError(f"memory.precision=bf16: {card} has no native bf16 (compute capability 8.0+ needed); "
                       f"set memory.precision=auto (fp32 on this card) or fp32")
+
+
+def choose_precision(setting: str, device, shape: tuple[int, int] | None = None,
+                     ratio: Callable[[int, int], float] | None = None,
+                     isa: Callable[[], str | None] | None = None) -> PrecisionChoice:
+    """memory.precision on `device` for a model whose MLP weight is `shape` = (hidden, intermediate) (None: not
+    known), with the reason. On a CPU `auto` asks `isa` (the CPU's native bf16 instruction set or None; default
+    kernels/cpu.py native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products; default measured here);
+    elsewhere it is resolve_precision's answer."""
+    if str(device).split(":")[0] == "cuda" or setting != "auto":
+        chosen = resolve_precision(setting, device)
+        why = "set in the config" if setting != "auto" else f"auto: {'native' if chosen == 'bf16' else 'no native'} "\
+              "bf16 on this card"
+        return PrecisionChoice(chosen, why)
+    from ..kernels.cpu import native_bf16_isa
+    from ..kernels.select import bf16_ratio
+
+    isa = (isa or native_bf16_isa)()
+    if isa is None:
+        return PrecisionChoice("fp32", "auto: this CPU has no native bf16 dot products (AVX512_BF16 or AMX)")
+    if shape is None or shape[0] * shape[1] < CPU_BF16_MIN_WEIGHT:
+        return PrecisionChoice("fp32", "auto: the model's products are too small for bf16 to pay on a CPU")
+    r = (ratio or bf16_ratio)(*shape)
+    chosen = "bf16" if r <= CPU_BF16_PAYS else "fp32"
+    return PrecisionChoice(chosen, f"auto: {isa} on this CPU; the model's products take {r:.2f}x the fp32 time in "
+                                   f"bf16 ({'at most' if chosen == 'bf16' else 'more than'} {CPU_BF16_PAYS})")
 
 
 def planned_card_native_bf16() -> bool:

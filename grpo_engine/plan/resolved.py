@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from ..config import Config
 from ..config.trust import unmarked
 from .device_defaults import MemoryChoice
-from .from_config import config_memory_choice
-from .precision import resolve_precision
+from .from_config import config_memory_choice, config_model_shape
+from .precision import PrecisionChoice, choose_precision
 
 RESOLVED_FILE = "resolved.yaml"
 
@@ -33,14 +33,15 @@ class Resolved:
 
     config: Config  # the user's config with the engine's choices written in (memory.*, model.path)
     device: torch.device  # where the policy trains (model.device resolved)
-    precision: str  # the weights' dtype, memory.precision resolved for `device` (fp32 | bf16 | fp16)
+    precision: str  # the weights' dtype, memory.precision resolved for `device` (fp32 | bf16)
     card_gib: float | None = None  # the card the memory settings were chosen for; None on a CPU
     planned_gib: float | None = None  # the memory planner's peak for them on that card; None on a CPU
+    precision_why: str = ""  # why `precision` (plan/precision.py PrecisionChoice.why)
 
     def machine(self) -> dict:
         """What this machine decided, beside the config, as plain YAML values."""
-        return {"device": str(self.device), "precision": self.precision, "card_gib": self.card_gib,
-                "planned_gib": self.planned_gib}
+        return {"device": str(self.device), "precision": self.precision, "precision_why": self.precision_why,
+                "card_gib": self.card_gib, "planned_gib": self.planned_gib}
 
     def to_yaml(self) -> str:
         """resolved.yaml: `machine` (what was decided here) and `config` (the config the run trains with)."""
@@ -48,15 +49,31 @@ class Resolved:
         return yaml.safe_dump({"machine": self.machine(), "config": config}, sort_keys=False)
 
 
-def resolve_settings(cfg: Config, device: torch.device) -> Resolved:
+def resolve_settings(cfg: Config, device: torch.device, kept_precision: str | None = None) -> Resolved:
     """`cfg` as it runs on `device`: the memory settings left to the engine chosen for this device's card (or the
-    CPU defaults), memory.precision resolved, and model.path the warm start's output. Reads at most the model's
-    config.json (the shape the card's memory plan needs), never its weights."""
+    CPU defaults), memory.precision resolved (`kept_precision`: a resumed run's, kept), and model.path the warm
+    start's output. Reads at most the model's config.json or GGUF header (the shape the card's memory plan and a
+    CPU's precision need), never its weights. The chosen precision is written into the config's memory.precision."""
     card = card_gib(cfg, device)
     choice = config_memory_choice(cfg, card)
-    config = dataclasses.replace(cfg, memory=chosen_memory(cfg, choice),
+    precision = precision_choice(cfg, device, kept_precision)
+    memory = dataclasses.replace(chosen_memory(cfg, choice), precision=precision.precision)
+    config = dataclasses.replace(cfg, memory=memory,
                                  model=dataclasses.replace(cfg.model, path=warm_start_path(cfg)))
-    return Resolved(config, device, resolve_precision(cfg.memory.precision, device), card, choice.planned_gib)
+    return Resolved(config, device, precision.precision, card, choice.planned_gib, precision.why)
+
+
+def precision_choice(cfg: Config, device: torch.device, kept: str | None = None) -> PrecisionChoice:
+    """memory.precision for this run on `device`: `kept` (a resumed run's) when the config leaves it to the
+    engine, else chosen for the model's MLP shape (plan/precision.py choose_precision; no shape readable: None)."""
+    if kept is not None and cfg.memory.precision == "auto":
+        return PrecisionChoice(kept, "kept from the checkpoint resumed")
+    try:
+        shape = config_model_shape(cfg)
+        mlp = (shape.hidden_size, shape.intermediate_size)
+    except (OSError, ValueError):  # ConfigError, CheckpointError included
+        mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
+    return choose_precision(cfg.memory.precision, device, mlp)
 
 
 def chosen_memory(cfg: Config, choice: MemoryChoice):

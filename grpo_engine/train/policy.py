@@ -25,7 +25,7 @@ from ..kernels import (
     PLAN_FILE,
     KernelPlan,
     apply_kernels,
-    bf16_slowdown,
+    bf16_ratio,
     choose_plan,
     cpu_model,
     load_plan,
@@ -164,7 +164,7 @@ BF16_SLOWDOWN_WARN = 1.5  # bf16 products this much slower than fp32: say so
 def warn_if_bf16_is_slow(config) -> None:
     """memory.precision=bf16 on a CPU: warn when this CPU's bf16 products are slower than fp32 ones (no native bf16
     dot products: a step can take many times as long as in fp32, with nothing else to show why)."""
-    slowdown = bf16_slowdown(config.hidden_size, config.intermediate_size)
+    slowdown = bf16_ratio(config.hidden_size, config.intermediate_size)
     if slowdown > BF16_SLOWDOWN_WARN:
         warnings.warn(f"memory.precision=bf16 on {cpu_model()}: a bf16 product takes {slowdown:.1f}x as long as "
                       "in fp32 on this CPU (no native bf16 dot products); memory.precision=fp32 (the CPU default) "

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
-from ..checkpoint.resume import apply_learning_rate, check_resume_config, warm_started
+from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_precision, warm_started
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
@@ -109,9 +109,10 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     device = pick_device(cfg.model.device, world.local_rank)
     check_sizes(cfg, len(eval_examples), device)  # before the run lock
     check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
-    resolved = resolve_settings(cfg, device)  # what this machine decides, once: later stages read only this
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
+    kept = kept_precision(resume_dir, device.type) if resume_dir else None
+    resolved = resolve_settings(cfg, device, kept)  # what this machine decides, once: later stages read only this
     saved = load_trainer_state(resume_dir) if resume_dir else None
     if saved is not None and world.is_main and nonfinite_state(saved):
         raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options.command)
@@ -152,6 +153,8 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
         (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
+        if asked.memory.precision == "auto":  # the engine's choice, said once (stored in resolved.yaml)
+            monitor.message(f"memory.precision {resolved.precision} ({resolved.precision_why})")
     prompts = ShuffledPrompts(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
     state = StepState(saved.nonfinite_in_row if saved else 0, resumed_micro_tokens(saved, cfg))
     if saved is not None:

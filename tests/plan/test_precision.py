@@ -75,3 +75,89 @@ def test_the_planner_plans_the_dtype_the_trainer_gets(monkeypatch):
 def test_without_a_card_here_the_planner_plans_a_card_with_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert plan_input_from_config(load_config(None, [])).precision == "bf16"
+
+
+# ---- a CPU: auto is bf16 where this CPU has native bf16 dot products and measures the model's products faster
+
+SMOLLM2_MLP = (576, 1536)  # (hidden, intermediate) of SmolLM2-135M: 884,736 weights a projection
+
+
+@pytest.mark.parametrize("isa, shape, ratio, expected", [
+    ("avx512_bf16", SMOLLM2_MLP, 0.55, "bf16"),  # native and measured faster
+    ("amx_bf16", SMOLLM2_MLP, 0.80, "bf16"),  # at the threshold: bf16
+    ("avx512_bf16", SMOLLM2_MLP, 0.81, "fp32"),  # native but not faster enough here
+    (None, SMOLLM2_MLP, 0.10, "fp32"),  # no native dot products: never measured, fp32
+    ("avx512_bf16", (256, 1024), 0.10, "fp32"),  # 262,144 < 2**19: a tiny model stays fp32 (tests compare fp32)
+    ("avx512_bf16", None, 0.10, "fp32"),  # the model's shape unknown
+])
+def test_auto_on_a_cpu_is_bf16_only_where_it_pays(isa, shape, ratio, expected):
+    asked = []
+
+    def measured(hidden, intermediate):
+        asked.append((hidden, intermediate))
+        return ratio
+
+    choice = precision.choose_precision("auto", "cpu", shape, ratio=measured, isa=lambda: isa)
+    assert choice.precision == expected
+    measures = isa is not None and shape is not None and shape[0] * shape[1] >= precision.CPU_BF16_MIN_WEIGHT
+    assert asked == ([shape] if measures else [])
+    if measures:
+        assert f"{ratio:.2f}x the fp32 time" in choice.why and isa in choice.why
+    elif isa is None:
+        assert "no native bf16" in choice.why
+
+
+def test_an_explicit_precision_on_a_cpu_is_not_measured():
+    never = lambda *a: pytest.fail("measured")  # noqa: E731
+    for setting in ("fp32", "bf16"):
+        choice = precision.choose_precision(setting, "cpu", SMOLLM2_MLP, ratio=never, isa=never)
+        assert (choice.precision, choice.why) == (setting, "set in the config")
+
+
+def test_native_bf16_isa_reads_the_first_cpus_flags():
+    from grpo_engine.kernels.cpu import native_bf16_isa
+
+    def info(flags):
+        return f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: amx_bf16\n"
+
+    assert native_bf16_isa(info("fpu avx2 avx512f avx512_bf16")) == "avx512_bf16"
+    assert native_bf16_isa(info("avx512_bf16 amx_tile amx_bf16")) == "amx_bf16"  # AMX first: the faster one
+    assert native_bf16_isa(info("fpu avx2 avx512f")) is None  # the second processor's flags are not read
+    assert native_bf16_isa("") is None
+
+
+def test_the_bf16_ratio_is_measured_once_per_cpu_and_shape(monkeypatch, tmp_path):
+    """bf16 seconds over the faster fp32 GEMM's, both MLP shapes summed; cached, so every run of a model on this
+    machine chooses the same precision."""
+    from grpo_engine.kernels import select
+
+    monkeypatch.setenv("GRPO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(select.thread_choice, "others_busy", lambda: False)
+    timed = []
+    monkeypatch.setattr(select, "measure_shape", lambda o, i: (timed.append(("fp32", o, i)),
+                                                               {"torch": 3.0, "onednn": 2.0})[1])
+    monkeypatch.setattr(select, "measure_bf16_shape", lambda o, i: (timed.append(("bf16", o, i)), 1.5)[1])
+    assert select.bf16_ratio(64, 256) == pytest.approx((1.5 + 1.5) / (2.0 + 2.0))
+    assert sorted(timed) == [("bf16", 64, 256), ("bf16", 256, 64), ("fp32", 64, 256), ("fp32", 256, 64)]
+    assert select.bf16_ratio(64, 256) == pytest.approx(0.75) and len(timed) == 4  # from the cache
+    select.bf16_ratio(64, 128)
+    assert len(timed) == 8  # another shape: measured
+
+
+def test_a_resumed_run_keeps_its_precision(tmp_path):
+    """The checkpoint's resolved precision, not a new measurement, when the config leaves it to the engine; a
+    checkpoint whose stored config still says auto trained in fp32 on a CPU."""
+    from grpo_engine.checkpoint.resume import kept_precision
+    from grpo_engine.plan.resolved import resolve_settings
+
+    ckpt = tmp_path / "step-000002"
+    ckpt.mkdir()
+    for stored, kept in (("bf16", "bf16"), ("fp32", "fp32"), ("auto", "fp32")):
+        (ckpt / "config.yaml").write_text(f"memory:\n  precision: {stored}\n")
+        assert kept_precision(ckpt, "cpu") == kept
+        resolved = resolve_settings(load_config(None, []), torch.device("cpu"), kept)
+        assert resolved.precision == resolved.config.memory.precision == kept
+        assert resolved.precision_why == "kept from the checkpoint resumed"
+    assert kept_precision(ckpt, "cuda") is None  # stored auto on CUDA: the card answers as it did
+    explicit = resolve_settings(load_config(None, ["memory.precision=fp32"]), torch.device("cpu"), "bf16")
+    assert explicit.precision == "fp32"  # a value the user wrote is what runs (the resume check compares it)

@@ -18,7 +18,8 @@ def test_the_cpu_defaults_and_precision_are_decided_into_a_copy():
     assert (m.micro_batch_tokens, m.logprob_chunk_size) == (1024, 256)  # plan/device_defaults.py's CPU values
     assert (resolved.device, resolved.precision, resolved.card_gib) == (CPU, "fp32", None)  # auto on a CPU: fp32
     assert (cfg.memory.micro_batch_tokens, cfg.memory.logprob_chunk_size) == (0, 0)  # the user's config as written
-    assert resolved.config.memory.precision == "auto"  # what was asked stays; resolved.precision is what runs
+    assert resolved.config.memory.precision == "fp32" == resolved.precision  # written in: later stages read it
+    assert cfg.memory.precision == "auto"  # the user's config as written
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.precision = "bf16"
 

@@ -238,19 +238,18 @@ def test_build_policy_asks_about_bf16_only_for_bf16_on_the_cpu(monkeypatch, tiny
 def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch):
     """memory.precision=bf16 on a CPU whose bf16 products are slower than fp32 (no AVX512_BF16 / AMX: a step many
     times as long) is said up front, with the fix; where bf16 is fast nothing is said."""
-    from grpo_engine.kernels import bf16_slowdown, select
+    from grpo_engine.kernels import select
     from grpo_engine.train import policy as policy_mod
 
-    products, timed = [], iter((2.0, 5.0))  # seconds of the fp32 product, then of the bf16 one
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (products.append(fn()), next(timed))[1])
-    assert bf16_slowdown(64, 128) == 2.5  # bf16 seconds over fp32 seconds
-    assert [(p.dtype, tuple(p.shape)) for p in products] == [(torch.float32, (select.ROWS[1], 128)),
-                                                            (torch.bfloat16, (select.ROWS[1], 128))]
+    products = []  # what the bf16 side of bf16_ratio times: the bf16 product a bf16 nn.Linear runs
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (products.append(fn()), 2.0)[1])
+    assert select.measure_bf16_shape(128, 64) == 2.0 * len(select.ROWS)  # summed over the row counts
+    assert [(p.dtype, tuple(p.shape)) for p in products] == [(torch.bfloat16, (m, 128)) for m in select.ROWS]
     config = tiny_config()
-    monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 4.0)
+    monkeypatch.setattr(policy_mod, "bf16_ratio", lambda hidden, inter: 4.0)
     with pytest.warns(UserWarning, match=r"4\.0x as long as in fp32.*memory.precision=fp32"):
         policy_mod.warn_if_bf16_is_slow(config)
-    monkeypatch.setattr(policy_mod, "bf16_slowdown", lambda hidden, inter: 0.5)
+    monkeypatch.setattr(policy_mod, "bf16_ratio", lambda hidden, inter: 0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         policy_mod.warn_if_bf16_is_slow(config)
