@@ -2,7 +2,9 @@
 
 Both engines get the same P chat-templated prompts (~100-150 tokens), G samples each, exactly T new tokens
 (EOS ignored: no stop ids for ours, min_new_tokens=T for HF), pure sampling (temperature 1, top_k 0,
-top_p 1), fp32 on CPU; ours with the kernel plan the trainer uses (kernels/select.py). We print tokens/s for
+top_p 1), transformers in fp32 on CPU; ours with the kernel plan the trainer uses (kernels/select.py) in fp32 and,
+where a training run's memory.precision=auto chooses bf16 on this CPU (plan/precision.py), in that default too
+(`default_*` fields: the engine's default settings against transformers' default). We print tokens/s for
 both and the ratio, and how close ours gets to this machine's matmul-bound limit: FLOPs of our generation
 (2 x matmul params per token through the layers and LM head, plus attention scores) over the time, against a
 large fp32 matmul's FLOP rate measured here.
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_engine.bench.generate import bench_prompts
+from grpo_engine.bench.generate import bench_prompts, default_dtype
 from grpo_engine.kernels import apply_kernels
 from grpo_engine.model.loading import load_model, load_tokenizer
 from grpo_engine.model.tiny import make_tiny_checkpoint
@@ -90,8 +92,8 @@ def generation_flops(model, prompt_lens: list[int], group: int, new: int) -> flo
     return flops
 
 
-def time_ours(path: Path, prompts, group: int, new: int) -> tuple[float, int, object]:
-    model = apply_kernels(load_model(path, dtype=torch.float32))  # the kernel plan the trainer runs with
+def time_ours(path: Path, prompts, group: int, new: int, dtype=torch.float32) -> tuple[float, int, object]:
+    model = apply_kernels(load_model(path, dtype=dtype))  # the kernel plan the trainer runs with
     params = SamplingParams(n=group, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
                             stop_token_ids=[], max_tokens_in_flight=None)
     generate(model, prompts, SamplingParams(n=group, max_new_tokens=2, max_tokens_in_flight=None))  # warm-up
@@ -135,6 +137,9 @@ def run(name: str, prompts_n: int, group: int, new: int, repeats: int, peak: flo
     hf = min(hf_runs, key=lambda r: r[0])
     ours = min((time_ours(path, prompts, group, new) for _ in range(repeats)), key=lambda r: r[0])
     flops = generation_flops(ours[2], [len(p) for p in prompts], group, new)
+    dtype = getattr(torch, default_dtype(str(path), "cpu"))
+    default = ours if dtype == torch.float32 else min(
+        (time_ours(path, prompts, group, new, dtype) for _ in range(repeats)), key=lambda r: r[0])
     return {
         "model": name,
         "params_M": round(ours[2].num_parameters() / 1e6, 1),
@@ -147,6 +152,9 @@ def run(name: str, prompts_n: int, group: int, new: int, repeats: int, peak: flo
         "ours_gflops": flops / ours[0] / 1e9,
         "matmul_peak_gflops": peak / 1e9,
         "fraction_of_matmul_limit": flops / ours[0] / peak,
+        "default_dtype": str(dtype).removeprefix("torch."),
+        "default_tokens_per_s": default[1] / default[0],
+        "default_ratio": (default[1] / default[0]) / (hf[1] / hf[0]),
     }
 
 
@@ -171,11 +179,13 @@ def main() -> None:
 
     print(f"{cpu_model()}  threads={args.threads}  matmul-bound limit {peak / 1e9:.1f} GFLOP/s "
           "(fp32 2048^3, best of torch.mm and oneDNN)")
-    header = ["model", "params", "ours tok/s", "HF tok/s", "ratio", "ours GFLOP/s", "of limit"]
+    header = ["model", "params", "ours tok/s", "HF tok/s", "ratio", "ours GFLOP/s", "of limit", "default",
+              "default tok/s", "its ratio"]
     print(f"{header[0]:<12} " + " ".join(f"{h:>12}" for h in header[1:]))
     for r in rows:
         cells = [f"{r['params_M']:.1f}M", f"{r['ours_tokens_per_s']:.1f}", f"{r['hf_tokens_per_s']:.1f}",
-                 f"{r['ratio']:.2f}x", f"{r['ours_gflops']:.1f}", f"{r['fraction_of_matmul_limit']:.1%}"]
+                 f"{r['ratio']:.2f}x", f"{r['ours_gflops']:.1f}", f"{r['fraction_of_matmul_limit']:.1%}",
+                 r["default_dtype"], f"{r['default_tokens_per_s']:.1f}", f"{r['default_ratio']:.2f}x"]
         print(f"{r['model']:<12} " + " ".join(f"{c:>12}" for c in cells))
     print(json.dumps({"cpu": cpu_model(), "threads": args.threads, "results": rows}))
 

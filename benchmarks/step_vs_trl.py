@@ -4,15 +4,18 @@
     python benchmarks/step_vs_trl.py --hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 128 \
         --vocab 272 --steps 3                              # dry run in seconds
     python benchmarks/step_vs_trl.py --engines ours,trl,trl-bf16   # TRL in fp32 and with bf16=True, one run
+    python benchmarks/step_vs_trl.py --engines ours,ours-fp32,trl   # ours at its defaults and pinned to fp32
 
-Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of
-the same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours
-never stops on it, TRL has the EOS/pad ids suppressed), fp32, beta = 0 (no reference model), one update
-per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same learning rate, and the
-same kind of reward (a seeded pseudo-random number per completion: it varies within each group, so every
-advantage is non-zero and neither engine can skip a row of the update). The engine `trl-bf16` is TRL with
-GRPOConfig(bf16=True): Trainer's mixed precision (bf16 autocast over the fp32 weights and optimizer state),
-the setting TRL users pick on a CPU with bf16 products; its time and RSS ratios are reported beside fp32 TRL's.
+Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of the
+same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours never stops on
+it, TRL has the EOS/pad ids suppressed), TRL in fp32 and ours at its defaults (memory.precision=auto: bf16 on a
+CPU where it measures faster, grpo_engine/plan/precision.py; the engine `ours-fp32` pins fp32), beta = 0 (no
+reference model), one update per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same
+learning rate, and the same kind of reward (a seeded pseudo-random number per completion: it varies within each
+group, so every advantage is non-zero and neither engine can skip a row of the update). The engine `trl-bf16` is
+TRL with GRPOConfig(bf16=True): Trainer's mixed precision (bf16 autocast over the fp32 weights and optimizer
+state), the setting TRL users pick on a CPU with bf16 products; its time and RSS ratios are reported beside fp32
+TRL's.
 
 Each engine runs in its own child process so its peak RSS (ru_maxrss of the child) is its own:
   * ours: `python -m grpo_engine.cli bench step ... --json` (grpo_engine/bench/step.py: the trainer's phases);
@@ -155,13 +158,16 @@ def run_interleaved(commands: dict[str, list[str]], logs: Path) -> dict[str, dic
     return {name: child.result() for name, child in children.items()}
 
 
-def ours_command(args, model_dir: Path) -> list[str]:
+def ours_command(args, model_dir: Path, precision: str | None = None) -> list[str]:
+    """Our child's command line: `grpo bench step` with the engine's defaults (memory.precision=auto: bf16 on a CPU
+    where it pays), or `precision` pinned (the engine ours-fp32)."""
     return [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
             "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
             "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
             *([] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]),
             *([] if args.micro_batch_tokens is None else ["--micro-batch-tokens", str(args.micro_batch_tokens)]),
-            "--json", "model.device=cpu"]  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
+            "--json", "model.device=cpu",  # a CPU comparison: TRL runs with use_cpu=True, ours must not pick a GPU
+            *([f"memory.precision={precision}"] if precision else [])]
 
 
 def trl_command(args, model_dir: Path, bf16: bool = False) -> list[str]:
@@ -176,8 +182,8 @@ def trl_command(args, model_dir: Path, bf16: bool = False) -> list[str]:
     return cmd
 
 
-ENGINE_COMMANDS = {"ours": ours_command, "trl": trl_command,
-                   "trl-bf16": lambda args, model_dir: trl_command(args, model_dir, bf16=True)}
+ENGINE_COMMANDS = {"ours": ours_command, "ours-fp32": lambda args, model_dir: ours_command(args, model_dir, "fp32"),
+                   "trl": trl_command, "trl-bf16": lambda args, model_dir: trl_command(args, model_dir, bf16=True)}
 
 
 # ------------------------------------------------------------------------------------------ TRL child
@@ -312,18 +318,22 @@ def report(args, results: dict[str, dict]) -> dict:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
     summary = {"benchmark": "step_vs_trl", "cpu": cpu_model(), "prompts": args.prompts, "group": args.group,
                "max_new": args.max_new, "prompt_len": args.prompt_len, "steps": args.steps, "arch": args.arch,
-               "dtype": "float32", "beta": 0.0, "mu": 1, "lr": LR,
+               "dtype": {name: r.get("precision", "fp32") for name, r in results.items()},  # ours: as resolved
+               "beta": 0.0, "mu": 1, "lr": LR,
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
-    targets = {"trl": ("", {"time_ratio": 0.3, "rss_ratio": 0.5}), "trl-bf16": ("_trl_bf16", {"time_ratio": 0.6})}
-    for peer, (suffix, limits) in targets.items():
-        if "ours" not in results or peer not in results:
+    targets = [("ours", "trl", "", {"time_ratio": 0.3, "rss_ratio": 0.5}),
+               ("ours", "trl-bf16", "_trl_bf16", {"time_ratio": 0.6}),
+               ("ours-fp32", "trl", "_fp32", {})]  # fp32 against fp32: reported, no target of its own
+    for mine, peer, suffix, limits in targets:
+        if mine not in results or peer not in results:
             continue
-        ratios = peer_ratios(results["ours"], results[peer])
+        ratios = peer_ratios(results[mine], results[peer])
         summary.update({key + suffix: value for key, value in ratios.items()})
         summary.setdefault("targets_met", {}).update(
             {f"{key}{suffix}<={limit}": ratios[key] <= limit for key, limit in limits.items()})
-        print(f"ratios (ours / {peer}): time {ratios['time_ratio']:.3f} (median of the step pairs after the first, "
-              f"target <= {limits['time_ratio']}; pairs {' '.join(f'{r:.3f}' for r in ratios['pair_time_ratios'])}; "
+        print(f"ratios ({mine} / {peer}): time {ratios['time_ratio']:.3f} (median of the step pairs after the first"
+              + (f", target <= {limits['time_ratio']}" if "time_ratio" in limits else "")
+              + f"; pairs {' '.join(f'{r:.3f}' for r in ratios['pair_time_ratios'])}; "
               f"medians {ratios['median_time_ratio']:.3f}; fastest steps {ratios['min_time_ratio']:.3f}), "
               f"peak RSS {ratios['rss_ratio']:.3f}" + (f" (target <= {limits['rss_ratio']})" if "rss_ratio" in limits
                                                       else ""))
@@ -341,8 +351,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_checkpoint(args, Path(tmp) / "model")
         results = run_interleaved({name: ENGINE_COMMANDS[name](args, model_dir) for name in engines}, Path(tmp))
-    if "ours" in results:
-        results["ours"]["mean_completion_len"] = float(args.max_new)  # bench_step never stops early
+    for name in ("ours", "ours-fp32"):
+        if name in results:
+            results[name]["mean_completion_len"] = float(args.max_new)  # bench_step never stops early
     print(json.dumps(report(args, results)))
     return 0
 

@@ -38,7 +38,9 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: every completion has T tokens")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: what memory.precision=auto gives a "
+                                                 "training run of the model here: bf16 on a GPU with it, on a CPU "
+                                                 "where it pays, else fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the dynamic decode step")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rollout.cuda_graphs: the static decode in CUDA graphs (auto = on CUDA) or the dynamic loop")
@@ -66,7 +68,7 @@ def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = N
     from ..rollout.static_decode import cuda_graphs_on, static_decode_stats
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    dtype_name = args.dtype or default_dtype(args.model, args.device)
     model = apply_kernels(load_model(args.model, dtype=getattr(torch, dtype_name), device=args.device))
     tok = load_tokenizer(args.model)
     prompts = bench_prompts(tok, args.prompts) if prompts is None else prompts
@@ -94,6 +96,17 @@ def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = N
             "dtype": dtype_name, "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "cpu": cpu_model(),  # the figures depend on it even on a GPU (the host's Python and sampler)
             **graphs_report(graphs, static_decode_stats(model))}
+
+
+def default_dtype(model: str, device: str) -> str:
+    """The dtype a training run of `model` with memory.precision=auto gets on `device` (plan/precision.py
+    choose_precision): the sampler is timed as the trainer would run it."""
+    from ..plan.precision import choose_precision
+    from ..plan.shapes import model_shape
+
+    shape = model_shape(model)
+    choice = choose_precision("auto", device, (shape.hidden_size, shape.intermediate_size))
+    return {"fp32": "float32", "bf16": "bfloat16"}[choice.precision]
 
 
 def graphs_report(graphs: bool, stats: dict | None) -> dict:

@@ -125,7 +125,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
     from ..kernels import cpu_model
     from ..kernels.threads import fix_threads
     from ..train.step import grpo_step
-    from .floor import gemm_rates
+    from .floor import gemm_rates, weights_precision
 
     if threads:
         fix_threads(threads)  # the kernel plan keeps this count instead of measuring one
@@ -133,15 +133,16 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                                  steps=steps, overrides=overrides, config=config)
     cfg, policy = inputs.cfg, inputs.policy
     on_cpu = policy.device.type == "cpu"
+    precision = weights_precision(policy.model) if on_cpu else "fp32"  # the floor's rate in the step's dtype
     records, rates = [], []
     for step in range(1, steps + 1):
         if before_step is not None:
             before_step()
         if on_cpu:  # the floor's GEMM rate before each step (and after the last): the machine's speed drifts
-            rates.append(gemm_rates())
+            rates.append(gemm_rates(precision=precision))
         records.append(grpo_step(inputs, state, step, message=lambda _: None))
     if on_cpu:
-        rates.append(gemm_rates())  # and after the last: each step's floor takes the better reading around it
+        rates.append(gemm_rates(precision=precision))  # after the last: each step's floor takes the better reading
     times = [r.metrics.time_step_s for r in records]
     floor = matmul_floor(inputs, prompt_len=prompt_len, max_new=max_new, times=times, rates=rates) if on_cpu else {}
     return {
@@ -151,7 +152,7 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
                                                                                      "update")},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "prompts": prompts, "group": group, "max_new_tokens": max_new, "prompt_len": prompt_len,
-        "params": policy.model.num_parameters(), "threads": torch.get_num_threads(),
+        "params": policy.model.num_parameters(), "threads": torch.get_num_threads(), "precision": cfg.memory.precision,
         "optimizer": cfg.optimizer.name, "micro_batch_tokens": cfg.memory.micro_batch_tokens,
         "chunk_size": cfg.memory.logprob_chunk_size, "overrides": list(overrides),
         **floor,
