@@ -77,8 +77,9 @@ def device_here(cfg: Config) -> str:
 
 
 def precision_here(cfg: Config) -> str:
-    """memory.precision as it resolves on this machine (plan/precision.py resolve_precision, as the trainer
-    resolves it): auto is bf16 on a CUDA card with native bf16, fp32 elsewhere."""
+    """memory.precision as it resolves on this machine without a model (plan/precision.py resolve_precision): auto
+    is bf16 on a CUDA card with native bf16, else fp32. A CPU run's measured choice is not this: it is written in
+    the stored config, and a config that leaves it to the engine keeps it (ENGINE_CHOSEN, kept_precision)."""
     return resolve_precision(cfg.memory.precision, device_here(cfg))
 
 
@@ -115,7 +116,7 @@ def config_changes(old: Config, new: Config) -> list[tuple[str, object, object]]
     meaning is not itself is shown with it."""
     a, b, mean_a, mean_b = flatten(old), flatten(new), effective(old), effective(new)
     for key, auto in ENGINE_CHOSEN.items():  # left to the engine now: what it chose then (stored) is no change
-        if mean_b.get(key) == auto or (key == "memory.checkpoint_every" and b.get(
+        if b.get(key) == auto or (key == "memory.checkpoint_every" and b.get(
                 "memory.activation_checkpointing") == "auto"):
             mean_b[key] = mean_a.get(key)
 
@@ -136,7 +137,14 @@ def _changes_optimizer_state(change: tuple[str, object, object], cfg: Config) ->
     key, old, new = change
     if key == "optimizer.name":
         return not {old, new} <= SAME_STATE
-    return key == "optimizer.master_weights" and precision_here(cfg) != "fp32"
+    return key == "optimizer.master_weights" and may_be_low_precision(cfg)
+
+
+def may_be_low_precision(cfg: Config) -> bool:
+    """Whether the run's weights may be bf16: set so, auto on a card with native bf16, or auto on a CPU (bf16 where
+    it measures faster: plan/precision.py choose_precision)."""
+    here = precision_here(cfg)
+    return here != "fp32" or (cfg.memory.precision == "auto" and device_here(cfg) == "cpu")
 
 
 def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tuple[str, object, object]]:

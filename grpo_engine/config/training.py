@@ -93,10 +93,11 @@ class MemorySection:
 
     precision: str = option("auto", "weights dtype: auto (bf16 on a CUDA card with native bf16, compute "
                                             "capability 8.0+; fp32 on older cards, not fp16, which would need loss "
-                                            "scaling the engine does not do; on a CPU bf16 where it has native bf16 "
-                                            "dot products (AVX512_BF16, AMX) and measures the model's products "
-                                            "faster in bf16, else fp32; the choice and why are printed and kept "
-                                            "on resume) | fp32 | bf16 (refused on a card without native bf16)")
+                                            "scaling the engine does not do; on a CPU bf16 for adapter training "
+                                            "(LoRA) where the CPU has native bf16 dot products (AVX512_BF16, AMX) "
+                                            "and measures the model's products faster in bf16, else fp32; the "
+                                            "choice and why are printed and kept on resume) | fp32 | bf16 (refused "
+                                            "on a card without native bf16)")
     activation_checkpointing: str = option(
         "auto", "auto (CPU: every block when one micro-batch's activations would be >= 1/4 of weights + gradients + "
                 "optimizer state and >= 256 MiB, else none; CUDA: the least recompute the memory planner predicts "

@@ -22,6 +22,7 @@ from ..config import Config
 from ..config.trust import unmarked
 from .device_defaults import MemoryChoice
 from .from_config import config_memory_choice, config_model_shape
+from .policy_spec import policy_spec
 from .precision import PrecisionChoice, choose_precision
 
 RESOLVED_FILE = "resolved.yaml"
@@ -68,12 +69,14 @@ def precision_choice(cfg: Config, device: torch.device, kept: str | None = None)
     engine, else chosen for the model's MLP shape (plan/precision.py choose_precision; no shape readable: None)."""
     if kept is not None and cfg.memory.precision == "auto":
         return PrecisionChoice(kept, "kept from the checkpoint resumed")
+    if cfg.memory.precision != "auto" or device.type != "cpu":  # no measurement, no shape needed
+        return choose_precision(cfg.memory.precision, device)
     try:
         shape = config_model_shape(cfg)
         mlp = (shape.hidden_size, shape.intermediate_size)
     except (OSError, ValueError):  # ConfigError, CheckpointError included
         mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
-    return choose_precision(cfg.memory.precision, device, mlp)
+    return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full")
 
 
 def chosen_memory(cfg: Config, choice: MemoryChoice):

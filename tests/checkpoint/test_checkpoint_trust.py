@@ -374,7 +374,8 @@ def test_a_checkpoint_lists_resolved_yaml_as_grpo_config_show_resolved_prints_it
     shown = capsys.readouterr().out
     assert (ckpt / "resolved.yaml").read_text() == shown
     machine = yaml.safe_load(shown)["machine"]
-    assert machine == {"device": "cpu", "precision": "fp32", "card_gib": None, "planned_gib": None}
+    assert machine == {"device": "cpu", "precision": "fp32", "precision_why": "set in the config", "card_gib": None,
+                       "planned_gib": None}
     stored = config_from_yaml_text(shown)
     assert stored == config_from_yaml_text((ckpt / "config.yaml").read_text())
     assert stored.memory.logprob_chunk_size == 256  # tiny_arithmetic.yaml leaves it to the engine: the CPU default

@@ -107,6 +107,14 @@ def test_auto_on_a_cpu_is_bf16_only_where_it_pays(isa, shape, ratio, expected):
         assert "no native bf16" in choice.why
 
 
+def test_auto_keeps_full_fine_tuning_in_fp32_on_a_cpu():
+    """Full fine-tuning's weights stay fp32 on a CPU (bf16 weights round away a short run's small updates); on a
+    card with native bf16 they are bf16 (memory decides there)."""
+    never = lambda *a: pytest.fail("measured")  # noqa: E731
+    choice = precision.choose_precision("auto", "cpu", SMOLLM2_MLP, trains_weights=True, ratio=never, isa=never)
+    assert choice.precision == "fp32" and "full fine-tuning" in choice.why
+
+
 def test_an_explicit_precision_on_a_cpu_is_not_measured():
     never = lambda *a: pytest.fail("measured")  # noqa: E731
     for setting in ("fp32", "bf16"):

@@ -211,3 +211,40 @@ def test_skipping_zero_advantage_rows_trains_the_same_weights(tmp_path, tiny_ckp
     for name, w in weights["false"].items():
         err = float((weights["true"][name].double() - w.double()).norm() / w.double().norm().clamp_min(1e-12))
         assert err < 1e-5, (name, err)
+
+
+@pytest.mark.slow
+def test_auto_precision_on_a_cpu_is_chosen_said_stored_and_kept_on_resume(tmp_path, tiny_ckpt, monkeypatch, capsys):
+    """memory.precision=auto for a LoRA run where this CPU's bf16 pays (faked: native bf16, products at 0.5x, no
+    size floor) holds the base in bf16, says so once with its reason, and stores it; a resume keeps bf16 although
+    the CPU now measures bf16 slower (2.0x): the checkpoint's precision, not a new measurement."""
+    from grpo_engine.kernels import cpu, select
+    from grpo_engine.plan import precision
+    from grpo_engine.plan.resolved import resolve_settings
+    from grpo_engine.train import setup
+
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_WEIGHT", 0)
+    monkeypatch.setattr(cpu, "native_bf16_isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(select, "bf16_ratio", lambda hidden, inter: 0.5)
+    built, build = [], setup.build_policy
+    monkeypatch.setattr(setup, "build_policy", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=2", "rollout.max_new_tokens=6", "memory.precision=auto",
+            "lora.enabled=true", f"run_dir={tmp_path / 'r'}", "checkpoint.every=1", "checkpoint.keep_last=2"]
+    cfg = load_config(CFG, over)
+    assert train(cfg, stop_after=1).stopped_by == "stop_after"
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("memory.precision")]
+    assert said == ["memory.precision bf16 (auto: avx512_bf16 on this CPU; the model's products take 0.50x the fp32 "
+                    "time in bf16 (at most 0.8))"]
+    stored = yaml.safe_load((tmp_path / "r/checkpoints/step-000001/resolved.yaml").read_text())
+    assert stored["machine"]["precision"] == stored["config"]["memory"]["precision"] == "bf16"
+    monkeypatch.setattr(select, "bf16_ratio", lambda hidden, inter: 2.0)  # what this CPU would now choose: fp32
+    assert train(cfg, resume="latest").stopped_by == "completed"
+    step2 = yaml.safe_load((tmp_path / "r/checkpoints/step-000002/resolved.yaml").read_text())
+    assert (step2["machine"]["precision"], step2["machine"]["precision_why"]) == ("bf16",
+                                                                                 "kept from the checkpoint resumed")
+    for policy in built:  # the first run's and the resumed one's: the base in bf16, the adapters in fp32
+        dtypes = {n: p.dtype for n, p in policy.model.named_parameters()}
+        assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+        assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    full = load_config(CFG, [f"model.path={tiny_ckpt}", "memory.precision=auto", f"run_dir={tmp_path / 'f'}"])
+    assert resolve_settings(full, torch.device("cpu")).precision == "fp32"  # full fine-tuning: fp32 on a CPU

@@ -66,3 +66,21 @@ def test_a_checkpoint_without_its_config_is_refused(tmp_path):
     """Without config.yaml every check was skipped: a new seed or group size resumed silently."""
     with pytest.raises(ConfigError, match="config.yaml is missing.*copy config.yaml from another checkpoint"):
         check_resume_config(tmp_path, load_config(CFG, ["seed=7"]), lambda _: None)
+
+
+@pytest.mark.parametrize("stored", ["bf16", "fp32"])
+def test_a_precision_the_engine_chose_is_no_change_on_resume(tmp_path, stored):
+    """The stored config holds the precision a run's `auto` chose (bf16 on a CPU where it paid): resuming with
+    auto again is no change (the run keeps it: kept_precision); naming another dtype is refused."""
+    ckpt = _stored(tmp_path, f"memory.precision={stored}")
+    assert check_resume_config(ckpt, load_config(CFG, ["memory.precision=auto"]), lambda _: None) == []
+    other = "fp32" if stored == "bf16" else "bf16"
+    with pytest.raises(ConfigError, match=rf"memory.precision: '{stored}' -> '{other}'"):
+        check_resume_config(ckpt, load_config(CFG, [f"memory.precision={other}"]), lambda _: None)
+
+
+def test_master_weights_cannot_change_where_a_cpus_auto_may_be_bf16(tmp_path):
+    stored = _stored(tmp_path, "memory.precision=bf16", "model.device=cpu")
+    new = load_config(CFG, ["memory.precision=auto", "model.device=cpu", "optimizer.master_weights=false"])
+    with pytest.raises(ConfigError, match=r"optimizer.master_weights: True -> False"):
+        check_resume_config(stored, new, lambda _: None)
