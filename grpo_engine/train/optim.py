@@ -94,6 +94,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if grad.is_sparse:
                     raise RuntimeError("OffloadedAdamW does not support sparse gradients")
                 state = self._init_state(p)
+                if state["master"] is not p.data and p.device == state["master"].device:
+                    adamw_update_sliced(state, grad, group, p)  # a low-precision parameter beside its master
+                    continue
                 adamw_update(state, grad.float(), group)
                 if state["master"] is not p.data:
                     # cast on the state device, then copy back (no fp32 temporary on the GPU)
@@ -128,6 +131,33 @@ def adamw_update(state: dict, grad: torch.Tensor, group: dict) -> None:
     bias1, bias2 = 1 - beta1**t, 1 - beta2**t
     denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
     master.addcdiv_(m, denom, value=-lr / bias1)
+
+
+UPDATE_SLICE = 1 << 22  # elements of a master updated at a time: 16 MiB of fp32 temporaries at most
+
+
+def adamw_update_sliced(state: dict, grad: torch.Tensor, group: dict, param: torch.Tensor) -> None:
+    """adamw_update of a low-precision parameter's fp32 master from its gradient (any dtype), UPDATE_SLICE
+    elements at a time, each slice's parameter then set to its master's rounding. Slices bound the temporaries (the
+    gradient's fp32 copy) to one slice instead of the largest weight (a 151,936 x 512 bf16 embedding's would be
+    311 MB of peak RSS), and torch's fused AdamW kernel, where this torch has it, updates a slice in one pass over
+    memory instead of the eight of adamw_update; where it has none, adamw_update runs on the slice."""
+    state["step"] += 1
+    t = state["step"]
+    fused = getattr(torch, "_fused_adamw_", None)
+    step = torch.tensor(float(t), device=state["master"].device)  # the fused kernel's step count
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    flat = [x.view(-1) for x in (state["master"], state["exp_avg"], state["exp_avg_sq"], param.data)]
+    g_flat = grad.reshape(-1)
+    for start in range(0, g_flat.numel(), UPDATE_SLICE):
+        master, m, v, p = (x[start : start + UPDATE_SLICE] for x in flat)
+        g = g_flat[start : start + UPDATE_SLICE].float()  # [slice] fp32
+        if fused is not None:
+            fused([master], [g], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                  amsgrad=False, maximize=False)
+        else:
+            adamw_update({"master": master, "exp_avg": m, "exp_avg_sq": v, "step": t - 1}, g, group)
+        p.copy_(master)  # rounded to the parameter's dtype in place
 
 
 # ----------------------------------------------------------------------------------------------------

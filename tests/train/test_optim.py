@@ -183,3 +183,28 @@ def test_a_skipped_first_step_advances_the_schedule_without_a_warning(tiny_ckpt,
     assert out.skipped
     lrs.append(policy.optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([1e-3 * 1 / 4, 1e-3 * 2 / 4])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_bf16_masters_sliced_update_is_adamw_then_one_rounding(monkeypatch, fused):
+    """adamw_update_sliced over slices of 7 elements (a [5, 6] weight: 5 slices, the last short) with torch's fused
+    kernel or without it gives the fp32 AdamW of the whole master (adamw_update), and the parameter its rounding."""
+    from grpo_engine.train import optim
+
+    monkeypatch.setattr(optim, "UPDATE_SLICE", 7)
+    if not fused:
+        monkeypatch.delattr(torch, "_fused_adamw_")
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(5, 6, generator=g)
+    param = master.to(torch.bfloat16)
+    ours = {"master": master.clone(), "exp_avg": torch.zeros(5, 6), "exp_avg_sq": torch.zeros(5, 6), "step": 0}
+    ref = {k: v.clone() if torch.is_tensor(v) else v for k, v in ours.items()}
+    group = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        grad = torch.randn(5, 6, generator=g).to(torch.bfloat16)
+        optim.adamw_update_sliced(ours, grad, group, param)
+        optim.adamw_update(ref, grad.float(), group)
+    assert ours["step"] == ref["step"] == 3
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(ours[key], ref[key], rtol=0, atol=1e-6)
+    assert torch.equal(param, ours["master"].to(torch.bfloat16))
