@@ -19,7 +19,7 @@ GGUF = "model.gguf"  # demo_config is given --model: no SmolLM2 needed to resolv
 def test_the_real_tools_demo_recipe_loads():
     cfg = load_config(Path(str(REAL_TOOLS_RECIPE)))
     assert cfg.tools.enabled and cfg.tools.names == ["calculator"] and cfg.tools.format == "auto"
-    assert cfg.memory.precision == "fp32" and not cfg.warm_start.tiny.arch and cfg.eval.max_examples >= 200
+    assert cfg.memory.precision == "auto" and not cfg.warm_start.tiny.arch and cfg.eval.max_examples >= 200
     assert not cfg.task.options["named_operands"]  # no hidden operands
 
 
