@@ -136,8 +136,12 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | --- | --- | --- | --- | --- | --- |
 | conversions, 0 | the recipe | 17.5% | 40.0% | +22.5 points | 855 |
 | conversions, 0 | `--control random-reward` | 17.5% | 15.0% | -2.5 points | 669 |
+| word problems, 0 | the recipe | 7.0% | 4.0% | -3.0 points | 1080 (tests ran beside it) |
 
-Word problems and multiple choice, and seeds 1-2, are not yet trained.
+The recipe does not lift the word problems: their replies shrink from 70.6 to 23.3 tokens over the 20 steps and
+the few correct ones the groups hold are short guesses, so the model learns to drop its working ("A book has 19
+pages."). Their control was not run (a run that does not learn has nothing to control). Multiple choice, and seeds
+1-2, are not yet trained.
 """
 
 
