@@ -38,9 +38,9 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="no stop tokens: every completion has T tokens")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: what memory.precision=auto gives a "
-                                                 "training run of the model here: bf16 on a GPU with it, on a CPU "
-                                                 "where it pays, else fp32)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the dtype memory.precision=auto "
+                                                 "gives a LoRA run of the model here: bf16 on a GPU with it, on a "
+                                                 "CPU where it pays, else fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the dynamic decode step")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
                    help="rollout.cuda_graphs: the static decode in CUDA graphs (auto = on CUDA) or the dynamic loop")
@@ -99,8 +99,8 @@ def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = N
 
 
 def default_dtype(model: str, device: str) -> str:
-    """The dtype a training run of `model` with memory.precision=auto gets on `device` (plan/precision.py
-    choose_precision): the sampler is timed as the trainer would run it."""
+    """The dtype a LoRA run of `model` with memory.precision=auto samples in on `device` (plan/precision.py
+    choose_precision; a full fine-tuning run stays fp32 on a CPU): the sampler timed as such a run drives it."""
     from ..plan.precision import choose_precision
     from ..plan.shapes import model_shape
 
