@@ -3,7 +3,7 @@
 Both engines get the same P chat-templated prompts (~100-150 tokens), G samples each, exactly T new tokens
 (EOS ignored: no stop ids for ours, min_new_tokens=T for HF), pure sampling (temperature 1, top_k 0,
 top_p 1), transformers in fp32 on CPU; ours with the kernel plan the trainer uses (kernels/select.py) in fp32 and,
-where a training run's memory.precision=auto chooses bf16 on this CPU (plan/precision.py), in that default too
+where a LoRA run's memory.precision=auto chooses bf16 on this CPU (plan/precision.py), in that default too
 (`default_*` fields: the engine's default settings against transformers' default). We print tokens/s for
 both and the ratio, and how close ours gets to this machine's matmul-bound limit: FLOPs of our generation
 (2 x matmul params per token through the layers and LM head, plus attention scores) over the time, against a
