@@ -88,13 +88,19 @@ def kept_precision(ckpt_dir: Path, device: str) -> str | None:
     CPU's auto choice is measured, and could answer otherwise today). A stored config that still says auto (written
     before the choice was stored in it) trained in what auto meant then: fp32 on a CPU; on CUDA (None) the card
     answers as it did."""
-    stored = stored_settings_file(ckpt_dir)
-    if not stored.is_file():
+    stored = stored_run_config(ckpt_dir)
+    if stored is None:
         return None  # check_resume_config refuses the checkpoint, in one line
-    setting = config_from_yaml_text(stored.read_text(), str(stored)).memory.precision
+    setting = stored.memory.precision
     if setting != "auto":
         return setting
     return "fp32" if device == "cpu" else None
+
+
+def stored_run_config(ckpt_dir: Path) -> Config | None:
+    """The config the checkpoint's run trained with (its resolved.yaml, else config.yaml), None when it has neither."""
+    stored = stored_settings_file(ckpt_dir)
+    return config_from_yaml_text(stored.read_text(), str(stored)) if stored.is_file() else None
 
 
 def effective(cfg: Config) -> dict:
@@ -150,12 +156,12 @@ def may_be_low_precision(cfg: Config) -> bool:
 def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tuple[str, object, object]]:
     """The changes since the checkpoint (its resolved.yaml, else config.yaml); refuses the ones that cannot take
     effect (ConfigError)."""
-    stored = stored_settings_file(ckpt_dir)
-    if not stored.is_file():
+    stored = stored_run_config(ckpt_dir)
+    if stored is None:
         raise ConfigError(f"--resume {ckpt_dir}: config.yaml is missing, so the settings this run cannot change "
                           f"are unchecked; copy config.yaml from another checkpoint of the run into it, or start "
                           f"a new run")
-    changes = config_changes(config_from_yaml_text(stored.read_text(), str(stored)), cfg)
+    changes = config_changes(stored, cfg)
     fixed = [c for c in changes if (_matches(c[0], FIXED) or _changes_optimizer_state(c, cfg)) and c[0] != "run_dir"]
     if fixed:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in fixed)
