@@ -180,10 +180,22 @@ def extract_choice(text: str) -> str | None:
     """The option letter a reply picks: the last one stated ('The answer is B', 'Answer: (B)', 'correct option
     is B'), else the last marked one ('(B)', 'B)', '**B**', a line 'B.' or 'B. 78'). None when no letter stands
     as a choice: 'A' inside a word, the article 'A' and 'I' never count, so a reply cut off mid-sentence
-    rarely scores by chance."""
+    rarely scores by chance. None too for a reply that lists several options, each starting its line, and
+    states none ('A) 83\nD) 32'): taking its last line as the pick would reward listing the options."""
     t = _tail(text)
-    last = _last(_CHOICE_STATED_RE, t) or _last(_CHOICE_MARKED_RE, t)
-    return None if last is None else _letter(last)
+    stated = _last(_CHOICE_STATED_RE, t)
+    if stated is not None:
+        return _letter(stated)
+    marked = list(_CHOICE_MARKED_RE.finditer(t))
+    if not marked:
+        return None
+    listed = {_letter(m) for m in marked if _starts_line(t, m.start())}
+    return None if _starts_line(t, marked[-1].start()) and len(listed) > 1 else _letter(marked[-1])
+
+
+def _starts_line(text: str, at: int) -> bool:
+    """Whether only blanks or a list / quote / bold mark precede position `at` on its line."""
+    return not text[text.rfind("\n", 0, at) + 1 : at].strip(" \t>#*-")
 
 
 def extract_final_word(text: str) -> str | None:

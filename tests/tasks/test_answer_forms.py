@@ -40,6 +40,8 @@ from grpo_engine.tasks.parsing import (
     ("A) 12\nB) 45\nThe answer is C", "C"),
     ("A) 12 is small, but the largest is C) 87.", "C"),  # the last marked one
     ("  - B\n", "B"),
+    ("B) 69\n\nB) 69 is the only odd number.", "B"),  # one option, named twice
+    ("A) 83\n\nThe even one is D) 32.", "D"),  # the last picked in a sentence, after a listed one
 ])
 def test_choice_letter_found(reply, letter):
     assert extract_choice(reply) == letter
@@ -59,6 +61,9 @@ def test_choice_letter_found(reply, letter):
     "(E1) and (K)",               # not A-J alone / out of range
     "b) lowercase markers are words too often",
     "",
+    "A) 83\nD) 37",              # options listed, none stated: taking the last line would reward listing them
+    "A) 98 is the largest.\n\nB) 68 is the smallest among the given numbers.",
+    "- A) 12\n- B) 45\n- C) 87",
 ])
 def test_choice_letter_not_found(reply):
     assert extract_choice(reply) is None
