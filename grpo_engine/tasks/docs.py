@@ -100,7 +100,7 @@ are upper bounds); 2026-11-28. Training results: the end of this section.
 | --- | --- | --- | --- | --- |
 | word_problems | 7.0% (14/200) | 31.0% | 70.6 tokens | 82 s |
 | conversions | 17.5% (35/200) | 1.5% | 22.8 tokens | 114 s |
-| choice | 22.0% (44/200; 141 replies pick A) | 0.0% | 10.3 tokens | 210 s |
+| choice | 20.0% (40/200; 22.0% before the choice extractor refused listed options) | 0.0% | 10.3 tokens | 24 s (idle) |
 
 `grpo check` (16 prompts x 8 replies at temperature 0.5): share of groups with a reward spread, correct replies,
 replies cut, verdict (exit code), the check's own seconds.
@@ -122,26 +122,49 @@ At 8 tokens these tasks keep some signal: a choice reply states its letter first
 end on their number. A spread in one group of 16 (word problems at 8 tokens: 1 correct reply of 128, all cut) is
 one lucky reply, not a signal: the check asks for at least two groups with a spread, and names the length.
 
-Training with the recipe as it is, on an idle AMD EPYC (family 26, model 2), 2 cores, 2026-11-28; held-out
-accuracy of the starting and the final model on the 200 test rows (`RUN_DIR/before_after.json`), seconds from the
-load to the table:
+Training with the recipe (configs/own_task.yaml: rank-16 adapters at lr 2e-4, `memory.precision: auto`, which on
+this CPU is a bf16 base with fp32 adapters, the GRPO loss with dynamic sampling, 8 prompts x 8 replies of up to 96
+tokens, 20 steps) on an idle AMD EPYC (family 26, model 2), 2 cores, 2026-11-28; held-out accuracy of the starting
+and the final model on the 200 test rows (`RUN_DIR/before_after.json`, the recipe's bf16 base, so the starting
+figures differ from the fp32 table above by one to four replies), seconds from the load to the table:
 
 ```bash
-grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conversions_s0 \
-  task.options.data_path=data/own/conversions_train.jsonl task.options.test_path=data/own/conversions_test.jsonl \
+grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conversions_s0 \\
+  task.options.data_path=data/own/conversions_train.jsonl task.options.test_path=data/own/conversions_test.jsonl \\
   task.options.verifier=numeric                     # then the same with --control random-reward
 ```
 
-| task, seed | run | before | after | change | seconds |
-| --- | --- | --- | --- | --- | --- |
-| conversions, 0 | the recipe | 17.5% | 40.0% | +22.5 points | 855 |
-| conversions, 0 | `--control random-reward` | 17.5% | 15.0% | -2.5 points | 669 |
-| word problems, 0 | the recipe | 7.0% | 4.0% | -3.0 points | 1080 (tests ran beside it) |
+| task | seed | the recipe | change | seconds | `--control random-reward` | change |
+| --- | --- | --- | --- | --- | --- | --- |
+| conversions | 0 | 15.5% -> 37.0% | **+21.5** | 475 | 15.5% -> 22.0% | +6.5 |
+| conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | not run | |
+| conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | not run | |
+| multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
+| multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | not run | |
+| multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | not run | |
+| word problems | 0 | 6.5% -> 3.0% | -3.5 | 764 | not run (nothing learned to control) | |
 
-The recipe does not lift the word problems: their replies shrink from 70.6 to 23.3 tokens over the 20 steps and
-the few correct ones the groups hold are short guesses, so the model learns to drop its working ("A book has 19
-pages."). Their control was not run (a run that does not learn has nothing to control). Multiple choice, and seeds
-1-2, are not yet trained.
+The check cost 9.2 s of the 475 s conversions run (1.9%) and 14-18 s of the word-problem runs (2%).
+
+Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
+coin-flip control moved 6.5 points, more than the 5 the recipe aims for (its replies grew from 23 to 39 tokens).
+Multiple choice does not learn anything its control does not: both end at 29.0%, because both teach the model to
+reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter scores at chance where a reply listing the
+options scored nothing. The word problems (two operations on two-digit numbers) do not learn: the model's arithmetic
+fails inside replies whose reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now.
+Sam has now 18 - 6 = 14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses.
+What was tried on them and on multiple choice, each seed 0 on the same host and day:
+
+| task | recipe changed to | before -> after | seconds | what the replies did |
+| --- | --- | --- | --- | --- |
+| word problems | the recipe in fp32 | 7.0% -> 4.0% | 1080 (tests beside it) | 70.6 -> 23.3 tokens: guesses |
+| word problems | full fine-tuning, lr 1e-5 (the `--real` demo's) | 7.0% -> 10.0% | 905 | 70.6 -> 49.5 tokens |
+| word problems | `algorithm.overlong.filter_truncated=true` | 6.5% -> 1.0% | 657 | grew to the 96-token cap |
+| multiple choice | the recipe, earlier extractor (a) | 22.0% -> 30.0% | 753 | 10.5 -> 95.5 tokens: options listed |
+| multiple choice | `algorithm.loss=dapo` (token-mean), earlier extractor | 22.0% -> 24.5% | 405 | 10.5 -> 7.2 tokens |
+
+(a) It scored a reply listing several options and stating none by its last line ("A) 83\\nD) 37" picked D), so GRPO
+taught the model to list the options; such a reply now picks nothing.
 """
 
 
