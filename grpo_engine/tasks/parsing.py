@@ -181,7 +181,8 @@ def extract_choice(text: str) -> str | None:
     is B'), else the last marked one ('(B)', 'B)', '**B**', a line 'B.' or 'B. 78'). None when no letter stands
     as a choice: 'A' inside a word, the article 'A' and 'I' never count, so a reply cut off mid-sentence
     rarely scores by chance. None too for a reply that lists several options, each starting its line, and
-    states none ('A) 83\nD) 32'): taking its last line as the pick would reward listing the options."""
+    states none (a line 'A) 83', then a line 'D) 32'): taking its last line as the pick would reward listing the
+    options."""
     t = _tail(text)
     stated = _last(_CHOICE_STATED_RE, t)
     if stated is not None:
