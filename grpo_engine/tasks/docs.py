@@ -137,8 +137,8 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | task | seed | the recipe | change | seconds | `--control random-reward` | change |
 | --- | --- | --- | --- | --- | --- | --- |
 | conversions | 0 | 15.5% -> 37.0% | **+21.5** | 475 | 15.5% -> 22.0% | +6.5 |
-| conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | not run | |
-| conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | not run | |
+| conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | 15.5% -> 4.5% | -11.0 |
+| conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | 15.5% -> 10.0% | -5.5 |
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
 | multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | not run | |
 | multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | not run | |
@@ -147,13 +147,14 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 The check cost 9.2 s of the 475 s conversions run (1.9%) and 14-18 s of the word-problem runs (2%).
 
 Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
-coin-flip control moved 6.5 points, more than the 5 the recipe aims for (its replies grew from 23 to 39 tokens).
-Multiple choice does not learn anything its control does not: both end at 29.0%, because both teach the model to
-reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter scores at chance where a reply listing the
-options scored nothing. The word problems (two operations on two-digit numbers) do not learn: the model's arithmetic
-fails inside replies whose reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now.
-Sam has now 18 - 6 = 14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses.
-What was tried on them and on multiple choice, each seed 0 on the same host and day:
+coin-flip controls moved -11.0 and -5.5 points on seeds 1 and 2, and +6.5 on seed 0, more than the 5 the recipe aims
+for (its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not: both end
+at 29.0%, because both teach the model to reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter
+scores at chance where a reply listing the options scored nothing. The word problems (two operations on two-digit
+numbers) do not learn: the model's arithmetic fails inside replies whose reasoning is right ("Sam has twice as many
+marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 = 14 marbles."), so correct replies are rare
+(1.6-3.1% in the check) and mostly short guesses. What was tried on them and on multiple choice, each seed 0 on the
+same host and day:
 
 | task | recipe changed to | before -> after | seconds | what the replies did |
 | --- | --- | --- | --- | --- |
