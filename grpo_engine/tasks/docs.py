@@ -147,9 +147,9 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 The check cost 9.2 s of the 475 s conversions run (1.9%) and 14-18 s of the word-problem runs (2%).
 
 Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
-coin-flip controls moved -11.0 and -5.5 points on seeds 1 and 2, and +6.5 on seed 0, more than the 5 the recipe aims
-for (its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not: both end
-at 29.0%, because both teach the model to reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter
+coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
+(its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not: both end at
+29.0%, because both teach the model to reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter
 scores at chance where a reply listing the options scored nothing. The word problems (two operations on two-digit
 numbers) do not learn: the model's arithmetic fails inside replies whose reasoning is right ("Sam has twice as many
 marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 = 14 marbles."), so correct replies are rare
