@@ -100,7 +100,7 @@ are upper bounds); 2026-11-28. Training results: the end of this section.
 | --- | --- | --- | --- | --- |
 | word_problems | 7.0% (14/200) | 31.0% | 70.6 tokens | 82 s |
 | conversions | 17.5% (35/200) | 1.5% | 22.8 tokens | 114 s |
-| choice | 20.0% (40/200; 22.0% before the choice extractor refused listed options) | 0.0% | 10.3 tokens | 24 s (idle) |
+| choice | 20.0% (40/200) | 0.0% | 10.3 tokens | 24 s (idle) |
 
 `grpo check` (16 prompts x 8 replies at temperature 0.5): share of groups with a reward spread, correct replies,
 replies cut, verdict (exit code), the check's own seconds.
@@ -150,22 +150,18 @@ Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, e
 coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
 (its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not: both end at
 29.0%, because both teach the model to reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter
-scores at chance where a reply listing the options scored nothing. The word problems (two operations on two-digit
-numbers) do not learn: the model's arithmetic fails inside replies whose reasoning is right ("Sam has twice as many
-marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 = 14 marbles."), so correct replies are rare
-(1.6-3.1% in the check) and mostly short guesses. What was tried on them and on multiple choice, each seed 0 on the
-same host and day:
+scores at chance where the starting model's replies that list the options and pick none score nothing. The word
+problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies whose
+reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 =
+14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on them,
+each seed 0 on the same host and day:
 
 | task | recipe changed to | before -> after | seconds | what the replies did |
 | --- | --- | --- | --- | --- |
 | word problems | the recipe in fp32 | 7.0% -> 4.0% | 1080 (tests beside it) | 70.6 -> 23.3 tokens: guesses |
 | word problems | full fine-tuning, lr 1e-5 (the `--real` demo's) | 7.0% -> 10.0% | 905 | 70.6 -> 49.5 tokens |
 | word problems | `algorithm.overlong.filter_truncated=true` | 6.5% -> 1.0% | 657 | grew to the 96-token cap |
-| multiple choice | the recipe, earlier extractor (a) | 22.0% -> 30.0% | 753 | 10.5 -> 95.5 tokens: options listed |
-| multiple choice | `algorithm.loss=dapo` (token-mean), earlier extractor | 22.0% -> 24.5% | 405 | 10.5 -> 7.2 tokens |
 
-(a) It scored a reply listing several options and stating none by its last line ("A) 83\\nD) 37" picked D), so GRPO
-taught the model to list the options; such a reply now picks nothing.
 """
 
 
