@@ -122,8 +122,9 @@ class MemorySection:
                                              "trained")
     cpu_update_mmap: str = option("auto", "CPU with glibc: during the update, allocations of 1 MiB and more are "
                                           "mmapped and returned to the OS when freed (a flat peak RSS instead of heap "
-                                          "fragmentation; costs page faults, 5-20% update time). auto: on where the "
-                                          "model checkpoints activations (memory is what the run is short of)",
+                                          "fragmentation; costs page faults: 5-45% more update time, by host). auto: "
+                                          "off (train/memory.py update_mmap_on says why); true where memory is "
+                                          "shorter than time",
                                   choices=UPDATE_MMAP)
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..config.training import MemorySection
-from ..kernels import apply_activation_checkpointing, checkpointed_blocks
+from ..kernels import apply_activation_checkpointing
 from ..plan.memory import checkpoint_every
 from ..plan.precision import resolve_precision
 
@@ -72,17 +72,16 @@ def _glibc():
     return ctypes.CDLL("libc.so.6")
 
 
-def update_mmap_on(setting: str, model: nn.Module, device: torch.device) -> bool:
-    """memory.cpu_update_mmap resolved for this model: "auto" is on where blocks checkpoint their activations.
+def update_mmap_on(setting: str, device: torch.device) -> bool:
+    """memory.cpu_update_mmap resolved: on only where set to "true", and only on the CPU; "auto" is off.
 
-    Why tie the two: activation_checkpointing=auto checkpoints where one micro-batch's activations would be a large
-    share of the training state (plan/memory.py), i.e. where the run trades time for memory; the heap's freed holes
-    are then worth handing back too. Measured at the SmolLM2-135M shape (checkpointed) on an Intel Xeon: peak RSS
-    2,963-3,021 MiB in 5 runs against 3,082-3,730 MiB without, 5-8% slower steps (docs/memory.md). Only on the CPU.
+    Why off by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host. At
+    the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
+    Xeon, and 12.1-13.8 s of update against 9.0-9.5 s on an AMD EPYC (9.6 million page faults against 2.1 million
+    over a run of three steps), for 5-7% less peak RSS (docs/memory.md). Set it where a flat peak RSS over a long run is
+    worth that time (the real-model recipes do).
     """
-    if torch.device(device).type != "cpu" or setting == "false":
-        return False
-    return setting == "true" or bool(checkpointed_blocks(model))
+    return torch.device(device).type == "cpu" and setting == "true"
 
 
 @contextlib.contextmanager

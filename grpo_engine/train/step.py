@@ -142,7 +142,7 @@ def update_step(inputs: StepInputs, batch, micro_tokens: int, step: int, totals,
     """update_policy (with memory.cpu_update_mmap's allocation rule on CPU; it also advances the LR schedule and
     frees the gradients), then the reference."""
     cfg, policy = inputs.cfg, inputs.policy
-    with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.model, policy.device)):
+    with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.device)):
         outcome = update_policy(policy.model, policy.optimizer, batch, inputs.update, micro_tokens, message,
                                 inputs.world, totals, policy.scheduler)
     policy.after_update(step, updated=not outcome.skipped)
