@@ -306,6 +306,30 @@ def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_wei
                                    rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_cpu_update_allocates_every_gradient_before_the_first_micro_batch(tiny_ckpt_factory, monkeypatch):
+    """update_policy on the CPU gives every trainable weight a zero gradient before its first micro-batch (why:
+    GRADS_FIRST in train/update.py), and the gradients it then holds are those of the pass without that: zeros
+    plus the first micro-batch's gradient are that gradient to the bit."""
+    import copy
+
+    import grpo_engine.train.update as update
+    from grpo_engine.train.update import UpdateSettings, update_policy
+
+    model = load_model(tiny_ckpt_factory("qwen2-tied")).train()
+    plain = copy.deepcopy(model)
+    batch = _grouped_batch(model.config.vocab_size, share=True)
+    cfg = LossConfig(loss="dapo")
+    accumulate_gradients(plain, batch, cfg, 16, temperature=1.0, chunk_size=3)  # gradients made by backward
+    seen, real = [], update.accumulate_gradients
+    monkeypatch.setattr(update, "accumulate_gradients", lambda m, *a, **k: seen.append(
+        [p.grad is not None and not p.grad.any() for p in m.parameters()]) or real(m, *a, **k))
+    settings = UpdateSettings(cfg, mu=1, grad_clip=0.0, temperature=1.0, chunk_size=3, auto_halve=False)
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, settings, 16, keep_grads=True)
+    assert seen and all(seen[0])  # every gradient there, all zeros, before the pass
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_weights_finite_checks_the_trainable_weights_only(tiny_ckpt):
     """The post-update guard looks at what an update can change: a NaN in a trainable weight is caught, one in a
     frozen weight (a LoRA base, an NF4 base that has no norm kernel) is not looked at."""
