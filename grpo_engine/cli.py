@@ -188,9 +188,9 @@ def _check(args) -> int:
     from .config import load_config
     from .train.setup import check_config
 
-    report = check_config(load_config(args.config, args.overrides))
-    print("\n".join(report.lines()), flush=True)
-    return 0 if report.verdict.ok else 2
+    fit = check_config(load_config(args.config, args.overrides))
+    print("\n".join(fit.lines()), flush=True)
+    return 0 if fit.report.verdict.ok else 2
 
 
 def add_config_parser(sub) -> None:

@@ -97,6 +97,19 @@ def kept_precision(ckpt_dir: Path, device: str) -> str | None:
     return "fp32" if device == "cpu" else None
 
 
+def kept_length(ckpt_dir: Path, cfg: Config) -> Config:
+    """cfg with check.fit_length's choice of the checkpoint's run: its rollout.max_new_tokens when that run fitted
+    the length and chose more than cfg sets (a resumed run does not run the check again; without this it would go
+    on at the length the fit replaced)."""
+    stored = stored_run_config(ckpt_dir)
+    if not cfg.check.fit_length or stored is None or not stored.check.fit_length:
+        return cfg
+    chosen = stored.rollout.max_new_tokens
+    if chosen <= cfg.rollout.max_new_tokens:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=chosen))
+
+
 def stored_run_config(ckpt_dir: Path) -> Config | None:
     """The config the checkpoint's run trained with (its resolved.yaml, else config.yaml), None when it has neither."""
     stored = stored_settings_file(ckpt_dir)

@@ -26,6 +26,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ TRUNCATION_CAUSE = 0.25  # replies cut at max_new_tokens: a share this high is n
 EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is named as the cause
 ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share this high is named as the cause
 MIN_SPREAD_GROUPS = 2  # one group with a spread among many is noise (one lucky reply), not a signal to train on
+FIT_TRUNCATION = 0.10  # check.fit_length doubles rollout.max_new_tokens while at least this share of replies is cut
 
 
 class SignalCheckError(ValueError):
@@ -230,3 +232,53 @@ def check_signal(model, tokenizer, task, examples: list[Example], params: Sampli
             groups.extend(batch)
     stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
     return SignalReport(stats, verdict(stats, settings.min_spread))
+
+
+@dataclass
+class LengthFit:
+    """check.fit_length's outcome: the length cap the run trains with and the check at each cap tried."""
+
+    length: int  # rollout.max_new_tokens chosen
+    reports: list[SignalReport]  # the check at each length tried, doubling; the last one at `length`
+    stopped: str = ""  # why the length stopped rising while replies were still cut ("" when few are cut)
+    fitted: bool = True  # False: check.fit_length is off, and `reports` is the one check at the length set
+
+    @property
+    def report(self) -> SignalReport:
+        return self.reports[-1]
+
+    def lines(self) -> list[str]:
+        """The lengths tried, one line each, then the last check's report, then the choice, then the verdict."""
+        if not self.fitted:
+            return self.report.lines()
+        tried = [f"signal check: {r.stats.truncation_rate:.0%} of replies cut at rollout.max_new_tokens="
+                 f"{r.stats.max_new_tokens}: sampling again at {n} (check.fit_length)"
+                 for r, n in zip(self.reports, [r.stats.max_new_tokens for r in self.reports[1:]])]
+        start = self.reports[0].stats.max_new_tokens
+        choice = (f"check.fit_length: rollout.max_new_tokens {start} -> {self.length}" if self.length != start else
+                  f"check.fit_length: rollout.max_new_tokens stays {start}")
+        cut, seconds = self.report.stats.truncation_rate, sum(r.stats.seconds for r in self.reports)
+        choice += f" ({cut:.0%} of replies cut" + (f"; {self.stopped}" if self.stopped else "")
+        choice += f"; {len(self.reports)} checks, {seconds:.1f} s)" if len(self.reports) > 1 else ")"
+        return [*tried, *self.report.lines()[:-1], choice, self.report.lines()[-1]]
+
+
+def fit_length(check_at: Callable[[int], SignalReport], start: int, limit: int,
+               fits: Callable[[int], bool]) -> LengthFit:
+    """check.fit_length: the check at `start` new tokens, then at twice the length while FIT_TRUNCATION or more of the
+    replies are cut, never past `limit` nor a length `fits` refuses (the device's memory). Why doubling rather than
+    the replies' lengths: a cut reply's length is unknown, and a reward for a cut reply is usually 0, so replies the
+    cap cuts are lost to GRPO whatever they would have said. Never shortens: `start` is what the user set.
+    check_at(n): the signal check with replies capped at n."""
+    length, reports, stopped = start, [check_at(start)], ""
+    while reports[-1].stats.truncation_rate >= FIT_TRUNCATION:
+        longer = min(2 * length, limit)
+        if longer <= length:
+            stopped = f"check.max_new_tokens_limit={limit}"
+            break
+        if not fits(longer):
+            stopped = f"rollout.max_new_tokens={longer} would not fit the device's memory"
+            break
+        length = longer
+        reports.append(check_at(length))
+    return LengthFit(length, reports, stopped)

