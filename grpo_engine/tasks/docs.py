@@ -145,20 +145,23 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 
 | task | seed | the recipe | change | seconds | `--control random-reward` | change |
 | --- | --- | --- | --- | --- | --- | --- |
-| conversions | 0 | 15.5% -> 37.0% | **+21.5** | 475 | 15.5% -> 22.0% | +6.5 |
+| conversions | 0 | 15.5% -> 37.0% | **+21.5** | 390 | 15.5% -> 22.0% | +6.5 |
 | conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | 15.5% -> 4.5% | -11.0 |
 | conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | 15.5% -> 10.0% | -5.5 |
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
 | multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | not run | |
 | multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | not run | |
-| word problems | 0 | 7.0% -> 5.0% | -2.0 | 1136 (192 new tokens) | not run (nothing learned to control) | |
+| word problems | 0 | 7.0% -> 5.0% | -2.0 | 1090 (192 new tokens) | not run (nothing learned to control) | |
 
-The check cost 9.2 s of the 475 s conversions run (1.9%). `check.fit_length` keeps conversions and multiple choice at
-96 new tokens on seeds 0-2 (0-2% of the check's replies cut), so their runs are those of the recipe without it. It
-takes word problems from 96 to 192 (27% of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a
-spread 25%): two checks, 42.9 s (3.8% of that run). From the issue's 16 tokens it doubles four times to the recipe's
-limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256, five checks in 77.8 s (`grpo check ...
-rollout.max_new_tokens=16`).
+Seconds are the recipe's as shipped for conversions seed 0 and word problems; the other runs had
+`memory.cpu_update_mmap: true`, the recipe's setting before, which gives the same replies to the bit and took longer
+(conversions seed 0: 37.0% both ways, 475 s against 390 s; word problems: 5.0% both ways, 1136 s against 1090 s) at
+less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). The check cost 9.5 s of the 390 s conversions
+run (2.4%). `check.fit_length` keeps conversions and multiple choice at 96 new tokens on seeds 0-2 (0-2% of the
+check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27% of
+the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of that
+run). From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at
+256, five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
 Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
 coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
@@ -176,7 +179,7 @@ each seed 0 on the same host and day:
 | word problems | full fine-tuning, lr 1e-5 (the `--real` demo's) | 7.0% -> 10.0% | 905 | 70.6 -> 49.5 tokens |
 | word problems | `algorithm.overlong.filter_truncated=true` | 6.5% -> 1.0% | 657 | grew to the 96-token cap |
 | word problems | `check.fit_length=false` (96 new tokens) | 6.5% -> 3.0% | 764 | (lengths not recorded) |
-| word problems | the recipe (`check.fit_length`: 192 new tokens) | 7.0% -> 5.0% | 1136 | 89.8 -> 109.4 tokens |
+| word problems | the recipe (`check.fit_length`: 192 new tokens) | 7.0% -> 5.0% | 1090 | 89.8 -> 109.4 tokens |
 
 """
 
