@@ -79,7 +79,7 @@ def update_mmap_on(setting: str, device: torch.device) -> bool:
     the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
     Xeon, and 12.1-13.8 s of update against 9.0-9.5 s on an AMD EPYC (9.6 million page faults against 2.1 million
     over a run of three steps), for 5-7% less peak RSS (docs/memory.md). Set it where a flat peak RSS over a long
-    run is worth that time (the `--real` and `--tools` demos' recipes do).
+    run is worth that time (the `--real` demo's recipe does).
     """
     return torch.device(device).type == "cpu" and setting == "true"
 
