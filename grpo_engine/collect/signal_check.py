@@ -252,8 +252,8 @@ class LengthFit:
         if not self.fitted:
             return self.report.lines()
         tried = [f"signal check: {r.stats.truncation_rate:.0%} of replies cut at rollout.max_new_tokens="
-                 f"{r.stats.max_new_tokens}: sampling again at {n} (check.fit_length)"
-                 for r, n in zip(self.reports, [r.stats.max_new_tokens for r in self.reports[1:]])]
+                 f"{r.stats.max_new_tokens}: sampling again at {then.stats.max_new_tokens} (check.fit_length)"
+                 for r, then in zip(self.reports, self.reports[1:])]
         start = self.reports[0].stats.max_new_tokens
         choice = (f"check.fit_length: rollout.max_new_tokens {start} -> {self.length}" if self.length != start else
                   f"check.fit_length: rollout.max_new_tokens stays {start}")

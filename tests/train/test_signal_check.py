@@ -163,9 +163,12 @@ def test_fit_length_never_shortens_and_stops_at_the_limit_or_the_memory():
             in fit.lines()[-2])
 
 
-def test_fit_length_is_refused_where_the_rollout_length_is_not_the_cap():
+@pytest.mark.parametrize("other", [["curriculum.mode=semantic_entropy"],
+                                   ["tools.enabled=true", "tools.names=[calculator]"]])
+def test_fit_length_is_refused_where_the_rollout_length_is_not_the_cap(other):
     with pytest.raises(ConfigError, match="check.fit_length chooses rollout.max_new_tokens"):
-        load_config(CFG, ["check.fit_length=true", "curriculum.mode=semantic_entropy"])
+        load_config(CFG, ["check.fit_length=true", *other])
+    assert load_config(CFG, other).check.fit_length is False  # the same settings load without it
 
 
 # ----------------------------------------------------------------------------------------- on a tiny model
