@@ -97,17 +97,38 @@ def kept_precision(ckpt_dir: Path, device: str) -> str | None:
     return "fp32" if device == "cpu" else None
 
 
-def kept_length(ckpt_dir: Path, cfg: Config) -> Config:
-    """cfg with check.fit_length's choice of the checkpoint's run: its rollout.max_new_tokens when that run fitted
-    the length and chose more than cfg sets (a resumed run does not run the check again; without this it would go
-    on at the length the fit replaced)."""
+@dataclasses.dataclass(frozen=True)
+class KeptRollout:
+    """cfg with the rollout settings the signal check chose for the checkpoint's run, and which ones it took."""
+
+    cfg: Config
+    taken: tuple[str, ...] = ()  # the rollout settings taken from the checkpoint's run
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.taken)
+
+    def describe(self) -> str:
+        """'rollout.max_new_tokens 192, rollout.group_size 16': the settings taken and their values."""
+        return ", ".join(f"rollout.{k} {getattr(self.cfg.rollout, k)}" for k in self.taken)
+
+
+def kept_rollout(ckpt_dir: Path, cfg: Config) -> KeptRollout:
+    """cfg with the choices of the checkpoint's run: its rollout.max_new_tokens when it fitted the length
+    (check.fit_length) and chose more than cfg sets, its rollout.group_size and prompts_per_step when it fitted the
+    group (check.fit_group_size) and chose a larger group. A resumed run does not run the check again: without this
+    it would go on with the settings the fit replaced."""
     stored = stored_run_config(ckpt_dir)
-    if not cfg.check.fit_length or stored is None or not stored.check.fit_length:
-        return cfg
-    chosen = stored.rollout.max_new_tokens
-    if chosen <= cfg.rollout.max_new_tokens:
-        return cfg
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=chosen))
+    if stored is None:
+        return KeptRollout(cfg)
+    ours, theirs, changes = cfg.rollout, stored.rollout, {}
+    if cfg.check.fit_length and stored.check.fit_length and theirs.max_new_tokens > ours.max_new_tokens:
+        changes["max_new_tokens"] = theirs.max_new_tokens
+    if cfg.check.fit_group_size and stored.check.fit_group_size and theirs.group_size > ours.group_size:
+        changes.update(group_size=theirs.group_size, prompts_per_step=theirs.prompts_per_step)
+    if not changes:
+        return KeptRollout(cfg)
+    return KeptRollout(dataclasses.replace(cfg, rollout=dataclasses.replace(ours, **changes)), tuple(changes))
 
 
 def stored_run_config(ckpt_dir: Path) -> Config | None:

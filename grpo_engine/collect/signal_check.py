@@ -16,7 +16,8 @@ prompt stream), samples with seeds of its own (the sampler's generators are loca
 process's global random states back, so a run with the check is bit-identical to one without.
 
 Cost: `check.groups` (16 by default) prompts x G completions, sampled `rollout.prompts_per_step` prompts at a time
-(the memory of one rollout round): about two steps' generation, without any update.
+(the memory of one rollout round): about two steps' generation, without any update. check.fit_length and
+check.fit_group_size sample again at each setting they try (RolloutFit holds every check and what was chosen).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is n
 ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share this high is named as the cause
 MIN_SPREAD_GROUPS = 2  # one group with a spread among many is noise (one lucky reply), not a signal to train on
 FIT_TRUNCATION = 0.10  # check.fit_length doubles rollout.max_new_tokens while at least this share of replies is cut
+FIT_SPREAD = 1 / 3  # check.fit_group_size doubles rollout.group_size while fewer groups than this have a spread
+MIN_FIT_GROUPS = 4  # check.fit_group_size checks a larger group on as many replies, in no fewer groups than this
 
 
 class SignalCheckError(ValueError):
@@ -247,20 +250,32 @@ class LengthFit:
     def report(self) -> SignalReport:
         return self.reports[-1]
 
+    def tried(self) -> list[str]:
+        """One line per length left behind: why the check sampled again."""
+        return [f"signal check: {r.stats.truncation_rate:.0%} of replies cut at rollout.max_new_tokens="
+                f"{r.stats.max_new_tokens}: sampling again at {then.stats.max_new_tokens} (check.fit_length)"
+                for r, then in zip(self.reports, self.reports[1:])]
+
+    def choice(self) -> list[str]:
+        """The length chosen, in one line (none when check.fit_length is off)."""
+        if not self.fitted:
+            return []
+        start = self.reports[0].stats.max_new_tokens
+        line = (f"check.fit_length: rollout.max_new_tokens {start} -> {self.length}" if self.length != start else
+                f"check.fit_length: rollout.max_new_tokens stays {start}")
+        return [line + choice_detail(f"{self.report.stats.truncation_rate:.0%} of replies cut", self.stopped,
+                                     self.reports)]
+
     def lines(self) -> list[str]:
         """The lengths tried, one line each, then the last check's report, then the choice, then the verdict."""
-        if not self.fitted:
-            return self.report.lines()
-        tried = [f"signal check: {r.stats.truncation_rate:.0%} of replies cut at rollout.max_new_tokens="
-                 f"{r.stats.max_new_tokens}: sampling again at {then.stats.max_new_tokens} (check.fit_length)"
-                 for r, then in zip(self.reports, self.reports[1:])]
-        start = self.reports[0].stats.max_new_tokens
-        choice = (f"check.fit_length: rollout.max_new_tokens {start} -> {self.length}" if self.length != start else
-                  f"check.fit_length: rollout.max_new_tokens stays {start}")
-        cut, seconds = self.report.stats.truncation_rate, sum(r.stats.seconds for r in self.reports)
-        choice += f" ({cut:.0%} of replies cut" + (f"; {self.stopped}" if self.stopped else "")
-        choice += f"; {len(self.reports)} checks, {seconds:.1f} s)" if len(self.reports) > 1 else ")"
-        return [*tried, *self.report.lines()[:-1], choice, self.report.lines()[-1]]
+        return [*self.tried(), *self.report.lines()[:-1], *self.choice(), self.report.lines()[-1]]
+
+
+def choice_detail(found: str, stopped: str, reports: list[SignalReport]) -> str:
+    """' (what the last check found; why the fit stopped; how many checks and their seconds)'."""
+    detail = f" ({found}" + (f"; {stopped}" if stopped else "")
+    seconds = sum(r.stats.seconds for r in reports)
+    return detail + (f"; {len(reports)} checks, {seconds:.1f} s)" if len(reports) > 1 else ")")
 
 
 def fit_length(check_at: Callable[[int], SignalReport], start: int, limit: int,
@@ -282,3 +297,96 @@ def fit_length(check_at: Callable[[int], SignalReport], start: int, limit: int,
         length = longer
         reports.append(check_at(length))
     return LengthFit(length, reports, stopped)
+
+
+@dataclass
+class GroupFit:
+    """check.fit_group_size's outcome: the group size and prompts per step the run trains with, and the check at
+    each group size tried (the first one is the length fit's last check)."""
+
+    group_size: int  # rollout.group_size chosen
+    prompts: int  # rollout.prompts_per_step chosen: halved with each doubling, so a step samples as many replies
+    reports: list[SignalReport]
+    stopped: str = ""  # why the group size stopped rising while few groups had a spread
+
+    @property
+    def report(self) -> SignalReport:
+        """The check at the group size chosen (a larger one tried after it may have been left)."""
+        return next(r for r in reversed(self.reports) if r.stats.group_size == self.group_size)
+
+    def tried(self) -> list[str]:
+        return [f"signal check: {r.stats.spread_share:.0%} of groups with a reward spread at rollout.group_size="
+                f"{r.stats.group_size}: sampling again at {then.stats.group_size} (check.fit_group_size)"
+                for r, then in zip(self.reports, self.reports[1:])]
+
+    def choice(self) -> list[str]:
+        first = self.reports[0].stats.group_size
+        line = (f"check.fit_group_size: rollout.group_size {first} -> {self.group_size}, rollout.prompts_per_step "
+                f"-> {self.prompts}" if self.group_size != first else
+                f"check.fit_group_size: rollout.group_size stays {first}")
+        return [line + choice_detail(f"{self.report.stats.spread_share:.0%} of groups with a spread", self.stopped,
+                                     self.reports)]
+
+
+def chance_limited(s: SignalStats) -> bool:
+    """True when few groups have a spread because right (or wrong) replies are rare, which more replies per prompt
+    help, and not because of a setting they do not (rewards that fail, replies cut, answers the extractor misses)."""
+    return (s.error_rate < ERROR_CAUSE and s.truncation_rate < TRUNCATION_CAUSE
+            and (s.extracted_rate is None or s.extracted_rate >= EXTRACTION_CAUSE))
+
+
+def fit_group_size(check_at: Callable[[int, int], SignalReport], first: SignalReport, prompts: int, limit: int,
+                   ranks: int, fits: Callable[[int, int], bool]) -> GroupFit:
+    """check.fit_group_size: from `first` (the check at the run's group size and `prompts` per step), twice the
+    replies per prompt and half the prompts per step while fewer than FIT_SPREAD of the groups have a reward spread
+    and rare outcomes are why (chance_limited); the larger group is kept only when more of its groups have a spread.
+    Why: a prompt answered right with probability p gives a group of G a spread with probability 1 - p^G - (1-p)^G,
+    so where right replies are rare a larger group is what turns a prompt into signal; dynamic sampling
+    (algorithm.group_filter) redraws only a few rounds and fills a step's batch with about 1 - (1-s)^3 of its groups
+    when s of them have a spread (70% at s = 1/3). A step samples as many replies either way, so the replies GRPO
+    learns from go with s; but prompts the model never (or always) gets right stay without a spread at any size,
+    and then the larger group only halves the prompts a step learns from. Stops at `limit`, at a prompts per step
+    that cannot halve (below 1, or not shared evenly by `ranks`), and at settings `fits` refuses (the device's
+    memory). Never shrinks the group set. check_at(G, P): the check at G replies per prompt and P per step."""
+    group, reports, stopped = first.stats.group_size, [first], ""
+    while reports[-1].stats.spread_share < FIT_SPREAD and chance_limited(reports[-1].stats):
+        larger, fewer = 2 * group, prompts // 2
+        if larger > limit:
+            stopped = f"check.group_size_limit={limit}"
+            break
+        if fewer < 1 or fewer % ranks:
+            stopped = f"rollout.prompts_per_step={prompts} cannot halve"
+            break
+        if not fits(larger, fewer):
+            stopped = f"rollout.group_size={larger} would not fit the device's memory"
+            break
+        reports.append(check_at(larger, fewer))
+        before, after = reports[-2].stats.spread_share, reports[-1].stats.spread_share
+        if after <= before:
+            stopped = f"groups of {larger} had a spread no more often ({after:.0%})"
+            break
+        group, prompts = larger, fewer
+    return GroupFit(group, prompts, reports, stopped)
+
+
+@dataclass
+class RolloutFit:
+    """What the check chose for the run (check.fit_length, then check.fit_group_size at the length found) and the
+    checks it ran; with neither on, the one check at the run's settings."""
+
+    length: LengthFit
+    group: GroupFit | None = None  # None: check.fit_group_size is off
+
+    @property
+    def report(self) -> SignalReport:
+        return (self.group or self.length).report
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.length.length
+
+    def lines(self) -> list[str]:
+        """The settings tried, one line each, then the last check's report, then the choices, then the verdict."""
+        group_tried, group_choice = (self.group.tried(), self.group.choice()) if self.group else ([], [])
+        *report, verdict_line = self.report.lines()
+        return [*self.length.tried(), *group_tried, *report, *self.length.choice(), *group_choice, verdict_line]

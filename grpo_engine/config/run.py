@@ -138,11 +138,20 @@ class CheckSection:
                                      "check.max_new_tokens_limit and what the device's memory holds; the run trains "
                                      "at the length found (never shorter than set; a resumed run keeps it)")
     max_new_tokens_limit: int = option(512, "the longest rollout.max_new_tokens check.fit_length may choose")
+    fit_group_size: bool = option(False, "choose rollout.group_size from the replies (after check.fit_length): while "
+                                         "fewer than a third of the check's groups have a reward spread because right "
+                                         "(or wrong) replies are rare, sample again with twice the replies per prompt "
+                                         "and half rollout.prompts_per_step (as many replies per step), up to "
+                                         "check.group_size_limit and what the device's memory holds; the run trains "
+                                         "with the sizes found (never a smaller group than set; a resumed run keeps "
+                                         "them)")
+    group_size_limit: int = option(32, "the largest rollout.group_size check.fit_group_size may choose")
 
     def __post_init__(self) -> None:
         require(self.groups >= 1, "check.groups must be >= 1")
         require(0 <= self.min_spread <= 1, "check.min_spread must be in [0, 1]")
         require(self.max_new_tokens_limit >= 1, "check.max_new_tokens_limit must be >= 1")
+        require(self.group_size_limit >= 2, "check.group_size_limit must be >= 2")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,14 @@ holds, and the run trains at the length found. It never shortens the length set;
 what it chose, the run's checkpoints store the length, and `--resume` keeps it. Each longer check costs one more
 check at that length.
 
+With `check.fit_group_size` it then chooses `rollout.group_size` at that length: a prompt answered right with
+probability p gives a group of G replies a reward spread with probability 1 - p^G - (1-p)^G, so where right replies
+are rare a larger group is what turns a prompt into signal. While fewer than a third of the check's groups have a
+spread, and the cause is rare outcomes rather than a setting (not cut replies, missed answers or failing rewards),
+it samples again with twice the replies per prompt and half `rollout.prompts_per_step`, so a step samples as many
+replies as before, up to `check.group_size_limit` (32) and what the device's memory holds. It never shrinks the
+group; the checkpoints store both sizes and `--resume` keeps them.
+
 `grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
 reports and goes on. It costs about two steps' generation and no update, and leaves the run bit-identical. At the

@@ -24,7 +24,7 @@ from ..rollout.sampling import NonFiniteLogits
 from ..world import fail_together
 from .distributed import close_world, full_state, gathered
 from .metrics import sample_records
-from .setup import Run, StartOptions, checked_length, eval_params, run_with_length, setup_run, split_examples
+from .setup import Run, StartOptions, checked_rollout, eval_params, run_with_rollout, setup_run, split_examples
 from .step import StepRecord, group_sampler, grpo_step
 from .update import NonFiniteError
 
@@ -110,13 +110,13 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
 
 
 def before_first_step(run: Run, check: bool, held_out: bool) -> tuple[Run, EvalResult | None]:
-    """A fresh run's signal check (check and check.enabled; with check.fit_length the run comes back with the length
-    cap it chose), then its starting model on the held-out examples (held_out). On resume: the run as it is and None
-    (its starting model is the checkpoint's, its length the one the checkpoint's run chose)."""
+    """A fresh run's signal check (check and check.enabled; with check.fit_length or check.fit_group_size the run comes
+    back with the settings it chose), then its starting model on the held-out examples (held_out). On resume: the
+    run as it is and None (its starting model is the checkpoint's, its rollout settings those its run chose)."""
     if run.resumed_from is not None:
         return run, None
     if check and run.cfg.check.enabled:
-        fit = checked_length(run.cfg, run.inputs, len(run.eval_examples), run.inputs.policy.model.device)
+        fit = checked_rollout(run.cfg, run.inputs, len(run.eval_examples), run.inputs.policy.model.device)
         stop = not fit.report.verdict.ok and run.cfg.check.stop
         if run.inputs.world.is_main:  # when it stops, its verdict is the error's line
             for line in fit.lines()[: -1 if stop else None]:
@@ -124,8 +124,7 @@ def before_first_step(run: Run, check: bool, held_out: bool) -> tuple[Run, EvalR
         if stop:
             raise SignalCheckError(f"{fit.report.verdict.line()}; stopped before step 1 (to go on anyway: --no-check "
                                    f"or check.stop=false)")
-        if fit.length != run.cfg.rollout.max_new_tokens:
-            run = run_with_length(run, fit.length)
+        run = run_with_rollout(run, fit)
     return run, held_out_result(run, "the starting model") if held_out else None
 
 

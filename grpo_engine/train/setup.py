@@ -20,13 +20,22 @@ from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
-from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_length, kept_precision, warm_started
+from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_precision, kept_rollout, warm_started
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import ShuffledPrompts
-from ..collect.signal_check import CheckSettings, LengthFit, SignalReport, check_signal, fit_length
+from ..collect.signal_check import (
+    MIN_FIT_GROUPS,
+    CheckSettings,
+    LengthFit,
+    RolloutFit,
+    SignalReport,
+    check_signal,
+    fit_group_size,
+    fit_length,
+)
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
 from ..model.config import ModelConfig
@@ -112,11 +121,10 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
     kept = kept_precision(resume_dir, device.type) if resume_dir else None
-    if resume_dir and (kept_cfg := kept_length(resume_dir, cfg)) is not cfg:
-        cfg = kept_cfg
+    if resume_dir and (fitted := kept_rollout(resume_dir, cfg)).changed:
+        cfg = fitted.cfg
         if world.is_main:
-            to_stderr(f"resume: rollout.max_new_tokens {cfg.rollout.max_new_tokens}, as check.fit_length chose it for "
-                      "the run resumed")
+            to_stderr(f"resume: {fitted.describe()}, as the signal check chose for the run resumed")
     resolved = resolve_settings(cfg, device, kept)  # what this machine decides, once: later stages read only this
     saved = load_trainer_state(resume_dir) if resume_dir else None
     if saved is not None and world.is_main and nonfinite_state(saved):
@@ -242,56 +250,71 @@ def resumed_micro_tokens(saved: TrainerState | None, cfg: Config) -> int:
     return min(budget, saved.micro_tokens) if saved is not None and saved.micro_tokens > 0 else budget
 
 
-def signal_of(cfg: Config, inputs: StepInputs, max_new_tokens: int | None = None) -> SignalReport:
-    """The signal check (collect/signal_check.py) on the policy as it is now, with the run's rollout settings and
-    tools (replies capped at `max_new_tokens` instead of the rollout's, if given); `check.groups` prompts of the
-    training split, `rollout.prompts_per_step` at a time. Every rank samples the same prompts (under fsdp2 the
-    weights are gathered for it); no random state of the run moves."""
-    settings = CheckSettings(cfg.check.groups, cfg.rollout.prompts_per_step, cfg.check.min_spread,
+def signal_of(cfg: Config, inputs: StepInputs, groups: int | None = None) -> SignalReport:
+    """The signal check (collect/signal_check.py) on the policy as it is now, with cfg's rollout settings (its
+    length cap and group size, which a fit may have changed from the run's) and the run's tools; `groups` prompts
+    (check.groups unless given) of the training split, `rollout.prompts_per_step` at a time. Every rank samples the
+    same prompts (under fsdp2 the weights are gathered for it); no random state of the run moves."""
+    r = cfg.rollout
+    settings = CheckSettings(groups or cfg.check.groups, r.prompts_per_step, cfg.check.min_spread,
                              cfg.algorithm.advantage.zero_variance_tol)
-    policy, params = inputs.policy, inputs.params
-    params = replace(params, max_new_tokens=max_new_tokens) if max_new_tokens else params
+    policy, params = inputs.policy, replace(inputs.params, n=r.group_size, max_new_tokens=r.max_new_tokens)
     with policy.rollout_weights(), gathered(policy.model, inputs.world):
         return check_signal(policy.model, inputs.tokenizer, inputs.task, inputs.examples, params, settings,
-                            seed=cfg.seed, max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-                            sample_groups=group_sampler(cfg))
+                            seed=cfg.seed, max_prompt_tokens=r.max_prompt_tokens, sample_groups=group_sampler(cfg))
 
 
-def checked_length(cfg: Config, inputs: StepInputs, eval_rows: int, device: torch.device) -> LengthFit:
-    """The signal check at rollout.max_new_tokens; with check.fit_length, at the longer caps it leads to
-    (collect/signal_check.py fit_length), each one planned against the device's memory first (check_sizes)."""
-    start = cfg.rollout.max_new_tokens
-    if not cfg.check.fit_length:
-        return LengthFit(start, [signal_of(cfg, inputs)], fitted=False)
-
-    def fits(n: int) -> bool:
+def checked_rollout(cfg: Config, inputs: StepInputs, eval_rows: int, device: torch.device) -> RolloutFit:
+    """The signal check at the run's rollout settings; with check.fit_length, at the longer caps it leads to
+    (collect/signal_check.py fit_length), then with check.fit_group_size at the larger groups (fit_group_size), each
+    setting planned against the device's memory first (check_sizes)."""
+    def fits(**changes) -> bool:
         try:
-            check_sizes(with_max_new_tokens(cfg, n), eval_rows, device)
+            check_sizes(with_rollout(cfg, **changes), eval_rows, device)
         except ConfigError:
             return False
         return True
 
-    return fit_length(lambda n: signal_of(cfg, inputs, n), start, cfg.check.max_new_tokens_limit, fits)
+    c = cfg.check
+    if c.fit_length:
+        length = fit_length(lambda n: signal_of(with_rollout(cfg, max_new_tokens=n), inputs),
+                            cfg.rollout.max_new_tokens, c.max_new_tokens_limit, lambda n: fits(max_new_tokens=n))
+    else:
+        length = LengthFit(cfg.rollout.max_new_tokens, [signal_of(cfg, inputs)], fitted=False)
+    if not c.fit_group_size:
+        return RolloutFit(length)
+    cfg, replies = with_rollout(cfg, max_new_tokens=length.length), c.groups * cfg.rollout.group_size
+    at = lambda g, p: dict(group_size=g, prompts_per_step=p)  # noqa: E731
+    # each larger group is checked on as many replies as the first check, in fewer groups (at least MIN_FIT_GROUPS)
+    larger = lambda g, p: signal_of(with_rollout(cfg, **at(g, p)), inputs, max(MIN_FIT_GROUPS, replies // g))  # noqa: E731
+    group = fit_group_size(larger, length.report, cfg.rollout.prompts_per_step, c.group_size_limit,
+                           inputs.world.size, lambda g, p: fits(max_new_tokens=length.length, **at(g, p)))
+    return RolloutFit(length, group)
 
 
-def with_max_new_tokens(cfg: Config, n: int) -> Config:
-    return replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=n))
+def with_rollout(cfg: Config, **changes) -> Config:
+    """cfg with the rollout settings `changes` (max_new_tokens, group_size, prompts_per_step) replaced."""
+    return replace(cfg, rollout=replace(cfg.rollout, **changes))
 
 
-def run_with_length(run: Run, n: int) -> Run:
-    """`run` with replies capped at n new tokens from step 1 on: its config (stored with every checkpoint, so a
-    resume keeps n), the rollout's sampling and the settings derived from the config (the loss's length
+def run_with_rollout(run: Run, fit: RolloutFit) -> Run:
+    """`run` with the rollout settings the check chose from step 1 on: its config (stored with every checkpoint, so
+    a resume keeps them), the rollout's sampling and the settings derived from the config (the loss's length
     normaliser, overlong shaping: StepInputs rebuilds them)."""
-    cfg = with_max_new_tokens(run.cfg, n)
-    inputs = replace(run.inputs, cfg=cfg, params=replace(run.inputs.params, max_new_tokens=n))
+    changes = {"max_new_tokens": fit.max_new_tokens}
+    if fit.group is not None:
+        changes.update(group_size=fit.group.group_size, prompts_per_step=fit.group.prompts)
+    cfg = with_rollout(run.cfg, **changes)
+    params = replace(run.inputs.params, n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens)
+    inputs = replace(run.inputs, cfg=cfg, params=params)
     resolved = replace(run.resolved, config=cfg) if run.resolved is not None else None
     return replace(run, cfg=cfg, inputs=inputs, resolved=resolved)
 
 
-def check_config(cfg: Config) -> LengthFit:
+def check_config(cfg: Config) -> RolloutFit:
     """`grpo check CONFIG`: the signal check of the model at model.path with the config's settings, as `grpo train`
-    runs it before step 1 (with check.fit_length, at each length it tries), without a run directory. A config with a
-    warm start is checked by `grpo train` after it."""
+    runs it before step 1 (with check.fit_length or check.fit_group_size, at each setting it tries), without a run
+    directory. A config with a warm start is checked by `grpo train` after it."""
     if warm_started(cfg):
         raise ConfigError("grpo check samples model.path as it is, but this config warm-starts (warm_start.*): "
                           "`grpo train` runs the check after the warm start (check.enabled, --no-check)")
@@ -308,7 +331,7 @@ def check_config(cfg: Config) -> LengthFit:
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
     eval_rows = len(split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples]) if cfg.eval.every else 0
-    return checked_length(cfg, inputs, eval_rows, resolved.device)
+    return checked_rollout(cfg, inputs, eval_rows, resolved.device)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -60,3 +60,14 @@ def sigterm_rank_1_in_step_2(example, completion: str) -> float:
     if os.environ.get("RANK") == "1" and _calls["n"] == 9:
         os.kill(os.getpid(), signal.SIGTERM)
     return even_bytes(example, completion)
+
+
+def rare_checksum(example, completion: str):
+    """Correct for about one completion in eight (a checksum of its text): rare, so few small groups have a spread
+    (check.fit_group_size has a reason to grow them)."""
+    import zlib
+
+    from grpo_engine.tasks.base import RewardResult
+
+    correct = float(zlib.crc32(completion.encode()) % 8 == 0)
+    return RewardResult(correct, {"answer": correct}, completion[:1] or None)

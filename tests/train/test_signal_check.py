@@ -14,8 +14,12 @@ from test_e2e import CFG, VOLATILE, _metrics, custom_task_config
 from grpo_engine.cli import main
 from grpo_engine.collect.groups import Group
 from grpo_engine.collect.signal_check import (
+    FIT_SPREAD,
+    LengthFit,
+    RolloutFit,
     SignalReport,
     SignalStats,
+    fit_group_size,
     fit_length,
     rng_untouched,
     signal_stats,
@@ -171,6 +175,80 @@ def test_fit_length_is_refused_where_the_rollout_length_is_not_the_cap(other):
     assert load_config(CFG, other).check.fit_length is False  # the same settings load without it
 
 
+# --------------------------------------------------------------------------- check.fit_group_size, synthetic
+def spread_by_group(spread: dict[int, float], **kw):
+    """A check whose groups of G replies have a spread in the share spread[G]; records the (G, P) it was run at."""
+    asked = []
+
+    def check_at(g: int, p: int) -> SignalReport:
+        asked.append((g, p))
+        s = stats(group_size=g, spread_share=spread[g], accuracy=0.02, **kw)
+        return SignalReport(s, verdict(s))
+
+    return check_at, asked
+
+
+def test_fit_group_size_doubles_the_group_and_halves_the_prompts_while_under_a_third_spread():
+    # word problems at 192 tokens: 4.7% correct; a group of G has a spread with probability 1 - p^G - (1-p)^G
+    p = 0.047
+    spread = {g: 1 - p**g - (1 - p) ** g for g in (8, 16, 32, 64)}
+    assert spread[8] < FIT_SPREAD <= spread[16]  # 0.32, then 0.54
+    check_at, asked = spread_by_group(spread)
+    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)
+    assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts, fit.stopped) == (16, 4, "")
+    assert fit.tried() == ["signal check: 32% of groups with a reward spread at rollout.group_size=8: sampling "
+                           "again at 16 (check.fit_group_size)"]
+    assert fit.choice() == ["check.fit_group_size: rollout.group_size 8 -> 16, rollout.prompts_per_step -> 4 (54% of "
+                            "groups with a spread; 2 checks, 0.0 s)"]
+
+
+def test_fit_group_size_stops_at_the_limit_the_prompts_the_ranks_or_the_memory():
+    rare = {g: 0.05 * g / 4 for g in (4, 8, 16, 32)}  # under a third up to G = 16
+    for prompts, limit, ranks, fits, want, stopped in [
+            (8, 32, 1, lambda g, p: True, (32, 1), ""),  # 32: 0.4
+            (8, 16, 1, lambda g, p: True, (16, 2), "check.group_size_limit=16"),
+            (2, 32, 1, lambda g, p: True, (8, 1), "rollout.prompts_per_step=1 cannot halve"),
+            (8, 32, 4, lambda g, p: True, (8, 4), "rollout.prompts_per_step=4 cannot halve"),  # 2 prompts, 4 ranks
+            (8, 32, 1, lambda g, p: g <= 8, (8, 4), "rollout.group_size=16 would not fit the device's memory")]:
+        check_at, asked = spread_by_group(rare)
+        fit = fit_group_size(check_at, check_at(4, prompts), prompts, limit, ranks, fits)
+        assert ((fit.group_size, fit.prompts), fit.stopped) == (want, stopped)
+        assert asked[-1] == want and all(g * p == 4 * prompts for g, p in asked)  # as many replies per step
+
+
+def test_fit_group_size_keeps_the_smaller_group_when_the_larger_has_no_more_spread():
+    # word problems, seed 0: 25% at 8 and at 16 (prompts it never gets right stay so): 16 would only halve the prompts
+    check_at, asked = spread_by_group({8: 0.25, 16: 0.25})
+    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)
+    assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts) == (8, 8)
+    assert fit.report is fit.reports[0] and fit.stopped == "groups of 16 had a spread no more often (25%)"
+    assert fit.choice()[0].startswith("check.fit_group_size: rollout.group_size stays 8 (25% of groups with a spread; "
+                                      "groups of 16 had a spread no more often (25%); 2 checks")
+
+
+@pytest.mark.parametrize("setting", [dict(truncation_rate=0.5), dict(extracted_rate=0.2), dict(error_rate=0.6)])
+def test_fit_group_size_leaves_a_spread_missing_for_a_setting_and_a_spread_present_alone(setting):
+    check_at, asked = spread_by_group({8: 0.1, 16: 0.2}, **setting)
+    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)  # more replies would not help
+    assert (asked, fit.group_size, fit.prompts) == ([(8, 8)], 8, 8)
+    assert fit.choice()[0] == "check.fit_group_size: rollout.group_size stays 8 (10% of groups with a spread)"
+    check_at, asked = spread_by_group({8: 0.375})  # conversions: 37.5%
+    assert fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True).group_size == 8
+
+
+def test_rollout_fit_reads_the_length_then_the_group():
+    check_at, _ = spread_by_group({8: 0.1, 16: 0.4})
+    first = check_at(8, 8)
+    length = LengthFit(96, [first], fitted=False)
+    both = RolloutFit(length, fit_group_size(check_at, first, 8, 32, 1, lambda g, p: True))
+    lines = both.lines()
+    assert lines[0].startswith("signal check: 10% of groups with a reward spread at rollout.group_size=8")
+    assert lines[1] == "signal check: 16 prompts x 16 replies with the rollout's settings (0.0 s)"  # the last check
+    assert lines[-2].startswith("check.fit_group_size: rollout.group_size 8 -> 16")
+    assert lines[-1] == both.report.verdict.line() and both.report is both.group.reports[-1]
+    assert RolloutFit(length).lines() == first.lines()  # neither fit: the one check's report
+
+
 # ----------------------------------------------------------------------------------------- on a tiny model
 def test_a_truncating_length_stops_grpo_train_before_step_1(tmp_path, tiny_ckpt, capsys):
     run_dir = tmp_path / "r"
@@ -269,7 +347,38 @@ def test_fit_length_trains_at_the_length_found_and_a_resume_keeps_it(tmp_path, t
     capsys.readouterr()
     assert main(["train", CFG, *[f for f in fitted if f != "schedule.steps=2"], "schedule.steps=3", "--resume"]) == 0
     err = capsys.readouterr().err
-    assert "resume: rollout.max_new_tokens 8, as check.fit_length chose it" in err
-    assert "rollout.max_new_tokens 8 -> 2" not in err and "signal check" not in err
+    assert "resume: rollout.max_new_tokens 8, as the signal check chose for the run resumed" in err
+    assert "rollout.max_new_tokens 8 -> 2" not in err and "signal check:" not in err  # no check again
     resumed = yaml.safe_load((tmp_path / "a/checkpoints/step-000003/config.yaml").read_text())
     assert resumed["rollout"]["max_new_tokens"] == 8
+
+
+def test_fit_group_size_trains_with_the_sizes_found_and_a_resume_keeps_them(tmp_path, tiny_ckpt, monkeypatch,
+                                                                           capsys):
+    """A reward one reply in eight earns: 25% of the check's groups of 2 differ, 50% of its groups of 4 (on as many
+    replies), so the fit doubles to 4 (the limit) with 1 prompt per step, and the run is the run with those sizes set, bit for bit; --resume keeps
+    them."""
+    custom = yaml.safe_load(Path(custom_task_config(tmp_path, monkeypatch)).read_text())
+    custom["task"]["options"]["reward_fn"] = "reward_fns:rare_checksum"  # replies end at their first broken
+    # byte (U+FFFD, which most of the random model's replies hold), so they are not cut and rarity is the cause
+    (tmp_path / "rare.yaml").write_text(yaml.safe_dump(custom))
+    over = [str(tmp_path / "rare.yaml"), f"model.path={tiny_ckpt}", "schedule.steps=2", "check.stop=false",
+            "check.groups=8", "rollout.max_new_tokens=4", "algorithm.mu=1", "rollout.stop_strings=[\ufffd]"]
+    fitted = [*over, f"run_dir={tmp_path / 'a'}", "rollout.prompts_per_step=2", "rollout.group_size=2",
+              "check.fit_group_size=true", "check.group_size_limit=4"]
+    assert main(["train", *fitted]) == 0
+    out = "".join(capsys.readouterr())
+    assert "at rollout.group_size=2: sampling again at 4 (check.fit_group_size)" in out
+    assert "check.fit_group_size: rollout.group_size 2 -> 4, rollout.prompts_per_step -> 1 (" in out
+    set_by_hand = [*over, f"run_dir={tmp_path / 'b'}", "rollout.prompts_per_step=1", "rollout.group_size=4"]
+    assert main(["train", *set_by_hand, "--no-check"]) == 0
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows]  # noqa: E731
+    assert strip(_metrics(tmp_path / "a")) == strip(_metrics(tmp_path / "b"))
+    stored = yaml.safe_load((tmp_path / "a/checkpoints/step-000002/config.yaml").read_text())["rollout"]
+    assert (stored["group_size"], stored["prompts_per_step"]) == (4, 1)
+    capsys.readouterr()
+    assert main(["train", *[f for f in fitted if f != "schedule.steps=2"], "schedule.steps=3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: rollout.group_size 4, rollout.prompts_per_step 1, as the signal check chose" in err
+    resumed = yaml.safe_load((tmp_path / "a/checkpoints/step-000003/config.yaml").read_text())["rollout"]
+    assert (resumed["group_size"], resumed["prompts_per_step"]) == (4, 1)
