@@ -75,8 +75,10 @@ probability p gives a group of G replies a reward spread with probability 1 - p^
 are rare a larger group is what turns a prompt into signal. While fewer than a third of the check's groups have a
 spread, and the cause is rare outcomes rather than a setting (not cut replies, missed answers or failing rewards),
 it samples again with twice the replies per prompt and half `rollout.prompts_per_step`, so a step samples as many
-replies as before, up to `check.group_size_limit` (32) and what the device's memory holds. It never shrinks the
-group; the checkpoints store both sizes and `--resume` keeps them.
+replies as before, up to `check.group_size_limit` (32) and what the device's memory holds. Each larger group is
+checked on as many replies as the first check, and kept only when more of its groups have a spread: prompts the
+model never gets right stay without one at any size, and a larger group would only halve the prompts a step learns
+from. It never shrinks the group; the checkpoints store both sizes and `--resume` keeps them.
 
 `grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`

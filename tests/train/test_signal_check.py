@@ -356,8 +356,8 @@ def test_fit_length_trains_at_the_length_found_and_a_resume_keeps_it(tmp_path, t
 def test_fit_group_size_trains_with_the_sizes_found_and_a_resume_keeps_them(tmp_path, tiny_ckpt, monkeypatch,
                                                                            capsys):
     """A reward one reply in eight earns: 25% of the check's groups of 2 differ, 50% of its groups of 4 (on as many
-    replies), so the fit doubles to 4 (the limit) with 1 prompt per step, and the run is the run with those sizes set, bit for bit; --resume keeps
-    them."""
+    replies), so the fit doubles to 4 (the limit) with 1 prompt per step, and the run is the run with those sizes
+    set, bit for bit; --resume keeps them."""
     custom = yaml.safe_load(Path(custom_task_config(tmp_path, monkeypatch)).read_text())
     custom["task"]["options"]["reward_fn"] = "reward_fns:rare_checksum"  # replies end at their first broken
     # byte (U+FFFD, which most of the random model's replies hold), so they are not cut and rarity is the cause
