@@ -71,6 +71,15 @@ class Group:
     def totals(self) -> list[float]:
         return [r.total for r in self.rewards]
 
+    def joined(self, more: Group) -> Group:
+        """This group with `more`'s completions of the same prompt after its own (a larger group, without sampling
+        again the completions it has)."""
+        both = lambda a, b: None if a is None or b is None else a + b  # noqa: E731
+        return Group(self.example, self.prompt_text, self.prompt_ids, self.completion_ids + more.completion_ids,
+                     self.logprobs + more.logprobs, self.finish_reasons + more.finish_reasons,
+                     self.texts + more.texts, self.rewards + more.rewards, both(self.loss_masks, more.loss_masks),
+                     both(self.trajectory_metrics, more.trajectory_metrics))
+
 
 # The sampler's call (rollout.generate): generate(model, prompt_ids, params, seed=..., tokenizer=...)
 Generate = Callable[..., GenerationOutput]

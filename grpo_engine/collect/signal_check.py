@@ -28,7 +28,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share th
 MIN_SPREAD_GROUPS = 2  # one group with a spread among many is noise (one lucky reply), not a signal to train on
 FIT_TRUNCATION = 0.10  # check.fit_length doubles rollout.max_new_tokens while at least this share of replies is cut
 FIT_SPREAD = 1 / 3  # check.fit_group_size doubles rollout.group_size while fewer groups than this have a spread
-MIN_FIT_GROUPS = 4  # check.fit_group_size checks a larger group on as many replies, in no fewer groups than this
+MIN_FIT_GROUPS = 4  # check.fit_group_size grows half the groups of the check before, and no fewer than this
 
 
 class SignalCheckError(ValueError):
@@ -189,6 +189,7 @@ def extractor_misses_finished_replies(s: SignalStats) -> bool:
 class SignalReport:
     stats: SignalStats
     verdict: Verdict
+    groups: list[Group] = field(default_factory=list, repr=False)  # the groups sampled (grow_groups extends them)
 
     def lines(self) -> list[str]:
         """The report as a person reads it, verdict last."""
@@ -234,7 +235,29 @@ def check_signal(model, tokenizer, task, examples: list[Example], params: Sampli
                                      max_prompt_tokens)
             groups.extend(batch)
     stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
-    return SignalReport(stats, verdict(stats, settings.min_spread))
+    return SignalReport(stats, verdict(stats, settings.min_spread), groups)
+
+
+def grow_groups(model, tokenizer, task, previous: SignalReport, params: SamplingParams, settings: CheckSettings,
+                *, seed: int, max_prompt_tokens: int | None,
+                sample_groups: GroupSampler = generate_groups) -> SignalReport:
+    """The check at params.n replies per prompt on the first `settings.groups` of `previous`'s groups, each grown
+    by the replies it lacks: half the sampling of a check at params.n from scratch on as many replies, for the same
+    answer (a group of 2G is any G replies of a prompt and G more). The new replies have seeds of their own (round
+    params.n of step 0); the process's random states are left as they were."""
+    kept = previous.groups[: settings.groups]
+    have = len(kept[0].rewards)
+    more = replace(params, n=params.n - have)
+    t0, groups = time.perf_counter(), []
+    with rng_untouched():
+        for start in range(0, len(kept), settings.batch):
+            part = kept[start : start + settings.batch]
+            seeds = [prompt_seed(seed, 0, params.n, start + i) for i in range(len(part))]
+            extra, _ = sample_groups(model, tokenizer, task, [g.example for g in part], more, seeds,
+                                     max_prompt_tokens)
+            groups.extend(g.joined(e) for g, e in zip(part, extra))
+    stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
+    return SignalReport(stats, verdict(stats, settings.min_spread), groups)
 
 
 @dataclass
@@ -335,8 +358,8 @@ def chance_limited(s: SignalStats) -> bool:
             and (s.extracted_rate is None or s.extracted_rate >= EXTRACTION_CAUSE))
 
 
-def fit_group_size(check_at: Callable[[int, int], SignalReport], first: SignalReport, prompts: int, limit: int,
-                   ranks: int, fits: Callable[[int, int], bool]) -> GroupFit:
+def fit_group_size(grow: Callable[[SignalReport, int], SignalReport], first: SignalReport, prompts: int,
+                   limit: int, ranks: int, fits: Callable[[int, int], bool]) -> GroupFit:
     """check.fit_group_size: from `first` (the check at the run's group size and `prompts` per step), twice the
     replies per prompt and half the prompts per step while fewer than FIT_SPREAD of the groups have a reward spread
     and rare outcomes are why (chance_limited); the larger group is kept only when more of its groups have a spread.
@@ -347,7 +370,8 @@ def fit_group_size(check_at: Callable[[int, int], SignalReport], first: SignalRe
     learns from go with s; but prompts the model never (or always) gets right stay without a spread at any size,
     and then the larger group only halves the prompts a step learns from. Stops at `limit`, at a prompts per step
     that cannot halve (below 1, or not shared evenly by `ranks`), and at settings `fits` refuses (the device's
-    memory). Never shrinks the group set. check_at(G, P): the check at G replies per prompt and P per step."""
+    memory). Never shrinks the group set. grow(report, P): the check at twice report's group size and P prompts
+    per step (grow_groups: report's groups, grown)."""
     group, reports, stopped = first.stats.group_size, [first], ""
     while reports[-1].stats.spread_share < FIT_SPREAD and chance_limited(reports[-1].stats):
         larger, fewer = 2 * group, prompts // 2
@@ -360,7 +384,7 @@ def fit_group_size(check_at: Callable[[int, int], SignalReport], first: SignalRe
         if not fits(larger, fewer):
             stopped = f"rollout.group_size={larger} would not fit the device's memory"
             break
-        reports.append(check_at(larger, fewer))
+        reports.append(grow(reports[-1], fewer))
         before, after = reports[-2].stats.spread_share, reports[-1].stats.spread_share
         if after <= before:
             stopped = f"groups of {larger} had a spread no more often ({after:.0%})"

@@ -76,9 +76,9 @@ are rare a larger group is what turns a prompt into signal. While fewer than a t
 spread, and the cause is rare outcomes rather than a setting (not cut replies, missed answers or failing rewards),
 it samples again with twice the replies per prompt and half `rollout.prompts_per_step`, so a step samples as many
 replies as before, up to `check.group_size_limit` (32) and what the device's memory holds. Each larger group is
-checked on as many replies as the first check, and kept only when more of its groups have a spread: prompts the
-model never gets right stay without one at any size, and a larger group would only halve the prompts a step learns
-from. It never shrinks the group; the checkpoints store both sizes and `--resume` keeps them.
+checked on half the groups of the check before it, each grown by the replies it lacks (half the sampling of a new
+check), and kept only when more of its groups have a spread: prompts the model never gets right stay without one
+at any size, and a larger group would only halve the prompts a step learns from. It never shrinks the group; the checkpoints store both sizes and `--resume` keeps them.
 
 `grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
@@ -159,8 +159,8 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | 15.5% -> 4.5% | -11.0 |
 | conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | 15.5% -> 10.0% | -5.5 |
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
-| multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | not run | |
-| multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | not run | |
+| multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | 19.0% -> 21.0% (320 s) | +2.0 |
+| multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | 19.0% -> 29.0% (214 s) | +10.0 |
 | word problems | 0 | 7.0% -> 5.0% | -2.0 | 1090 (192 new tokens) | not run (nothing learned to control) | |
 
 Seconds are the recipe's as shipped for conversions seed 0 and word problems; the other runs had
@@ -173,11 +173,29 @@ the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%
 run). From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at
 256, five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
+`check.fit_group_size` (`grpo check configs/own_task.yaml ... seed=N`, the same host and day; the spread at the
+larger group measured on 8 prompts x 16 replies, as many as the first check's 16 x 8; "-": not tried, a third or
+more of the groups had a spread at 8; seconds: the two checks at 8 and 16; word problems at the 192 new tokens
+`check.fit_length` chose, 256 on seed 2, which then trains with 16 replies for 4 prompts per step):
+
+| task | seed | groups with a spread at 8 | at 16 | chosen | its checks |
+| --- | --- | --- | --- | --- | --- |
+| conversions | 0 / 1 / 2 | 25% / 25% / 44% | 25% / 25% / - | 8 on every seed | 22.5 / 14.2 s / - |
+| multiple choice | 0 / 1 / 2 | 62% / 56% / 44% | - | 8 on every seed | - |
+| word problems | 0 / 1 / 2 | 25% / 38% / 25% | 25% / - / 38% | 8, 8, **16** | 51.3 / - / 60.8 s |
+
+So the seeds 0-2 runs of conversions and multiple choice in the table above are the recipe's runs with it, bit for
+bit (the check moves no random state). The larger group was kept once, on word problems seed 2: the row "the
+recipe with `check.fit_group_size`" below. Where 16 replies per prompt made no more groups differ, the spread
+comes from which prompts the model can solve rather than from how often each is sampled, and a larger group would
+only have halved the prompts a step learns from.
+
 Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
 coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
-(its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not: both end at
-29.0%, because both teach the model to reply with a bare letter (10.5 -> 5.2 and 2.0 tokens), and a bare letter
-scores at chance where the starting model's replies that list the options and pick none score nothing. The word
+(its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not (+10.0 / +6.5
+/ +10.0 against +10.0 / +2.0 / +10.0): both teach the model to reply with a bare letter (seed 0: 10.5 -> 5.2 and
+2.0 tokens), and a bare letter scores at chance where the starting model's replies that list the options and pick
+none score nothing. The word
 problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies whose
 reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 =
 14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on them,

@@ -35,6 +35,7 @@ from ..collect.signal_check import (
     check_signal,
     fit_group_size,
     fit_length,
+    grow_groups,
 )
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
@@ -250,18 +251,22 @@ def resumed_micro_tokens(saved: TrainerState | None, cfg: Config) -> int:
     return min(budget, saved.micro_tokens) if saved is not None and saved.micro_tokens > 0 else budget
 
 
-def signal_of(cfg: Config, inputs: StepInputs, groups: int | None = None) -> SignalReport:
+def signal_of(cfg: Config, inputs: StepInputs, grow: SignalReport | None = None) -> SignalReport:
     """The signal check (collect/signal_check.py) on the policy as it is now, with cfg's rollout settings (its
-    length cap and group size, which a fit may have changed from the run's) and the run's tools; `groups` prompts
-    (check.groups unless given) of the training split, `rollout.prompts_per_step` at a time. Every rank samples the
+    length cap and group size, which a fit may have changed from the run's) and the run's tools; `check.groups`
+    prompts of the training split, `rollout.prompts_per_step` at a time. grow: a check at a smaller group size whose
+    groups to grow to cfg's (half of them, MIN_FIT_GROUPS at least) instead of sampling anew. Every rank samples the
     same prompts (under fsdp2 the weights are gathered for it); no random state of the run moves."""
     r = cfg.rollout
-    settings = CheckSettings(groups or cfg.check.groups, r.prompts_per_step, cfg.check.min_spread,
+    groups = cfg.check.groups if grow is None else min(len(grow.groups), max(MIN_FIT_GROUPS, len(grow.groups) // 2))
+    settings = CheckSettings(groups, r.prompts_per_step, cfg.check.min_spread,
                              cfg.algorithm.advantage.zero_variance_tol)
     policy, params = inputs.policy, replace(inputs.params, n=r.group_size, max_new_tokens=r.max_new_tokens)
+    sampled = inputs.examples if grow is None else grow  # the training split, or the groups to grow
+    check = check_signal if grow is None else grow_groups
     with policy.rollout_weights(), gathered(policy.model, inputs.world):
-        return check_signal(policy.model, inputs.tokenizer, inputs.task, inputs.examples, params, settings,
-                            seed=cfg.seed, max_prompt_tokens=r.max_prompt_tokens, sample_groups=group_sampler(cfg))
+        return check(policy.model, inputs.tokenizer, inputs.task, sampled, params, settings, seed=cfg.seed,
+                     max_prompt_tokens=r.max_prompt_tokens, sample_groups=group_sampler(cfg))
 
 
 def checked_rollout(cfg: Config, inputs: StepInputs, eval_rows: int, device: torch.device) -> RolloutFit:
@@ -283,12 +288,13 @@ def checked_rollout(cfg: Config, inputs: StepInputs, eval_rows: int, device: tor
         length = LengthFit(cfg.rollout.max_new_tokens, [signal_of(cfg, inputs)], fitted=False)
     if not c.fit_group_size:
         return RolloutFit(length)
-    cfg, replies = with_rollout(cfg, max_new_tokens=length.length), c.groups * cfg.rollout.group_size
-    at = lambda g, p: dict(group_size=g, prompts_per_step=p)  # noqa: E731
-    # each larger group is checked on as many replies as the first check, in fewer groups (at least MIN_FIT_GROUPS)
-    larger = lambda g, p: signal_of(with_rollout(cfg, **at(g, p)), inputs, max(MIN_FIT_GROUPS, replies // g))  # noqa: E731
-    group = fit_group_size(larger, length.report, cfg.rollout.prompts_per_step, c.group_size_limit,
-                           inputs.world.size, lambda g, p: fits(max_new_tokens=length.length, **at(g, p)))
+    cfg = with_rollout(cfg, max_new_tokens=length.length)
+
+    def grow(report: SignalReport, p: int) -> SignalReport:
+        return signal_of(with_rollout(cfg, group_size=2 * report.stats.group_size, prompts_per_step=p), inputs, report)
+
+    group = fit_group_size(grow, length.report, cfg.rollout.prompts_per_step, c.group_size_limit, inputs.world.size,
+                           lambda g, p: fits(max_new_tokens=length.length, group_size=g, prompts_per_step=p))
     return RolloutFit(length, group)
 
 

@@ -12,21 +12,24 @@ import yaml
 from test_e2e import CFG, VOLATILE, _metrics, custom_task_config
 
 from grpo_engine.cli import main
-from grpo_engine.collect.groups import Group
+from grpo_engine.collect.groups import Group, prompt_seed
 from grpo_engine.collect.signal_check import (
     FIT_SPREAD,
+    CheckSettings,
     LengthFit,
     RolloutFit,
     SignalReport,
     SignalStats,
     fit_group_size,
     fit_length,
+    grow_groups,
     rng_untouched,
     signal_stats,
     verdict,
 )
 from grpo_engine.config import ConfigError, load_config
 from grpo_engine.model.loading import load_model
+from grpo_engine.rollout import SamplingParams
 from grpo_engine.tasks.base import Example, RewardResult
 from grpo_engine.train.loop import train
 
@@ -177,7 +180,8 @@ def test_fit_length_is_refused_where_the_rollout_length_is_not_the_cap(other):
 
 # --------------------------------------------------------------------------- check.fit_group_size, synthetic
 def spread_by_group(spread: dict[int, float], **kw):
-    """A check whose groups of G replies have a spread in the share spread[G]; records the (G, P) it was run at."""
+    """A check whose groups of G replies have a spread in the share spread[G]; records the (G, P) it was run at.
+    check_at(g, p) is the check at g; grow(report, p) the check at twice report's group size."""
     asked = []
 
     def check_at(g: int, p: int) -> SignalReport:
@@ -185,6 +189,7 @@ def spread_by_group(spread: dict[int, float], **kw):
         s = stats(group_size=g, spread_share=spread[g], accuracy=0.02, **kw)
         return SignalReport(s, verdict(s))
 
+    check_at.grow = lambda report, p: check_at(2 * report.stats.group_size, p)
     return check_at, asked
 
 
@@ -194,7 +199,7 @@ def test_fit_group_size_doubles_the_group_and_halves_the_prompts_while_under_a_t
     spread = {g: 1 - p**g - (1 - p) ** g for g in (8, 16, 32, 64)}
     assert spread[8] < FIT_SPREAD <= spread[16]  # 0.32, then 0.54
     check_at, asked = spread_by_group(spread)
-    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)
+    fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)
     assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts, fit.stopped) == (16, 4, "")
     assert fit.tried() == ["signal check: 32% of groups with a reward spread at rollout.group_size=8: sampling "
                            "again at 16 (check.fit_group_size)"]
@@ -211,7 +216,7 @@ def test_fit_group_size_stops_at_the_limit_the_prompts_the_ranks_or_the_memory()
             (8, 32, 4, lambda g, p: True, (8, 4), "rollout.prompts_per_step=4 cannot halve"),  # 2 prompts, 4 ranks
             (8, 32, 1, lambda g, p: g <= 8, (8, 4), "rollout.group_size=16 would not fit the device's memory")]:
         check_at, asked = spread_by_group(rare)
-        fit = fit_group_size(check_at, check_at(4, prompts), prompts, limit, ranks, fits)
+        fit = fit_group_size(check_at.grow, check_at(4, prompts), prompts, limit, ranks, fits)
         assert ((fit.group_size, fit.prompts), fit.stopped) == (want, stopped)
         assert asked[-1] == want and all(g * p == 4 * prompts for g, p in asked)  # as many replies per step
 
@@ -219,7 +224,7 @@ def test_fit_group_size_stops_at_the_limit_the_prompts_the_ranks_or_the_memory()
 def test_fit_group_size_keeps_the_smaller_group_when_the_larger_has_no_more_spread():
     # word problems, seed 0: 25% at 8 and at 16 (prompts it never gets right stay so): 16 would only halve the prompts
     check_at, asked = spread_by_group({8: 0.25, 16: 0.25})
-    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)
+    fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)
     assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts) == (8, 8)
     assert fit.report is fit.reports[0] and fit.stopped == "groups of 16 had a spread no more often (25%)"
     assert fit.choice()[0].startswith("check.fit_group_size: rollout.group_size stays 8 (25% of groups with a spread; "
@@ -229,18 +234,43 @@ def test_fit_group_size_keeps_the_smaller_group_when_the_larger_has_no_more_spre
 @pytest.mark.parametrize("setting", [dict(truncation_rate=0.5), dict(extracted_rate=0.2), dict(error_rate=0.6)])
 def test_fit_group_size_leaves_a_spread_missing_for_a_setting_and_a_spread_present_alone(setting):
     check_at, asked = spread_by_group({8: 0.1, 16: 0.2}, **setting)
-    fit = fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True)  # more replies would not help
+    fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)  # more replies would not help
     assert (asked, fit.group_size, fit.prompts) == ([(8, 8)], 8, 8)
     assert fit.choice()[0] == "check.fit_group_size: rollout.group_size stays 8 (10% of groups with a spread)"
     check_at, asked = spread_by_group({8: 0.375})  # conversions: 37.5%
-    assert fit_group_size(check_at, check_at(8, 8), 8, 32, 1, lambda g, p: True).group_size == 8
+    assert fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True).group_size == 8
+
+
+def test_grow_groups_samples_only_the_replies_a_group_lacks():
+    """Half of the 4 groups of 2 grow to 4: 2 more replies each, with seeds unlike the first check's, after the
+    ones they had; a prompt answered right once in 2 replies and once in the 2 more differs both ways."""
+    def group(ex, totals, tag):
+        rewards = [RewardResult(t, {"answer": t}, str(t)) for t in totals]
+        return Group(ex, "p", [1], [[7]] * len(totals), [[0.0]] * len(totals), ["stop"] * len(totals),
+                     [f"{tag}{i}" for i in range(len(totals))], rewards)
+
+    examples = [Example(str(i), f"q{i}", "1") for i in range(4)]
+    first = [group(ex, [0.0, 0.0], "first") for ex in examples]
+    calls = []
+
+    def more(model, tokenizer, task, exs, params, seeds, max_prompt_tokens):
+        calls.append(([e.id for e in exs], params.n, seeds))
+        return [group(e, [1.0, 0.0] if e.id == "0" else [0.0, 0.0], "more") for e in exs], 0
+
+    s0 = signal_stats(first, max_new_tokens=4)
+    grown = grow_groups(None, None, None, SignalReport(s0, verdict(s0), first), SamplingParams(n=4, max_new_tokens=4),
+                        CheckSettings(groups=2, batch=8), seed=3, max_prompt_tokens=None, sample_groups=more)
+    assert [(ids, n) for ids, n, _ in calls] == [(["0", "1"], 2)]  # the first two prompts, 2 replies each
+    assert not set(calls[0][2]) & {prompt_seed(3, 0, 0, i) for i in range(4)}  # not the first check's seeds
+    assert [g.texts for g in grown.groups] == [["first0", "first1", "more0", "more1"]] * 2
+    assert (grown.stats.groups, grown.stats.group_size, grown.stats.spread_share) == (2, 4, 0.5)
 
 
 def test_rollout_fit_reads_the_length_then_the_group():
     check_at, _ = spread_by_group({8: 0.1, 16: 0.4})
     first = check_at(8, 8)
     length = LengthFit(96, [first], fitted=False)
-    both = RolloutFit(length, fit_group_size(check_at, first, 8, 32, 1, lambda g, p: True))
+    both = RolloutFit(length, fit_group_size(check_at.grow, first, 8, 32, 1, lambda g, p: True))
     lines = both.lines()
     assert lines[0].startswith("signal check: 10% of groups with a reward spread at rollout.group_size=8")
     assert lines[1] == "signal check: 16 prompts x 16 replies with the rollout's settings (0.0 s)"  # the last check
@@ -359,11 +389,14 @@ def test_fit_group_size_trains_with_the_sizes_found_and_a_resume_keeps_them(tmp_
     replies), so the fit doubles to 4 (the limit) with 1 prompt per step, and the run is the run with those sizes
     set, bit for bit; --resume keeps them."""
     custom = yaml.safe_load(Path(custom_task_config(tmp_path, monkeypatch)).read_text())
+    data = tmp_path / "prompts.jsonl"  # enough prompts for the check's 16 groups
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(64)))
+    custom["task"]["options"]["data_path"] = str(data)
     custom["task"]["options"]["reward_fn"] = "reward_fns:rare_checksum"  # replies end at their first broken
     # byte (U+FFFD, which most of the random model's replies hold), so they are not cut and rarity is the cause
     (tmp_path / "rare.yaml").write_text(yaml.safe_dump(custom))
     over = [str(tmp_path / "rare.yaml"), f"model.path={tiny_ckpt}", "schedule.steps=2", "check.stop=false",
-            "check.groups=8", "rollout.max_new_tokens=4", "algorithm.mu=1", "rollout.stop_strings=[\ufffd]"]
+            "check.groups=16", "rollout.max_new_tokens=4", "algorithm.mu=1", "rollout.stop_strings=[\ufffd]"]
     fitted = [*over, f"run_dir={tmp_path / 'a'}", "rollout.prompts_per_step=2", "rollout.group_size=2",
               "check.fit_group_size=true", "check.group_size_limit=4"]
     assert main(["train", *fitted]) == 0
