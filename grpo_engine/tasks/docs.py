@@ -78,7 +78,8 @@ it samples again with twice the replies per prompt and half `rollout.prompts_per
 replies as before, up to `check.group_size_limit` (32) and what the device's memory holds. Each larger group is
 checked on half the groups of the check before it, each grown by the replies it lacks (half the sampling of a new
 check), and kept only when more of its groups have a spread: prompts the model never gets right stay without one
-at any size, and a larger group would only halve the prompts a step learns from. It never shrinks the group; the checkpoints store both sizes and `--resume` keeps them.
+at any size, and a larger group would only halve the prompts a step learns from. It never shrinks the group; the
+checkpoints store both sizes and `--resume` keeps them.
 
 `grpo train` runs the same check after any warm start and before step 1 (not on `--resume`) and stops in one
 line, exit 2, when the signal is absent or below `check.min_spread`; `--no-check` skips it, `check.stop=false`
@@ -194,12 +195,14 @@ Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, e
 coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
 (its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not (+10.0 / +6.5
 / +10.0 against +10.0 / +2.0 / +10.0): both teach the model to reply with a bare letter (seed 0: 10.5 -> 5.2 and
-2.0 tokens), and a bare letter scores at chance where the starting model's replies that list the options and pick
-none score nothing. The word
+2.0 tokens), where the starting model's replies that list the options and pick none score nothing. Where both end
+at 29.0% (seeds 0 and 2), that is the share of D among the held-out answers (58 of 200), and seed 0's last logged
+replies all answer D, with or without the task's reward: a letter the model always picks, not the options read.
+Forty steps end there too (the table below). The word
 problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies whose
 reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 =
-14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on them,
-each seed 0 on the same host and day:
+14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on these
+two, each seed 0 unless the row says, on the same host and day:
 
 | task | recipe changed to | before -> after | seconds | what the replies did |
 | --- | --- | --- | --- | --- |
@@ -208,6 +211,7 @@ each seed 0 on the same host and day:
 | word problems | `algorithm.overlong.filter_truncated=true` | 6.5% -> 1.0% | 657 | grew to the 96-token cap |
 | word problems | `check.fit_length=false` (96 new tokens) | 6.5% -> 3.0% | 764 | (lengths not recorded) |
 | word problems | the recipe (`check.fit_length`: 192 new tokens) | 7.0% -> 5.0% | 1090 | 89.8 -> 109.4 tokens |
+| multiple choice | `schedule.steps=40` | 19.0% -> 29.0% | 407 | 10.5 -> 5.1 tokens: a bare letter, as at 20 steps |
 
 """
 
