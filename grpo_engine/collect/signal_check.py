@@ -241,11 +241,12 @@ def check_signal(model, tokenizer, task, examples: list[Example], params: Sampli
 def grow_groups(model, tokenizer, task, previous: SignalReport, params: SamplingParams, settings: CheckSettings,
                 *, seed: int, max_prompt_tokens: int | None,
                 sample_groups: GroupSampler = generate_groups) -> SignalReport:
-    """The check at params.n replies per prompt on the first `settings.groups` of `previous`'s groups, each grown
-    by the replies it lacks: half the sampling of a check at params.n from scratch on as many replies, for the same
-    answer (a group of 2G is any G replies of a prompt and G more). The new replies have seeds of their own (round
-    params.n of step 0); the process's random states are left as they were."""
-    kept = previous.groups[: settings.groups]
+    """The check at params.n replies per prompt on the first half of `previous`'s groups (MIN_FIT_GROUPS at least),
+    each grown by the replies it lacks: as many replies as `previous` for half its sampling, and the same answer as
+    a check from scratch (a group of 2G is any G replies of a prompt and G more). The new replies have seeds of
+    their own (round params.n of step 0); the process's random states are left as they were. settings.groups is
+    not read."""
+    kept = previous.groups[: max(MIN_FIT_GROUPS, len(previous.groups) // 2)]
     have = len(kept[0].rewards)
     more = replace(params, n=params.n - have)
     t0, groups = time.perf_counter(), []

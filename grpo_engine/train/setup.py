@@ -27,7 +27,6 @@ from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
 from ..collect.groups import ShuffledPrompts
 from ..collect.signal_check import (
-    MIN_FIT_GROUPS,
     CheckSettings,
     LengthFit,
     RolloutFit,
@@ -255,11 +254,10 @@ def signal_of(cfg: Config, inputs: StepInputs, grow: SignalReport | None = None)
     """The signal check (collect/signal_check.py) on the policy as it is now, with cfg's rollout settings (its
     length cap and group size, which a fit may have changed from the run's) and the run's tools; `check.groups`
     prompts of the training split, `rollout.prompts_per_step` at a time. grow: a check at a smaller group size whose
-    groups to grow to cfg's (half of them, MIN_FIT_GROUPS at least) instead of sampling anew. Every rank samples the
-    same prompts (under fsdp2 the weights are gathered for it); no random state of the run moves."""
+    groups to grow to cfg's instead of sampling anew (grow_groups). Every rank samples the same prompts (under fsdp2
+    the weights are gathered for it); no random state of the run moves."""
     r = cfg.rollout
-    groups = cfg.check.groups if grow is None else min(len(grow.groups), max(MIN_FIT_GROUPS, len(grow.groups) // 2))
-    settings = CheckSettings(groups, r.prompts_per_step, cfg.check.min_spread,
+    settings = CheckSettings(cfg.check.groups, r.prompts_per_step, cfg.check.min_spread,
                              cfg.algorithm.advantage.zero_variance_tol)
     policy, params = inputs.policy, replace(inputs.params, n=r.group_size, max_new_tokens=r.max_new_tokens)
     sampled = inputs.examples if grow is None else grow  # the training split, or the groups to grow

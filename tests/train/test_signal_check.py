@@ -242,14 +242,14 @@ def test_fit_group_size_leaves_a_spread_missing_for_a_setting_and_a_spread_prese
 
 
 def test_grow_groups_samples_only_the_replies_a_group_lacks():
-    """Half of the 4 groups of 2 grow to 4: 2 more replies each, with seeds unlike the first check's, after the
-    ones they had; a prompt answered right once in 2 replies and once in the 2 more differs both ways."""
+    """Half of the 8 groups of 2 grow to 4: 2 more replies each, with seeds unlike the first check's, after the
+    ones they had; a prompt answered right once in 2 more replies differs."""
     def group(ex, totals, tag):
         rewards = [RewardResult(t, {"answer": t}, str(t)) for t in totals]
         return Group(ex, "p", [1], [[7]] * len(totals), [[0.0]] * len(totals), ["stop"] * len(totals),
                      [f"{tag}{i}" for i in range(len(totals))], rewards)
 
-    examples = [Example(str(i), f"q{i}", "1") for i in range(4)]
+    examples = [Example(str(i), f"q{i}", "1") for i in range(8)]
     first = [group(ex, [0.0, 0.0], "first") for ex in examples]
     calls = []
 
@@ -259,11 +259,11 @@ def test_grow_groups_samples_only_the_replies_a_group_lacks():
 
     s0 = signal_stats(first, max_new_tokens=4)
     grown = grow_groups(None, None, None, SignalReport(s0, verdict(s0), first), SamplingParams(n=4, max_new_tokens=4),
-                        CheckSettings(groups=2, batch=8), seed=3, max_prompt_tokens=None, sample_groups=more)
-    assert [(ids, n) for ids, n, _ in calls] == [(["0", "1"], 2)]  # the first two prompts, 2 replies each
-    assert not set(calls[0][2]) & {prompt_seed(3, 0, 0, i) for i in range(4)}  # not the first check's seeds
-    assert [g.texts for g in grown.groups] == [["first0", "first1", "more0", "more1"]] * 2
-    assert (grown.stats.groups, grown.stats.group_size, grown.stats.spread_share) == (2, 4, 0.5)
+                        CheckSettings(batch=8), seed=3, max_prompt_tokens=None, sample_groups=more)
+    assert [(ids, n) for ids, n, _ in calls] == [(["0", "1", "2", "3"], 2)]  # the first half, 2 replies each
+    assert not set(calls[0][2]) & {prompt_seed(3, 0, 0, i) for i in range(8)}  # not the first check's seeds
+    assert [g.texts for g in grown.groups] == [["first0", "first1", "more0", "more1"]] * 4
+    assert (grown.stats.groups, grown.stats.group_size, grown.stats.spread_share) == (4, 4, 0.25)
 
 
 def test_rollout_fit_reads_the_length_then_the_group():
