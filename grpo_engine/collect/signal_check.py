@@ -43,7 +43,6 @@ EXTRACTION_CAUSE = 0.5  # answers found by the extractor: a rate below this is n
 ERROR_CAUSE = 0.5  # failed rewards (exception, timeout, non-finite): a share this high is named as the cause
 MIN_SPREAD_GROUPS = 2  # one group with a spread among many is noise (one lucky reply), not a signal to train on
 FIT_TRUNCATION = 0.10  # check.fit_length doubles rollout.max_new_tokens while at least this share of replies is cut
-FIT_SPREAD = 1 / 3  # check.fit_group_size doubles rollout.group_size while fewer groups than this have a spread
 MIN_FIT_GROUPS = 4  # check.fit_group_size grows half the groups of the check before, and no fewer than this
 
 
@@ -85,6 +84,7 @@ class SignalStats:
     finished_extracted_rate: float | None = None  # of the replies not cut off, those with an answer found; None:
     # every reply was cut, or the task reports none
     seconds: float = 0.0
+    spread_before: float | None = None  # grow_groups: the spread share of the same prompts at the group size before
 
     def distribution(self, most: int = 4) -> str:
         """The reward values as 'value xcount', most common first, e.g. '0 x120, 1 x8'."""
@@ -140,8 +140,8 @@ def verdict(s: SignalStats, min_spread: float = 0.05) -> Verdict:
     """The verdict on `s`: ok when at least `min_spread` of the groups, and at least MIN_SPREAD_GROUPS of them
     (or every group, if fewer were sampled), have a reward spread, else weak (some spread) or none, with the first
     cause that fits, in the order a person should look: rewards that fail, replies cut at the length cap, answers
-    the extractor cannot find, groups all correct, a reward that ignores correctness, replies never correct, a
-    reward that is constant."""
+    the extractor cannot find, groups all correct, a reward that ignores correctness, replies never correct, right
+    (or wrong) replies too rare for the group size, a reward that is constant."""
     notes = []
     if s.truncation_rate >= TRUNCATION_CAUSE:
         notes.append(f"{s.truncation_rate:.0%} of replies cut at rollout.max_new_tokens={s.max_new_tokens}")
@@ -167,12 +167,17 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
     if s.accuracy is not None and s.all_correct_share >= 0.5:
         return (f"{s.all_correct_share:.0%} of groups are all correct ({s.accuracy:.0%} of replies)",
                 "use harder data: the model already solves it")
-    if s.correct_spread_share > 0:
+    if s.correct_spread_share > s.spread_share:
         return (f"correctness differs in {s.correct_spread_share:.0%} of groups but the reward does not",
                 "check the reward's weights (task.options.answer_weight) or reward function")
     if s.accuracy is not None and s.accuracy == 0:
         return (f"no reply was correct (answers found in {s.extracted_rate:.0%})",
                 "use easier data or a warm start, or raise rollout.group_size / rollout.temperature")
+    if s.spread_share > 0:
+        correct = f" ({s.accuracy:.1%} of replies correct)" if s.accuracy is not None else ""
+        return (f"rewards differ in only {s.spread_share:.0%} of groups{correct}",
+                "raise rollout.group_size (check.fit_group_size chooses it) or rollout.temperature, or use data the "
+                "model gets right more often")
     return (f"every group's rewards are equal ({s.distribution()})",
             "check the reward function: it gives the same score to different replies")
 
@@ -258,6 +263,7 @@ def grow_groups(model, tokenizer, task, previous: SignalReport, params: Sampling
                                      max_prompt_tokens)
             groups.extend(g.joined(e) for g, e in zip(part, extra))
     stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
+    stats.spread_before = signal_stats(kept, params.max_new_tokens, settings.tol).spread_share
     return SignalReport(stats, verdict(stats, settings.min_spread), groups)
 
 
@@ -362,19 +368,20 @@ def chance_limited(s: SignalStats) -> bool:
 def fit_group_size(grow: Callable[[SignalReport, int], SignalReport], first: SignalReport, prompts: int,
                    limit: int, ranks: int, fits: Callable[[int, int], bool]) -> GroupFit:
     """check.fit_group_size: from `first` (the check at the run's group size and `prompts` per step), twice the
-    replies per prompt and half the prompts per step while fewer than FIT_SPREAD of the groups have a reward spread
-    and rare outcomes are why (chance_limited); the larger group is kept only when more of its groups have a spread.
+    replies per prompt and half the prompts per step while the check finds too little signal (its verdict: fewer
+    than check.min_spread of the groups, or fewer than two, have a reward spread) and rare outcomes are why
+    (chance_limited); the larger group is kept only when more of its groups have a spread than the same prompts had
+    at the smaller size (spread_before; grown groups never have less).
     Why: a prompt answered right with probability p gives a group of G a spread with probability 1 - p^G - (1-p)^G,
-    so where right replies are rare a larger group is what turns a prompt into signal; dynamic sampling
-    (algorithm.group_filter) redraws only a few rounds and fills a step's batch with about 1 - (1-s)^3 of its groups
-    when s of them have a spread (70% at s = 1/3). A step samples as many replies either way, so the replies GRPO
-    learns from go with s; but prompts the model never (or always) gets right stay without a spread at any size,
-    and then the larger group only halves the prompts a step learns from. Stops at `limit`, at a prompts per step
-    that cannot halve (below 1, or not shared evenly by `ranks`), and at settings `fits` refuses (the device's
-    memory). Never shrinks the group set. grow(report, P): the check at twice report's group size and P prompts
-    per step (grow_groups: report's groups, grown)."""
+    so where right replies are rare a larger group is what turns a prompt into signal, and a run the check would
+    stop gets one. Why only there: a larger group halves the prompts a step learns from, and where a quarter of the
+    groups had a spread the examples learned more with groups of 8 than with 16 replies for 4 prompts (unit
+    conversions, seed 0: +21.5 points against +12.5; docs/tasks.md). Stops at `limit`, at a prompts per step that
+    cannot halve (below 1, or not shared evenly by `ranks`), and at settings `fits` refuses (the device's memory).
+    Never shrinks the group set. grow(report, P): the check at twice report's group size and P prompts per step
+    (grow_groups: report's groups, grown)."""
     group, reports, stopped = first.stats.group_size, [first], ""
-    while reports[-1].stats.spread_share < FIT_SPREAD and chance_limited(reports[-1].stats):
+    while not reports[-1].verdict.ok and chance_limited(reports[-1].stats):
         larger, fewer = 2 * group, prompts // 2
         if larger > limit:
             stopped = f"check.group_size_limit={limit}"
@@ -386,9 +393,10 @@ def fit_group_size(grow: Callable[[SignalReport, int], SignalReport], first: Sig
             stopped = f"rollout.group_size={larger} would not fit the device's memory"
             break
         reports.append(grow(reports[-1], fewer))
-        before, after = reports[-2].stats.spread_share, reports[-1].stats.spread_share
-        if after <= before:
-            stopped = f"groups of {larger} had a spread no more often ({after:.0%})"
+        now = reports[-1].stats
+        before = reports[-2].stats.spread_share if now.spread_before is None else now.spread_before
+        if now.spread_share <= before:
+            stopped = f"groups of {larger} had a spread no more often ({now.spread_share:.0%})"
             break
         group, prompts = larger, fewer
     return GroupFit(group, prompts, reports, stopped)

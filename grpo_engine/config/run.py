@@ -139,8 +139,8 @@ class CheckSection:
                                      "at the length found (never shorter than set; a resumed run keeps it)")
     max_new_tokens_limit: int = option(512, "the longest rollout.max_new_tokens check.fit_length may choose")
     fit_group_size: bool = option(False, "choose rollout.group_size from the replies (after check.fit_length): while "
-                                         "fewer than a third of the check's groups have a reward spread because right "
-                                         "(or wrong) replies are rare, sample again with twice the replies per prompt "
+                                         "the check finds too little signal (check.min_spread) because right (or "
+                                         "wrong) replies are rare, sample again with twice the replies per prompt "
                                          "and half rollout.prompts_per_step (as many replies per step), keeping the "
                                          "larger group only where more of its groups have a spread, up to "
                                          "check.group_size_limit and what the device's memory holds; the run trains "

@@ -63,8 +63,8 @@ def sigterm_rank_1_in_step_2(example, completion: str) -> float:
 
 
 def rare_checksum(example, completion: str):
-    """Correct for about one completion in eight (a checksum of its text): rare, so few small groups have a spread
-    (check.fit_group_size has a reason to grow them)."""
+    """Correct for about one completion in eight (a checksum of its text): small groups seldom have a spread, larger
+    ones more often (check.fit_group_size has a reason to grow them)."""
     import zlib
 
     from grpo_engine.tasks.base import RewardResult

@@ -14,7 +14,6 @@ from test_e2e import CFG, VOLATILE, _metrics, custom_task_config
 from grpo_engine.cli import main
 from grpo_engine.collect.groups import Group, prompt_seed
 from grpo_engine.collect.signal_check import (
-    FIT_SPREAD,
     CheckSettings,
     LengthFit,
     RolloutFit,
@@ -85,6 +84,12 @@ def test_never_correct_and_a_constant_reward():
     assert "no reply was correct" in verdict(stats()).cause
     v = verdict(stats(extracted_rate=None, accuracy=None, rewards=[0.5] * 128))  # a bare reward_fn
     assert "every group's rewards are equal (0.5 x128)" in v.cause and "reward function" in v.fix
+
+
+def test_rare_right_replies_name_the_group_size():
+    v = verdict(stats(spread_share=1 / 16, accuracy=0.01, correct_spread_share=1 / 16))
+    assert v.level == "weak" and v.cause == "rewards differ in only 6% of groups (1.0% of replies correct)"
+    assert "raise rollout.group_size (check.fit_group_size chooses it)" in v.fix
 
 
 def test_failed_rewards_come_first():
@@ -193,52 +198,50 @@ def spread_by_group(spread: dict[int, float], **kw):
     return check_at, asked
 
 
-def test_fit_group_size_doubles_the_group_and_halves_the_prompts_while_under_a_third_spread():
-    # word problems at 192 tokens: 4.7% correct; a group of G has a spread with probability 1 - p^G - (1-p)^G
-    p = 0.047
-    spread = {g: 1 - p**g - (1 - p) ** g for g in (8, 16, 32, 64)}
-    assert spread[8] < FIT_SPREAD <= spread[16]  # 0.32, then 0.54
-    check_at, asked = spread_by_group(spread)
+def test_fit_group_size_doubles_the_group_and_halves_the_prompts_while_the_signal_is_too_little():
+    # rare right replies: a group of G has a spread with probability 1 - p^G - (1-p)^G, about G p for small p
+    check_at, asked = spread_by_group({8: 0.02, 16: 0.04, 32: 0.08}, groups=64)  # 5% at least is enough
     fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)
-    assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts, fit.stopped) == (16, 4, "")
-    assert fit.tried() == ["signal check: 32% of groups with a reward spread at rollout.group_size=8: sampling "
-                           "again at 16 (check.fit_group_size)"]
-    assert fit.choice() == ["check.fit_group_size: rollout.group_size 8 -> 16, rollout.prompts_per_step -> 4 (54% of "
-                            "groups with a spread; 2 checks, 0.0 s)"]
+    assert asked == [(8, 8), (16, 4), (32, 2)] and (fit.group_size, fit.prompts, fit.stopped) == (32, 2, "")
+    assert fit.tried()[0] == ("signal check: 2% of groups with a reward spread at rollout.group_size=8: sampling "
+                              "again at 16 (check.fit_group_size)")
+    assert fit.choice() == ["check.fit_group_size: rollout.group_size 8 -> 32, rollout.prompts_per_step -> 2 (8% of "
+                            "groups with a spread; 3 checks, 0.0 s)"]
 
 
 def test_fit_group_size_stops_at_the_limit_the_prompts_the_ranks_or_the_memory():
-    rare = {g: 0.05 * g / 4 for g in (4, 8, 16, 32)}  # under a third up to G = 16
+    rare = {4: 0.01, 8: 0.02, 16: 0.04, 32: 0.06}  # of 64 groups: too little (under 5%) up to G = 16
     for prompts, limit, ranks, fits, want, stopped in [
-            (8, 32, 1, lambda g, p: True, (32, 1), ""),  # 32: 0.4
+            (8, 32, 1, lambda g, p: True, (32, 1), ""),
             (8, 16, 1, lambda g, p: True, (16, 2), "check.group_size_limit=16"),
             (2, 32, 1, lambda g, p: True, (8, 1), "rollout.prompts_per_step=1 cannot halve"),
             (8, 32, 4, lambda g, p: True, (8, 4), "rollout.prompts_per_step=4 cannot halve"),  # 2 prompts, 4 ranks
             (8, 32, 1, lambda g, p: g <= 8, (8, 4), "rollout.group_size=16 would not fit the device's memory")]:
-        check_at, asked = spread_by_group(rare)
+        check_at, asked = spread_by_group(rare, groups=64)
         fit = fit_group_size(check_at.grow, check_at(4, prompts), prompts, limit, ranks, fits)
         assert ((fit.group_size, fit.prompts), fit.stopped) == (want, stopped)
         assert asked[-1] == want and all(g * p == 4 * prompts for g, p in asked)  # as many replies per step
 
 
 def test_fit_group_size_keeps_the_smaller_group_when_the_larger_has_no_more_spread():
-    # word problems, seed 0: 25% at 8 and at 16 (prompts it never gets right stay so): 16 would only halve the prompts
-    check_at, asked = spread_by_group({8: 0.25, 16: 0.25})
+    # prompts the model never gets right stay so at any size: 16 would only halve the prompts a step learns from
+    check_at, asked = spread_by_group({8: 1 / 16, 16: 1 / 16})
     fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)
     assert asked == [(8, 8), (16, 4)] and (fit.group_size, fit.prompts) == (8, 8)
-    assert fit.report is fit.reports[0] and fit.stopped == "groups of 16 had a spread no more often (25%)"
-    assert fit.choice()[0].startswith("check.fit_group_size: rollout.group_size stays 8 (25% of groups with a spread; "
-                                      "groups of 16 had a spread no more often (25%); 2 checks")
+    assert fit.report is fit.reports[0] and fit.stopped == "groups of 16 had a spread no more often (6%)"
+    assert fit.choice()[0].startswith("check.fit_group_size: rollout.group_size stays 8 (6% of groups with a spread; "
+                                      "groups of 16 had a spread no more often (6%); 2 checks")
 
 
 @pytest.mark.parametrize("setting", [dict(truncation_rate=0.5), dict(extracted_rate=0.2), dict(error_rate=0.6)])
-def test_fit_group_size_leaves_a_spread_missing_for_a_setting_and_a_spread_present_alone(setting):
-    check_at, asked = spread_by_group({8: 0.1, 16: 0.2}, **setting)
+def test_fit_group_size_leaves_a_spread_missing_for_a_setting_and_enough_spread_alone(setting):
+    check_at, asked = spread_by_group({8: 1 / 16, 16: 4 / 16}, **setting)
     fit = fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True)  # more replies would not help
     assert (asked, fit.group_size, fit.prompts) == ([(8, 8)], 8, 8)
-    assert fit.choice()[0] == "check.fit_group_size: rollout.group_size stays 8 (10% of groups with a spread)"
-    check_at, asked = spread_by_group({8: 0.375})  # conversions: 37.5%
-    assert fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True).group_size == 8
+    assert fit.choice()[0] == "check.fit_group_size: rollout.group_size stays 8 (6% of groups with a spread)"
+    for enough in (2 / 16, 0.25):  # conversions and word problems: 25%, where 8 x 8 learned more than 16 x 4
+        check_at, asked = spread_by_group({8: enough})
+        assert fit_group_size(check_at.grow, check_at(8, 8), 8, 32, 1, lambda g, p: True).group_size == 8
 
 
 def test_grow_groups_samples_only_the_replies_a_group_lacks():
@@ -264,15 +267,27 @@ def test_grow_groups_samples_only_the_replies_a_group_lacks():
     assert not set(calls[0][2]) & {prompt_seed(3, 0, 0, i) for i in range(8)}  # not the first check's seeds
     assert [g.texts for g in grown.groups] == [["first0", "first1", "more0", "more1"]] * 4
     assert (grown.stats.groups, grown.stats.group_size, grown.stats.spread_share) == (4, 4, 0.25)
+    assert grown.stats.spread_before == 0.0  # the same 4 prompts at 2 replies
+
+
+def test_a_grown_group_is_kept_only_when_more_of_the_same_prompts_differ():
+    # grown groups never differ less often than they did: the first half of a check with 1 in 16 may have had 2 in 8
+    first = stats(group_size=8, spread_share=1 / 16, accuracy=0.01)
+    for before, kept in [(0.25, 8), (0.125, 16)]:
+        grown = SignalReport(s := stats(groups=8, group_size=16, spread_share=0.25, accuracy=0.01,
+                                        spread_before=before), verdict(s))
+        fit = fit_group_size(lambda r, p, grown=grown: grown, SignalReport(first, verdict(first)), 8, 16, 1,
+                             lambda g, p: True)
+        assert fit.group_size == kept
 
 
 def test_rollout_fit_reads_the_length_then_the_group():
-    check_at, _ = spread_by_group({8: 0.1, 16: 0.4})
+    check_at, _ = spread_by_group({8: 1 / 16, 16: 0.25})
     first = check_at(8, 8)
     length = LengthFit(96, [first], fitted=False)
     both = RolloutFit(length, fit_group_size(check_at.grow, first, 8, 32, 1, lambda g, p: True))
     lines = both.lines()
-    assert lines[0].startswith("signal check: 10% of groups with a reward spread at rollout.group_size=8")
+    assert lines[0].startswith("signal check: 6% of groups with a reward spread at rollout.group_size=8")
     assert lines[1] == "signal check: 16 prompts x 16 replies with the rollout's settings (0.0 s)"  # the last check
     assert lines[-2].startswith("check.fit_group_size: rollout.group_size 8 -> 16")
     assert lines[-1] == both.report.verdict.line() and both.report is both.group.reports[-1]
@@ -385,9 +400,9 @@ def test_fit_length_trains_at_the_length_found_and_a_resume_keeps_it(tmp_path, t
 
 def test_fit_group_size_trains_with_the_sizes_found_and_a_resume_keeps_them(tmp_path, tiny_ckpt, monkeypatch,
                                                                            capsys):
-    """A reward one reply in eight earns: 25% of the check's groups of 2 differ, 50% of its groups of 4 (on as many
-    replies), so the fit doubles to 4 (the limit) with 1 prompt per step, and the run is the run with those sizes
-    set, bit for bit; --resume keeps them."""
+    """A reward one reply in eight earns, and a check that asks for a spread in 90% of its groups: too little at
+    groups of 2 (25%), more at 4 among the same prompts, so the fit doubles to 4 (the limit) with 1 prompt per step;
+    the run is the run with those sizes set, bit for bit, and --resume keeps them."""
     custom = yaml.safe_load(Path(custom_task_config(tmp_path, monkeypatch)).read_text())
     data = tmp_path / "prompts.jsonl"  # enough prompts for the check's 16 groups
     data.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(64)))
@@ -396,7 +411,8 @@ def test_fit_group_size_trains_with_the_sizes_found_and_a_resume_keeps_them(tmp_
     # byte (U+FFFD, which most of the random model's replies hold), so they are not cut and rarity is the cause
     (tmp_path / "rare.yaml").write_text(yaml.safe_dump(custom))
     over = [str(tmp_path / "rare.yaml"), f"model.path={tiny_ckpt}", "schedule.steps=2", "check.stop=false",
-            "check.groups=16", "rollout.max_new_tokens=4", "algorithm.mu=1", "rollout.stop_strings=[\ufffd]"]
+            "check.min_spread=0.9", "check.groups=16", "rollout.max_new_tokens=4", "algorithm.mu=1",
+            "rollout.stop_strings=[\ufffd]"]
     fitted = [*over, f"run_dir={tmp_path / 'a'}", "rollout.prompts_per_step=2", "rollout.group_size=2",
               "check.fit_group_size=true", "check.group_size_limit=4"]
     assert main(["train", *fitted]) == 0
