@@ -168,6 +168,7 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | 19.0% -> 29.0% (214 s) | +10.0 |
 | word problems | 0 | 7.0% -> 5.0% | -2.0 | 1090 (192 new tokens) | not run (nothing learned to control) | |
 | word problems | 1 | 7.0% -> 5.5% | -1.5 | 919 (192 new tokens) | not run | |
+| word problems | 2 | 6.5% -> 9.5% | +3.0 | 1535 (256 new tokens) | not run | |
 
 Seconds are the recipe's as shipped for conversions seed 0 and word problems; the other runs had
 `memory.cpu_update_mmap: true`, the recipe's setting before, which gives the same replies to the bit and took longer
@@ -176,7 +177,8 @@ less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). The check 
 run (2.4%). `check.fit_length` keeps conversions and multiple choice at 96 new tokens on seeds 0-2 (0-2% of the
 check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27% of
 the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of that
-run). From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at
+run); on seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its 1535 s).
+From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at
 256, five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
 `check.fit_group_size` keeps groups of 8 on every task and seed: its check finds enough signal at 8 (groups with
