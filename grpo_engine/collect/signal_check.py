@@ -84,7 +84,7 @@ class SignalStats:
     finished_extracted_rate: float | None = None  # of the replies not cut off, those with an answer found; None:
     # every reply was cut, or the task reports none
     seconds: float = 0.0
-    spread_before: float | None = None  # grow_groups: the spread share of the same prompts at the group size before
+    spread_before: float = 0.0  # grow_groups: the spread share of the same prompts at the group size before
 
     def distribution(self, most: int = 4) -> str:
         """The reward values as 'value xcount', most common first, e.g. '0 x120, 1 x8'."""
@@ -262,8 +262,8 @@ def grow_groups(model, tokenizer, task, previous: SignalReport, params: Sampling
             extra, _ = sample_groups(model, tokenizer, task, [g.example for g in part], more, seeds,
                                      max_prompt_tokens)
             groups.extend(g.joined(e) for g, e in zip(part, extra))
-    stats = signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0)
-    stats.spread_before = signal_stats(kept, params.max_new_tokens, settings.tol).spread_share
+    stats = replace(signal_stats(groups, params.max_new_tokens, settings.tol, time.perf_counter() - t0),
+                    spread_before=signal_stats(kept, params.max_new_tokens, settings.tol).spread_share)
     return SignalReport(stats, verdict(stats, settings.min_spread), groups)
 
 
@@ -394,8 +394,7 @@ def fit_group_size(grow: Callable[[SignalReport, int], SignalReport], first: Sig
             break
         reports.append(grow(reports[-1], fewer))
         now = reports[-1].stats
-        before = reports[-2].stats.spread_share if now.spread_before is None else now.spread_before
-        if now.spread_share <= before:
+        if now.spread_share <= now.spread_before:
             stopped = f"groups of {larger} had a spread no more often ({now.spread_share:.0%})"
             break
         group, prompts = larger, fewer

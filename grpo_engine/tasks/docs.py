@@ -171,22 +171,22 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | word problems | 2 | 6.5% -> 9.5% | +3.0 | 1535 (256 new tokens) | not run | |
 
 Seconds are the recipe's as shipped for conversions seed 0, word problems and the choice controls of seeds 1-2; the
-other runs had `memory.cpu_update_mmap: true`, the recipe's setting before, which gives the same replies to the bit
-and took longer (conversions seed 0: 37.0% both ways, 475 s against 390 s; word problems: 5.0% both ways, 1136 s
-against 1090 s) at less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). The check cost 9.5 s of the
-390 s conversions run (2.4%). `check.fit_length` keeps conversions and multiple choice at 96 new tokens on seeds 0-2
-(0-2% of the check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96
-to 192 (27% of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s
-(3.3% of that run); on seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its
-1535 s). From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7%
-at 256, five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
+other runs had `memory.cpu_update_mmap: true`, which gives the same replies to the bit and took longer (conversions
+seed 0: 37.0% both ways, 475 s against 390 s; word problems: 5.0% both ways, 1136 s against 1090 s) at less peak RSS
+(word problems: 3.6 GB against 4.9 GB; docs/memory.md). The check cost 9.5 s of the 390 s conversions run (2.4%).
+`check.fit_length` keeps conversions and multiple choice at 96 new tokens on seeds 0-2 (0-2% of the check's replies
+cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27% of the replies
+cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of that run); on
+seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its 1535 s). From 16 tokens
+it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256, five checks in
+77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
 `check.fit_group_size` keeps groups of 8 on every task and seed: its check finds enough signal at 8 (groups with
 a spread: conversions 25 / 25 / 44%, multiple choice 62 / 56 / 44%, word problems 25 / 38 / 25%, seeds 0-2), so the
 runs above are the recipe's, bit for bit (the check moves no random state). Larger groups, seed 0 of conversions
 and seed 2 of word problems (whose check chose 256 new tokens), at 16 replies x 4 prompts (as many replies per
-step; the check at 16 found 38% and 50% of the same prompts' groups with a spread), were chosen by a first form of
-the fit that grew any group set under a third with a spread; each run is the run with those sizes set:
+step; the check at 16 found 38% and 50% of the same prompts' groups with a spread), each the run with those sizes
+set (its seconds include a check at both sizes):
 
 | task | seed | groups | before -> after | change | seconds |
 | --- | --- | --- | --- | --- | --- |

@@ -3,6 +3,7 @@ train`'s before / after on held-out examples with its random-reward control."""
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,11 @@ def spread_by_group(spread: dict[int, float], **kw):
         s = stats(group_size=g, spread_share=spread[g], accuracy=0.02, **kw)
         return SignalReport(s, verdict(s))
 
-    check_at.grow = lambda report, p: check_at(2 * report.stats.group_size, p)
+    def grow(report: SignalReport, p: int) -> SignalReport:  # the same prompts had report's spread before
+        grown = check_at(2 * report.stats.group_size, p)
+        return SignalReport(replace(grown.stats, spread_before=report.stats.spread_share), grown.verdict)
+
+    check_at.grow = grow
     return check_at, asked
 
 
