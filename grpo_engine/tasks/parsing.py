@@ -214,15 +214,22 @@ def extract_final_word(text: str) -> str | None:
     return None if quoted is None else _accept(quoted.group(1))
 
 
+# an answer that opens with its letter and goes on to say why: 'C, which is the odd one out' (what answer_is
+# takes from 'The answer is C, which is the odd one out.'); not 'A, B or C', which lists options
+_LEADING_LETTER_RE = re.compile(r"[(\[*]{0,2}" + _LETTER + r"[)\]*]{0,2}[,;](?!\s{0,3}[(\[*]{0,2}[A-J](?![A-Za-z0-9]))")
+
+
 def choice_letter(answer: str | None) -> str | None:
     """The option letter an answer string names: the whole string when it is one letter ('B', 'b', '(B)',
-    '**B.**'), else the letter extract_choice finds in it ('(B) 78' from 'The answer is (B) 78.')."""
+    '**B.**'), the letter that opens it before a comma ('C, which is odd'), else the letter extract_choice finds
+    in it ('(B) 78' from 'The answer is (B) 78.')."""
     if answer is None:
         return None
     bare = answer.strip(_WORD_TRIM)
     if len(bare) == 1 and bare.upper() in "ABCDEFGHIJ":
         return bare.upper()
-    return extract_choice(answer)
+    leading = _LEADING_LETTER_RE.match(answer.lstrip())
+    return leading.group(1) if leading else extract_choice(answer)
 
 
 def choice_equal(a: str | None, b: str | None) -> bool:

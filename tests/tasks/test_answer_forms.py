@@ -73,6 +73,9 @@ def test_choice_letter_of_an_extracted_answer():
     """What the cascade's answer_is / answer_line steps hand the verifier: one letter in any case, or a phrase."""
     assert [choice_letter(a) for a in ["B", "b", "(c)", "**D.**", "(B) 78", "that A is wrong", None]] == \
         ["B", "B", "C", "D", "B", None, None]
+    # the letter opening an answer that goes on to say why ('The answer is C, which is the odd one out.')
+    assert [choice_letter(a) for a in ["C, which is the odd one out", "(D); 32 is even", "A, B or C", "A,B",
+                                       "A good one, I think", "CD, the player"]] == ["C", "D", None, None, None, None]
     assert choice_equal("B", "(B) 78") and choice_equal("b", "B")
     assert not choice_equal("B", "C") and not choice_equal("B", "78") and not choice_equal(None, "B")
 
@@ -157,6 +160,7 @@ def task_with(tmp_path, answer: str, **options):
     ("choice", "A", "Apples are red.", False),      # 'A' of a word
     ("choice", "A", "A) 17", True),
     ("choice", "C", "A) 17", False),
+    ("choice", "C", "The answer is C, which is the odd one out.", True),  # answer_is takes the whole clause
     ("word", "tac", "Backwards, it reads **Tac**.", True),
     ("word", "tac", "The answer is tac.", True),
     ("word", "tac", "The word backwards is cat", False),
