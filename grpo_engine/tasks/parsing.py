@@ -169,7 +169,11 @@ _CHOICE_MARKED_RE = re.compile(
 )
 _WORD_TRIM = " \t\r\n.,;:!?*_`\"'()[]{}<>"  # markdown, quotes, brackets and punctuation around a word
 _WORD_RE = re.compile(r"[^\W_]+(?:['\u2019-][^\W_]+)*")  # one word: letters / digits, inner ' or -
-_QUOTED_WORD_RE = re.compile(r"(?:\"|'|`|\*\*|\u201c)([^\W_]+(?:['\u2019-][^\W_]+)*)(?:\"|'|`|\*\*|\u201d)$")
+# a quoted or bold word closing the line; its closing punctuation may sit inside the quotes ('is "tac."')
+_QUOTED_WORD_RE = re.compile(
+    r"(?:\"|'|`|\*\*|\u201c)([^\W_]+(?:['\u2019-][^\W_]+)*)[.!?]?(?:\"|'|`|\*\*|\u201d)$")
+# a word in double quotes or bold anywhere in the line (single quotes are left out: "it's ... don't" is no quote)
+_QUOTED_ANY_RE = re.compile(r"(?:\"|\*\*|\u201c)([^\W_]+(?:['\u2019-][^\W_]+)*)[.!?,]?(?:\"|\*\*|\u201d)")
 
 
 def _letter(m: re.Match) -> str:
@@ -200,9 +204,10 @@ def _starts_line(text: str, at: int) -> bool:
 
 
 def extract_final_word(text: str) -> str | None:
-    """The word that ends the reply: its last non-empty line when that is one word ('Paris', '**tac**.'), or a
-    quoted or bold word closing that line ('... backwards is "tac".'). A reply cut off mid-sentence ends on a
-    line of many words and gives None, as final_number does for a number inside one."""
+    """The word that ends the reply: its last non-empty line when that is one word ('Paris', '**tac**.'), a
+    quoted or bold word closing that line ('... backwards is "tac".', '... is "tac."'), or the one word that line
+    quotes ('The word "tac" is the answer.'). A reply cut off mid-sentence ends on a line of many words and gives
+    None, as final_number does for a number inside one; so does a line that quotes two different words."""
     lines = [ln for ln in _tail(text).splitlines() if ln.strip()]
     if not lines:
         return None
@@ -210,8 +215,11 @@ def extract_final_word(text: str) -> str | None:
     bare = line.strip(_WORD_TRIM)
     if _WORD_RE.fullmatch(bare):
         return _accept(bare)
-    quoted = _QUOTED_WORD_RE.search(line[-(MAX_ANSWER_CHARS + 4) :])
-    return None if quoted is None else _accept(quoted.group(1))
+    closing = _QUOTED_WORD_RE.search(line[-(MAX_ANSWER_CHARS + 6) :])
+    if closing is not None:
+        return _accept(closing.group(1))
+    quoted = {m.group(1).casefold(): m.group(1) for m in _QUOTED_ANY_RE.finditer(line)}
+    return _accept(next(iter(quoted.values()))) if len(quoted) == 1 else None
 
 
 # an answer that opens with its letter and goes on to say why: 'C, which is the odd one out' (what answer_is
