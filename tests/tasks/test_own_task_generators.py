@@ -1,4 +1,4 @@
-"""benchmarks/own_tasks/: the three example tasks a user's own-task run is measured on. Each generator is seeded and
+"""benchmarks/own_tasks/: the four example tasks a user's own-task run is measured on. Each generator is seeded and
 deterministic, writes 2,000 train and 200 disjoint test rows the custom task reads, and every answer is right:
 recomputed here from the prompt's own text (letter counts, unit factors, the options), or from hand-made cases."""
 
@@ -16,7 +16,7 @@ import pytest
 from grpo_engine.tasks import make_task
 
 OWN_TASKS = Path(__file__).resolve().parents[2] / "benchmarks" / "own_tasks"
-VERIFIERS = {"word_problems": "numeric", "conversions": "numeric", "choice": "choice"}
+VERIFIERS = {"word_problems": "numeric", "conversions": "numeric", "choice": "choice", "words": "word"}
 
 
 def script(name: str):
@@ -203,6 +203,44 @@ def test_a_reply_to_a_generated_choice_row_is_scored_by_its_letter(written):
     assert not task.reward(example, f"{wrong}) {options(example.question)[wrong]}").correct
 
 
+# ------------------------------------------------------------------------------------------------ one word
+def shown_words(prompt: str) -> list[str]:
+    return re.search(r": ([a-z, ]+)\?", prompt).group(1).split(", ")
+
+
+def test_word_answers_recomputed_from_the_prompt(written):
+    wm = script("words")
+    category_of = {w: name for name, ws in wm.GROUPS.items() for w in ws}
+    train, test, _, _ = written["words"]
+    for row in train + test:
+        prompt, answer, kind = row["prompt"], row["answer"], row["kind"]
+        assert prompt.endswith(" Reply with just the word."), row
+        if kind == "member":
+            name = re.search(r"is (an? [a-z ]+):", prompt).group(1)
+            assert [category_of[w] == name for w in shown_words(prompt)].count(True) == 1, row
+            assert category_of[answer] == name, row
+        elif kind == "odd_one_out":
+            groups = collections.Counter(category_of[w] for w in shown_words(prompt))
+            assert sorted(groups.values()) == [1, 3] and groups[category_of[answer]] == 1, row
+        elif kind in ("opposite", "plural"):
+            word = re.search(r'of "(\w+)"', prompt).group(1)
+            assert (word, answer) in (wm.OPPOSITES if kind == "opposite" else wm.PLURALS), row
+        else:
+            unit, way, name = re.search(r"Which (day|month) comes (after|before) (\w+)\?", prompt).groups()
+            names = wm.SEQUENCES[unit]
+            assert names[(names.index(name) + (1 if way == "after" else -1)) % len(names)] == answer, row
+    assert "orange" not in category_of  # a fruit and a color: never a question's only right word
+
+
+def test_a_reply_to_a_generated_word_row_is_scored_by_its_word(written):
+    _, test, train_path, test_path = written["words"]
+    task = make_task("custom", data_path=str(train_path), test_path=str(test_path), verifier="word")
+    example = task.examples("test")[0]
+    assert task.reward(example, f'The word "{example.answer}" is the answer.').correct
+    assert task.reward(example, f"**{example.answer.capitalize()}.**").correct
+    assert not task.reward(example, f'"{example.answer}" and "other" both fit.').correct
+
+
 # ------------------------------------------------------------------------------------------------ the recipe
 def test_the_own_task_recipe_reads_each_example_task(written):
     """configs/own_task.yaml with only the data paths and the verifier changed: the task builds, reads replies with
@@ -217,7 +255,8 @@ def test_the_own_task_recipe_reads_each_example_task(written):
                                    f"task.options.verifier={verifier}"])
         task = build_task(cfg.task.name, dict(cfg.task.options), cfg.task.data_path)
         assert len(task.examples("train")) == 2000 and len(task.examples("test")) == 200
-        assert task.options.extractors[-1] == {"numeric": "sentence_number", "choice": "choice"}[verifier]
+        assert task.options.extractors[-1] == {"numeric": "sentence_number", "choice": "choice",
+                                                "word": "final_word"}[verifier]
         example = task.examples("test")[0]
         assert task.reward(example, f"The answer is {example.answer}.").correct
     assert cfg.algorithm.group_filter.enabled and cfg.lora.enabled and cfg.algorithm.beta == 0.0
