@@ -206,18 +206,22 @@ def _starts_line(text: str, at: int) -> bool:
 def extract_final_word(text: str) -> str | None:
     """The word that ends the reply: its last non-empty line when that is one word ('Paris', '**tac**.'), a
     quoted or bold word closing that line ('... backwards is "tac".', '... is "tac."'), or the one word that line
-    quotes ('The word "tac" is the answer.'). A reply cut off mid-sentence ends on a line of many words and gives
-    None, as final_number does for a number inside one; so does a line that quotes two different words."""
+    quotes when it ends a sentence ('The word "tac" is the answer.'). A reply cut off mid-sentence ends on a line of
+    many words and gives None, as final_number does for a number inside one; so does a line that quotes two
+    different words."""
     lines = [ln for ln in _tail(text).splitlines() if ln.strip()]
     if not lines:
         return None
-    line = lines[-1].strip().rstrip(".!?,;: \t")
+    last = lines[-1].strip()
+    line = last.rstrip(".!?,;: \t")
     bare = line.strip(_WORD_TRIM)
     if _WORD_RE.fullmatch(bare):
         return _accept(bare)
     closing = _QUOTED_WORD_RE.search(line[-(MAX_ANSWER_CHARS + 6) :])
     if closing is not None:
         return _accept(closing.group(1))
+    if not last.rstrip("*_`\"')]}\u201d").endswith((".", "!")):  # cut off, or a question
+        return None
     quoted = {m.group(1).casefold(): m.group(1) for m in _QUOTED_ANY_RE.finditer(line)}
     return _accept(next(iter(quoted.values()))) if len(quoted) == 1 else None
 

@@ -92,7 +92,7 @@ def test_choice_letter_of_an_extracted_answer():
     ('The word that does not belong with the others is "bunny."', "bunny"),  # the period inside the quotes
     ('The word "blue" is a color.', "blue"),  # the one word the line quotes
     ('The opposite of "late" is "early".', "early"),  # two quoted: the one closing the line
-    ('It is "Dog", and "dog" it stays', "dog"),  # one word quoted twice: the last
+    ('It is "Dog", and "dog" it stays.', "dog"),  # one word quoted twice: the last
 ])
 def test_final_word_found(reply, word):
     assert extract_final_word(reply) == word
@@ -103,6 +103,7 @@ def test_final_word_found(reply, word):
     "It is New York",
     "tac and cat",
     'The word "flee" is a verb, and "veil" is a noun.',  # two words quoted: no pick
+    'The word "blue" is a color and the word',  # cut off: a quoted word inside an unfinished sentence
     "It's not what they don't say",  # apostrophes are no quotes
     "",
     "\n\n  \n",
