@@ -193,7 +193,7 @@ replies to the bit and took longer (conversions seed 0: 37.0% both ways, 475 s a
 both ways, 1136 s against 1090 s) at less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). Its
 multiple-choice runs scored replies with a choice verifier that missed the letter opening a longer answer ('The
 answer is C, which is the odd one out.'); seed 0 scored as now: 19.0% -> 29.0% again (325 s). The check cost 9.5 s
-of the 390 s conversions run at 20 steps (2.4%), 1.4-2.5% of the 30-step runs at 30.
+of the 390 s conversions run at 20 steps (2.4%) and 1.4-2.5% of each 30-step run.
 
 `check.fit_length` keeps conversions, multiple choice and one word at 96 new tokens on seeds 0-2 (0-2% of the
 check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27%
