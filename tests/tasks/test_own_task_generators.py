@@ -1,4 +1,4 @@
-"""benchmarks/own_tasks/: the four example tasks a user's own-task run is measured on. Each generator is seeded and
+"""benchmarks/own_tasks/: the five example tasks a user's own-task run is measured on. Each generator is seeded and
 deterministic, writes 2,000 train and 200 disjoint test rows the custom task reads, and every answer is right:
 recomputed here from the prompt's own text (letter counts, unit factors, the options), or from hand-made cases."""
 
@@ -16,14 +16,18 @@ import pytest
 from grpo_engine.tasks import make_task
 
 OWN_TASKS = Path(__file__).resolve().parents[2] / "benchmarks" / "own_tasks"
-VERIFIERS = {"word_problems": "numeric", "conversions": "numeric", "choice": "choice", "words": "word"}
+VERIFIERS = {"word_problems": "numeric", "conversions": "numeric", "choice": "choice", "words": "word",
+             "strings": "word"}
 
 
 def script(name: str):
-    """benchmarks/own_tasks/make_<name>.py as a module (its `common` import resolved from its folder)."""
+    """benchmarks/own_tasks/make_<name>.py (or <name>.py) as a module (its `common` import resolved from its
+    folder)."""
     if str(OWN_TASKS) not in sys.path:
         sys.path.insert(0, str(OWN_TASKS))
-    spec = importlib.util.spec_from_file_location(f"make_{name}", OWN_TASKS / f"make_{name}.py")
+    path = OWN_TASKS / f"make_{name}.py"
+    path = path if path.exists() else OWN_TASKS / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
     spec.loader.exec_module(module)
@@ -203,6 +207,16 @@ def test_a_reply_to_a_generated_choice_row_is_scored_by_its_letter(written):
     assert not task.reward(example, f"{wrong}) {options(example.question)[wrong]}").correct
 
 
+def test_choice_rewordings_keep_the_options_and_their_letters():
+    cw = script("choice_wordings")
+    prompt = "Which of these numbers is even?\nA) 17\nB) 69\nC) 32\nD) 33\nReply with just the letter (A, B, C or D)."
+    assert cw.reworded(prompt, "Which letter is right?", one_line=False) == (
+        "Which of these numbers is even?\nA) 17\nB) 69\nC) 32\nD) 33\nWhich letter is right?")
+    assert cw.reworded(prompt, "Answer: the letter.", one_line=True) == (
+        "Which of these numbers is even? (A) 17 (B) 69 (C) 32 (D) 33\nAnswer: the letter.")
+    assert len(cw.ON_THEIR_LINES) + len(cw.ON_ONE_LINE) == 10
+
+
 # ------------------------------------------------------------------------------------------------ one word
 def shown_words(prompt: str) -> list[str]:
     return re.search(r": ([a-z, ]+)\?", prompt).group(1).split(", ")
@@ -239,6 +253,50 @@ def test_a_reply_to_a_generated_word_row_is_scored_by_its_word(written):
     assert task.reward(example, f'The word "{example.answer}" is the answer.').correct
     assert task.reward(example, f"**{example.answer.capitalize()}.**").correct
     assert not task.reward(example, f'"{example.answer}" and "other" both fit.').correct
+
+
+# ------------------------------------------------------------------------------------------ letters and words
+def listed(prompt: str) -> list[str]:
+    return re.search(r": ([a-z, ]+)\?", prompt).group(1).split(", ")
+
+
+def test_string_answers_recomputed_from_the_prompt(written):
+    train, test, _, _ = written["strings"]
+    for row in train + test:
+        prompt, answer, kind = row["prompt"], row["answer"], row["kind"]
+        if kind in ("first_letter", "last_letter"):
+            assert prompt.endswith(" Reply with just the letter."), row
+            word = re.search(r'of the word "([a-z]+)"\?', prompt).group(1)
+            assert answer == (word[0] if kind == "first_letter" else word[-1]), row
+            continue
+        assert prompt.endswith(" Reply with just the word."), row
+        shown = listed(prompt)
+        assert len(set(shown)) == len(shown) and answer in shown, row
+        if kind in ("first_word", "last_word"):
+            assert 3 <= len(shown) <= 6 and answer == shown[0 if kind == "first_word" else -1], row
+        elif kind == "alphabetical":
+            assert len(shown) == 3 and all(answer < w for w in shown if w != answer), row
+        else:
+            assert kind == "longest" and len(shown) == 4, row
+            assert all(len(answer) > len(w) for w in shown if w != answer), row
+
+
+@pytest.mark.parametrize("prompt, answer", [
+    ("What is the last word in this list: lamp, river, cloud? Reply with just the word.", "cloud"),
+    ("What is the first word in this list: owl, kite, moon, ship? Reply with just the word.", "owl"),
+    ('What is the last letter of the word "garden"? Reply with just the letter.', "n"),
+    ("Which of these words comes first in alphabetical order: pig, hat, owl? Reply with just the word.", "hat"),
+    ("Which of these words is the longest: cup, library, lamp, pen? Reply with just the word.", "library"),
+])
+def test_string_replies_scored_by_hand(tmp_path, prompt, answer):
+    """Hand-made rows of each kind, scored by the word verifier in the forms the starting model replies in."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "answer": answer}) + "\n")
+    task = make_task("custom", data_path=str(path), verifier="word")
+    example = task.examples("train")[0]
+    assert task.reward(example, f'The answer is "{answer.upper()}".').correct
+    assert task.reward(example, f"{answer}").correct
+    assert not task.reward(example, "The answer is: zebra.").correct
 
 
 # ------------------------------------------------------------------------------------------------ the recipe
