@@ -241,7 +241,11 @@ answer is: mouse" (14.8 -> 6.6 tokens), a form the starting model seldom gives; 
 Questions about the question's own letters and words learn: +30.0 / +28.5 / +32.0 points (32.5% to 61.0-64.5%), each
 run under 6 minutes, against controls of -27.0 / -20.5 / -2.5. Their replies keep the starting model's sentence
 ('The first word in this list is "oyster".') and name the word asked for (15.0 -> 10.1-11.2 tokens); the controls'
-drift off the question (12-26 tokens).
+drift off the question (12-26 tokens). By kind, greedy in fp32 on the held-out rows (`grpo eval runs/own_strings_sN
+--temperature 0 --max-new 96`: 59.0 / 59.0 / 64.0% in all, against 34.5% before): the first word of a list 23 ->
+46-47 of 48, the last word 15 -> 34-37 of 48, the longest word 3 -> 9-12 of 33; the alphabetically first (17 ->
+13-20 of 48) and the last letter of a word (0 -> 0-1 of 11) do not move, and the first letter was already right (11
+-> 10-12 of 12). What GRPO taught is where in the list to look, not how words are spelled.
 
 Multiple choice does not learn anything its control does not (30 steps: +10.0 / +6.5 / +6.0 against +10.0 / -15.5 /
 +10.0; 20 steps: +10.0 / +6.5 / +10.0 against +10.0 / +2.0 / +10.0): both teach the model to reply with a bare
