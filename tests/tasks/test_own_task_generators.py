@@ -256,10 +256,6 @@ def test_a_reply_to_a_generated_word_row_is_scored_by_its_word(written):
 
 
 # ------------------------------------------------------------------------------------------ letters and words
-def listed(prompt: str) -> list[str]:
-    return re.search(r": ([a-z, ]+)\?", prompt).group(1).split(", ")
-
-
 def test_string_answers_recomputed_from_the_prompt(written):
     train, test, _, _ = written["strings"]
     for row in train + test:
@@ -270,7 +266,7 @@ def test_string_answers_recomputed_from_the_prompt(written):
             assert answer == (word[0] if kind == "first_letter" else word[-1]), row
             continue
         assert prompt.endswith(" Reply with just the word."), row
-        shown = listed(prompt)
+        shown = shown_words(prompt)
         assert len(set(shown)) == len(shown) and answer in shown, row
         if kind in ("first_word", "last_word"):
             assert 3 <= len(shown) <= 6 and answer == shown[0 if kind == "first_word" else -1], row
@@ -295,6 +291,7 @@ def test_string_replies_scored_by_hand(tmp_path, prompt, answer):
     task = make_task("custom", data_path=str(path), verifier="word")
     example = task.examples("train")[0]
     assert task.reward(example, f'The answer is "{answer.upper()}".').correct
+    assert task.reward(example, f'The one asked for is "{answer}."').correct
     assert task.reward(example, f"{answer}").correct
     assert not task.reward(example, "The answer is: zebra.").correct
 
