@@ -182,6 +182,7 @@ grpo train configs/own_task.yaml model.path=$MODEL seed=0 run_dir=runs/own_conve
 | multiple choice | 0 | 19.0% -> 29.0% | +10.0 | 362 | 19.0% -> 29.0% (212 s) | +10.0 |
 | multiple choice | 1 | 19.0% -> 25.5% | +6.5 | 253 | 19.0% -> 3.5% (469 s) | -15.5 |
 | multiple choice | 2 | 19.0% -> 25.0% | +6.0 | 249 | 19.0% -> 29.0% (327 s) | +10.0 |
+| word problems | 0 | 7.0% -> 8.0% | +1.0 | 1743 (192 new tokens) | not run (nothing learned to control) | |
 
 The same recipe at 20 steps (`schedule.steps=20`), every task:
 
