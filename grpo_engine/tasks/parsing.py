@@ -137,12 +137,16 @@ def extract_final_number(text: str) -> str | None:
     return last.group(0)
 
 
+# markdown, closing quotes and brackets that may follow the mark ending a sentence ('... is "tac".**')
+_AFTER_SENTENCE = "*_`\"')]}\u201d"
+
+
 def extract_sentence_number(text: str) -> str | None:
     """The last number of the sentence that closes the reply, when the reply closes one ('.' or '!', markdown or
     a quote after it): '2 kilograms is 2000 grams.' gives 2000, 'The letter "n" appears 1 time in "lemon".'
     gives 1, the forms in which small instruct models state a count or a conversion. A reply cut off by the
     length limit rarely ends a sentence, so a number inside an unfinished one does not count."""
-    t = _tail(text).rstrip().rstrip("*_`\"')]}\u201d").rstrip()
+    t = _tail(text).rstrip().rstrip(_AFTER_SENTENCE).rstrip()
     if not t.endswith((".", "!")):
         return None
     body = t[:-1]
@@ -220,7 +224,7 @@ def extract_final_word(text: str) -> str | None:
     closing = _QUOTED_WORD_RE.search(line[-(MAX_ANSWER_CHARS + 6) :])
     if closing is not None:
         return _accept(closing.group(1))
-    if not last.rstrip("*_`\"')]}\u201d").endswith((".", "!")):  # cut off, or a question
+    if not last.rstrip(_AFTER_SENTENCE).endswith((".", "!")):  # cut off, or a question
         return None
     quoted = {m.group(1).casefold(): m.group(1) for m in _QUOTED_ANY_RE.finditer(line)}
     return _accept(next(iter(quoted.values()))) if len(quoted) == 1 else None
