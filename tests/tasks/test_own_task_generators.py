@@ -257,6 +257,8 @@ def test_a_reply_to_a_generated_word_row_is_scored_by_its_word(written):
 
 # ------------------------------------------------------------------------------------------ letters and words
 def test_string_answers_recomputed_from_the_prompt(written):
+    nouns = script("strings").NOUNS
+    assert len(set(nouns)) == len(nouns) and all(w.isascii() and w.isalpha() and w.islower() for w in nouns)
     train, test, _, _ = written["strings"]
     for row in train + test:
         prompt, answer, kind = row["prompt"], row["answer"], row["kind"]
