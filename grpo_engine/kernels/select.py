@@ -3,7 +3,8 @@ on the machine that runs them.
 
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
-weight shape of the model, both are timed on a few representative products and the faster one is kept; for each
+weight shape of the model, both are timed in turns on a few representative products and the faster one is kept
+(`race`); for each
 weight, whether packing it for a decode loop pays against that GEMM, from how many decode steps and packed by which
 library (packing.py, packed.py), whether its training gradient is faster accumulated in place
 (onednn.weight_grads_in_place) than made by its GEMM and added, and which GEMM runs the gradient with respect to its
@@ -22,6 +23,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,14 +123,31 @@ def best_time(fn, reps: int = 3) -> float:
     return best
 
 
+def race(candidates: dict[str, Callable[[], object]], reps: int = 3) -> dict[str, float]:
+    """Fastest of `reps` timed calls of each candidate, after one warm-up call each, the candidates taking turns
+    (one call of each per round). Timed one after the other, a burst of other work during one candidate's calls
+    slows it alone and picks the other for good (the plan is cached); in turns, a burst slows one round of each."""
+    for fn in candidates.values():
+        fn()  # warm-up: first-call allocation and kernel dispatch
+    best = dict.fromkeys(candidates, math.inf)
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def measure_shape(out_features: int, in_features: int) -> dict[str, float]:
     """Seconds of x @ W^T for x of each ROWS size, summed, per backend."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
-    xs = [torch.randn(m, in_features, generator=g) for m in ROWS]
-    times = {"torch": sum(best_time(lambda x=x: x @ w.t()) for x in xs)}
-    if onednn.op_works():
-        times["onednn"] = sum(best_time(lambda x=x: onednn.onednn_linear(x, w)) for x in xs)
+    times = {"torch": 0.0, "onednn": 0.0} if onednn.op_works() else {"torch": 0.0}
+    for m in ROWS:
+        x = torch.randn(m, in_features, generator=g)
+        products = {"torch": lambda x=x: x @ w.t(), "onednn": lambda x=x: onednn.onednn_linear(x, w)}
+        for name, seconds in race({k: products[k] for k in times}).items():
+            times[name] += seconds
     return times
 
 
@@ -278,9 +297,9 @@ def measure_weight_grad(out_features: int, in_features: int, backend: str) -> st
     g = torch.Generator().manual_seed(0)
     x, gy = torch.randn(ROWS[1], in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
     acc = torch.zeros(out_features, in_features)
-    in_place = best_time(lambda: acc.addmm_(gy.t(), x), 5)
-    separate = best_time(lambda: acc.add_(onednn.product(gy.t(), x.t(), backend == "onednn")), 5)  # [N, M] @ [M, K]
-    return "inplace" if in_place <= separate else backend
+    times = race({"inplace": lambda: acc.addmm_(gy.t(), x),
+                  backend: lambda: acc.add_(onednn.product(gy.t(), x.t(), backend == "onednn"))}, 5)  # [N, M] @ [M, K]
+    return "inplace" if times["inplace"] <= times[backend] else backend
 
 
 def measure_grad_input(out_features: int, in_features: int, backend: str) -> str:
@@ -291,8 +310,8 @@ def measure_grad_input(out_features: int, in_features: int, backend: str) -> str
         return backend
     g = torch.Generator().manual_seed(0)
     w, gy = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[1], out_features, generator=g)
-    return faster_gemm({"torch": best_time(lambda: onednn.product(gy, w.t(), False), 5),
-                        "onednn": best_time(lambda: onednn.product(gy, w.t(), True), 5)})
+    return faster_gemm(race({"torch": lambda: onednn.product(gy, w.t(), False),
+                             "onednn": lambda: onednn.product(gy, w.t(), True)}, 5))
 
 
 HEAD_ROWS = 256  # rows of a log-prob chunk (memory.logprob_chunk_size's default)
@@ -308,8 +327,8 @@ def measure_logprob_head(vocab: int, hidden: int, backend: str) -> str:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(vocab, hidden, generator=g), torch.randn(HEAD_ROWS, hidden, generator=g)
     out = torch.empty(HEAD_ROWS, vocab)
-    return faster_gemm({"torch": best_time(lambda: torch.mm(x, w.t(), out=out), 3),
-                        "onednn": best_time(lambda: onednn.onednn_linear(x, w), 3)})
+    return faster_gemm(race({"torch": lambda: torch.mm(x, w.t(), out=out),
+                             "onednn": lambda: onednn.onednn_linear(x, w)}, 3))
 
 
 def head_shape(model: nn.Module, shapes: list[tuple[int, int]]) -> tuple[int, int] | None:

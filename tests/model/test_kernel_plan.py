@@ -98,9 +98,9 @@ def test_the_log_prob_head_is_timed_as_it_runs_and_recorded(buffered, fresh, cho
     """The chunked log-prob head's forward is timed with torch's product into a reused buffer against oneDNN's
     fresh output (one of the head's shape), only for a head whose GEMM is oneDNN; the choice is cached, kept in
     the plan's JSON and reused."""
-    timed = iter([buffered, fresh])
+    timed = iter([(buffered, fresh)])
     with monkeypatch.context() as m:
-        m.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+        m.setattr(select, "race", lambda fns, reps=3: dict(zip(fns, next(timed))))
         assert select.measure_logprob_head(300, 16, "onednn") == chosen
         assert select.measure_logprob_head(300, 16, "torch") == "torch"  # nothing timed: `timed` is spent
     model = load_model(tiny_ckpt)
@@ -303,8 +303,8 @@ def test_packing_is_timed_against_the_weights_own_gemm(backend, monkeypatch):
 @pytest.mark.parametrize("backend", ["onednn", "torch"])
 def test_weight_gradients_accumulate_in_place_when_that_is_at_least_as_fast(seconds, in_place, backend, monkeypatch):
     """measure_weight_grad times (addmm_ into the gradient, the weight's own GEMM then an add)."""
-    timed = iter(seconds)
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+    timed = iter([seconds])
+    monkeypatch.setattr(select, "race", lambda fns, reps=3: dict(zip(fns, next(timed))))
     assert select.measure_weight_grad(1024, 512, backend) == ("inplace" if in_place else backend)
     assert select.measure_weight_grad(48, 32, "torch") == "torch"  # small: autograd's path, nothing timed
 
@@ -328,8 +328,9 @@ def test_input_gradient_gemm_is_measured_on_the_transposed_weight(seconds, choic
     real = onednn.product
     monkeypatch.setattr(onednn, "product", lambda a, w, on: products.append((tuple(a.shape), tuple(w.shape), on))
                         or real(a, w, on))
-    timed = iter(seconds)
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (fn(), next(timed))[1])  # runs fn, fakes its time
+    timed = iter([seconds])
+    monkeypatch.setattr(select, "race", lambda fns, reps=3: {name: (fn(), t)[1] for (name, fn), t  # runs each once,
+                                                             in zip(fns.items(), next(timed))})  # fakes its time
     big = onednn.MIN_WEIGHT_NUMEL // 512  # out x in = the smallest weight that is timed
     assert select.measure_grad_input(big, 512, "onednn") == choice
     rows = select.ROWS[1]
@@ -368,3 +369,18 @@ def test_a_thread_count_timed_beside_other_work_is_not_cached(load, cached, tiny
     cache = {}
     assert select.choose_threads(model, cache) == 1
     assert any(k.startswith("threads |") for k in cache) == cached
+
+
+def test_race_times_the_candidates_in_turns_and_keeps_each_ones_fastest_call(monkeypatch):
+    """A burst of other work (here: the first timed round, 10 s per call) slows one round of each candidate, not
+    every call of one, so the faster candidate still wins; each is warmed up once, untimed."""
+    clock, calls = [0.0], []
+    seconds = {"a": iter([99.0, 10.0, 1.0, 3.0]), "b": iter([99.0, 10.0, 2.0, 2.0])}  # warm-up first
+
+    def run(name):
+        calls.append(name)
+        clock[0] += next(seconds[name])
+
+    monkeypatch.setattr(select.time, "perf_counter", lambda: clock[0])
+    assert select.race({"a": lambda: run("a"), "b": lambda: run("b")}, reps=3) == {"a": 1.0, "b": 2.0}
+    assert calls == ["a", "b"] * 4
