@@ -45,7 +45,8 @@ def test_breakdown_profiles_a_real_step_and_leaves_the_trainer_as_it_was(tiny_ck
     assert r["precision"] == "fp32"
     assert set(r["phases"]) == {"generate", "update"}  # beta 0, mu 1: no log-prob pass
     for phase in r["phases"].values():
-        assert 0 < phase["products_s"] < phase["ops_s"] <= phase["wall_s"]
+        assert 0 < phase["products_s"] < phase["ops_s"] <= phase["profiled_wall_s"]
+        assert phase["wall_s"] > 0 and phase["wall_s"] != phase["profiled_wall_s"]  # the step before's, unprofiled
     assert (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs) == before
 
 
