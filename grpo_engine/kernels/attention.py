@@ -62,15 +62,18 @@ def parse_key(key: str) -> tuple[int, int, int, torch.dtype]:
     return n_heads, n_kv, head_dim, getattr(torch, dtype) if dtype else torch.float32
 
 
-def measure(n_heads: int, n_kv: int, head_dim: int, best_time, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Seconds of both kernels on decode-sized inputs of `dtype` at this head shape, summed over ROWS_AND_SLOTS."""
+def measure(n_heads: int, n_kv: int, head_dim: int, race, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Seconds of both kernels on decode-sized inputs of `dtype` at this head shape, summed over ROWS_AND_SLOTS;
+    `race` (kernels/select.py) times them in turns."""
     g = torch.Generator().manual_seed(0)
     times, gqa = {"sdpa": 0.0, "grouped": 0.0}, n_heads != n_kv
     for rows, slots in ROWS_AND_SLOTS:
         q = torch.randn(rows, n_heads, 1, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(rows, n_kv, slots, head_dim, generator=g).to(dtype) for _ in range(2))
         mask = torch.rand(rows, 1, 1, slots, generator=g) > 0.1
-        times["sdpa"] += best_time(lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=m, enable_gqa=gqa), 10)
-        times["grouped"] += best_time(lambda q=q, k=k, v=v, m=mask: grouped_decode_attention(q, k, v, m), 10)
+        raced = race({"sdpa": lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                                           enable_gqa=gqa),
+                      "grouped": lambda q=q, k=k, v=v, m=mask: grouped_decode_attention(q, k, v, m)}, 10)
+        for name, seconds in raced.items():
+            times[name] += seconds
     return times

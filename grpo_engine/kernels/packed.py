@@ -11,7 +11,6 @@ Both are fp32 GEMMs: the products agree with torch.mm to fp32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,12 +60,3 @@ def available() -> list[str]:
     return [k for k in KINDS if works(k)] if works("onednn") else []
 
 
-def measure(out_features: int, in_features: int, rows: int, best_time: Callable) -> dict[str, tuple[float, float]]:
-    """{kind: (seconds to pack, seconds of one packed product of `rows` rows)} for every available kind."""
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
-    times = {}
-    for kind in available():
-        packed = pack(w, rows, kind)
-        times[kind] = (best_time(lambda kind=kind: pack(w, rows, kind), 1), best_time(lambda p=packed: p(x), 5))
-    return times

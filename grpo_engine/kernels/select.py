@@ -124,8 +124,9 @@ def best_time(fn, reps: int = 3) -> float:
 
 def race(candidates: dict[str, Callable[[], object]], reps: int = 3) -> dict[str, float]:
     """Fastest of `reps` timed calls of each candidate, after one warm-up call each, the candidates taking turns
-    (one call of each per round). Timed one after the other, a burst of other work during one candidate's calls
-    slows it alone and picks the other for good (the plan is cached); in turns, a burst slows one round of each."""
+    (one call of each per round): how the plan times every choice between kernels (GEMMs, packed products, decode
+    attention). Timed one after the other, a burst of other work during one candidate's calls slows it alone and
+    picks the other for good (the plan is cached); in turns, a burst slows one round of each."""
     for fn in candidates.values():
         fn()  # warm-up: first-call allocation and kernel dispatch
     best = dict.fromkeys(candidates, math.inf)
@@ -260,7 +261,7 @@ def attention_shape(model: nn.Module) -> str | None:
 
 def measure_attention(key: str) -> str:
     n_heads, n_kv, head_dim, dtype = attention_kernels.parse_key(key)
-    times = attention_kernels.measure(n_heads, n_kv, head_dim, best_time, dtype)
+    times = attention_kernels.measure(n_heads, n_kv, head_dim, race, dtype)
     return min(times, key=times.get)
 
 
@@ -273,11 +274,15 @@ def measure_packing(out_features: int, in_features: int, backend: str) -> tuple[
     skips its per-call reorder."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
-    plain = best_time(lambda: onednn.product(x, w, backend == "onednn"), 5)
-    kinds = packed.measure(out_features, in_features, ROWS[0], best_time)  # {kind: (pack s, product s)}
-    kind = min(kinds, key=lambda k: kinds[k][1], default="")
-    saved = plain - kinds[kind][1] if kind else 0.0
-    return (math.ceil(kinds[kind][0] / saved), kind) if saved > (1 - 1 / PACK_GAIN) * plain else (0, "")
+    kinds = packed.available()
+    pack_seconds = {k: best_time(lambda k=k: packed.pack(w, ROWS[0], k), 1) for k in kinds}
+    packs = {k: packed.pack(w, ROWS[0], k) for k in kinds}
+    products = race({"plain": lambda: onednn.product(x, w, backend == "onednn"),  # the packed ones in turns with it
+                     **{k: (lambda p=p: p(x)) for k, p in packs.items()}}, 5)
+    plain = products.pop("plain")
+    kind = min(products, key=products.get, default="")
+    saved = plain - products[kind] if kind else 0.0
+    return (math.ceil(pack_seconds[kind] / saved), kind) if saved > (1 - 1 / PACK_GAIN) * plain else (0, "")
 
 
 # the cache entry of decode packing, [steps, kind] per weight, named apart from the older entries (steps alone, for

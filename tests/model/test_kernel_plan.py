@@ -262,15 +262,25 @@ def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
     assert out_features * in_features == max(c.intermediate_size, c.num_attention_heads * c.head_dim) * c.hidden_size
 
 
+def _fake_packing_times(monkeypatch, plain: float, kinds: dict[str, tuple[float, float]], run: bool = False):
+    """measure_packing's timers faked: the weight's own product takes `plain` seconds, each kind (pack seconds,
+    packed product seconds); with `run` each timed function is also called once."""
+    monkeypatch.setattr(packed, "available", lambda: list(kinds))
+    pack_seconds = iter(pack for pack, _ in kinds.values())
+    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: ((fn() if run else None), next(pack_seconds))[1])
+    products = {"plain": plain, **{k: product for k, (_, product) in kinds.items()}}
+    monkeypatch.setattr(select, "race", lambda fns, reps=3: {name: ((fn() if run else None), products[name])[1]
+                                                             for name, fn in fns.items()})
+
+
 @pytest.mark.parametrize("seconds,steps", [((1.0, 10.0, 0.5), 20), ((1.0, 0.25, 0.9), 3), ((1.0, 10.0, 0.99), 0),
                                            ((1.0, 10.0, 1.2), 0)])
 def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(seconds, steps, monkeypatch):
     """measure_packing times (the weight's own product, packing, packed product); a gain under PACK_GAIN is noise:
     never. The same rule whichever GEMM the weight's own product runs on."""
-    monkeypatch.setattr(packed, "available", lambda: ["onednn"])
+    plain, pack, product = seconds
     for backend in ("onednn", "torch"):
-        timed = iter(seconds)
-        monkeypatch.setattr(select, "best_time", lambda fn, reps=3, timed=timed: next(timed))
+        _fake_packing_times(monkeypatch, plain, {"onednn": (pack, product)})
         assert select.measure_packing(48, 32, backend) == ((steps, "onednn") if steps else (0, ""))
 
 
@@ -279,22 +289,19 @@ def test_packing_pays_from_pack_time_over_seconds_saved_per_decode_product(secon
 def test_packing_takes_the_kind_with_the_fastest_packed_product(mkl_seconds, chosen, monkeypatch):
     """plain product 1 s; oneDNN packs in 10 s to a 0.5 s product; MKL per mkl_seconds. The faster packed product
     wins (a tie keeps oneDNN, listed first), and its own pack time sets the steps: 10 / 0.5 = 20, 4 / 0.8 = 5."""
-    monkeypatch.setattr(packed, "available", lambda: ["onednn", "mkl"])
-    timed = iter((1.0, 10.0, 0.5, *mkl_seconds))
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: next(timed))
+    _fake_packing_times(monkeypatch, 1.0, {"onednn": (10.0, 0.5), "mkl": mkl_seconds})
     assert select.measure_packing(48, 32, "torch") == chosen
 
 
 @pytest.mark.skipif(not onednn.pack_works(), reason="this torch build cannot pack oneDNN weights")
 @pytest.mark.parametrize("backend", ["onednn", "torch"])
 def test_packing_is_timed_against_the_weights_own_gemm(backend, monkeypatch):
+    """...in turns with the packed products (one race), the pack itself timed apart."""
     plain_products = []  # (rows, on oneDNN) of each unpacked product timed
     real = onednn.product
     monkeypatch.setattr(onednn, "product", lambda x, w, on_onednn: plain_products.append((x.shape[0], on_onednn))
                         or real(x, w, on_onednn))
-    monkeypatch.setattr(packed, "available", lambda: ["onednn"])
-    timed = iter((1.0, 10.0, 0.5))
-    monkeypatch.setattr(select, "best_time", lambda fn, reps=3: (fn(), next(timed))[1])  # runs fn, fakes its time
+    _fake_packing_times(monkeypatch, 1.0, {"onednn": (10.0, 0.5)}, run=True)  # runs each timed function once
     assert select.measure_packing(48, 32, backend) == (20, "onednn")
     assert plain_products == [(select.ROWS[0], backend == "onednn")]
 
