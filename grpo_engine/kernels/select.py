@@ -64,6 +64,9 @@ class KernelPlan:
     # "out x in" of a weight in decode_packing -> which library packs it: "onednn" | "mkl" (kernels/packed.py);
     # not listed (older plans): oneDNN
     pack_kinds: dict[str, str] = field(default_factory=dict)
+    # "V x D" of the LM head -> how the chunked head adds its weight gradient: "inplace" (torch's addmm_) |
+    # "blocked" (onednn.blocked_weight_grad); not listed (older plans, other weights): in place
+    head_weight_grad: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
@@ -73,6 +76,9 @@ class KernelPlan:
 
     def logprob_head_backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.logprob_head.get(shape_key(weight_shape)) or self.backend(weight_shape)
+
+    def head_weight_grad_backend(self, weight_shape: tuple[int, ...]) -> str:
+        return self.head_weight_grad.get(shape_key(weight_shape), "inplace")
 
     def pack_kind(self, weight_shape: tuple[int, ...]) -> str:
         return self.pack_kinds.get(shape_key(weight_shape), "onednn")
@@ -93,7 +99,8 @@ class KernelPlan:
                    {str(k): str(v) for k, v in data.get("weight_grad", {}).items()},  # (older: via autograd)
                    {str(k): str(v) for k, v in data.get("grad_input", {}).items()},  # (older: the forward's GEMM)
                    {str(k): str(v) for k, v in data.get("logprob_head", {}).items()},  # (older: the same)
-                   {str(k): str(v) for k, v in data.get("pack_kinds", {}).items()})  # (older: oneDNN)
+                   {str(k): str(v) for k, v in data.get("pack_kinds", {}).items()},  # (older: oneDNN)
+                   {str(k): str(v) for k, v in data.get("head_weight_grad", {}).items()})  # (older: in place)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -335,6 +342,19 @@ def measure_logprob_head(vocab: int, hidden: int, backend: str) -> str:
                              "onednn": lambda: onednn.onednn_linear(x, w)}, 3))
 
 
+def measure_head_weight_grad(vocab: int, hidden: int, backend: str) -> str:
+    """How the chunked log-prob head adds a chunk's weight gradient, grad_w [vocab, hidden] += gz^T h for HEAD_ROWS
+    rows: torch's addmm_ ("inplace") or oneDNN's products by vocabulary blocks (onednn.blocked_weight_grad,
+    "blocked"), kept only when ONEDNN_GAIN faster. A head whose GEMM is torch's stays in place (nothing timed)."""
+    if backend == "torch":
+        return "inplace"
+    g = torch.Generator().manual_seed(0)
+    gz, h = torch.randn(HEAD_ROWS, vocab, generator=g), torch.randn(HEAD_ROWS, hidden, generator=g)
+    acc = torch.zeros(vocab, hidden)
+    times = race({"inplace": lambda: acc.addmm_(gz.t(), h), "blocked": lambda: onednn.blocked_weight_grad(acc, gz, h)})
+    return "blocked" if times["blocked"] * ONEDNN_GAIN < times["inplace"] else "inplace"
+
+
 def head_shape(model: nn.Module, shapes: list[tuple[int, int]]) -> tuple[int, int] | None:
     """(vocab, hidden) of the model's LM head, when it is one of `shapes` (weight_shapes: those the plan covers)."""
     head = getattr(model, "lm_head", None)
@@ -353,13 +373,14 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if packed.available() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
     inputs = cache.setdefault(f"grad input | {key}", {})
-    heads = cache.setdefault(f"logprob head | {key}", {})
-    head_missing = head is not None and shape_key(head) not in heads
+    head_measures = {"logprob head": measure_logprob_head, "logprob head weight grad": measure_head_weight_grad}
+    heads = {name: cache.setdefault(f"{name} | {key}", {}) for name in head_measures}
+    heads_missing = [name for name, entries in heads.items() if head is not None and shape_key(head) not in entries]
 
     def lacking(entries: dict) -> list[tuple[int, int]]:
         return [s for s in shapes if shape_key(s) not in entries]
 
-    if not (missing or attention_missing or head_missing or lacking(grads) or lacking(inputs)
+    if not (missing or attention_missing or heads_missing or lacking(grads) or lacking(inputs)
             or (packed.available() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
@@ -374,8 +395,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             inputs[shape_key(s)] = measure_grad_input(*s, known[shape_key(s)])
         for s in lacking(packing) if packed.available() else []:
             packing[shape_key(s)] = list(measure_packing(*s, known[shape_key(s)]))
-        if head_missing:
-            heads[shape_key(head)] = measure_logprob_head(*head, known[shape_key(head)])
+        for name in heads_missing:
+            heads[name][shape_key(head)] = head_measures[name](*head, known[shape_key(head)])
     finally:
         torch.set_num_threads(previous)
     return True
@@ -384,8 +405,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
     decode attention, which weights a decode loop packs, how weight gradients are summed, which GEMM runs each
-    input gradient and the log-prob head's forward, at that count; from the cache when everything is there, else
-    measured (only what is missing) and cached."""
+    input gradient and the log-prob head's forward, how that head adds its weight gradient, at that count; from the
+    cache when everything is there, else measured (only what is missing) and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     head = head_shape(model, shapes)
     if forced_torch() or not onednn.op_works():
@@ -409,8 +430,9 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     inputs = {k: cache[f"grad input | {key}"][k] for k in keys}
     heads = {shape_key(head): cache[f"logprob head | {key}"][shape_key(head)]} if head else {}
+    head_grads = {shape_key(head): cache[f"logprob head weight grad | {key}"][shape_key(head)]} if head else {}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing, grads, inputs, heads, kinds)
+                      packing, grads, inputs, heads, kinds, head_weight_grad=head_grads)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

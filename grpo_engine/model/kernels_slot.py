@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (grad_w [V, D], gz [n, V], h [n, D]) -> None: grad_w += gz^T h in place
+Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S] bool) -> [B, H, 1, D]: a decode step's attention
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,6 +36,7 @@ class HeadGemm:
 
     logits: Product | None = None  # (h [n, D], W [V, D]) -> a new [n, V] = h W^T; None: torch.mm into a reused buffer
     grad_input: Product | None = None  # (gz [n, V], W [V, D]) -> a new [n, D] = gz W; None: torch.mm
+    grad_weight: Accumulate | None = None  # the weight gradient added into an fp32 grad_w; None: torch's addmm_
     accepts: Callable[[torch.Tensor, torch.Tensor], bool] | None = None  # (hidden, W) -> usable; None: any inputs
 
 

@@ -28,10 +28,10 @@ distribution, so we divide the logits by T here exactly as the sampler does (tem
 Precision: with bf16 hidden states / weights the matmul runs in the input dtype (tensor cores) and the
 softmax is done in fp32 per chunk; float64 inputs stay float64 (used by the exactness tests).
 
-GEMMs: the two products with the head weight that are not accumulations (a chunk's logits, the input gradient) run
-on torch's GEMM unless the caller hands in a `HeadGemm` (`gemm=model.kernels.head`): kernels/ measures on the
-machine whether another GEMM (oneDNN on some CPUs) is faster and sets its choice in the model's `Kernels`
-(model/kernels_slot.py). The math here imports no kernel code.
+GEMMs: the chunk's three products with the head weight (its logits, the input gradient, the weight gradient added
+into an fp32 grad_w) run on torch's GEMM unless the caller hands in a `HeadGemm` (`gemm=model.kernels.head`):
+kernels/ measures on the machine whether another GEMM (oneDNN on some CPUs) is faster and sets its choice in the
+model's `Kernels` (model/kernels_slot.py). The math here imports no kernel code.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..model.kernels_slot import HeadGemm, Product
+from ..model.kernels_slot import Accumulate, HeadGemm, Product
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -78,6 +78,7 @@ class _ChunkBuffers:
         on_cpu = torch.device(device).type == "cpu"
         self.logits = gemm.logits if gemm is not None else None
         self.grad_input = gemm.grad_input if gemm is not None else None
+        self.grad_weight = gemm.grad_weight if gemm is not None else None
         self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if self.logits is None else None  # [chunk, V]
         self.logq = self.z if on_cpu or self.z is None else torch.empty_like(self.z)  # [chunk, V]
         budget = (2 << 20) if on_cpu else (64 << 20)  # bytes: about a core's L2 on the CPU
@@ -157,9 +158,10 @@ def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
     return gz
 
 
-def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, grad_input: Product | None = None) -> None:
-    """grad_h_rows [n, D] = gz @ W (by `grad_input` when given) and grad_w [V, D] += gz^T h (skipping either
-    when it is None)."""
+def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, grad_input: Product | None = None,
+                      grad_weight: Accumulate | None = None) -> None:
+    """grad_h_rows [n, D] = gz @ W (by `grad_input` when given) and grad_w [V, D] += gz^T h (by `grad_weight`
+    when given and grad_w is a contiguous tensor of gz's dtype), skipping either when it is None."""
     gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
     if grad_h_rows is not None:
         if grad_input is not None:  # the GEMM kernels/ chose for this weight's input gradient
@@ -167,7 +169,9 @@ def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, grad_input: Product | 
         else:
             torch.mm(gz, weight, out=grad_h_rows)
     if grad_w is not None:
-        if grad_w.dtype == gz.dtype:
+        if grad_weight is not None and grad_w.dtype == gz.dtype and grad_w.is_contiguous():
+            grad_weight(grad_w, gz, h)  # the kernel plan's accumulation
+        elif grad_w.dtype == gz.dtype:
             grad_w.addmm_(gz.t(), h)  # [V, D] += [V, n] @ [n, D], no temporary
         else:
             grad_w += gz.t() @ h  # bf16 product, fp32 accumulation across chunks
@@ -219,7 +223,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
             gz = _logit_grad(c, t, grad_logp[s:e], grad_ent[s:e] if use_ent else None, temp)
-            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w, bufs.grad_input)
+            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w, bufs.grad_input,
+                              bufs.grad_weight)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
@@ -372,6 +377,7 @@ def head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
         def backward(g_lp, g_ent, c=c, h=h, t=t, s=s, e=e):
             gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
-            _apply_logit_grad(gz, h, weight, out.grad_hidden[s:e], out.grad_weight, bufs.grad_input)
+            _apply_logit_grad(gz, h, weight, out.grad_hidden[s:e], out.grad_weight, bufs.grad_input,
+                              bufs.grad_weight)
 
         yield HeadChunk(s, e, c.logp, c.ent, backward)

@@ -112,19 +112,46 @@ def test_the_log_prob_head_is_timed_as_it_runs_and_recorded(buffered, fresh, cho
     monkeypatch.setattr(select, "measure_packing", lambda o, i, gemm: (0, ""))
     monkeypatch.setattr(select, "measure_weight_grad", lambda o, i, backend: backend)
     monkeypatch.setattr(select, "measure_grad_input", lambda o, i, backend: backend)
-    head_calls = []
+    head_calls, grad_calls = [], []
     monkeypatch.setattr(select, "measure_logprob_head", lambda v, d, backend: head_calls.append((v, d, backend))
                         or chosen)
+    blocked = "blocked" if chosen == "onednn" else "inplace"
+    monkeypatch.setattr(select, "measure_head_weight_grad", lambda v, d, backend: grad_calls.append((v, d, backend))
+                        or blocked)
     monkeypatch.setattr(onednn, "op_works", lambda: True)
     cache = tmp_path / "kernels.json"
     plan = choose_plan(model, cache)
     assert head_calls == [(*head, "onednn")] and plan.logprob_head == {shape_key(head): chosen}
+    assert grad_calls == [(*head, "onednn")] and plan.head_weight_grad == {shape_key(head): blocked}
     assert plan.logprob_head_backend(head) == chosen and plan.backend(head) == "onednn"
-    assert KernelPlan.from_json(plan.to_json(), "checkpoint").logprob_head == plan.logprob_head
-    assert choose_plan(model, cache).logprob_head == plan.logprob_head and len(head_calls) == 1  # from the cache
+    assert plan.head_weight_grad_backend(head) == blocked
+    again = KernelPlan.from_json(plan.to_json(), "checkpoint")
+    assert (again.logprob_head, again.head_weight_grad) == (plan.logprob_head, plan.head_weight_grad)
+    cached = choose_plan(model, cache)
+    assert (cached.logprob_head, cached.head_weight_grad) == (plan.logprob_head, plan.head_weight_grad)
+    assert (len(head_calls), len(grad_calls)) == (1, 1)  # from the cache
     older = json.loads(plan.to_json())
-    del older["logprob_head"]  # a plan recorded before: the head runs on its weight's GEMM, as it did
-    assert KernelPlan.from_json(json.dumps(older), "checkpoint").logprob_head_backend(head) == "onednn"
+    del older["logprob_head"], older["head_weight_grad"]  # a plan recorded before: as it ran then
+    older_plan = KernelPlan.from_json(json.dumps(older), "checkpoint")
+    assert older_plan.logprob_head_backend(head) == "onednn" and older_plan.head_weight_grad_backend(head) == "inplace"
+    stored = json.loads(cache.read_text())  # a cache written before the head's weight gradient was planned
+    for k in [k for k in stored if k.startswith("logprob head weight grad |")]:
+        del stored[k]
+    cache.write_text(json.dumps(stored))
+    assert choose_plan(model, cache).head_weight_grad == plan.head_weight_grad
+    assert (len(head_calls), len(grad_calls)) == (1, 2)  # only it measured
+
+
+@pytest.mark.parametrize("seconds,choice", [((1.0, 0.5), "blocked"), ((1.0, 0.99), "inplace"),
+                                            ((0.5, 1.0), "inplace")])
+def test_head_weight_gradient_is_timed_in_place_against_onednn_blocks(seconds, choice, monkeypatch):
+    """measure_head_weight_grad races torch's addmm_ into the gradient against onednn.blocked_weight_grad on a
+    log-prob chunk (HEAD_ROWS rows); the blocks only when ONEDNN_GAIN faster; a head on torch's GEMM stays in place,
+    untimed."""
+    timed = iter([seconds])
+    monkeypatch.setattr(select, "race", lambda fns, reps=3: dict(zip(fns, next(timed))))  # (in place, blocks)
+    assert select.measure_head_weight_grad(300, 16, "onednn") == choice
+    assert select.measure_head_weight_grad(300, 16, "torch") == "inplace"  # `timed` is spent: nothing timed
 
 
 def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, monkeypatch):

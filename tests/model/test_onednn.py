@@ -106,6 +106,43 @@ def test_head_products_follow_the_plan_for_the_head_weight(backend, grad_input, 
     torch.testing.assert_close(hh.grad.double(), gh_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
+@pytest.mark.parametrize("vocab", [21, 28, 50])  # a last block of 5 rows, an exact multiple of 7, one of 1
+def test_blocked_weight_grad_adds_gz_transposed_h_block_by_block(vocab, monkeypatch):
+    """grad_w += gz^T h over vocabulary blocks (7 rows here) matches the float64 product, adding to what grad_w
+    already holds; nothing else of grad_w changes and gz, h are left as they were."""
+    monkeypatch.setattr(onednn, "HEAD_GRAD_BLOCK", 7)
+    g = torch.Generator().manual_seed(4)
+    gz, h = torch.randn(13, vocab, generator=g), torch.randn(13, 6, generator=g)
+    before = torch.randn(vocab, 6, generator=g)
+    grad_w = before.clone()
+    gz0, h0 = gz.clone(), h.clone()
+    onednn.blocked_weight_grad(grad_w, gz, h)
+    torch.testing.assert_close(grad_w.double(), before.double() + gz.double().t() @ h.double(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gz, gz0) and torch.equal(h, h0)
+
+
+@pytest.mark.skipif(not onednn.op_works(), reason="oneDNN's linear op is not available")
+@pytest.mark.parametrize("choice", ["blocked", "inplace"])
+def test_head_weight_gradient_follows_the_plan(choice, monkeypatch):
+    """The plan's `head_weight_grad` choice for the [V, D] head decides how the chunked head adds each chunk's
+    weight gradient: oneDNN's blocks (once per chunk) or torch's addmm_ (never the blocks); the same gradient."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(40, 16, generator=g), torch.randn(500, 16, generator=g) * 0.3
+    t = torch.randint(0, 500, (40,), generator=g)
+    wd = w.double().requires_grad_()
+    gw_ref, = torch.autograd.grad(naive_token_logprobs(h.double(), wd, t)[0].sum(), (wd,))
+    calls = []
+    real = onednn.blocked_weight_grad
+    monkeypatch.setattr(onednn, "blocked_weight_grad", lambda gw, gz, hh: calls.append(gz.shape) or real(gw, gz, hh))
+    plan = KernelPlan("cpu", torch.__version__, 1, {"500x16": "onednn"}, head_weight_grad={"500x16": choice})
+    assert plan.head_weight_grad_backend((500, 16)) == choice
+    ww = w.clone().requires_grad_()
+    token_logprobs(h, ww, t, chunk_size=16, gemm=onednn.planned_head_gemm(plan, ww))[0].sum().backward()
+    assert calls == ([(16, 500), (16, 500), (8, 500)] if choice == "blocked" else [])  # chunks of 16, 16, 8 rows
+    torch.testing.assert_close(ww.grad.double(), gw_ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama3"])  # qwen2: q/k/v biases
 def test_model_linears_on_onednn_match_torch(tiny_ckpt_factory, monkeypatch, arch):
     """The transformer's projections (onednn.OneDNNLinear) give nn.Linear's loss and gradients, fp32 rounding apart."""
