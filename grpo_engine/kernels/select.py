@@ -132,8 +132,9 @@ def best_time(fn, reps: int = 3) -> float:
 def race(candidates: dict[str, Callable[[], object]], reps: int = 3) -> dict[str, float]:
     """Fastest of `reps` timed calls of each candidate, after one warm-up call each, the candidates taking turns
     (one call of each per round): how the plan times every choice between kernels (GEMMs, packed products, decode
-    attention). Timed one after the other, a burst of other work during one candidate's calls slows it alone and
-    picks the other for good (the plan is cached); in turns, a burst slows one round of each."""
+    attention, the head's weight gradient). Timed one after the other, a burst of other work during one candidate's
+    calls slows it alone and picks the other for good (the plan is cached); in turns, a burst slows one round of
+    each."""
     for fn in candidates.values():
         fn()  # warm-up: first-call allocation and kernel dispatch
     best = dict.fromkeys(candidates, math.inf)
@@ -351,8 +352,8 @@ def measure_head_weight_grad(vocab: int, hidden: int, backend: str) -> str:
     g = torch.Generator().manual_seed(0)
     gz, h = torch.randn(HEAD_ROWS, vocab, generator=g), torch.randn(HEAD_ROWS, hidden, generator=g)
     acc = torch.zeros(vocab, hidden)
-    times = race({"inplace": lambda: acc.addmm_(gz.t(), h), "blocked": lambda: onednn.blocked_weight_grad(acc, gz, h)})
-    return "blocked" if times["blocked"] * ONEDNN_GAIN < times["inplace"] else "inplace"
+    times = race({"torch": lambda: acc.addmm_(gz.t(), h), "onednn": lambda: onednn.blocked_weight_grad(acc, gz, h)})
+    return "blocked" if faster_gemm(times) == "onednn" else "inplace"
 
 
 def head_shape(model: nn.Module, shapes: list[tuple[int, int]]) -> tuple[int, int] | None:
