@@ -79,7 +79,8 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
         if budget is not None and need_alone > budget:
             raise ValueError(
                 f"max_tokens_in_flight={budget} cannot hold the n={n} samples of prompt {i} "
-                f"(n x ({lengths[i]} tokens + max_new_tokens={t}) = {need_alone} slots); raise it or lower n"
+                f"(n x ({lengths[i]} tokens + max_new_tokens={t}) = {need_alone} slots); "
+                "raise rollout.max_tokens_in_flight, or lower n or max_new_tokens"
             )
         if waves:
             longest = lengths[waves[-1][0]]

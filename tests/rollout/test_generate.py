@@ -167,7 +167,8 @@ def test_waves_under_a_token_budget_give_the_same_greedy_output(tiny_model, mixe
         torch.tensor(waved.logprobs), torch.tensor(one_wave.logprobs), atol=1e-5, rtol=0
     )
     longest = max(map(len, mixed_prompts))
-    with pytest.raises(ValueError, match=rf"n x \({longest} tokens \+ max_new_tokens=6\) = {need} slots"):
+    slots = rf"n x \({longest} tokens \+ max_new_tokens=6\) = {need} slots\); raise rollout\.max_tokens_in_flight"
+    with pytest.raises(ValueError, match=slots):
         too_small = SamplingParams(n=2, max_new_tokens=6, max_tokens_in_flight=need - 1)
         generate(tiny_model, mixed_prompts, too_small)
 
