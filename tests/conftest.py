@@ -1,13 +1,18 @@
 """Shared fixtures: tiny HF-layout checkpoints made on the fly (random weights, byte-level tokenizer)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-# Kernel plans measured by the tests go to a throwaway cache, never the user's ~/.cache.
-os.environ.setdefault("GRPO_CACHE_DIR", tempfile.mkdtemp(prefix="grpo-test-cache-"))
+# Kernel plans measured by the tests go to a throwaway cache, never the user's ~/.cache; removed when the session
+# ends (subprocesses the tests start inherit it until then).
+if "GRPO_CACHE_DIR" not in os.environ:
+    os.environ["GRPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GRPO_CACHE_DIR"], ignore_errors=True)
 # One thread (below), fixed: the kernel plan must not measure and raise it (tests/model/test_kernel_plan.py
 # measures on purpose).
 os.environ.setdefault("GRPO_THREADS", "1")
