@@ -26,6 +26,7 @@ waits for.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -104,7 +105,9 @@ def use_cache(root: Path, plan_from: Path | None) -> None:
 
 def fresh_stamps() -> None:
     """As if the checkpoint were copied here: no stamp of this machine's for it (the kernel plan is kept)."""
-    use_cache(Path(tempfile.mkdtemp(prefix="stamps-")), cache_path())
+    root = tempfile.mkdtemp(prefix="stamps-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    use_cache(Path(root), cache_path())
 
 
 def eval_load(ckpt: Path, way: str) -> None:

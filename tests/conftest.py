@@ -8,11 +8,14 @@ import tempfile
 import pytest
 import torch
 
-# Kernel plans measured by the tests go to a throwaway cache, never the user's ~/.cache; removed when the session
-# ends (subprocesses the tests start inherit it until then).
-if "GRPO_CACHE_DIR" not in os.environ:
-    os.environ["GRPO_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["GRPO_CACHE_DIR"], ignore_errors=True)
+# What the tests write outside their tmp_path goes to one folder, removed when the session ends: the kernel plans
+# they measure (a throwaway cache, never the user's ~/.cache) and the temporary files of the commands they start
+# (torchrun's). This process's own temporary folder stays the machine's: pytest keeps a failed test's files there.
+tempfile.gettempdir()
+_SESSION_DIR = tempfile.mkdtemp(prefix="grpo-tests-")
+atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+os.environ.setdefault("GRPO_CACHE_DIR", os.path.join(_SESSION_DIR, "cache"))
+os.environ["TMPDIR"] = _SESSION_DIR
 # One thread (below), fixed: the kernel plan must not measure and raise it (tests/model/test_kernel_plan.py
 # measures on purpose).
 os.environ.setdefault("GRPO_THREADS", "1")
