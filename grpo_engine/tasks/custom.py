@@ -1,5 +1,6 @@
 """Custom task: your own JSONL of `prompt` + `answer` rows, scored by a named verifier or by any Python
-function named in the config as "module:function".
+function named in the config as "module:function". The file is UTF-8 text; a byte-order mark at its start and
+Windows line ends (what Windows editors and spreadsheet exports write) are read as the plain file.
 
 A reward function is called as fn(example, completion) and returns a float (used as the total) or a
 RewardResult. It runs in the training process: the trainer calls it through safe_reward, so if it raises

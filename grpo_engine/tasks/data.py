@@ -33,6 +33,7 @@ MAX_FILE_MIB = 1024  # GSM8K's train split is 4 MiB, MATH's 20 MiB: a gigabyte o
 MAX_LINE_KIB = 1024  # a row is a problem and its answer; the chat template refuses a prompt over 1 MiB anyway
 FILE_OPTION, LINE_OPTION = "task.options.max_data_file_mib", "task.options.max_data_line_kib"
 READ_BYTES = 1 << 20  # one read of a file searched for its first byte that is not UTF-8
+TEXT_ENCODING = "utf-8-sig"  # UTF-8, with a byte-order mark at the start of a file skipped
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,10 @@ def _open_data(p: Path, limits: Limits):
 
 def _lines(p: Path, limits: Limits):
     """(1-based line number, text) of each line of p, read as UTF-8 text one line at a time: a line is read up to
-    limits.line_kib KiB of characters and no further (the error names the line and the option that raises it)."""
+    limits.line_kib KiB of characters and no further (the error names the line and the option that raises it).
+    A byte-order mark opening the file (what Windows editors and spreadsheet exports write) is skipped."""
     most = limits.line_kib << 10
-    with _open_data(p, limits) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="\n") as f:
+    with _open_data(p, limits) as raw, io.TextIOWrapper(raw, encoding=TEXT_ENCODING, newline="\n") as f:
         line_no = 0
         try:
             while line := f.readline(most + 1):
@@ -182,7 +184,7 @@ def _check_text(row: Record, where: str) -> None:
 def _read_json(p: Path, limits: Limits = Limits()) -> list[Record]:
     raw = read_regular(p, "data file", max_bytes=limits.file_mib << 20, option=FILE_OPTION, error=DataError)
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode(TEXT_ENCODING))
     except json.JSONDecodeError:
         return _read_jsonl(p, limits)  # many ".json" files are really JSON lines
     except RecursionError:

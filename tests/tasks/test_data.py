@@ -39,3 +39,22 @@ def test_plain_list_of_rows_is_counted_from_one():
     """Rows from the hub come as a plain list: record numbers are 1-based too."""
     with pytest.raises(DataError, match=r"hub:train: record 1 has no field 'b'"):
         require_fields([{"a": 1}], ("a", "b"), "hub:train")
+
+
+def test_a_byte_order_mark_and_windows_line_ends_read_as_the_same_rows(tmp_path):
+    """What Windows editors and spreadsheet exports write: a UTF-8 byte-order mark opening the file, CRLF line ends.
+    The rows are the plain file's; a mark anywhere else is still an error naming its line."""
+    rows = [{"prompt": "Wie viel ist 10−4?", "answer": "6"}, {"prompt": "2+3?", "answer": 5}]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    windows = tmp_path / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes().replace(b"\n", b"\r\n"))
+    as_list = tmp_path / "windows.json"
+    as_list.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows, ensure_ascii=False).encode("utf-8"))
+    assert read_records(plain) == rows
+    assert read_records(windows) == rows
+    assert read_records(as_list) == rows
+    marked_inside = tmp_path / "inside.jsonl"
+    marked_inside.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + json.dumps(rows[0]).encode() + b"\n")
+    with pytest.raises(DataError, match=r"inside.jsonl: line 3 is not valid JSON"):
+        read_records(marked_inside)
