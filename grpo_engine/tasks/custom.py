@@ -1,6 +1,7 @@
 """Custom task: your own JSONL of `prompt` + `answer` rows, scored by a named verifier or by any Python
-function named in the config as "module:function". The file is UTF-8 text; a byte-order mark at its start and
-Windows line ends (what Windows editors and spreadsheet exports write) are read as the plain file.
+function named in the config as "module:function". A CSV file with a `prompt,answer` header row works too. The file
+is UTF-8 text; a byte-order mark at its start and Windows line ends (what Windows editors and spreadsheet exports
+write) are read as the plain file.
 
 A reward function is called as fn(example, completion) and returns a float (used as the total) or a
 RewardResult. It runs in the training process: the trainer calls it through safe_reward, so if it raises
@@ -58,7 +59,8 @@ VERIFIER_CASCADES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class CustomOptions(ChatTaskOptions):
-    data_path: str = option("", "JSONL (or parquet) with `prompt` and `answer` fields: the train split")
+    data_path: str = option("", "JSONL (or CSV with a `prompt,answer` header, or parquet) with `prompt` and `answer` "
+                                "fields: the train split")
     test_path: str | None = option(None, "file for the test split; None = a seeded `holdout` share of data_path's "
                                          "rows, left out of training")
     holdout: float = option(0.1, "without test_path: the share of data_path's rows held out as the test split "

@@ -1,7 +1,7 @@
-"""Read task records from local files — JSONL, JSON, parquet or a `datasets.save_to_disk` directory — and
+"""Read task records from local files — JSONL, JSON, CSV / TSV, parquet or a `datasets.save_to_disk` directory — and
 check their fields with errors that name the file, the record and the field.
 
-A record is named as a user finds it in an editor: a JSON-lines file's records by their 1-based physical
+A record is named as a user finds it in an editor: a JSON-lines or CSV file's records by their 1-based physical
 line (blank lines count), every other source's (JSON list, parquet, saved dataset, hub) by their 1-based
 position ("record 3").
 
@@ -18,6 +18,7 @@ takes) or that nests deeper than the JSON reader can follow is one line naming t
 from __future__ import annotations
 
 import codecs
+import csv
 import io
 import json
 from collections.abc import Iterator, Sequence
@@ -79,16 +80,17 @@ def place(rows: Sequence[Record], i: int) -> str:
 
 
 def read_records(path: str | Path, limits: Limits | None = None) -> list[Record]:
-    """All rows of a .jsonl / .json / .parquet file or of a saved `datasets` directory (one split), read under
-    `limits` (default: those data_limits set, else Limits()); anything but a regular file or a directory is refused
-    before it is opened."""
+    """All rows of a .jsonl / .json / .csv / .tsv / .parquet file or of a saved `datasets` directory (one split), read
+    under `limits` (default: those data_limits set, else Limits()); anything but a regular file or a directory is
+    refused before it is opened."""
     p, limits = Path(path), limits or _LIMITS.get() or Limits()
     if not p.exists() and not p.is_symlink():
         raise DataError(f"data file {p} does not exist; set data_path to a local .jsonl/.parquet file")
     regular_path(p, "data file", error=DataError, directory=True, fix="set data_path to a local .jsonl/.parquet file")
     if p.is_dir():
         return _read_saved_dataset(p, limits)
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".tsv": _read_tsv,
+               ".parquet": _read_parquet}
     reader = readers.get(p.suffix.lower())
     if reader is None:
         raise DataError(f"{p}: unknown data format {p.suffix!r}; use {list(readers)} or a datasets dir")
@@ -154,6 +156,46 @@ def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
         rows.append(row)
         lines.append(line_no)
     return Records(rows, lines)
+
+
+def _read_csv(p: Path, limits: Limits = Limits(), delimiter: str = ",") -> Records:
+    """Rows of a CSV file whose first row names the fields (`prompt,answer`); every value is text. Each record is
+    named by the physical line it starts on (a quoted value may span lines; blank lines are skipped). Read line by
+    line under the same budgets as JSON lines."""
+    where = {"line": 0}  # the physical line the reader has consumed up to
+
+    def numbered() -> Iterator[str]:
+        for line_no, line in _lines(p, limits):
+            where["line"] = line_no
+            yield line
+
+    reader = csv.reader(numbered(), delimiter=delimiter, skipinitialspace=True)
+    rows, lines, header, start = [], [], None, 1
+    try:
+        for values in reader:
+            if values and header is None:
+                header = [name.strip() for name in values]
+                _check_header(header, p, where["line"])
+            elif values:
+                if len(values) != len(header):
+                    raise DataError(f"{p}: line {start} has {len(values)} fields, the header (line 1) names "
+                                    f"{len(header)}; quote values that hold a {delimiter!r}")
+                rows.append(dict(zip(header, values)))
+                lines.append(start)
+            start = where["line"] + 1
+    except csv.Error as e:
+        raise DataError(f"{p}: line {where['line']} is not valid CSV ({e})") from None
+    return Records(rows, lines)
+
+
+def _read_tsv(p: Path, limits: Limits = Limits()) -> Records:
+    return _read_csv(p, limits, delimiter="\t")
+
+
+def _check_header(header: list[str], p: Path, line_no: int) -> None:
+    """A CSV header names each field once, none of them empty."""
+    if "" in header or len(set(header)) != len(header):
+        raise DataError(f"{p}: the header (line {line_no}) {header} must name each field once (e.g. prompt,answer)")
 
 
 def _parse(text: str, source: Path, line_no: int | None = None):

@@ -58,3 +58,37 @@ def test_a_byte_order_mark_and_windows_line_ends_read_as_the_same_rows(tmp_path)
     marked_inside.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + json.dumps(rows[0]).encode() + b"\n")
     with pytest.raises(DataError, match=r"inside.jsonl: line 3 is not valid JSON"):
         read_records(marked_inside)
+
+
+def test_csv_and_tsv_rows_are_the_jsonl_rows_as_text(tmp_path):
+    """A spreadsheet's export: a header row naming the fields, a quoted value holding the delimiter, a quote and a
+    line break, a blank line, Windows line ends and a byte-order mark. Every value is text; a record is named by the
+    physical line it starts on."""
+    csv_text = ('prompt, answer\r\n'
+                '"What is 1,000 + 5?",1005\r\n'
+                '\r\n'
+                '"Say ""hi""\r\non two lines",hi\r\n'
+                'bad row,1,2\r\n')
+    path = tmp_path / "mine.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + csv_text.encode("utf-8"))
+    with pytest.raises(DataError, match=r"mine.csv: line 6 has 3 fields, the header \(line 1\) names 2"):
+        read_records(path)
+    path.write_bytes(b"\xef\xbb\xbf" + csv_text.replace("bad row,1,2\r\n", "").encode("utf-8"))
+    rows = read_records(path)
+    assert rows == [{"prompt": "What is 1,000 + 5?", "answer": "1005"},
+                    {"prompt": 'Say "hi"\r\non two lines', "answer": "hi"}]
+    assert rows.lines == [2, 4]
+    tsv = tmp_path / "mine.tsv"
+    tsv.write_text("prompt\tanswer\nWhat is 2+3?\t5\n", encoding="utf-8")
+    assert read_records(tsv) == [{"prompt": "What is 2+3?", "answer": "5"}]
+    task = make_task("custom", data_path=str(path), verifier="numeric", holdout=0)
+    assert [e.answer for e in task.examples("train")] == ["1005", "hi"]
+
+
+def test_a_csv_header_names_each_field_once(tmp_path):
+    path = tmp_path / "dup.csv"
+    path.write_text("prompt,prompt\nq,a\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"dup.csv: the header \(line 1\) \['prompt', 'prompt'\] must name each"):
+        read_records(path)
+    path.write_text("\n\nprompt,answer\nq,\n", encoding="utf-8")  # the header after blank lines
+    assert read_records(path) == [{"prompt": "q", "answer": ""}] and read_records(path).lines == [4]
