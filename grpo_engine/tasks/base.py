@@ -97,7 +97,8 @@ class ChatTaskOptions:
                                          "answer cascade: the first that finds an answer wins")
     max_data_file_mib: int = option(MAX_FILE_MIB, "largest data file read, MiB (checked before reading: a data "
                                                   "file is untrusted input)")
-    max_data_line_kib: int = option(MAX_LINE_KIB, "longest JSON-lines row read, KiB (reading stops there)")
+    max_data_line_kib: int = option(MAX_LINE_KIB, "longest line of a JSON-lines or CSV file read, KiB (reading stops "
+                                                  "there)")
 
     def __post_init__(self) -> None:
         if self.format not in FORMAT_REWARDS:
