@@ -170,16 +170,16 @@ def _read_csv(p: Path, limits: Limits = Limits(), delimiter: str = ",") -> Recor
             yield line
 
     reader = csv.reader(numbered(), delimiter=delimiter, skipinitialspace=True)
-    rows, lines, header, start = [], [], None, 1
+    rows, lines, header, header_line, start = [], [], None, 0, 1
     try:
         for values in reader:
             if values and header is None:
-                header = [name.strip() for name in values]
-                _check_header(header, p, where["line"])
+                header, header_line = [name.strip() for name in values], start
+                _check_header(header, p, header_line)
             elif values:
                 if len(values) != len(header):
-                    raise DataError(f"{p}: line {start} has {len(values)} fields, the header (line 1) names "
-                                    f"{len(header)}; quote values that hold a {delimiter!r}")
+                    raise DataError(f"{p}: line {start} has {len(values)} fields, the header (line {header_line}) "
+                                    f"names {len(header)}; quote values that hold a {delimiter!r}")
                 rows.append(dict(zip(header, values)))
                 lines.append(start)
             start = where["line"] + 1

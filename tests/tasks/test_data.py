@@ -90,5 +90,8 @@ def test_a_csv_header_names_each_field_once(tmp_path):
     path.write_text("prompt,prompt\nq,a\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"dup.csv: the header \(line 1\) \['prompt', 'prompt'\] must name each"):
         read_records(path)
-    path.write_text("\n\nprompt,answer\nq,\n", encoding="utf-8")  # the header after blank lines
+    path.write_text("\n\nprompt,answer\nq,\nq,a,b\n", encoding="utf-8")  # the header after blank lines
+    with pytest.raises(DataError, match=r"dup.csv: line 5 has 3 fields, the header \(line 3\) names 2"):
+        read_records(path)
+    path.write_text("\n\nprompt,answer\nq,\n", encoding="utf-8")
     assert read_records(path) == [{"prompt": "q", "answer": ""}] and read_records(path).lines == [4]
