@@ -8,12 +8,12 @@
 
 Both engines get the same checkpoint (written here with make_tiny_checkpoint, or --model DIR), P prompts of the
 same length, G samples each, exactly --max-new completion tokens (EOS cannot end a completion: ours never stops on
-it, TRL has the EOS/pad ids suppressed), TRL in fp32 and ours at its defaults (memory.precision=auto: bf16 on a
-CPU where it measures faster, grpo_engine/plan/precision.py; the engine `ours-fp32` pins fp32), beta = 0 (no
-reference model), one update per step (mu = 1), torch's fused AdamW (transformers' default optim) with the same
-learning rate, and the same kind of reward (a seeded pseudo-random number per completion: it varies within each
-group, so every advantage is non-zero and neither engine can skip a row of the update). The engine `trl-bf16` is
-TRL with GRPOConfig(bf16=True): Trainer's mixed precision (bf16 autocast over the fp32 weights and optimizer
+it, TRL has the EOS/pad ids suppressed), TRL in fp32 and ours at its defaults (memory.precision=auto: bf16 on a CPU
+where it measures faster, grpo_engine/plan/precision.py; the engine `ours-fp32` pins fp32, `ours-bf16` bf16),
+beta = 0 (no reference model), one update per step (mu = 1), torch's fused AdamW (transformers' default optim) with the
+same learning rate, and the same kind of reward (a seeded pseudo-random number per completion: it varies within
+each group, so every advantage is non-zero and neither engine can skip a row of the update). The engine `trl-bf16`
+is TRL with GRPOConfig(bf16=True): Trainer's mixed precision (bf16 autocast over the fp32 weights and optimizer
 state), the setting TRL users pick on a CPU with bf16 products; its time and RSS ratios are reported beside fp32
 TRL's.
 
@@ -160,7 +160,7 @@ def run_interleaved(commands: dict[str, list[str]], logs: Path) -> dict[str, dic
 
 def ours_command(args, model_dir: Path, precision: str | None = None) -> list[str]:
     """Our child's command line: `grpo bench step` with the engine's defaults (memory.precision=auto: bf16 on a CPU
-    where it pays), or `precision` pinned (the engine ours-fp32)."""
+    where it pays), or `precision` pinned (the engines ours-fp32 and ours-bf16)."""
     return [sys.executable, "-m", "grpo_engine.cli", "bench", "step", "--model", str(model_dir),
             "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new),
             "--prompt-len", str(args.prompt_len), "--steps", str(args.steps), "--threads", str(args.threads),
@@ -183,6 +183,7 @@ def trl_command(args, model_dir: Path, bf16: bool = False) -> list[str]:
 
 
 ENGINE_COMMANDS = {"ours": ours_command, "ours-fp32": lambda args, model_dir: ours_command(args, model_dir, "fp32"),
+                   "ours-bf16": lambda args, model_dir: ours_command(args, model_dir, "bf16"),
                    "trl": trl_command, "trl-bf16": lambda args, model_dir: trl_command(args, model_dir, bf16=True)}
 
 
@@ -323,7 +324,8 @@ def report(args, results: dict[str, dict]) -> dict:
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
     targets = [("ours", "trl", "", {"time_ratio": 0.3, "rss_ratio": 0.5}),
                ("ours", "trl-bf16", "_trl_bf16", {"time_ratio": 0.6}),
-               ("ours-fp32", "trl", "_fp32", {})]  # fp32 against fp32: reported, no target of its own
+               ("ours-fp32", "trl", "_fp32", {}),  # fp32 against fp32: reported, no target of its own
+               ("ours-bf16", "trl-bf16", "_bf16", {})]  # bf16 against bf16: reported beside the default
     for mine, peer, suffix, limits in targets:
         if mine not in results or peer not in results:
             continue
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_checkpoint(args, Path(tmp) / "model")
         results = run_interleaved({name: ENGINE_COMMANDS[name](args, model_dir) for name in engines}, Path(tmp))
-    for name in ("ours", "ours-fp32"):
+    for name in ("ours", "ours-fp32", "ours-bf16"):
         if name in results:
             results[name]["mean_completion_len"] = float(args.max_new)  # bench_step never stops early
     print(json.dumps(report(args, results)))

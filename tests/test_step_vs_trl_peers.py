@@ -72,7 +72,7 @@ def test_report_without_trl_bf16_has_no_bf16_keys(bench):
 
 
 def test_unknown_engine_is_one_clear_error(bench):
-    with pytest.raises(SystemExit, match="give a comma list of ours, ours-fp32, trl, trl-bf16"):
+    with pytest.raises(SystemExit, match="give a comma list of ours, ours-fp32, ours-bf16, trl, trl-bf16"):
         bench.main(["--engines", "ours,trl-fp8"])
 
 
