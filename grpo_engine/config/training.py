@@ -11,6 +11,7 @@ from .fields import one_of, option, require, section
 UPDATE_MMAP = ("auto", "true", "false")  # memory.cpu_update_mmap (train/memory.py update_mmap_on)
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
+BF16_ROUNDINGS = ("stochastic", "nearest")  # optimizer.bf16_rounding (train/optim.py set_from_master)
 PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING = ("auto", "none", "all", "every_k")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -32,6 +33,9 @@ class OptimizerSection:
     eps: float = option(1e-8, "Adam epsilon")
     weight_decay: float = option(0.0, "decoupled (AdamW) weight decay")
     master_weights: bool = option(True, "fp32 master copy + fp32 moments for bf16/fp16 params")
+    bf16_rounding: str = option("stochastic", "how a bf16 weight is set from its fp32 master after each step: "
+                                "rounded stochastically (updates smaller than bf16's spacing still move the weights "
+                                "the model runs, on average) or to nearest", BF16_ROUNDINGS)
     pin_memory: bool = option(True, "pin offloaded CPU state for fast copies")
     strict: bool = option(False, "fail instead of falling back when the variant is unavailable")
     grad_clip: float = option(1.0, "clip the global gradient norm to this; 0 = off")
@@ -39,6 +43,7 @@ class OptimizerSection:
 
     def __post_init__(self) -> None:
         require(self.name in OPTIMIZERS, f"optimizer.name={self.name!r}; choose from {sorted(OPTIMIZERS)}")
+        one_of("optimizer.bf16_rounding", self.bf16_rounding, BF16_ROUNDINGS)
         require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
                 f"optimizer.betas={self.betas} must be two numbers in [0, 1)")
         require(math.isfinite(self.lr) and self.lr > 0,

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from grpo_engine.train.optim import OffloadedAdamW, OptimizerSection, adamw_update, build_optimizer
+from grpo_engine.train.optim import OffloadedAdamW, OptimizerSection, adamw_update, build_optimizer, set_from_master
 
 
 def make_params(seed=0, dtype=torch.float32):
@@ -55,7 +55,8 @@ def test_bf16_params_get_fp32_master_and_match_fp32_adamw_rounded():
     ours = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in ref]
     # the fp32 reference starts from the bf16-rounded values
     ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
-    opt = build_optimizer(ours, OptimizerSection(name="adamw", lr=1e-2, betas=[0.9, 0.99], weight_decay=0.1))
+    opt = build_optimizer(ours, OptimizerSection(name="adamw", lr=1e-2, betas=[0.9, 0.99], weight_decay=0.1,
+                                                 bf16_rounding="nearest"))
     assert isinstance(opt, OffloadedAdamW) and opt.state_device is None
     ref_opt = torch.optim.AdamW(ref, **HP)
     for step in range(4):
@@ -208,3 +209,95 @@ def test_a_bf16_masters_sliced_update_is_adamw_then_one_rounding(monkeypatch, fu
     for key in ("master", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(ours[key], ref[key], rtol=0, atol=1e-6)
     assert torch.equal(param, ours["master"].to(torch.bfloat16))
+
+
+def test_stochastic_rounding_picks_a_neighbour_with_the_masters_odds():
+    """Masters 0.3 and 0.75 of bf16's spacing above a bf16 value (positive and negative): each draw is one of the
+    two neighbours, the upper (in magnitude) about 30% / 75% of the time, so the mean is the master; a master that
+    is a bf16 value stays itself; no generator is rounding to nearest."""
+    base = torch.tensor([1.0, -1.0, 0.0625, 3.0])
+    spacing = torch.tensor([2.0**-7, 2.0**-7, 2.0**-11, 2.0**-6])  # bf16 keeps 8 significant bits
+    for frac in (0.3, 0.75):
+        master = base + torch.sign(base) * frac * spacing  # [4], fp32 holds these exactly
+        draws = torch.stack([set_from_master(master.expand(2000, 4).contiguous(), torch.bfloat16, draw)
+                             for draw in range(5)]).float().reshape(-1, 4)  # [10000, 4]
+        up = (draws.abs() > base.abs()).float().mean(0)
+        assert torch.all((draws == base) | (draws.abs() == base.abs() + spacing))
+        torch.testing.assert_close(up, torch.full((4,), frac), rtol=0, atol=0.02)
+        torch.testing.assert_close(draws.mean(0), master, rtol=0, atol=0.02 * spacing.max().item())
+    exact = torch.tensor([1.0, -0.5, 0.0, 2.0**-20])
+    assert torch.equal(set_from_master(exact, torch.bfloat16, 7), exact.bfloat16())
+    master = base + 0.3 * spacing
+    assert torch.equal(set_from_master(master, torch.bfloat16, None), master.bfloat16())
+
+
+def test_stochastic_rounding_moves_a_bf16_weight_that_nearest_rounding_keeps():
+    """Steps of 1e-4 on weights at 1.5 (bf16 spacing 2^-7 = 0.0078): rounded to nearest, 30 steps leave every
+    weight where it was; rounded stochastically, the weights the model runs follow their masters on the mean."""
+    moved = {}
+    for rounding in ("nearest", "stochastic"):
+        w = torch.nn.Parameter(torch.full((4096,), 1.5, dtype=torch.bfloat16))
+        opt = build_optimizer([w], OptimizerSection(name="adamw", lr=1e-4, weight_decay=0.0, bf16_rounding=rounding))
+        for _ in range(30):
+            w.grad = torch.ones_like(w)  # Adam's first steps move each master by about lr
+            opt.step()
+        master = opt.state[w]["master"]
+        torch.testing.assert_close(master, torch.full_like(master, 1.5 - 30e-4), rtol=0, atol=1e-4)
+        moved[rounding] = w.detach().float().mean().item()
+    assert moved["nearest"] == 1.5
+    assert moved["stochastic"] == pytest.approx(1.5 - 30e-4, abs=3e-4)
+
+
+def test_stochastic_rounding_resumes_exactly():
+    """The draws depend on the step and the parameter's index only: a run resumed from a state dict after two
+    steps sets the same bf16 weights as the uninterrupted run, and another step count draws differently."""
+    def params():
+        return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in make_params()]
+
+    a, b = params(), params()
+    opt_a = OffloadedAdamW(a, **HP, state_device=None, stochastic_rounding=True)
+    opt_b = OffloadedAdamW(b, **HP, state_device=None, stochastic_rounding=True)
+    for step in range(2):
+        set_grads(a, step)
+        set_grads(b, step)
+        opt_a.step()
+        opt_b.step()
+    resumed = OffloadedAdamW(b, **HP, state_device=None, stochastic_rounding=True)
+    resumed.load_state_dict(copy.deepcopy(opt_b.state_dict()))
+    for step in range(2, 4):
+        set_grads(a, step)
+        set_grads(b, step)
+        opt_a.step()
+        resumed.step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    master = opt_a.state[a[0]]["master"]
+    draws = [set_from_master(master, torch.bfloat16, opt_a._rounding(a[0], {"step": s, "master": master}, 0))
+             for s in (1, 2)]
+    assert not torch.equal(*draws)
+
+
+def test_a_sliced_stochastic_rounding_leaves_the_masters_as_adamw_and_rounds_each_slice(monkeypatch):
+    """Over slices of 7 elements the masters are AdamW's whatever the rounding, each bf16 weight is one of its
+    master's two bf16 neighbours, and the same draw gives the same weights."""
+    from grpo_engine.train import optim
+
+    monkeypatch.setattr(optim, "UPDATE_SLICE", 7)
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(5, 6, generator=g)
+    grads = [torch.randn(5, 6, generator=g).to(torch.bfloat16) for _ in range(3)]
+    group = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    runs = []
+    for rounding in (None, 11, 11):
+        state = {"master": start.clone(), "exp_avg": torch.zeros(5, 6), "exp_avg_sq": torch.zeros(5, 6), "step": 0}
+        param = start.to(torch.bfloat16)
+        for grad in grads:
+            optim.adamw_update_sliced(state, grad, group, param, rounding)
+        runs.append((state["master"], param))
+    (nearest_master, nearest), (master, first), (_, second) = runs
+    assert torch.equal(master, nearest_master) and torch.equal(first, second)
+    down = master.bfloat16().float()
+    down = torch.where(down > master, torch.nextafter(down.bfloat16(), torch.tensor(-1e9).bfloat16()).float(), down)
+    up = torch.nextafter(down.bfloat16(), torch.tensor(1e9).bfloat16()).float()
+    assert torch.all((first.float() == down) | (first.float() == up))
+    assert not torch.equal(first, nearest)  # 30 weights: some rounded the other way
