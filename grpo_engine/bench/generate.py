@@ -99,8 +99,9 @@ def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = N
 
 
 def default_dtype(model: str, device: str) -> str:
-    """The dtype a LoRA run of `model` with memory.precision=auto samples in on `device` (plan/precision.py
-    choose_precision; a full fine-tuning run stays fp32 on a CPU): the sampler timed as such a run drives it."""
+    """The dtype a run of `model` with memory.precision=auto samples in on `device` (plan/precision.py
+    choose_precision, the same for adapters and for full fine-tuning at the optimizer's defaults): the sampler timed
+    as such a run drives it."""
     from ..plan.precision import choose_precision
     from ..plan.shapes import model_shape
 

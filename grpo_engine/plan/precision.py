@@ -8,17 +8,19 @@ torch.cuda.is_bf16_supported() answers True there unless told to leave emulation
 fp32, not fp16: fp16 would need loss scaling, which the engine does not do (its range would underflow small
 gradients). An explicit `bf16` on such a card is refused, in one line naming the setting.
 
-On a CPU, `auto` is bf16 where it pays (`choose_precision`): the run trains adapters, not the weights (LoRA /
-QLoRA: the frozen base in bf16, the adapters and their optimizer in fp32), the CPU computes bf16 dot products
-natively (AMX, AVX512_BF16), the model's block products are big enough for their speed to matter
-(CPU_BF16_MIN_WEIGHT: a tiny model's step is bound by everything around its products, and the tests' float64/fp32
-comparisons keep their models tiny), and this machine measures them faster in bf16 (kernels/select.py bf16_ratio,
-cached per CPU and torch). Elsewhere fp32: without native dot products bf16 is converted in software, several times
-slower; and full fine-tuning keeps fp32 weights, because a CPU run is short (tens of steps) at a small learning
-rate: Adam moves a weight by about lr a step, 2e-4 over 20 steps at 1e-5, which is one bf16 rounding step of a
-weight of 0.05, so most bf16 weights move by zero or one step and the update's direction drowns in rounding
-(`grpo demo --real`, full fine-tuning at 1e-5, learned 11 points less in bf16 than in fp32 over seeds 0-2,
-docs/benchmarks.md). On a GPU `auto` is bf16 for full fine-tuning too: there memory decides.
+On a CPU, `auto` is bf16 where it pays (`choose_precision`): the CPU computes bf16 dot products natively (AMX,
+AVX512_BF16), the model's block products are big enough for their speed to matter (CPU_BF16_MIN_WEIGHT: a tiny
+model's step is bound by everything around its products, and the tests' float64/fp32 comparisons keep their models
+tiny), and this machine measures them faster in bf16 (kernels/select.py bf16_ratio, cached per CPU and torch).
+Adapters (LoRA / QLoRA) and their optimizer stay fp32 over a bf16 base. Full fine-tuning goes bf16 by the same
+measurement only where the optimizer sets each bf16 weight from its fp32 master by stochastic rounding
+(optimizer.master_weights, optimizer.bf16_rounding=stochastic, the defaults): a CPU run is short (tens of steps) at
+a small learning rate, Adam moves a weight by about lr a step, 2e-4 over 20 steps at 1e-5, which is one bf16
+rounding step of a weight of 0.05, so rounded to nearest most bf16 weights move by zero or one step and the update's
+direction drowns in rounding (`grpo demo --real`, full fine-tuning at 1e-5, learned 11 points less in bf16 than in
+fp32 over seeds 0-2 with nearest rounding, docs/benchmarks.md); rounded stochastically each weight the model runs is
+its master in expectation. Elsewhere fp32: without native dot products bf16 is converted in software, several times
+slower. On a GPU `auto` is bf16 for full fine-tuning too: there memory decides.
 
 torch is imported inside the functions: `grpo --help` imports the planner without torch.
 """
@@ -89,13 +91,14 @@ def resolve_precision(setting: str, device, native: Callable[[], bool] | None = 
 
 
 def choose_precision(setting: str, device, shape: tuple[int, int] | None = None, trains_weights: bool = False,
-                     ratio: Callable[[int, int], float] | None = None,
+                     rounds_stochastically: bool = True, ratio: Callable[[int, int], float] | None = None,
                      isa: Callable[[], str | None] | None = None) -> PrecisionChoice:
-    """memory.precision on `device` for a model whose MLP weight is `shape` = (hidden, intermediate) (None: not
-    known), with the reason. trains_weights: full fine-tuning (the weights themselves are trained, not adapters).
-    On a CPU `auto` asks `isa` (the CPU's native bf16 instruction set or None; default kernels/cpu.py
-    native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products; default measured here);
-    elsewhere it is resolve_precision's answer."""
+    """memory.precision on `device` for a model whose MLP weight is `shape` = (hidden, intermediate) (None: not known),
+    with the reason. trains_weights: full fine-tuning (the weights themselves are trained, not adapters);
+    rounds_stochastically: bf16 weights would be set from fp32 masters by stochastic rounding (optimizer
+    master_weights and bf16_rounding=stochastic). On a CPU `auto` asks `isa` (the CPU's native bf16 instruction set
+    or None; default kernels/cpu.py native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products;
+    default measured here); elsewhere it is resolve_precision's answer."""
     if str(device).split(":")[0] == "cuda" or setting != "auto":
         chosen = resolve_precision(setting, device)
         why = "set in the config" if setting != "auto" else f"auto: {'native' if chosen == 'bf16' else 'no native'} "\
@@ -104,9 +107,10 @@ def choose_precision(setting: str, device, shape: tuple[int, int] | None = None,
     from ..kernels.cpu import native_bf16_isa
     from ..kernels.select import bf16_ratio
 
-    if trains_weights:
-        return PrecisionChoice("fp32", "auto: full fine-tuning keeps fp32 weights on a CPU (a CPU run's few steps at "
-                                       "a small learning rate move most bf16 weights by zero or one rounding step)")
+    if trains_weights and not rounds_stochastically:
+        return PrecisionChoice("fp32", "auto: full fine-tuning with bf16 weights rounded to nearest keeps fp32 on a "
+                                       "CPU (a CPU run's few steps at a small learning rate move most bf16 weights by "
+                                       "zero or one rounding step)")
     isa = (isa or native_bf16_isa)()
     if isa is None:
         return PrecisionChoice("fp32", "auto: this CPU has no native bf16 dot products (AVX512_BF16 or AMX)")

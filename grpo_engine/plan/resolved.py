@@ -76,7 +76,9 @@ def precision_choice(cfg: Config, device: torch.device, kept: str | None = None)
         mlp = (shape.hidden_size, shape.intermediate_size)
     except (OSError, ValueError):  # ConfigError, CheckpointError included
         mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
-    return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full")
+    stochastic = cfg.optimizer.master_weights and cfg.optimizer.bf16_rounding == "stochastic"
+    return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full",
+                            rounds_stochastically=stochastic)
 
 
 def chosen_memory(cfg: Config, choice: MemoryChoice):

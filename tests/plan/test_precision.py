@@ -107,12 +107,18 @@ def test_auto_on_a_cpu_is_bf16_only_where_it_pays(isa, shape, ratio, expected):
         assert "no native bf16" in choice.why
 
 
-def test_auto_keeps_full_fine_tuning_in_fp32_on_a_cpu():
-    """Full fine-tuning's weights stay fp32 on a CPU (bf16 weights round away a short run's small updates); on a
-    card with native bf16 they are bf16 (memory decides there)."""
+def test_auto_weighs_full_fine_tuning_like_adapters_when_bf16_weights_round_stochastically():
+    """Full fine-tuning's weights go bf16 on a CPU by the same measurement as adapters when the optimizer rounds
+    them stochastically from fp32 masters; rounded to nearest they stay fp32 unmeasured (nearest rounding gives
+    back a short run's small updates). On a card with native bf16 they are bf16 (memory decides there)."""
     never = lambda *a: pytest.fail("measured")  # noqa: E731
-    choice = precision.choose_precision("auto", "cpu", SMOLLM2_MLP, trains_weights=True, ratio=never, isa=never)
-    assert choice.precision == "fp32" and "full fine-tuning" in choice.why
+    choice = precision.choose_precision("auto", "cpu", SMOLLM2_MLP, trains_weights=True, rounds_stochastically=False,
+                                        ratio=never, isa=never)
+    assert choice.precision == "fp32" and "full fine-tuning" in choice.why and "nearest" in choice.why
+    for ratio, expected in ((0.5, "bf16"), (0.9, "fp32")):
+        choice = precision.choose_precision("auto", "cpu", SMOLLM2_MLP, trains_weights=True,
+                                            ratio=lambda h, i, r=ratio: r, isa=lambda: "amx_bf16")
+        assert choice.precision == expected and f"{ratio:.2f}x the fp32 time" in choice.why
 
 
 def test_an_explicit_precision_on_a_cpu_is_not_measured():

@@ -217,7 +217,8 @@ def test_skipping_zero_advantage_rows_trains_the_same_weights(tmp_path, tiny_ckp
 def test_auto_precision_on_a_cpu_is_chosen_said_stored_and_kept_on_resume(tmp_path, tiny_ckpt, monkeypatch, capsys):
     """memory.precision=auto for a LoRA run where this CPU's bf16 pays (faked: native bf16, products at 0.5x, no
     size floor) holds the base in bf16, says so once with its reason, and stores it; a resume keeps bf16 although
-    the CPU now measures bf16 slower (2.0x): the checkpoint's precision, not a new measurement."""
+    the CPU now measures bf16 slower (2.0x): the checkpoint's precision, not a new measurement. Full fine-tuning
+    is bf16 there too, unless its bf16 weights would be rounded to nearest."""
     from grpo_engine.kernels import cpu, select
     from grpo_engine.plan import precision
     from grpo_engine.plan.resolved import resolve_settings
@@ -246,5 +247,9 @@ def test_auto_precision_on_a_cpu_is_chosen_said_stored_and_kept_on_resume(tmp_pa
         dtypes = {n: p.dtype for n, p in policy.model.named_parameters()}
         assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
         assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
-    full = load_config(CFG, [f"model.path={tiny_ckpt}", "memory.precision=auto", f"run_dir={tmp_path / 'f'}"])
-    assert resolve_settings(full, torch.device("cpu")).precision == "fp32"  # full fine-tuning: fp32 on a CPU
+    monkeypatch.setattr(select, "bf16_ratio", lambda hidden, inter: 0.5)
+    full = [f"model.path={tiny_ckpt}", "memory.precision=auto", f"run_dir={tmp_path / 'f'}"]
+    # full fine-tuning: bf16 where it pays and the weights round stochastically from fp32 masters, else fp32
+    assert resolve_settings(load_config(CFG, full), torch.device("cpu")).precision == "bf16"
+    nearest = load_config(CFG, [*full, "optimizer.bf16_rounding=nearest"])
+    assert resolve_settings(nearest, torch.device("cpu")).precision == "fp32"
