@@ -37,13 +37,10 @@ class FusedHead:
             self.hidden, targets, self.mask = completion_hidden(model, sub)  # [N, D] (with graph), [N], [b, T-1]
         self.model, self.entropy_grad = model, entropy_grad
         weight = model.lm_head.weight
-        into = dense_grad(weight) if weight.requires_grad else None
-        if into is not None and into.dtype != torch.promote_types(weight.dtype, torch.float32):
-            into = None  # bf16 weights: the head accumulates in fp32 and body_grad adds once
+        into = dense_grad(weight) if weight.requires_grad else None  # bf16 too: the head adds in place
         self.out = head_grads(self.hidden.detach(), weight.detach(), targets, temperature=temperature,
                               chunk_size=chunk_size, with_entropy=True, weight_grad=weight.requires_grad,
                               grad_weight_out=into)
-        self.into_grad = into is not None
         self._chunks = head_chunks(self.hidden.detach(), weight.detach(), targets, self.out, temperature=temperature,
                                    chunk_size=chunk_size, gemm=model.kernels.head)
         rows, cols = self.mask.nonzero(as_tuple=True)  # [N] each, row-major like the head's tokens
@@ -75,11 +72,8 @@ class FusedHead:
         return scatter_completion(self.out.logp, self.mask), scatter_completion(self.out.entropy, self.mask)
 
     def body_grad(self) -> torch.Tensor | None:
-        """The head's weight gradient into weight.grad (when not accumulated there already); dL/dhidden [N, D] for
-        the body's backward, None when the body has no trainable input."""
-        weight = self.model.lm_head.weight
-        if weight.requires_grad and not self.into_grad:
-            weight.grad += self.out.grad_weight.to(weight.dtype)
+        """dL/dhidden [N, D] for the body's backward (the head's weight gradient is in weight.grad already), None
+        when the body has no trainable input."""
         if not self.hidden.requires_grad:
             return None
         if self.model.embed.weight.requires_grad:
