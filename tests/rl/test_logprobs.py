@@ -184,3 +184,29 @@ def test_with_grads_equals_autograd_of_a_per_token_loss(with_entropy_grad):
     torch.testing.assert_close(out.grad_weight, prior + gw_ref, atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="grad_weight_out"):
         token_logprobs_with_grads(h.detach(), w.detach(), t, token_grad, grad_weight_out=torch.zeros(3, 8))
+
+
+def test_a_bf16_weights_gradient_is_added_into_its_own_bf16_grad():
+    """A bf16 head with a bf16 grad_weight_out (the weight's .grad): each chunk's gradient is added into that tensor
+    in place, and the sum is the float64 gradient to bf16's precision (a few roundings of 2^-9 over 4 chunks)."""
+    from grpo_engine.rl.logprobs import token_logprobs_with_grads
+
+    h, w, t = _problem(n=37, d=8, v=300)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(37, generator=g, dtype=torch.float64)
+    prior = torch.randn(w.shape, generator=g, dtype=torch.float64)
+    into = prior.to(torch.bfloat16)
+    h16, w16 = h.detach().bfloat16(), w.detach().bfloat16()
+
+    def token_grad(s, e, logp, ent):
+        return a[s:e].float(), None
+
+    out = token_logprobs_with_grads(h16, w16, t, token_grad, chunk_size=10, with_entropy=False, grad_weight_out=into)
+    assert out.grad_weight is into and into.dtype == torch.bfloat16
+    hb, wb = h16.double().requires_grad_(), w16.double().requires_grad_()
+    lp_ref, _ = naive_token_logprobs(hb, wb, t)
+    (gw_ref,) = torch.autograd.grad((a * lp_ref).sum(), (wb,))
+    expected = prior.to(torch.bfloat16).double() + gw_ref
+    assert (into.double() - expected).norm() / expected.norm() < 1e-2
+    with pytest.raises(ValueError, match="grad_weight_out"):  # another dtype than the weight's or fp32
+        token_logprobs_with_grads(h16, w16, t, token_grad, grad_weight_out=torch.zeros(w.shape, dtype=torch.float16))
