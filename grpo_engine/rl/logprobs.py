@@ -334,8 +334,8 @@ def head_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     grad_weight_out when given (added to in place), else zeros in the compute dtype; None without weight_grad.
     grad_weight_out may be in the compute dtype or in the weight's: a bf16 weight's .grad takes each chunk's product
     in place (one bf16 rounding per chunk, as autograd accumulates the body's bf16 gradients) instead of an fp32
-    [V, D] sum plus a bf16 [V, D] product per chunk (at a 151,936-token vocabulary: 0.3 GB more peak RSS, and the
-    fp32 adds and the final conversion took a third of a bf16 update on a CPU)."""
+    [V, D] sum plus a bf16 [V, D] product per chunk (at a 151,936-token vocabulary those took 750 MiB more peak RSS
+    and 31% more time per GRPO step on a 2-core CPU: docs/benchmarks.md)."""
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
     logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
