@@ -72,18 +72,18 @@ def test_bf16_params_get_fp32_master_and_match_fp32_adamw_rounded():
         assert torch.equal(a.detach(), opt.state[a]["master"].to(torch.bfloat16))
 
 
-def test_offloaded_state_dict_resume_is_exact():
-    a, b = make_params(), make_params()
-    opt_a = OffloadedAdamW(a, **HP)
-    opt_b = OffloadedAdamW(b, **HP)
+def resume_matches_uninterrupted(make, **kw) -> OffloadedAdamW:
+    """Two runs of OffloadedAdamW(**kw) on params from make(): one uninterrupted for 4 steps, one resumed from its
+    state dict after 2; their parameters must be equal. Returns the uninterrupted run's optimizer."""
+    a, b = make(), make()
+    opt_a, opt_b = OffloadedAdamW(a, **HP, **kw), OffloadedAdamW(b, **HP, **kw)
     for step in range(2):
         set_grads(a, step)
         set_grads(b, step)
         opt_a.step()
         opt_b.step()
-    saved = copy.deepcopy(opt_b.state_dict())
-    resumed = OffloadedAdamW(b, **HP)
-    resumed.load_state_dict(saved)
+    resumed = OffloadedAdamW(b, **HP, **kw)
+    resumed.load_state_dict(copy.deepcopy(opt_b.state_dict()))
     for step in range(2, 4):
         set_grads(a, step)
         set_grads(b, step)
@@ -91,6 +91,11 @@ def test_offloaded_state_dict_resume_is_exact():
         resumed.step()
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+    return opt_a
+
+
+def test_offloaded_state_dict_resume_is_exact():
+    resume_matches_uninterrupted(make_params)
 
 
 def test_plain_and_lr_scheduler_compatible():
@@ -254,25 +259,10 @@ def test_stochastic_rounding_resumes_exactly():
     def params():
         return [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in make_params()]
 
-    a, b = params(), params()
-    opt_a = OffloadedAdamW(a, **HP, state_device=None, stochastic_rounding=True)
-    opt_b = OffloadedAdamW(b, **HP, state_device=None, stochastic_rounding=True)
-    for step in range(2):
-        set_grads(a, step)
-        set_grads(b, step)
-        opt_a.step()
-        opt_b.step()
-    resumed = OffloadedAdamW(b, **HP, state_device=None, stochastic_rounding=True)
-    resumed.load_state_dict(copy.deepcopy(opt_b.state_dict()))
-    for step in range(2, 4):
-        set_grads(a, step)
-        set_grads(b, step)
-        opt_a.step()
-        resumed.step()
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    master = opt_a.state[a[0]]["master"]
-    draws = [set_from_master(master, torch.bfloat16, opt_a._rounding(a[0], {"step": s, "master": master}, 0))
+    opt = resume_matches_uninterrupted(params, state_device=None, stochastic_rounding=True)
+    first = opt.param_groups[0]["params"][0]
+    master = opt.state[first]["master"]
+    draws = [set_from_master(master, torch.bfloat16, opt._rounding(first, {"step": s, "master": master}, 0))
              for s in (1, 2)]
     assert not torch.equal(*draws)
 
