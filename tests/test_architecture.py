@@ -127,7 +127,8 @@ def test_model_file_is_architecture_only():
 
 # the attributes kernels once reached the code through, set from outside and probed for; now fields of the one
 # declared `Transformer.kernels` (model/kernels_slot.py), which no code probes for either
-KERNEL_ATTRIBUTES = {"kernels", "head_gemm", "decode_kernels", "weight_grads_in_place", "decode_attention"}
+KERNEL_ATTRIBUTES = {"kernels", "head_gemm", "decode_kernels", "weight_grads_in_place", "decode_attention",
+                     "train_attention"}
 PROBES = {"getattr", "hasattr", "setattr", "delattr"}
 
 

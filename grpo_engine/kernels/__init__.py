@@ -8,7 +8,7 @@ import torch
 
 from ..model.kernels_slot import Kernels
 from ..model.transformer import Transformer
-from .attention import decode_attention_for
+from .attention import decode_attention_for, train_attention_for
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from .onednn import OneDNNLinear, activate, planned_head_gemm, use_onednn_projections, weight_grads_in_place
 from .packing import planned_decode_kernels
@@ -26,12 +26,13 @@ from .select import (
 
 def apply_kernels(model: Transformer, plan: KernelPlan | None = None) -> Transformer:
     """Make `plan` (default: measured or cached for this model on this machine) decide which GEMM runs each
-    weight shape, which attention a decode step uses and how many threads torch uses: every block's nn.Linear
-    projections are replaced by OneDNNLinear modules holding the same parameters (same tensors, names and state
-    dict), which follow the plan (on CUDA or in bf16 they are nn.Linear itself), and `model.kernels` becomes the
-    plan's `Kernels` (model/kernels_slot.py), which the model's decode steps, rl/'s log-prob head, rollout/'s
-    decode loops and train/update.py's accumulation passes read. On CUDA, decode steps with grouped KV heads run
-    the grouped attention whatever the plan (kernels/attention.py). Returns the model."""
+    weight shape, which attention a decode step and a forward with a gradient use and how many threads torch uses:
+    every block's nn.Linear projections are replaced by OneDNNLinear modules holding the same parameters (same
+    tensors, names and state dict), which follow the plan (on CUDA or in bf16 they are nn.Linear itself), and
+    `model.kernels` becomes the plan's `Kernels` (model/kernels_slot.py), which the model's decode steps and
+    forwards, rl/'s log-prob head, rollout/'s decode loops and train/update.py's accumulation passes read. On CUDA,
+    decode steps with grouped KV heads run the grouped attention whatever the plan, and forwards with a gradient
+    SDPA (kernels/attention.py). Returns the model."""
     plan = plan if plan is not None else choose_plan(model)
     activate(plan)
     if plan.threads != torch.get_num_threads():
@@ -49,6 +50,7 @@ def planned_kernels(plan: KernelPlan, model: Transformer) -> Kernels:
         gemm=dict(plan.gemm),
         decode_attention=decode_attention_for(model.device.type, c.num_attention_heads, c.num_key_value_heads,
                                               plan.attention.get(key, "sdpa")),
+        train_attention=train_attention_for(model.device.type, plan.train_attention.get(key, "sdpa")),
         head=planned_head_gemm(plan, model.lm_head.weight),
         decode=planned_decode_kernels(plan, model),
         weight_grads_in_place=weight_grads_in_place)  # the trainer's accumulation passes enter it

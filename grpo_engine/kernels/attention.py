@@ -1,7 +1,8 @@
-"""The attention of a decode step (one new token per row): SDPA, or two grouped matmuls, chosen by measurement.
+"""The attention of a decode step (one new token per row) and of a forward whose gradient is taken: SDPA, or two
+grouped matmuls, chosen by measurement.
 
 Why: on the CPU, SDPA with a key mask and a single query runs slower than its FLOPs warrant, and with
-grouped-query attention it expands K and V to every query head. `grouped_decode_attention` views the H query
+grouped-query attention it expands K and V to every query head. `grouped_attention` views the H query
 heads as [H_kv, H / H_kv] (query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa does), so each KV
 head is read once. Which is faster depends on the CPU and the head shape (on a 2-core AMD EPYC: 1.1-1.8x faster
 at 9 / 3, 14 / 2 and 8 / 2 heads for most row and cache sizes, 0.8x at 9 / 3 heads with 32 rows and 200 cached
@@ -16,37 +17,76 @@ math kernel, which upcasts K and V and repeats them to every query head, in ever
 each per layer at 1.5B, 128 rows, 577 slots), slower than reading the weights and held in the CUDA graph's pool.
 The grouped kernel reads each KV head once, in the model's dtype, in two batched GEMMs with no host sync (it is
 captured in the static decode's graphs). Without grouping, SDPA's memory-efficient kernel takes the mask.
+
+The same grouped matmuls serve a forward whose gradient is taken (training, scoring with a gradient): on the CPU,
+SDPA's backward in bf16 runs far below its FLOPs (an Intel Xeon with AMX, 2 cores, 9 / 3 heads, 8 rows of 64
+queries over 95 keys: 13.7 ms backward and 1.5 ms forward against 3.3 and 2.5 ms grouped), while the grouped
+matmuls' autograd graph runs on the GEMMs. The grouped kernel materialises the scores [B, H, T, S] (SDPA's flash
+kernel does not), so it runs only up to the largest (queries x keys) timed, TRAIN_SIZES; longer sequences, and
+forwards without a gradient, keep SDPA. kernels/select.py times both, forward and backward, at the model's head
+shape and dtype and the plan records the winner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 ROWS_AND_SLOTS = ((32, 192), (64, 64))  # decode batches timed: (rows, cached slots)
+TRAIN_SIZES = ((8, 64, 96), (8, 128, 192))  # forwards with a gradient timed: (rows, queries, keys)
+MAX_QUERY_KEYS = max(t * s for _, t, s in TRAIN_SIZES)  # beyond it a forward with a gradient keeps SDPA
 
 
-def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, 1, D], k and v [B, H_kv, S, D], mask [B, 1, 1, S] bool (True = attend) -> [B, H, 1, D]."""
-    B, H, _, D = q.shape
-    n_kv = k.shape[1]
-    scores = torch.matmul(q.reshape(B, n_kv, H // n_kv, D), k.transpose(-1, -2))  # [B, H_kv, H / H_kv, S]
-    scores = scores.mul_(D**-0.5).masked_fill_(~mask, float("-inf"))
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, T, D], k and v [B, H_kv, S, D], mask [B or 1, 1, T, S] bool (True = attend; None: causal, query i
+    at slot S - T + i) -> [B, H, T, D]. Query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa."""
+    B, H, T, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    mask = causal_mask(T, S, q.device) if mask is None else mask
+    q = q.reshape(B, n_kv, H // n_kv * T, D)  # [B, H_kv, G * T, D]: a KV head's G query heads one after another
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(B, n_kv, H // n_kv, T, S)  # [B, H_kv, G, T, S]
+    scores = scores.mul_(D**-0.5).masked_fill_(~mask[:, :, None], float("-inf"))  # in place: autograd keeps neither
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(v.dtype, torch.float32)).to(v.dtype)
-    return torch.matmul(probs, v).view(B, H, 1, D)
+    return torch.matmul(probs.view(B, n_kv, -1, S), v).view(B, H, T, D)
 
 
-KERNELS = {"grouped": grouped_decode_attention}  # "sdpa": the model's own path (no hook)
+def grouped_training_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: torch.Tensor | None) -> torch.Tensor:
+    """A forward with a gradient: grouped_attention up to MAX_QUERY_KEYS (queries x keys), SDPA beyond."""
+    T, S = q.shape[2], k.shape[2]
+    if T * S <= MAX_QUERY_KEYS:
+        return grouped_attention(q, k, v, mask)
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None and S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = causal_mask(T, S, q.device) if mask is None else mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> torch.Tensor:
+    """[1, 1, T, S] bool: query i, at slot S - T + i, sees slots up to its own."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)[None, None]
+
+
+KERNELS = {"grouped": grouped_attention}  # "sdpa": the model's own path (no hook)
+TRAIN_KERNELS = {"grouped": grouped_training_attention}
 
 
 def decode_attention_for(device_type: str, n_heads: int, n_kv: int, planned: str) -> Callable | None:
     """The attention of a model's decode steps (None: the model's SDPA): on CUDA the grouped kernel when KV heads
     are grouped and SDPA otherwise (module docstring); elsewhere the kernel plan's measured choice `planned`."""
     if device_type == "cuda":
-        return grouped_decode_attention if n_kv != n_heads else None
+        return grouped_attention if n_kv != n_heads else None
     return KERNELS.get(planned)
+
+
+def train_attention_for(device_type: str, planned: str) -> Callable | None:
+    """The attention of a model's forwards with a gradient (None: the model's SDPA): on the CPU the kernel plan's
+    measured choice `planned`; on CUDA SDPA, whose fused kernels have their own backward."""
+    return None if device_type == "cuda" else TRAIN_KERNELS.get(planned)
 
 
 def shape_key(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
@@ -73,7 +113,38 @@ def measure(n_heads: int, n_kv: int, head_dim: int, race, dtype: torch.dtype = t
         mask = torch.rand(rows, 1, 1, slots, generator=g) > 0.1
         raced = race({"sdpa": lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
                                                                                            enable_gqa=gqa),
-                      "grouped": lambda q=q, k=k, v=v, m=mask: grouped_decode_attention(q, k, v, m)}, 10)
+                      "grouped": lambda q=q, k=k, v=v, m=mask: grouped_attention(q, k, v, m)}, 10)
         for name, seconds in raced.items():
             times[name] += seconds
     return times
+
+
+def measure_training(n_heads: int, n_kv: int, head_dim: int, race,
+                     dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Seconds of a forward and backward through each kernel at TRAIN_SIZES (causal over the last T of S keys, as
+    a completion after its shared prompt), in `dtype`, summed; `race` (kernels/select.py) times them in turns."""
+    g = torch.Generator().manual_seed(0)
+    times = dict.fromkeys(TIMED_TRAINING, 0.0)
+    for rows, queries, keys in TRAIN_SIZES:
+        q = torch.randn(rows, n_heads, queries, head_dim, generator=g).to(dtype).requires_grad_()
+        k, v = (torch.randn(rows, n_kv, keys, head_dim, generator=g).to(dtype).requires_grad_() for _ in range(2))
+        mask = causal_mask(queries, keys)
+        grad = torch.randn(rows, n_heads, queries, head_dim, generator=g).to(dtype)
+        inputs = (q, k, v)
+        raced = race({name: partial(_forward_backward, kernel, inputs, mask, grad) for name, kernel in
+                      TIMED_TRAINING.items()}, 5)
+        for name, seconds in raced.items():
+            times[name] += seconds
+    return times
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+TIMED_TRAINING = {"sdpa": _sdpa, "grouped": grouped_attention}
+
+
+def _forward_backward(kernel: Callable, inputs: tuple[torch.Tensor, ...], mask: torch.Tensor,
+                      grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(kernel(*inputs, mask), inputs, grad)

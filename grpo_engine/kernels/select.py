@@ -1,5 +1,5 @@
-"""Which GEMM runs each weight shape, which attention a decode step uses, and how many threads: chosen by measuring
-on the machine that runs them.
+"""Which GEMM runs each weight shape, which attention a decode step and a forward with a gradient use, and how many
+threads: chosen by measuring on the machine that runs them.
 
 Whether oneDNN beats torch's default fp32 GEMM depends on the CPU (about 2x on some AMD EPYC parts, level on some
 Intel Xeon parts) and on the shape (call overhead wins for small weights), so nothing is assumed: for every distinct
@@ -67,6 +67,8 @@ class KernelPlan:
     # "V x D" of the LM head -> how the chunked head adds its weight gradient: "inplace" (torch's addmm_) |
     # "blocked" (onednn.blocked_weight_grad); not listed (older plans, other weights): in place
     head_weight_grad: dict[str, str] = field(default_factory=dict)
+    # "H/Hkv/D" -> the attention of a forward with a gradient, "sdpa" | "grouped"; not listed (older plans): SDPA
+    train_attention: dict[str, str] = field(default_factory=dict)
 
     def backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.gemm.get(shape_key(weight_shape), "torch")
@@ -100,7 +102,8 @@ class KernelPlan:
                    {str(k): str(v) for k, v in data.get("grad_input", {}).items()},  # (older: the forward's GEMM)
                    {str(k): str(v) for k, v in data.get("logprob_head", {}).items()},  # (older: the same)
                    {str(k): str(v) for k, v in data.get("pack_kinds", {}).items()},  # (older: oneDNN)
-                   {str(k): str(v) for k, v in data.get("head_weight_grad", {}).items()})  # (older: in place)
+                   {str(k): str(v) for k, v in data.get("head_weight_grad", {}).items()},  # (older: in place)
+                   {str(k): str(v) for k, v in data.get("train_attention", {}).items()})  # (older: SDPA)
 
 
 def shape_key(weight_shape: tuple[int, ...]) -> str:
@@ -273,6 +276,12 @@ def measure_attention(key: str) -> str:
     return min(times, key=times.get)
 
 
+def measure_train_attention(key: str) -> str:
+    n_heads, n_kv, head_dim, dtype = attention_kernels.parse_key(key)
+    times = attention_kernels.measure_training(n_heads, n_kv, head_dim, race, dtype)
+    return min(times, key=times.get)
+
+
 def measure_packing(out_features: int, in_features: int, backend: str) -> tuple[int, str]:
     """(decode steps from which packing this weight for a decode loop pays, the kind that packs it): the kind
     (kernels/packed.py: oneDNN, MKL) whose packed decode-sized product (ROWS[0] rows) is fastest, and its pack
@@ -363,14 +372,18 @@ def head_shape(model: nn.Module, shapes: list[tuple[int, int]]) -> tuple[int, in
     return shape if shape in shapes else None
 
 
+# the cache entries of the attention choices, per head shape and dtype (attention_shape)
+ATTENTION_ENTRIES = ("decode attention", "training attention")
+
+
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
                      threads: int, head: tuple[int, int] | None = None) -> bool:
     """Measure into `cache` what its entries under `key` lack for these shapes, this attention and this LM head,
     at `threads`. Returns whether anything was measured."""
     known = cache.setdefault(key, {})
     missing = [s for s in shapes if shape_key(s) not in known]
-    known_attention = cache.setdefault(f"decode attention | {key}", {}) if attention else {}
-    attention_missing = attention is not None and attention not in known_attention
+    attentions = {name: cache.setdefault(f"{name} | {key}", {}) for name in ATTENTION_ENTRIES} if attention else {}
+    attentions_missing = [name for name, entries in attentions.items() if attention not in entries]
     packing = cache.setdefault(f"{PACKING_ENTRY} | {key}", {}) if packed.available() else {}
     grads = cache.setdefault(f"weight grad | {key}", {})
     inputs = cache.setdefault(f"grad input | {key}", {})
@@ -381,15 +394,16 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     def lacking(entries: dict) -> list[tuple[int, int]]:
         return [s for s in shapes if shape_key(s) not in entries]
 
-    if not (missing or attention_missing or heads_missing or lacking(grads) or lacking(inputs)
+    if not (missing or attentions_missing or heads_missing or lacking(grads) or lacking(inputs)
             or (packed.available() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # timed at the count the run will use
     try:
         known.update({shape_key(s): faster_gemm(measure_shape(*s)) for s in missing})
-        if attention_missing:
-            known_attention[attention] = measure_attention(attention)
+        for name, measure in zip(ATTENTION_ENTRIES, (measure_attention, measure_train_attention)):
+            if name in attentions_missing:
+                attentions[name][attention] = measure(attention)
         for s in lacking(grads):
             grads[shape_key(s)] = measure_weight_grad(*s, known[shape_key(s)])
         for s in lacking(inputs):
@@ -405,15 +419,16 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
 
 def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     """The kernel plan for `model` on this machine: the thread count, then the GEMM of every weight shape, the
-    decode attention, which weights a decode loop packs, how weight gradients are summed, which GEMM runs each
-    input gradient and the log-prob head's forward, how that head adds its weight gradient, at that count; from the
-    cache when everything is there, else measured (only what is missing) and cached."""
+    decode and training attention, which weights a decode loop packs, how weight gradients are summed, which GEMM
+    runs each input gradient and the log-prob head's forward, how that head adds its weight gradient, at that count;
+    from the cache when everything is there, else measured (only what is missing) and cached."""
     shapes, attention = weight_shapes(model), attention_shape(model)
     head = head_shape(model, shapes)
     if forced_torch() or not onednn.op_works():
         threads = thread_choice.fixed_threads() or torch.get_num_threads()
+        sdpa = {attention: "sdpa"} if attention else {}
         return KernelPlan(cpu_model(), torch.__version__, threads, {shape_key(s): "torch" for s in shapes}, "forced",
-                          {attention: "sdpa"} if attention else {})
+                          sdpa, train_attention=sdpa)
     path = path or cache_path()
     cache = _read_cache(path)
     before = json.dumps(cache, sort_keys=True)
@@ -424,7 +439,8 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
         _write_cache(path, cache)
     keys = [shape_key(s) for s in shapes]
     gemm = {k: cache[key][k] for k in keys}
-    chosen = {attention: cache[f"decode attention | {key}"][attention]} if attention else {}
+    chosen, trained = ({attention: cache[f"{name} | {key}"][attention]} if attention else {}
+                       for name in ATTENTION_ENTRIES)
     steps = cache.get(f"{PACKING_ENTRY} | {key}", {})
     packing = {k: int(steps[k][0]) for k in keys if k in steps and steps[k][0]}
     kinds = {k: str(steps[k][1]) for k in packing}
@@ -433,7 +449,7 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     heads = {shape_key(head): cache[f"logprob head | {key}"][shape_key(head)]} if head else {}
     head_grads = {shape_key(head): cache[f"logprob head weight grad | {key}"][shape_key(head)]} if head else {}
     return KernelPlan(cpu_model(), torch.__version__, threads, gemm, "measured" if measured else "cache", chosen,
-                      packing, grads, inputs, heads, kinds, head_weight_grad=head_grads)
+                      packing, grads, inputs, heads, kinds, head_weight_grad=head_grads, train_attention=trained)
 
 
 def load_plan(directory: Path) -> KernelPlan | None:

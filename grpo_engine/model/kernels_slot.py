@@ -26,6 +26,9 @@ Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 # (q [B, H, 1, D], k, v [B, Hkv, S, D], mask [B, 1, 1, S] bool) -> [B, H, 1, D]: a decode step's attention
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B, H, T, D], k, v [B, Hkv, S, D], mask [B or 1, 1, T, S] bool, None: causal) -> [B, H, T, D]: the attention
+# of a forward whose gradient is taken
+TrainAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class Kernels:
         choice, which apply_kernels also makes the process's active plan, the one the OneDNNLinear projections it
         puts in place of the blocks' nn.Linear follow (kernels/onednn.py); empty: torch's.
     decode_attention: the attention of a decode step (one new token per row), None for SDPA.
+    train_attention: the attention of a forward of more than one token whose gradient is taken, None for SDPA.
     head: the chunked log-prob head's products (rl/logprobs.py), None for torch's.
     decode: the decode loops' packing and LM-head product.
     weight_grads_in_place: the context in which the trainer's accumulation passes add the planned weight
@@ -83,6 +87,7 @@ class Kernels:
 
     gemm: dict[str, str] = field(default_factory=dict)
     decode_attention: DecodeAttention | None = None
+    train_attention: TrainAttention | None = None
     head: HeadGemm | None = None
     decode: DecodeKernels = DecodeKernels()
     weight_grads_in_place: Callable[[bool], AbstractContextManager[None]] = no_weight_grads_in_place

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, rope_kind
-from .kernels_slot import TORCH_KERNELS, DecodeAttention, Kernels
+from .kernels_slot import TORCH_KERNELS, Kernels
 
 
 class KVCacheLike(Protocol):
@@ -187,8 +187,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int,
-                decode_attention: DecodeAttention | None = None) -> torch.Tensor:
-        """decode_attention: the model's Kernels.decode_attention, run by a decode step instead of SDPA."""
+                kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
+        """kernels: the model's; its decode_attention runs a decode step, its train_attention a forward of more
+        than one token whose gradient is taken, each instead of SDPA when set."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # [B, T, Hkv, D]
@@ -200,8 +201,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
-        if T == 1 and mask is not None and decode_attention is not None:  # a decode step
-            out = decode_attention(q, k, v, mask)
+        if T == 1 and mask is not None and kernels.decode_attention is not None:  # a decode step
+            out = kernels.decode_attention(q, k, v, mask)
+        elif T > 1 and kernels.train_attention is not None and q.requires_grad and torch.is_grad_enabled():
+            out = kernels.train_attention(q, k, v, mask)
         elif mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
@@ -250,8 +253,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer, decode_attention=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, decode_attention)
+    def forward(self, x, cos, sin, mask, cache, layer, kernels=TORCH_KERNELS):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, kernels)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -317,7 +320,7 @@ class Transformer(nn.Module):
             mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype)
         cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i, self.kernels.decode_attention)
+            x = block(x, cos, sin, mask, cache, i, self.kernels)
         if cache is not None:
             cache.start = start + T
         x = self.norm(x)

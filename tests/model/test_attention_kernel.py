@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
-from grpo_engine.kernels.attention import grouped_decode_attention, measure, parse_key, shape_key
+from grpo_engine.kernels.attention import grouped_attention, measure, parse_key, shape_key
 from grpo_engine.model.loading import load_model
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (14, 2)])
-def test_grouped_decode_attention_equals_sdpa(heads, kv_heads):
+def test_grouped_attention_equals_sdpa(heads, kv_heads):
     """Grouped matmuls against SDPA with enable_gqa, float64, a key mask with holes."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     B, S, D = 5, 11, 8
@@ -19,10 +19,10 @@ def test_grouped_decode_attention_equals_sdpa(heads, kv_heads):
     mask = torch.rand(B, 1, 1, S, generator=g) > 0.4
     mask[..., -1] = True  # a query always sees its own slot
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
-    torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
 
 
-def test_grouped_decode_attention_on_cache_slices():
+def test_grouped_attention_on_cache_slices():
     """k and v as the rollout cache hands them over: the first S slots of a longer [B, H_kv, S_max, D] buffer."""
     g = torch.Generator().manual_seed(3)
     B, H, n_kv, S, D = 4, 6, 2, 9, 8
@@ -33,7 +33,7 @@ def test_grouped_decode_attention_on_cache_slices():
     mask[..., -1] = True
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.contiguous(), v.contiguous(), attn_mask=mask,
                                                            enable_gqa=True)
-    torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,7 +74,7 @@ def test_a_bf16_model_gets_the_decode_attention_timed_in_bf16(tiny_ckpt, tmp_pat
         assert plan.attention == {key: "sdpa"}
         return
     assert timed == [key] and plan.attention == {key: "grouped"} and plan.gemm == {}  # no fp32 weights to time
-    assert model.kernels.decode_attention is grouped_decode_attention
+    assert model.kernels.decode_attention is grouped_attention
 
 
 def test_the_plan_sets_the_decode_attention_of_the_model(tiny_ckpt):
@@ -89,7 +89,7 @@ def test_the_plan_sets_the_decode_attention_of_the_model(tiny_ckpt):
         for choice in ("sdpa", "grouped"):
             apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
                                             {key: choice}))
-            assert model.kernels.decode_attention is (None if choice == "sdpa" else grouped_decode_attention)
+            assert model.kernels.decode_attention is (None if choice == "sdpa" else grouped_attention)
             outs[choice] = generate(model, [[1, 2, 3], [4, 5]], params, seed=7)
     finally:
         activate(None)

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_engine.kernels import apply_kernels
-from grpo_engine.kernels.attention import decode_attention_for, grouped_decode_attention
+from grpo_engine.kernels.attention import decode_attention_for, grouped_attention
 from grpo_engine.model.loading import load_model
 from grpo_engine.rollout.generate import generate, generate_static
 from grpo_engine.rollout.sampling import SamplingParams
@@ -21,10 +21,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 3
 
 
 def test_cuda_runs_the_grouped_kernel_for_grouped_heads_and_the_cpu_what_its_plan_measured():
-    assert decode_attention_for("cuda", 14, 2, "sdpa") is grouped_decode_attention
+    assert decode_attention_for("cuda", 14, 2, "sdpa") is grouped_attention
     assert decode_attention_for("cuda", 8, 8, "grouped") is None  # no grouping: SDPA's fused kernels take the mask
     assert decode_attention_for("cpu", 14, 2, "sdpa") is None
-    assert decode_attention_for("cpu", 14, 2, "grouped") is grouped_decode_attention
+    assert decode_attention_for("cpu", 14, 2, "grouped") is grouped_attention
 
 
 def _set_decode_attention(model, kernel) -> None:
@@ -54,7 +54,7 @@ def test_the_grouped_kernel_decodes_as_sdpa_does_float64(tiny_ckpt_factory, kv_h
 
     def grouped_counted(q, k, v, mask):
         calls.append(q.shape)
-        return grouped_decode_attention(q, k, v, mask)
+        return grouped_attention(q, k, v, mask)
 
     _set_decode_attention(model, grouped_counted)
     grouped = run()
@@ -91,7 +91,7 @@ def test_the_grouped_kernel_reads_k_and_v_once_in_the_models_dtype():
     k, v = (torch.randn(B, n_kv, S, D, generator=g).bfloat16() for _ in range(2))
     mask = torch.rand(B, 1, 1, S, generator=g) > 0.2
     with _Ops() as ops:
-        out = grouped_decode_attention(q, k, v, mask)
+        out = grouped_attention(q, k, v, mask)
     assert out.dtype == torch.bfloat16 and out.shape == (B, H, 1, D)
     assert not [op for op, _, _ in ops.seen if "scaled_dot_product" in op]
     assert max(n for _, n, _ in ops.seen) < k.numel(), ops.seen
@@ -107,8 +107,8 @@ def test_the_grouped_kernel_traces_whole_with_no_host_sync():
     k, v = (torch.randn(3, 2, 10, 8, generator=g) for _ in range(2))
     mask = torch.rand(3, 1, 1, 10, generator=g) > 0.3
     mask[..., -1] = True
-    traced = torch.compile(grouped_decode_attention, backend="eager", fullgraph=True)
-    torch.testing.assert_close(traced(q, k, v, mask), grouped_decode_attention(q, k, v, mask), rtol=0, atol=0)
+    traced = torch.compile(grouped_attention, backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(q, k, v, mask), grouped_attention(q, k, v, mask), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -119,7 +119,7 @@ def test_cuda_decodes_grouped_heads_with_the_math_sdpa_kernel_off(tiny_ckpt, dty
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = apply_kernels(load_model(tiny_ckpt, dtype=dtype, device="cuda"))
-    assert model.kernels.decode_attention is grouped_decode_attention
+    assert model.kernels.decode_attention is grouped_attention
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
@@ -141,4 +141,4 @@ def test_the_grouped_kernel_equals_sdpa_on_cuda_float64():
     mask = torch.rand(6, 1, 1, 40, generator=g, device="cuda") > 0.3
     mask[..., -1] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(grouped_decode_attention(q, k, v, mask), want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), want, rtol=0, atol=1e-10)

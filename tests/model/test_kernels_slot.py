@@ -7,7 +7,7 @@ import copy
 import torch
 
 from grpo_engine.kernels import KernelPlan, OneDNNLinear, apply_activation_checkpointing, apply_kernels, onednn
-from grpo_engine.kernels.attention import grouped_decode_attention, shape_key
+from grpo_engine.kernels.attention import grouped_attention, shape_key
 from grpo_engine.kernels.checkpointing import CheckpointedBlock
 from grpo_engine.kernels.select import shape_key as weight_key
 from grpo_engine.kernels.select import weight_shapes
@@ -35,7 +35,7 @@ def test_a_model_carries_torchs_kernels_until_the_plan_sets_its_own(tiny_ckpt):
     finally:
         onednn.activate(None)
     assert model.kernels.gemm == {weight_key(s): "onednn" for s in weight_shapes(model)} != {}
-    assert model.kernels.decode_attention is grouped_decode_attention
+    assert model.kernels.decode_attention is grouped_attention
     assert model.kernels.weight_grads_in_place is onednn.weight_grads_in_place
 
 
@@ -72,5 +72,5 @@ def test_a_deep_copy_carries_its_own_kernels(tiny_ckpt):
     finally:
         onednn.activate(None)
     ref = copy.deepcopy(model)
-    assert ref.kernels.decode_attention is grouped_decode_attention
+    assert ref.kernels.decode_attention is grouped_attention
     assert ref.layers[0].attn.q_proj.weight is not model.layers[0].attn.q_proj.weight
