@@ -48,13 +48,17 @@ def op_works() -> bool:
     return _state["ok"]
 
 
-def matches_mm(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
-    """Whether product(x, w) runs and matches x @ w^T on a small fp32 problem: the one-time check of an op that is
-    not a public API (a missing op raises AttributeError, a failing one RuntimeError)."""
+def matches_mm(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               dtype: torch.dtype = torch.float32) -> bool:
+    """Whether product(x, w) runs and matches x @ w^T on a small problem in `dtype` (fp32, or bf16 to its rounding):
+    the one-time check of an op that is not a public API (a missing op raises AttributeError, a failing one
+    RuntimeError)."""
     try:
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(3, 16, generator=g), torch.randn(40, 16, generator=g)
-        return bool(torch.allclose(product(x, w), x @ w.t(), rtol=1e-5, atol=1e-5))
+        x, w = torch.randn(3, 16, generator=g).to(dtype), torch.randn(40, 16, generator=g).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        got = product(x, w)
+        return got.dtype == dtype and bool(torch.allclose(got.float(), x.float() @ w.float().t(), rtol=tol, atol=tol))
     except (RuntimeError, AttributeError):
         return False
 
@@ -111,16 +115,17 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _op(x, weight)
 
 
-def pack_works() -> bool:
-    """One-time check that weights can be packed (`pack`) and their products match torch.mm."""
-    if "pack" not in _state:
-        _state["pack"] = op_works() and matches_mm(lambda x, w: packed_linear(x, pack(w, 3)))
-    return _state["pack"]
+def pack_works(dtype: torch.dtype = torch.float32) -> bool:
+    """One-time check that weights of `dtype` can be packed (`pack`) and their products match torch.mm."""
+    name = f"pack {dtype}"
+    if name not in _state:
+        _state[name] = op_works() and matches_mm(lambda x, w: packed_linear(x, pack(w, 3)), dtype)
+    return _state[name]
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """weight [N, K] (fp32 CPU) -> the same values in oneDNN's blocked layout for products of about `rows` rows:
-    a new opaque tensor of about the weight's size, valid only for `packed_linear` and only while the weight is
+    """weight [N, K] (fp32 or bf16, CPU) -> the same values in oneDNN's blocked layout for products of about `rows`
+    rows: a new opaque tensor of about the weight's size, valid only for `packed_linear` and only while the weight is
     unchanged."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 

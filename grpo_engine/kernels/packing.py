@@ -27,17 +27,17 @@ from torch import nn
 from ..model.kernels_slot import DecodeKernels
 from . import onednn, packed
 from .packed import PackedWeight
-from .select import KernelPlan, shape_key
+from .select import KernelPlan, packing_key
 
 
 def _pack_if_pays(weight: torch.Tensor, rows: int, steps: int, plan: KernelPlan) -> PackedWeight | None:
     """`weight` packed for `rows` rows by the kind `plan` chose, when packing it pays within `steps` decode steps
     (the plan's steps for its shape, 0 = never); else None."""
-    if not (weight.requires_grad and onednn.fp32_cpu_matrices(weight, weight)):
+    if not (weight.requires_grad and weight.device.type == "cpu" and weight.dim() == 2):
         return None
-    key = shape_key(tuple(weight.shape))
-    after, kind = plan.decode_packing.get(key, 0), plan.pack_kind(tuple(weight.shape))
-    return packed.pack(weight, rows, kind) if 0 < after <= steps and packed.works(kind) else None
+    shape, dtype = tuple(weight.shape), weight.dtype
+    after, kind = plan.decode_packing.get(packing_key(shape, dtype), 0), plan.pack_kind(shape, dtype)
+    return packed.pack(weight, rows, kind) if 0 < after <= steps and packed.works(kind, dtype) else None
 
 
 class DecodePacks:

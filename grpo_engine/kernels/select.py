@@ -48,8 +48,8 @@ class KernelPlan:
     gemm: dict[str, str] = field(default_factory=dict)  # "out x in" of a weight -> "onednn" | "torch"
     source: str = "measured"  # measured | cache | checkpoint | forced
     attention: dict[str, str] = field(default_factory=dict)  # "H/Hkv/D" -> decode attention "sdpa" | "grouped"
-    # "out x in" -> decode steps from which packing the weight for a decode loop pays (packing.py), whichever
-    # GEMM its other products use; shapes not listed are never packed
+    # "out x in" (fp32) or "out x in bfloat16" (packing_key) -> decode steps from which packing the weight for a
+    # decode loop pays (packing.py), whichever GEMM its other products use; weights not listed are never packed
     decode_packing: dict[str, int] = field(default_factory=dict)
     # "out x in" -> how a weight's gradient is summed over micro-batches: "inplace" (one GEMM that accumulates
     # into .grad) or its `gemm` backend's name (that product handed to autograd, which adds it)
@@ -82,8 +82,8 @@ class KernelPlan:
     def head_weight_grad_backend(self, weight_shape: tuple[int, ...]) -> str:
         return self.head_weight_grad.get(shape_key(weight_shape), "inplace")
 
-    def pack_kind(self, weight_shape: tuple[int, ...]) -> str:
-        return self.pack_kinds.get(shape_key(weight_shape), "onednn")
+    def pack_kind(self, weight_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> str:
+        return self.pack_kinds.get(packing_key(weight_shape, dtype), "onednn")
 
     def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
         return self.weight_grad.get(shape_key(weight_shape)) == "inplace"
@@ -114,11 +114,17 @@ def forced_torch() -> bool:
     return os.environ.get("GRPO_KERNELS", "auto") == "torch" or os.environ.get("GRPO_ONEDNN", "1") == "0"
 
 
-def weight_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """Distinct (out, in) shapes of the fp32 CPU linear weights whose products the engine runs."""
+def weight_shapes(model: nn.Module, dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
+    """Distinct (out, in) shapes of the CPU linear weights of `dtype` whose products the engine runs (the GEMM
+    choices are made for fp32 weights; bf16 ones are measured for decode packing only)."""
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)
-              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" and m.weight.dim() == 2}
+              and m.weight.dtype == dtype and m.weight.device.type == "cpu" and m.weight.dim() == 2}
     return sorted(shapes)
+
+
+def packing_key(weight_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> str:
+    """The decode-packing key of a weight: "out x in" for fp32 (as plans already name them), "out x in bfloat16"."""
+    return shape_key(weight_shape) + ("" if dtype == torch.float32 else " " + str(dtype).removeprefix("torch."))
 
 
 def best_time(fn, reps: int = 3) -> float:
@@ -282,16 +288,18 @@ def measure_train_attention(key: str) -> str:
     return min(times, key=times.get)
 
 
-def measure_packing(out_features: int, in_features: int, backend: str) -> tuple[int, str]:
+def measure_packing(out_features: int, in_features: int, backend: str,
+                    dtype: torch.dtype = torch.float32) -> tuple[int, str]:
     """(decode steps from which packing this weight for a decode loop pays, the kind that packs it): the kind
-    (kernels/packed.py: oneDNN, MKL) whose packed decode-sized product (ROWS[0] rows) is fastest, and its pack
-    time over the seconds it saves on each such product against the weight's own GEMM (`backend`: "onednn" |
-    "torch"); (0, "") when no packed product is at least PACK_GAIN faster (then packing never pays). A torch
-    weight may pack too: a GEMM level with torch's on training-sized products can still win at decode once it
-    skips its per-call reorder."""
+    (kernels/packed.py: oneDNN, MKL; bf16 weights: oneDNN) whose packed decode-sized product (ROWS[0] rows) is
+    fastest, and its pack time over the seconds it saves on each such product against the weight's own GEMM
+    (`backend`: "onednn" | "torch"; torch's for bf16); (0, "") when no packed product is at least PACK_GAIN faster
+    (then packing never pays). A torch weight may pack too: a GEMM level with torch's on training-sized products
+    can still win at decode once it skips its per-call reorder."""
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(ROWS[0], in_features, generator=g)
-    kinds = packed.available()
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(ROWS[0], in_features, generator=g).to(dtype)
+    kinds = packed.available(dtype)
     pack_seconds = {k: best_time(lambda k=k: packed.pack(w, ROWS[0], k), 1) for k in kinds}
     packs = {k: packed.pack(w, ROWS[0], k) for k in kinds}
     products = race({"plain": lambda: onednn.product(x, w, backend == "onednn"),  # the packed ones in turns with it
@@ -377,9 +385,10 @@ ATTENTION_ENTRIES = ("decode attention", "training attention")
 
 
 def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], attention: str | None,
-                     threads: int, head: tuple[int, int] | None = None) -> bool:
-    """Measure into `cache` what its entries under `key` lack for these shapes, this attention and this LM head,
-    at `threads`. Returns whether anything was measured."""
+                     threads: int, head: tuple[int, int] | None = None,
+                     bf16_shapes: list[tuple[int, int]] = ()) -> bool:
+    """Measure into `cache` what its entries under `key` lack for these shapes (and the decode packing of these
+    bf16 weight shapes), this attention and this LM head, at `threads`. Returns whether anything was measured."""
     known = cache.setdefault(key, {})
     missing = [s for s in shapes if shape_key(s) not in known]
     attentions = {name: cache.setdefault(f"{name} | {key}", {}) for name in ATTENTION_ENTRIES} if attention else {}
@@ -394,7 +403,9 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
     def lacking(entries: dict) -> list[tuple[int, int]]:
         return [s for s in shapes if shape_key(s) not in entries]
 
-    if not (missing or attentions_missing or heads_missing or lacking(grads) or lacking(inputs)
+    bf16 = torch.bfloat16
+    bf16_unpacked = [s for s in bf16_shapes if packing_key(s, bf16) not in packing] if packed.available(bf16) else []
+    if not (missing or attentions_missing or heads_missing or lacking(grads) or lacking(inputs) or bf16_unpacked
             or (packed.available() and lacking(packing))):
         return False
     previous = torch.get_num_threads()
@@ -410,6 +421,8 @@ def _measure_missing(cache: dict, key: str, shapes: list[tuple[int, int]], atten
             inputs[shape_key(s)] = measure_grad_input(*s, known[shape_key(s)])
         for s in lacking(packing) if packed.available() else []:
             packing[shape_key(s)] = list(measure_packing(*s, known[shape_key(s)]))
+        for s in bf16_unpacked:  # against torch's bf16 GEMM, the one bf16 weights run on
+            packing[packing_key(s, bf16)] = list(measure_packing(*s, "torch", bf16))
         for name in heads_missing:
             heads[name][shape_key(head)] = head_measures[name](*head, known[shape_key(head)])
     finally:
@@ -434,15 +447,17 @@ def choose_plan(model: nn.Module, path: Path | None = None) -> KernelPlan:
     before = json.dumps(cache, sort_keys=True)
     threads = choose_threads(model, cache)
     key = f"{cpu_model()} | torch {torch.__version__} | {threads} threads"
-    measured = _measure_missing(cache, key, shapes, attention, threads, head)
+    bf16_shapes = weight_shapes(model, torch.bfloat16)
+    measured = _measure_missing(cache, key, shapes, attention, threads, head, bf16_shapes)
     if json.dumps(cache, sort_keys=True) != before:
         _write_cache(path, cache)
     keys = [shape_key(s) for s in shapes]
+    packable = keys + [packing_key(s, torch.bfloat16) for s in bf16_shapes]
     gemm = {k: cache[key][k] for k in keys}
     chosen, trained = ({attention: cache[f"{name} | {key}"][attention]} if attention else {}
                        for name in ATTENTION_ENTRIES)
     steps = cache.get(f"{PACKING_ENTRY} | {key}", {})
-    packing = {k: int(steps[k][0]) for k in keys if k in steps and steps[k][0]}
+    packing = {k: int(steps[k][0]) for k in packable if k in steps and steps[k][0]}
     kinds = {k: str(steps[k][1]) for k in packing}
     grads = {k: cache[f"weight grad | {key}"][k] for k in keys}
     inputs = {k: cache[f"grad input | {key}"][k] for k in keys}

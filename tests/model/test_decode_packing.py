@@ -5,8 +5,8 @@ numbers as the plain products."""
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, apply_kernels, onednn, packed
-from grpo_engine.kernels.select import shape_key, weight_shapes
+from grpo_engine.kernels import KernelPlan, apply_kernels, onednn, packed, select
+from grpo_engine.kernels.select import packing_key, shape_key, weight_shapes
 from grpo_engine.model.loading import load_model
 from grpo_engine.rollout import SamplingParams, generate
 
@@ -124,3 +124,66 @@ def test_packed_weights_are_not_used_with_gradients_on(tiny_ckpt):
     with torch.no_grad():
         assert torch.count_nonzero(layer(x)) == 0  # without gradients the packed weight is what runs
     layer.packed = None
+
+
+BF16 = pytest.mark.skipif(not packed.works("onednn", torch.bfloat16), reason="oneDNN cannot pack bf16 weights here")
+
+
+@BF16
+def test_only_onednn_packs_bf16_weights_and_its_products_match_torchs():
+    """MKL's packed GEMM is fp32 only. oneDNN's packed bf16 product against torch's bf16 GEMM: both sum in fp32
+    and round once to bf16, so they differ by at most one bf16 step of the result."""
+    assert packed.available(torch.bfloat16) == ["onednn"] and not packed.works("mkl", torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 576, generator=g).bfloat16(), torch.randn(200, 576, generator=g).bfloat16()
+    p = packed.pack(w, 32, "onednn")
+    got, want = p(x), x @ w.t()  # [32, 200]
+    assert got.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t()
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)  # one bf16 rounding of the fp32 sum
+    assert (got.double() - want.double()).abs().max() <= want.double().abs().max() * 2**-7
+
+
+def test_packing_keys_name_the_dtype_except_fp32():
+    assert packing_key((1536, 576)) == shape_key((1536, 576)) == "1536x576"
+    assert packing_key((1536, 576), torch.bfloat16) == "1536x576 bfloat16"
+
+
+@BF16
+def test_a_bf16_model_packs_its_trainable_weights_by_the_plans_bf16_entries(tiny_ckpt, monkeypatch):
+    """The plan's bf16 entries (and not its fp32 ones) pack a bf16 model's weights; the tokens sampled match."""
+    model = load_model(tiny_ckpt, dtype=torch.bfloat16)
+    shapes = weight_shapes(model, torch.bfloat16)
+    assert weight_shapes(model) == [] and shapes
+    fp32_only = KernelPlan("cpu", torch.__version__, 1, {}, decode_packing=dict.fromkeys(map(shape_key, shapes), 1))
+    bf16_keys = [packing_key(s, torch.bfloat16) for s in shapes]
+    planned = KernelPlan("cpu", torch.__version__, 1, {}, decode_packing=dict.fromkeys(bf16_keys, 1))
+    packed_shapes = _record_packs(monkeypatch)
+    outs = []
+    try:
+        for plan in (fp32_only, planned):
+            apply_kernels(model, plan)
+            outs.append(_generate(model, new=8))
+    finally:
+        onednn.activate(None)
+    projections = [m for m in model.modules() if isinstance(m, onednn.OneDNNLinear)]
+    assert len(packed_shapes) == len(projections) + 1  # only under the bf16 entries: every projection and the head
+    assert outs[0].completion_ids == outs[1].completion_ids
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0.05)  # bf16 logits
+
+
+@BF16
+def test_the_plan_measures_bf16_packing_against_torchs_bf16_gemm(tiny_ckpt, tmp_path, monkeypatch):
+    for name in ("GRPO_KERNELS", "GRPO_ONEDNN"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(select, "measure_packing", lambda *a: calls.append(a) or (3, "onednn"))
+    model = load_model(tiny_ckpt, dtype=torch.bfloat16)
+    plan = select.choose_plan(model, tmp_path / "kernels.json")
+    shapes = weight_shapes(model, torch.bfloat16)
+    assert sorted(calls) == sorted((*s, "torch", torch.bfloat16) for s in shapes)
+    assert plan.decode_packing == {packing_key(s, torch.bfloat16): 3 for s in shapes}
+    assert all(plan.pack_kind(s, torch.bfloat16) == "onednn" for s in shapes)
+    calls.clear()
+    assert select.choose_plan(model, tmp_path / "kernels.json").decode_packing == plan.decode_packing and not calls

@@ -53,7 +53,7 @@ def test_plan_follows_measurement_and_is_cached(tiny_ckpt, tmp_path, monkeypatch
     monkeypatch.setattr(select, "measure_grad_input",  # the oneDNN weight's input gradient measured on torch
                         lambda o, i, backend: input_calls.append((o, i, backend)) or "torch")
     monkeypatch.setattr(onednn, "op_works", lambda: True)
-    monkeypatch.setattr(packed, "available", lambda: ["onednn", "mkl"])
+    monkeypatch.setattr(packed, "available", lambda dtype=torch.float32: ["onednn", "mkl"])
     cache = tmp_path / "kernels.json"
     plan = choose_plan(model, cache)
     assert plan.source == "measured" and sorted(calls) == shapes
@@ -292,7 +292,7 @@ def test_largest_block_shape_skips_the_lm_head(tiny_ckpt):
 def _fake_packing_times(monkeypatch, plain: float, kinds: dict[str, tuple[float, float]], run: bool = False):
     """measure_packing's timers faked: the weight's own product takes `plain` seconds, each kind (pack seconds,
     packed product seconds); with `run` each timed function is also called once."""
-    monkeypatch.setattr(packed, "available", lambda: list(kinds))
+    monkeypatch.setattr(packed, "available", lambda dtype=torch.float32: list(kinds))
     pack_seconds = iter(pack for pack, _ in kinds.values())
     monkeypatch.setattr(select, "best_time", lambda fn, reps=3: ((fn() if run else None), next(pack_seconds))[1])
     products = {"plain": plain, **{k: product for k, (_, product) in kinds.items()}}
