@@ -304,6 +304,15 @@ def peer_ratios(ours: dict, peer: dict) -> dict:
             "min_time_ratio": min(ours["step_times"]) / min(peer["step_times"])}
 
 
+SMALL_TARGETS = {"time_ratio": 0.25, "rss_ratio": 0.45}  # the script's default shape (SMALL: 151,936-token vocabulary)
+SMOLLM2_TARGETS = {"time_ratio": 0.4, "rss_ratio": 0.5}  # SmolLM2-135M's shape, and any other given
+
+
+def default_targets(args) -> dict[str, float]:
+    """The default engine's targets against TRL's default (fp32) step at this run's shape."""
+    return SMALL_TARGETS if args.vocab == 151_936 and args.hidden == 512 else SMOLLM2_TARGETS
+
+
 def report(args, results: dict[str, dict]) -> dict:
     from grpo_engine.kernels import cpu_model
 
@@ -322,7 +331,7 @@ def report(args, results: dict[str, dict]) -> dict:
                "dtype": {name: r.get("precision", "fp32") for name, r in results.items()},  # ours: as resolved
                "beta": 0.0, "mu": 1, "lr": LR,
                "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "results": results}
-    targets = [("ours", "trl", "", {"time_ratio": 0.3, "rss_ratio": 0.5}),
+    targets = [("ours", "trl", "", default_targets(args)),
                ("ours", "trl-bf16", "_trl_bf16", {"time_ratio": 0.6}),
                ("ours-fp32", "trl", "_fp32", {}),  # fp32 against fp32: reported, no target of its own
                ("ours-bf16", "trl-bf16", "_bf16", {})]  # bf16 against bf16: reported beside the default

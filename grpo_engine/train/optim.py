@@ -162,30 +162,47 @@ def _noise_pool(device: torch.device) -> torch.Tensor:
     return _NOISE_POOLS[key]
 
 
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[UPDATE_SLICE] of `dtype`, one per device and dtype for the life of the process: the per-slice temporaries
+    of a low-precision update (a bf16 gradient's fp32 copy, stochastic rounding's bits). Why not fresh each slice:
+    under memory.cpu_update_mmap every fresh 16 MiB temporary is page-faulted in anew, about 70 of them a step at
+    135M parameters (0.3 million page faults)."""
+    key = (torch.device(device), dtype)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(UPDATE_SLICE, dtype=dtype, device=device)
+    return _SCRATCH[key]
+
+
 def draw_number(draw: int, part: int) -> int:
     """The draw of part `part` of draw `draw`: an odd multiplier keeps distinct draws distinct modulo any power of
     two (so two steps of one parameter never start at the same window of the noise pool, within 2^16 steps)."""
     return (draw * 2_654_435_761 + part * 40_503) % (1 << 62)
 
 
-def set_from_master(master: torch.Tensor, dtype: torch.dtype, rounding: int | None) -> torch.Tensor:
-    """fp32 `master` [*] rounded to `dtype` [*]: to nearest (rounding None), or (bf16 only) stochastically with the
-    draw numbered `rounding`: up with probability (master - below) / (above - below) for its two bf16 neighbours.
+def set_from_master(master: torch.Tensor, dtype: torch.dtype, rounding: int | None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 `master` [*] rounded to `dtype` [*] (into `out`, contiguous, when given): to nearest (rounding None), or
+    (bf16 only) stochastically with the draw numbered `rounding`: up with probability (master - below) / (above -
+    below) for its two bf16 neighbours.
     Why: a CPU run's few steps at a small learning rate move a master by less than half of bf16's spacing, so
     rounding to nearest gives back the same bf16 weight and the model runs as if it had not learned; stochastic
     rounding keeps the weight the model runs equal to its master in expectation (as torchao's bf16 optimizers do).
     The draw picks each chunk's window of the noise pool, so the same draw rounds the same way (exact resume)."""
     if rounding is None:
-        return master.to(dtype)
-    pool, flat = _noise_pool(master.device), master.reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=master.device)
+        return master.to(dtype) if out is None else out.copy_(master)
+    pool, flat, scratch = _noise_pool(master.device), master.reshape(-1), _scratch(master.device, torch.int32)
+    out = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device) if out is None else out
+    dest = out.view(-1)
     for start in range(0, flat.numel(), UPDATE_SLICE):  # int32 temporaries of one slice at most
         n = min(UPDATE_SLICE, flat.numel() - start)
         offset = draw_number(rounding, start // UPDATE_SLICE) % ROUNDING_OFFSETS
         # bf16 is fp32's high 16 bits: add uniform noise to the low 16 and truncate (on the magnitude, sign kept)
-        bits = flat[start : start + n].view(torch.int32).add(pool[offset : offset + n]).bitwise_and_(-(1 << 16))
-        out[start : start + n] = bits.view(torch.float32)  # exact: the low 16 bits are zero
-    return out.view(master.shape)
+        bits = torch.add(flat[start : start + n].view(torch.int32), pool[offset : offset + n], out=scratch[:n])
+        dest[start : start + n] = bits.bitwise_and_(-(1 << 16)).view(torch.float32)  # exact: low 16 bits zero
+    return out
 
 
 def adamw_update_sliced(state: dict, grad: torch.Tensor, group: dict, param: torch.Tensor,
@@ -205,16 +222,16 @@ def adamw_update_sliced(state: dict, grad: torch.Tensor, group: dict, param: tor
     g_flat = grad.reshape(-1)
     for start in range(0, g_flat.numel(), UPDATE_SLICE):
         master, m, v, p = (x[start : start + UPDATE_SLICE] for x in flat)
-        g = g_flat[start : start + UPDATE_SLICE].float()  # [slice] fp32
+        g = g_flat[start : start + UPDATE_SLICE]  # [slice]
+        if g.dtype != torch.float32 or g.device != master.device:
+            g = _scratch(master.device, torch.float32)[: g.numel()].copy_(g)  # fp32
         if fused is not None:
             fused([master], [g], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
                   amsgrad=False, maximize=False)
         else:
             adamw_update({"master": master, "exp_avg": m, "exp_avg_sq": v, "step": t - 1}, g, group)
-        if rounding is None:
-            p.copy_(master)  # rounded to nearest in the parameter's dtype, in place
-        else:
-            p.copy_(set_from_master(master, p.dtype, draw_number(rounding, start // UPDATE_SLICE)))
+        set_from_master(master, p.dtype, None if rounding is None else draw_number(rounding, start // UPDATE_SLICE),
+                        out=p)  # the parameter's slice, in place
 
 
 # ----------------------------------------------------------------------------------------------------

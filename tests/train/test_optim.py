@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from grpo_engine.train import optim
 from grpo_engine.train.optim import OffloadedAdamW, OptimizerSection, adamw_update, build_optimizer, set_from_master
 
 
@@ -234,6 +235,20 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_masters_odds():
     assert torch.equal(set_from_master(exact, torch.bfloat16, 7), exact.bfloat16())
     master = base + 0.3 * spacing
     assert torch.equal(set_from_master(master, torch.bfloat16, None), master.bfloat16())
+
+
+def test_rounding_into_a_parameter_writes_what_a_fresh_rounding_returns(monkeypatch):
+    """`out` (a parameter's slice in the sliced update) gets the same bits as a fresh tensor, for masters longer
+    than one slice of the noise pool, both roundings; the int32 scratch is one buffer reused, not one per call."""
+    monkeypatch.setattr(optim, "UPDATE_SLICE", 64)
+    monkeypatch.setattr(optim, "_SCRATCH", {})
+    monkeypatch.setattr(optim, "_NOISE_POOLS", {})
+    master = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    for rounding in (None, 7):
+        out = torch.empty(3, 50, dtype=torch.bfloat16)
+        assert set_from_master(master, torch.bfloat16, rounding, out=out) is out
+        assert torch.equal(out, set_from_master(master, torch.bfloat16, rounding))
+    assert list(optim._SCRATCH) == [(torch.device("cpu"), torch.int32)]
 
 
 def test_stochastic_rounding_moves_a_bf16_weight_that_nearest_rounding_keeps():
