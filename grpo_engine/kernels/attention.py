@@ -19,12 +19,13 @@ The grouped kernel reads each KV head once, in the model's dtype, in two batched
 captured in the static decode's graphs). Without grouping, SDPA's memory-efficient kernel takes the mask.
 
 The same grouped matmuls serve a forward whose gradient is taken (training, scoring with a gradient): on the CPU,
-SDPA's backward in bf16 runs far below its FLOPs (an Intel Xeon with AMX, 2 cores, 9 / 3 heads, 8 rows of 64
-queries over 95 keys: 13.7 ms backward and 1.5 ms forward against 3.3 and 2.5 ms grouped), while the grouped
-matmuls' autograd graph runs on the GEMMs. The grouped kernel materialises the scores [B, H, T, S] (SDPA's flash
-kernel does not), so it runs only up to the largest (queries x keys) timed, TRAIN_SIZES; longer sequences, and
-forwards without a gradient, keep SDPA. kernels/select.py times both, forward and backward, at the model's head
-shape and dtype and the plan records the winner.
+SDPA's backward in bf16 runs far below its FLOPs (an Intel Xeon with AMX, 2 threads, 9 / 3 heads of 64, 8 rows of
+64 queries over 96 keys: 0.54 ms forward and 7.6 ms backward, against 1.2 and 1.8 ms grouped; 0.63x the time at
+128 over 192), while the grouped matmuls' autograd graph runs on the GEMMs. The grouped kernel materialises the
+scores [B, H, T, S] (SDPA's flash kernel does not) and loses from 256 queries over 320 keys on (1.35x there), so
+it runs only up to the largest (queries x keys) timed, TRAIN_SIZES; longer sequences, and forwards without a
+gradient, keep SDPA. kernels/select.py times both, forward and backward, at the model's head shape and dtype and
+the plan records the winner (benchmarks/attention_kernels.py prints each size).
 """
 
 from __future__ import annotations

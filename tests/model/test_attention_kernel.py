@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
-from grpo_engine.kernels.attention import grouped_attention, measure, parse_key, shape_key
+from grpo_engine.kernels.attention import (
+    grouped_attention,
+    grouped_training_attention,
+    measure,
+    parse_key,
+    shape_key,
+)
 from grpo_engine.model.loading import load_model
 
 
@@ -55,26 +61,31 @@ def test_keys_name_the_dtype_except_fp32():
         assert parse_key(shape_key(14, 2, 64, dtype)) == (14, 2, 64, dtype)
 
 
-def test_a_bf16_model_gets_the_decode_attention_timed_in_bf16(tiny_ckpt, tmp_path, monkeypatch):
-    """The plan of a bf16 CPU model times the decode attention at its dtype (SDPA's bf16 decode path is far slower
-    than the grouped matmuls on some CPUs) and apply_kernels sets the winner on every block."""
+def test_a_bf16_model_gets_its_attentions_timed_in_bf16(tiny_ckpt, tmp_path, monkeypatch):
+    """The plan of a bf16 CPU model times the decode attention and the training attention at its dtype (SDPA's bf16
+    decode path and backward are far slower than the grouped matmuls on some CPUs), once each (then from the
+    cache), and apply_kernels sets the winners."""
     for name in ("GRPO_KERNELS", "GRPO_ONEDNN"):
         monkeypatch.delenv(name, raising=False)
     timed = []
-    monkeypatch.setattr(select, "measure_attention", lambda key: timed.append(key) or "grouped")
+    monkeypatch.setattr(select, "measure_attention", lambda key: timed.append(("decode", key)) or "grouped")
+    monkeypatch.setattr(select, "measure_train_attention", lambda key: timed.append(("train", key)) or "grouped")
     model = load_model(tiny_ckpt, dtype=torch.bfloat16)
     c = model.config
     try:
         plan = select.choose_plan(model, tmp_path / "kernels.json")
+        again = select.choose_plan(model, tmp_path / "kernels.json")  # from the cache: nothing timed
         apply_kernels(model, plan)
     finally:
         activate(None)
     key = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim} bfloat16"
     if plan.source == "forced":  # no oneDNN in this torch build: plain torch, SDPA
-        assert plan.attention == {key: "sdpa"}
+        assert plan.attention == plan.train_attention == {key: "sdpa"} and model.kernels.train_attention is None
         return
-    assert timed == [key] and plan.attention == {key: "grouped"} and plan.gemm == {}  # no fp32 weights to time
+    assert timed == [("decode", key), ("train", key)] and plan.gemm == {}  # no fp32 weights to time
+    assert plan.attention == plan.train_attention == again.train_attention == {key: "grouped"}
     assert model.kernels.decode_attention is grouped_attention
+    assert model.kernels.train_attention is grouped_training_attention
 
 
 def test_the_plan_sets_the_decode_attention_of_the_model(tiny_ckpt):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
+from grpo_engine.kernels import KernelPlan, activate, apply_kernels
 from grpo_engine.kernels import attention as kernels
 from grpo_engine.kernels.attention import (
     MAX_QUERY_KEYS,
@@ -90,27 +90,6 @@ def test_plans_recorded_before_the_choice_keep_sdpa():
     older = json.loads(plan.to_json())
     del older["train_attention"]
     assert KernelPlan.from_json(json.dumps(older), "checkpoint").train_attention == {}
-
-
-def test_the_plan_measures_the_training_attention_in_the_models_dtype(tiny_ckpt, tmp_path, monkeypatch):
-    for name in ("GRPO_KERNELS", "GRPO_ONEDNN"):
-        monkeypatch.delenv(name, raising=False)
-    timed = []
-    monkeypatch.setattr(select, "measure_train_attention", lambda key: timed.append(key) or "grouped")
-    model = load_model(tiny_ckpt, dtype=torch.bfloat16)
-    c = model.config
-    key = shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim, torch.bfloat16)
-    try:
-        plan = select.choose_plan(model, tmp_path / "kernels.json")
-        again = select.choose_plan(model, tmp_path / "kernels.json")  # from the cache: nothing timed
-        apply_kernels(model, plan)
-    finally:
-        activate(None)
-    if plan.source == "forced":  # no oneDNN in this torch build: plain torch, SDPA
-        assert plan.train_attention == {key: "sdpa"} and model.kernels.train_attention is None
-        return
-    assert timed == [key] and plan.train_attention == again.train_attention == {key: "grouped"}
-    assert model.kernels.train_attention is grouped_training_attention
 
 
 def _loss_and_grads(model, ids, mask):
