@@ -47,17 +47,20 @@ RESULT_TAG = "RESULT_JSON "  # the child's result line; TRL prints other things 
 LR = 1e-6  # the learning rate grpo_engine/bench_step.py uses; TRL is given the same
 
 
+SMALL = {"hidden": 512, "vocab": 151_936}  # the default shape's widths (SMALL), which set its targets
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="existing HF checkpoint dir (default: write a random one of the shape below)")
     p.add_argument("--arch", default="qwen2", help="make_tiny_checkpoint arch: qwen2 (untied, ~178M params at "
                    "the default shape), qwen2-tied (~100M), qwen3, llama3")
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=SMALL["hidden"])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=1408)
-    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--vocab", type=int, default=SMALL["vocab"])
     p.add_argument("--prompts", type=int, default=4, help="P prompts per step")
     p.add_argument("--group", type=int, default=8, help="G completions per prompt")
     p.add_argument("--max-new", type=int, default=64, help="completion length (fixed)")
@@ -310,7 +313,7 @@ SMOLLM2_TARGETS = {"time_ratio": 0.4, "rss_ratio": 0.5}  # SmolLM2-135M's shape,
 
 def default_targets(args) -> dict[str, float]:
     """The default engine's targets against TRL's default (fp32) step at this run's shape."""
-    return SMALL_TARGETS if args.vocab == 151_936 and args.hidden == 512 else SMOLLM2_TARGETS
+    return SMALL_TARGETS if (args.hidden, args.vocab) == (SMALL["hidden"], SMALL["vocab"]) else SMOLLM2_TARGETS
 
 
 def report(args, results: dict[str, dict]) -> dict:

@@ -8,7 +8,7 @@ packed product of 32 rows ran 1.2-2.0x faster than oneDNN's on the block weights
 plain weight instead, so a decode loop whose batch shrinks repacks its MKL weights (packing.DecodePacks.resize).
 Both pack fp32 weights: the products agree with torch.mm to fp32 rounding. oneDNN packs bf16 weights too (MKL's
 packed GEMM is fp32 only), for AMX or AVX512_BF16: on an Intel Xeon with AMX (2 threads) its packed bf16 products of
-32 rows ran 1.6-2.1x faster than torch's bf16 GEMM on a 135M model's large block weights and its LM head.
+32 rows ran 1.5-2.1x faster than torch's bf16 GEMM on a 135M model's large block weights and its LM head.
 """
 
 from __future__ import annotations
