@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .fields import one_of, option, require, section
 
-UPDATE_MMAP = ("auto", "true", "false")  # memory.cpu_update_mmap (train/memory.py update_mmap_on)
+UPDATE_MMAP = ("auto", "true", "false", "trim")  # memory.cpu_update_mmap (train/memory.py update_allocations_rule)
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
 BF16_ROUNDINGS = ("stochastic", "nearest")  # optimizer.bf16_rounding (train/optim.py set_from_master)
@@ -125,11 +125,12 @@ class MemorySection:
                                              "them no gradient (beta = 0, entropy_coef = 0, no top-entropy mask): the "
                                              "same update, less compute; the update's metrics then cover the rows "
                                              "trained")
-    cpu_update_mmap: str = option("auto", "CPU with glibc: during the update, allocations of 1 MiB and more are "
-                                          "mmapped and returned to the OS when freed (a flat peak RSS instead of heap "
-                                          "fragmentation; costs page faults: 5-45% more update time, by host). auto: "
-                                          "off (train/memory.py update_mmap_on says why); true where memory is "
-                                          "shorter than time",
+    cpu_update_mmap: str = option("auto", "CPU with glibc: true: during the update, allocations of 1 MiB and "
+                                          "more are mmapped and returned to the OS when freed (a flat peak RSS "
+                                          "instead of heap fragmentation; costs page faults: 5-45% more update "
+                                          "time, by host); trim: the heap, its freed pages released at the update's "
+                                          "start and end (most of the RSS, few of the faults); auto = false: the "
+                                          "heap (train/memory.py update_allocations_rule says why)",
                                   choices=UPDATE_MMAP)
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")

@@ -72,41 +72,47 @@ def _glibc():
     return ctypes.CDLL("libc.so.6")
 
 
-def update_mmap_on(setting: str, device: torch.device) -> bool:
-    """memory.cpu_update_mmap resolved: on only where set to "true", and only on the CPU; "auto" is off.
+def update_allocations_rule(setting: str, device: torch.device) -> str:
+    """memory.cpu_update_mmap resolved to the update's allocation rule: "mmap" (true), "trim", or "heap" (auto,
+    false, and every device but the CPU).
 
-    Why off by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host. At
-    the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
+    Why not mmap by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host.
+    At the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
     Xeon, and 12.1-13.8 s of update against 9.0-9.5 s on an AMD EPYC (9.6 million page faults against 2.1 million
-    over a run of three steps), for 5-7% less peak RSS (docs/memory.md). Set it where a flat peak RSS over a long
-    run is worth that time (the `--real` demo's recipe does).
+    over a run of three steps), for 5-7% less peak RSS (docs/memory.md). "trim" keeps the heap and gives its
+    freed pages back at the update's start and end: most of the RSS the heap alone gains over a long run, a
+    fraction of mmap's faults (the `--real` demo's recipe).
     """
-    return torch.device(device).type == "cpu" and setting == "true"
+    if torch.device(device).type != "cpu":
+        return "heap"
+    return {"true": "mmap", "trim": "trim"}.get(setting, "heap")
 
 
 @contextlib.contextmanager
-def mmapped_allocations(enabled: bool) -> Iterator[None]:
-    """Inside: CPU allocations of 1 MiB and more are mmapped, so each goes back to the OS when freed.
+def update_allocations(rule: str) -> Iterator[None]:
+    """The update's CPU allocations under `rule` (update_allocations_rule). "mmap": inside, allocations of 1 MiB and
+    more are mmapped, so each goes back to the OS when freed. "trim" and "mmap": freed heap pages are released on
+    entry (the rollout's freed holes: decode's packed weights, kernels/packing.py, are ~one weight copy) and on
+    exit (malloc_trim). "heap", or a C library that is not glibc: nothing.
 
     Why: glibc serves a few-MB tensor (activations, recomputed blocks, log-prob chunks) from its heap, and
     the update's changing shapes leave freed holes that later requests do not fit; the heap's resident size
-    then grows step after step (~0.5 GB over 20 steps of the real-model recipe) while live tensors stay the
-    same. Inside, what free heap chunks cannot serve is mmapped rather than grown into the heap; mmapped
-    blocks cost page faults instead (memory.cpu_update_mmap). Freed heap pages are released on entry (the
-    rollout's freed holes: decode's packed weights, kernels/packing.py, are ~one weight copy) and on exit, where
-    the threshold is also fixed at glibc's own maximum (malloc_trim).
-    No-op when disabled or when the C library is not glibc.
+    then grows step after step (~0.5 GB over 20 steps of the real-model recipe in fp32, ~1.2 GB in bf16) while
+    live tensors stay the same. Under "mmap", what free heap chunks cannot serve is mmapped rather than grown into
+    the heap, at the cost of page faults; on exit the threshold is fixed at glibc's own maximum.
     """
-    libc = _glibc() if enabled else None
+    libc = _glibc() if rule in ("mmap", "trim") else None
     if libc is None:
         yield
         return
     libc.malloc_trim(0)
-    libc.mallopt(M_MMAP_THRESHOLD, MIB)
+    if rule == "mmap":
+        libc.mallopt(M_MMAP_THRESHOLD, MIB)
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
+        if rule == "mmap":
+            libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
         libc.malloc_trim(0)
 
 

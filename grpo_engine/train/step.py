@@ -35,7 +35,7 @@ from ..tasks.base import Example
 from ..world import World
 from .batch import TrainBatch, rows_with_signal, train_batch
 from .distributed import gathered
-from .memory import free_rollout_memory, mmapped_allocations, peak_memory_mib, reset_peak_memory, update_mmap_on
+from .memory import free_rollout_memory, peak_memory_mib, reset_peak_memory, update_allocations, update_allocations_rule
 from .metrics import graph_metrics, merge_ranks, step_metrics, step_parts
 from .policy import Policy
 from .update import UpdateOutcome, UpdateSettings, update_policy
@@ -142,7 +142,7 @@ def update_step(inputs: StepInputs, batch, micro_tokens: int, step: int, totals,
     """update_policy (with memory.cpu_update_mmap's allocation rule on CPU; it also advances the LR schedule and
     frees the gradients), then the reference."""
     cfg, policy = inputs.cfg, inputs.policy
-    with mmapped_allocations(update_mmap_on(cfg.memory.cpu_update_mmap, policy.device)):
+    with update_allocations(update_allocations_rule(cfg.memory.cpu_update_mmap, policy.device)):
         outcome = update_policy(policy.model, policy.optimizer, batch, inputs.update, micro_tokens, message,
                                 inputs.world, totals, policy.scheduler)
     policy.after_update(step, updated=not outcome.skipped)

@@ -101,7 +101,7 @@ def test_cpu_peak_reader_sees_a_64mib_allocation():
 
 MMAP_PROBE = """
 import ctypes, torch
-from grpo_engine.train.memory import mmapped_allocations
+from grpo_engine.train.memory import update_allocations
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -109,7 +109,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 mapped = lambda: libc.mallinfo2().hblkhd  # bytes served by mmap
 size = 4 * 1024 * 1024
-with mmapped_allocations(True):
+with update_allocations("mmap"):
     before = mapped(); inside = torch.empty(size, dtype=torch.uint8); grown = mapped() - before
     del inside; shrunk = mapped() - before
 before = mapped(); outside = torch.empty(size, dtype=torch.uint8); grown_after = mapped() - before
@@ -135,7 +135,8 @@ def test_update_allocations_are_mmapped_inside_the_block_only():
 
 TRIM_PROBE = """
 import ctypes, os, torch
-from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, mmapped_allocations
+from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
+import sys
 libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)  # as after an update: a few MB come from the heap
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -143,24 +144,27 @@ held = [torch.ones(2 * 1024 * 1024, dtype=torch.uint8) for _ in range(40)]  # 80
 pin = torch.ones(2 * 1024 * 1024, dtype=torch.uint8)  # above them: the heap top cannot shrink on its own
 del held
 before = rss()
-with mmapped_allocations(True):
+with update_allocations(sys.argv[1]):
     inside = rss()
 print(before - inside)
 """
 
 
-def test_update_block_releases_the_freed_heap_pages_of_the_rollout():
-    """memory.cpu_update_mmap: the heap chunks the rollout freed (decode's packed weights) are given back to the
-    OS when the update starts, instead of staying resident under the update's own (mmapped) allocations."""
+@pytest.mark.parametrize("rule, releases", [("mmap", True), ("trim", True), ("heap", False)])
+def test_update_block_releases_the_freed_heap_pages_of_the_rollout(rule, releases):
+    """memory.cpu_update_mmap true or trim: the heap chunks the rollout freed (decode's packed weights) are given
+    back to the OS when the update starts, instead of staying resident under the update's own allocations; the
+    heap rule (auto, false) leaves them."""
     import platform
     import subprocess
     import sys
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("needs glibc (mallopt, malloc_trim)")
-    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, rule], capture_output=True, text=True, timeout=120,
+                         check=True)
     released = int(out.stdout.split()[-1])
-    assert released >= 60 * 1024 * 1024, released
+    assert (released >= 60 * 1024 * 1024) == releases, released
 
 
 def test_step_frees_the_gradients_before_the_next_rollout(tiny_ckpt, monkeypatch):
@@ -256,15 +260,17 @@ def test_bf16_on_a_cpu_without_native_bf16_is_named(monkeypatch):
 
 
 @pytest.mark.parametrize("setting, device, expected", [
-    ("auto", "cpu", False),  # page faults cost too much update time on some hosts to be a default
-    ("true", "cpu", True),
-    ("false", "cpu", False),
-    ("true", "meta", False),  # a CPU allocator setting: never on another device
+    ("auto", "cpu", "heap"),  # page faults cost too much update time on some hosts to be a default
+    ("true", "cpu", "mmap"),
+    ("false", "cpu", "heap"),
+    ("trim", "cpu", "trim"),
+    ("true", "meta", "heap"),  # a CPU allocator setting: never on another device
+    ("trim", "meta", "heap"),
 ])
-def test_update_mmap_follows_the_setting(setting, device, expected):
-    from grpo_engine.train.memory import update_mmap_on
+def test_update_allocations_follow_the_setting(setting, device, expected):
+    from grpo_engine.train.memory import update_allocations_rule
 
-    assert update_mmap_on(setting, torch.device(device)) is expected
+    assert update_allocations_rule(setting, torch.device(device)) == expected
 
 
 def test_update_mmap_setting_takes_yaml_booleans(tmp_path):
