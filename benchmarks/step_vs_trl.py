@@ -259,6 +259,7 @@ def trl_child(args) -> dict:
     tail = timer.times[1:] or timer.times
     return {
         "engine": "trl-bf16" if args.trl_bf16 else "trl", "bf16": bool(config.bf16),
+        "precision": "bf16 autocast, fp32 weights" if config.bf16 else "fp32",
         "sec_per_step": statistics.median(tail), "step_times": timer.times,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "mean_completion_len": statistics.mean(lengths), "min_completion_len": min(lengths),
