@@ -128,9 +128,9 @@ class MemorySection:
     cpu_update_mmap: str = option("auto", "CPU with glibc: true: during the update, allocations of 1 MiB and "
                                           "more are mmapped and returned to the OS when freed (a flat peak RSS "
                                           "instead of heap fragmentation; costs page faults: 5-45% more update "
-                                          "time, by host); trim: the heap, its freed pages released at the update's "
-                                          "start and end (most of the RSS, few of the faults); auto = false: the "
-                                          "heap (train/memory.py update_allocations_rule says why)",
+                                          "time, by host); trim: the heap, its freed pages released at the "
+                                          "update's start and end (half of true's RSS saving at the heap's speed); "
+                                          "auto = false: the heap (train/memory.py update_allocations_rule says why)",
                                   choices=UPDATE_MMAP)
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")

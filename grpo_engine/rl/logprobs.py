@@ -74,8 +74,8 @@ class _ChunkBuffers:
     With bf16 (or fp16) inputs, `low` is one [chunk, V] buffer in the inputs' dtype: each chunk's bf16 logits
     land in it before the fp32 softmax, and its bf16 logit gradient before the two products that take it. The
     same two tensors made fresh per chunk (as `h @ W.T` and `gz.to(bf16)`) cost the CPU a page fault per 4 KiB
-    of each on every chunk wherever the allocator maps memory that large afresh (memory.cpu_update_mmap), and
-    one pass more over the gradient (it is rounded into `low` by its last product, not copied).
+    of each on every chunk wherever the allocator maps memory that large afresh (memory.cpu_update_mmap), and,
+    without an entropy gradient, one pass more over the gradient (here its last product rounds it into `low`).
     """
 
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,

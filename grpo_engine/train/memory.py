@@ -80,8 +80,8 @@ def update_allocations_rule(setting: str, device: torch.device) -> str:
     At the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
     Xeon, and 12.1-13.8 s of update against 9.0-9.5 s on an AMD EPYC (9.6 million page faults against 2.1 million
     over a run of three steps), for 5-7% less peak RSS (docs/memory.md). "trim" keeps the heap and gives its
-    freed pages back at the update's start and end: most of the RSS the heap alone gains over a long run, a
-    fraction of mmap's faults (the `--real` demo's recipe).
+    freed pages back at the update's start and end: about half of what the heap alone gains over a long run, at
+    about half of mmap's page faults and the heap's speed (the `--real` demo's recipe; docs/memory.md).
     """
     if torch.device(device).type != "cpu":
         return "heap"
