@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..model.kernels_slot import HeadGemm
+from ..model.kernels_slot import Accumulate, HeadGemm, Product
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -70,16 +70,10 @@ class _ChunkBuffers:
     On the CPU the log-softmax is written over the logits in place (checked exact in tests), so a chunk
     costs one [chunk, V] buffer; on CUDA the log-softmax gets its own buffer, since in-place use of that
     kernel is not something torch documents. Probabilities are formed a few rows at a time in `q`.
-
-    With bf16 (or fp16) inputs, `low` is one [chunk, V] buffer in the inputs' dtype: each chunk's bf16 logits
-    land in it before the fp32 softmax, and its bf16 logit gradient before the two products that take it. The
-    same two tensors made fresh per chunk (as `h @ W.T` and `gz.to(bf16)`) cost the CPU a page fault per 4 KiB
-    of each on every chunk wherever the allocator maps memory that large afresh (memory.cpu_update_mmap), and,
-    without an entropy gradient, one pass more over the gradient (here its last product rounds it into `low`).
     """
 
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,
-                 gemm: HeadGemm | None = None, input_dtype: torch.dtype | None = None):
+                 gemm: HeadGemm | None = None):
         rows = max(1, min(chunk, n_tok))
         on_cpu = torch.device(device).type == "cpu"
         self.logits = gemm.logits if gemm is not None else None
@@ -87,19 +81,9 @@ class _ChunkBuffers:
         self.grad_weight = gemm.grad_weight if gemm is not None else None
         self.z = torch.empty(rows, vocab, dtype=dtype, device=device) if self.logits is None else None  # [chunk, V]
         self.logq = self.z if on_cpu or self.z is None else torch.empty_like(self.z)  # [chunk, V]
-        low = input_dtype not in (None, dtype)
-        self.low = torch.empty(rows, vocab, dtype=input_dtype, device=device) if low else None  # [chunk, V]
         budget = (2 << 20) if on_cpu else (64 << 20)  # bytes: about a core's L2 on the CPU
         self.block = max(1, min(rows, budget // (vocab * (torch.finfo(dtype).bits // 8))))
         self.q = torch.empty(self.block, vocab, dtype=dtype, device=device)  # [block, V] probabilities
-
-    def in_input_dtype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x [n, V] in `dtype` (the inputs'): x itself when already in it, else a copy in `low`."""
-        if x.dtype == dtype:
-            return x
-        if self.low is None or self.low.dtype != dtype:
-            return x.to(dtype)
-        return self.low[: x.shape[0]].copy_(x)
 
 
 @dataclass
@@ -125,10 +109,8 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
         z = bufs.z[:n]  # [n, V]
         if h.dtype == z.dtype:
             torch.mm(h, weight.t(), out=z)
-        elif bufs.low is not None and bufs.low.dtype == h.dtype:
-            z.copy_(torch.mm(h, weight.t(), out=bufs.low[:n]))  # bf16 matmul, fp32 softmax
         else:
-            z.copy_(h @ weight.t())
+            z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
     if temperature != 1.0:
         z.div_(temperature)
     logq = torch.log_softmax(z, dim=-1, out=z if bufs.logq is None else bufs.logq[:n])  # [n, V]
@@ -155,35 +137,32 @@ def _row_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
-    """dL/dlogits [n, V] from dL/dlogp g_lp [n] and dL/dH g_ent [n] or None: in place in c.logq, or, for bf16
-    inputs without an entropy gradient, written straight into the chunk's bf16 buffer (c.bufs.low).
+    """dL/dlogits [n, V] (in place in c.logq) from dL/dlogp g_lp [n] and dL/dH g_ent [n] or None.
 
     d logp_i / d z_ij = onehot_ij - q_ij and d H_i / d z_ij = -q_ij (log q_ij + H_i), so
     dL/dz_ij = g_lp_i onehot_ij - q_ij (g_lp_i + g_ent_i (log q_ij + H_i)); logits = T z adds a 1/T.
     """
-    x, n = c.logq, c.logq.shape[0]  # [n, V]
-    if g_ent is None:  # -(q - onehot) g_lp / T, its last product rounded once into the inputs' dtype
-        x.exp_().scatter_add_(1, t[:, None], x.new_full((n, 1), -1.0))
-        scale = g_lp.to(x.dtype).neg()[:, None]  # [n, 1]
-        if temperature != 1.0:
-            scale = scale / temperature
-        return torch.mul(x, scale, out=x if c.bufs.low is None else c.bufs.low[:n])
+    x = c.logq  # [n, V]
     g_lp = g_lp.to(x.dtype)[:, None]  # [n, 1]
-    g_ent = g_ent.to(x.dtype)[:, None]  # [n, 1]
-    for r0, r1 in _chunks(n, c.bufs.block):
-        q = torch.exp(x[r0:r1], out=c.bufs.q[: r1 - r0])  # [r, V]
-        x[r0:r1].add_(c.ent[r0:r1, None]).mul_(g_ent[r0:r1]).add_(g_lp[r0:r1]).mul_(q).neg_()
-    x.scatter_add_(1, t[:, None], g_lp)
+    if g_ent is None:
+        gz = x.exp_().mul_(-g_lp)  # [n, V]
+    else:
+        g_ent = g_ent.to(x.dtype)[:, None]  # [n, 1]
+        for r0, r1 in _chunks(x.shape[0], c.bufs.block):
+            q = torch.exp(x[r0:r1], out=c.bufs.q[: r1 - r0])  # [r, V]
+            x[r0:r1].add_(c.ent[r0:r1, None]).mul_(g_ent[r0:r1]).add_(g_lp[r0:r1]).mul_(q).neg_()
+        gz = x
+    gz.scatter_add_(1, t[:, None], g_lp)
     if temperature != 1.0:
-        x.div_(temperature)
-    return x
+        gz.div_(temperature)
+    return gz
 
 
-def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, bufs: _ChunkBuffers) -> None:
-    """grad_h_rows [n, D] = gz @ W (by bufs.grad_input when set) and grad_w [V, D] += gz^T h (by bufs.grad_weight
-    when set and grad_w is a contiguous tensor of gz's dtype), skipping either when it is None."""
-    grad_input, grad_weight = bufs.grad_input, bufs.grad_weight
-    gz = bufs.in_input_dtype(gz, h.dtype)  # [n, V]; itself for fp32/fp64
+def _apply_logit_grad(gz, h, weight, grad_h_rows, grad_w, grad_input: Product | None = None,
+                      grad_weight: Accumulate | None = None) -> None:
+    """grad_h_rows [n, D] = gz @ W (by `grad_input` when given) and grad_w [V, D] += gz^T h (by `grad_weight`
+    when given and grad_w is a contiguous tensor of gz's dtype), skipping either when it is None."""
+    gz = gz.to(h.dtype)  # [n, V]; no-op for fp32/fp64
     if grad_h_rows is not None:
         if grad_input is not None:  # the GEMM kernels/ chose for this weight's input gradient
             grad_h_rows.copy_(grad_input(gz, weight))  # [n, V] @ [V, D]
@@ -214,7 +193,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
         logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
-        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, gemm, hidden.dtype)
+        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, gemm)
         for s, e in _chunks(n_tok, chunk_size):
             c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
             logp[s:e] = c.logp
@@ -239,12 +218,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros(n_tok, dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
-        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok, ctx.gemm, hidden.dtype)
+        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok, ctx.gemm)
         for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
             gz = _logit_grad(c, t, grad_logp[s:e], grad_ent[s:e] if use_ent else None, temp)
-            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w, bufs)
+            _apply_logit_grad(gz, h, weight, grad_h[s:e] if need_h else None, grad_w, bufs.grad_input,
+                              bufs.grad_weight)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
@@ -391,7 +371,7 @@ def head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     them): the pass records none and does not change the grad mode, which would leak out of a generator."""
     with_entropy, t_all = out.entropy is not None, targets.long()
     bufs = _ChunkBuffers(chunk_size, weight.shape[0], out.logp.dtype, hidden.device, hidden.shape[0],
-                         _usable(gemm, hidden, weight), hidden.dtype)
+                         _usable(gemm, hidden, weight))
     for s, e in _chunks(hidden.shape[0], chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)
@@ -401,6 +381,7 @@ def head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
         def backward(g_lp, g_ent, c=c, h=h, t=t, s=s, e=e):
             gz = _logit_grad(c, t, g_lp, g_ent if with_entropy else None, temperature)
-            _apply_logit_grad(gz, h, weight, out.grad_hidden[s:e], out.grad_weight, bufs)
+            _apply_logit_grad(gz, h, weight, out.grad_hidden[s:e], out.grad_weight, bufs.grad_input,
+                              bufs.grad_weight)
 
         yield HeadChunk(s, e, c.logp, c.ent, backward)

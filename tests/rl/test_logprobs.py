@@ -210,34 +210,3 @@ def test_a_bf16_weights_gradient_is_added_into_its_own_bf16_grad():
     assert (into.double() - expected).norm() / expected.norm() < 1e-2
     with pytest.raises(ValueError, match="grad_weight_out"):  # another dtype than the weight's or fp32
         token_logprobs_with_grads(h16, w16, t, token_grad, grad_weight_out=torch.zeros(w.shape, dtype=torch.float16))
-
-
-@pytest.mark.parametrize("with_entropy", [True, False])
-def test_bf16_chunks_through_one_reused_bf16_buffer_equal_fresh_tensors(with_entropy):
-    """bf16 head inputs: every chunk's bf16 logits and bf16 logit gradient pass through one reused [chunk, V] bf16
-    buffer (_ChunkBuffers.low). Chunk by chunk (4, the last one short), the log-probs, entropies, rows of dL/dhidden
-    and the running dL/dweight equal, bit for bit, the same pass with fresh bf16 tensors (no `low`); a chunk reading
-    another's buffer contents would not."""
-    from grpo_engine.rl.logprobs import _apply_logit_grad, _ChunkBuffers, _chunks, _logit_grad, _softmax_chunk
-
-    h, w, t = _problem(n=37, d=16, v=300)
-    h16, w16 = h.detach().bfloat16(), w.detach().bfloat16()
-    g = torch.Generator().manual_seed(6)
-    a, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
-    cpu = torch.device("cpu")
-    results = []
-    for input_dtype in (torch.bfloat16, None):
-        bufs = _ChunkBuffers(10, 300, torch.float32, cpu, 37, input_dtype=input_dtype)
-        assert (bufs.low is not None) == (input_dtype is not None)
-        grad_h, grad_w, values = torch.empty_like(h16), torch.zeros_like(w16), []
-        for s, e in _chunks(37, 10):
-            c = _softmax_chunk(h16[s:e], w16, t[s:e], 0.7, bufs, with_entropy)
-            values += [c.logp.clone(), c.ent.clone() if with_entropy else None]
-            gz = _logit_grad(c, t[s:e], a[s:e], b[s:e] if with_entropy else None, 0.7)
-            _apply_logit_grad(gz, h16[s:e], w16, grad_h[s:e], grad_w, bufs)
-            values.append(grad_w.clone())
-        results.append((values, grad_h))
-    (got, got_h), (ref, ref_h) = results
-    assert torch.equal(got_h, ref_h)
-    for x, y in zip(got, ref, strict=True):
-        assert (x is None and y is None) or torch.equal(x, y)
