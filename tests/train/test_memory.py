@@ -133,6 +133,34 @@ def test_update_allocations_are_mmapped_inside_the_block_only():
     assert grown_after < size, grown_after
 
 
+HEAP_PROBE = """
+import ctypes, torch
+from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)  # as after an earlier update
+with update_allocations("trim"):
+    before = libc.mallinfo2().hblkhd; inside = torch.empty(4 * 1024 * 1024, dtype=torch.uint8)
+    print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+def test_trim_keeps_the_updates_allocations_on_the_heap():
+    """memory.cpu_update_mmap=trim sets no mmap threshold: with glibc's threshold at its 32 MiB maximum (as after
+    an earlier update), a 4 MiB tensor made inside the block comes from the heap, not from mmap."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc" or not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallopt, mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) < 4 * 1024 * 1024, out.stdout
+
+
 TRIM_PROBE = """
 import ctypes, os, torch
 from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
