@@ -10,7 +10,10 @@ config's memory.precision; bench/floor.py gemm_rates); here the best of three me
 two steps and after the last), as this machine's speed drifts. A step
 cannot beat the time its own products take at their own shapes, so `products / floor` is the closest this CPU's
 GEMM libraries let the step come to the floor even if every other op (norms, RoPE, SwiGLU, softmax, the
-optimizer, Python) took no time; `other` is that remaining work. The products are the leaf ops that multiply
+optimizer, Python) took no time; `other` is that remaining work. Of it, the optimizer step (its whole time in the
+profile, `optimizer_s`) moves every parameter's master weight and moments through memory and cannot fuse into a
+product: `(products + optimizer) / floor` bounds how near the update can come with its products at their in-place
+rates. The products are the leaf ops that multiply
 matrices (torch.mm and addmm, bmm, MKL's and oneDNN's linear, SDPA), timed by their own (self) time in the
 profiled step. A phase's wall time is its time in the step before, run without the profiler (which adds about a
 fifth to an update); the steps before the profiled one warm the kernels up.
@@ -37,14 +40,17 @@ PRODUCT_OPS = frozenset({
 })
 
 
-def phase_seconds(prof) -> tuple[float, float]:
-    """(products, everything profiled) in seconds: the self time of the product ops, and of all ops."""
-    products = total = 0.0
+def phase_seconds(prof) -> tuple[float, float, float]:
+    """(products, everything profiled, optimizer) in seconds: the self time of the product ops and of all ops, and
+    the whole (inclusive) time of the optimizer's step, which torch.optim records as `Optimizer.step#<class>.step`."""
+    products = total = optimizer = 0.0
     for evt in prof.key_averages():
         total += evt.self_cpu_time_total
         if evt.key in PRODUCT_OPS:
             products += evt.self_cpu_time_total
-    return products / 1e6, total / 1e6
+        if evt.key.startswith("Optimizer.step#"):
+            optimizer += evt.cpu_time_total
+    return products / 1e6, total / 1e6, optimizer / 1e6
 
 
 class PhaseProfiles:
@@ -80,7 +86,7 @@ class PhaseProfiles:
                 out = fn(*args, **kwargs)
                 wall = time.perf_counter() - t0  # before the profiler's own processing at exit
             self.results[name] = {"wall_s": self.walls.get(name, wall), "profiled_wall_s": wall,
-                                  **dict(zip(("products_s", "ops_s"), phase_seconds(prof)))}
+                                  **dict(zip(("products_s", "ops_s", "optimizer_s"), phase_seconds(prof)))}
             return out
 
         return profiled
@@ -123,7 +129,8 @@ def report(results: dict, gflop: dict[str, float], rate: float, times: list[floa
     for name, r in results.items():
         phases[name] = {**r, "floor_s": gflop[name] / rate, "products_gflops": ratio(gflop[name], r["products_s"]),
                         "wall_over_floor": ratio(r["wall_s"] * rate, gflop[name]),
-                        "products_over_floor": ratio(r["products_s"] * rate, gflop[name])}
+                        "products_over_floor": ratio(r["products_s"] * rate, gflop[name]),
+                        "bound_over_floor": ratio((r["products_s"] + r.get("optimizer_s", 0.0)) * rate, gflop[name])}
     floor = sum(gflop.values()) / rate
     products = sum(r["products_s"] for r in results.values())
     step = times[-2]  # the last step's own time includes the profiler's processing
@@ -139,6 +146,10 @@ def show(r: dict) -> None:
     for name, p in r["phases"].items():
         print(f"{name:<9} {p['floor_s']:8.2f} {p['wall_s']:8.2f} {p['products_s']:11.2f} {p['products_gflops']:8.0f} "
               f"{p['wall_s'] - p['products_s']:8.2f} {p['wall_over_floor']:10.2f}x {p['products_over_floor']:14.2f}x")
+    update = r["phases"].get("update")
+    if update:
+        print(f"update: its optimizer step {update.get('optimizer_s', 0.0):.2f} s; products + optimizer = "
+              f"{update['bound_over_floor']:.2f}x the floor")
     print(f"step (the one before the profiled one): {r['step_s']:.2f} s = {r['step_over_floor']:.2f}x the floor; "
           f"the profiled step's products alone: {r['products_s']:.2f} s = {r['products_over_floor']:.2f}x")
 

@@ -11,17 +11,21 @@ def _breakdown():
 
 
 def test_phase_seconds_sum_the_self_time_of_the_product_ops():
+    """Products and all ops by their self time; the optimizer by its whole time (its own ops are counted there)."""
     bench = _breakdown()
-    events = [("aten::mm", 3_000_000), ("mkl::_mkl_linear", 500_000), ("aten::silu", 250_000),
-              ("aten::_scaled_dot_product_flash_attention_for_cpu", 1_000_000), ("aten::linear", 50_000)]
-    prof = SimpleNamespace(key_averages=lambda: [SimpleNamespace(key=k, self_cpu_time_total=us) for k, us in events])
-    assert bench.phase_seconds(prof) == pytest.approx((4.5, 4.8))  # self times in microseconds -> seconds
+    events = [("aten::mm", 3_000_000, 3_000_000), ("mkl::_mkl_linear", 500_000, 500_000),
+              ("aten::silu", 250_000, 250_000), ("aten::_scaled_dot_product_flash_attention_for_cpu", 1e6, 1e6),
+              ("aten::linear", 50_000, 3_550_000), ("Optimizer.step#OffloadedAdamW.step", 40_000, 300_000),
+              ("aten::_fused_adamw_", 260_000, 260_000)]
+    prof = SimpleNamespace(key_averages=lambda: [SimpleNamespace(key=k, self_cpu_time_total=s, cpu_time_total=t)
+                                                 for k, s, t in events])
+    assert bench.phase_seconds(prof) == pytest.approx((4.5, 5.1, 0.3))  # microseconds -> seconds
 
 
 def test_report_sets_each_phase_against_its_own_floor():
     bench = _breakdown()
     results = {"generate": {"wall_s": 6.0, "products_s": 4.0, "ops_s": 5.5},
-               "update": {"wall_s": 15.0, "products_s": 12.0, "ops_s": 14.0}}
+               "update": {"wall_s": 15.0, "products_s": 12.0, "ops_s": 14.0, "optimizer_s": 1.0}}
     gflop = {"generate": 400.0, "logprobs": 0.0, "update": 2000.0}  # floor: 2,400 GFLOP / 200 GFLOP/s = 12 s
     r = bench.report(results, gflop, 200.0, times=[30.0, 24.0, 99.0], cpu="cpu")
     gen, upd = r["phases"]["generate"], r["phases"]["update"]
@@ -29,6 +33,7 @@ def test_report_sets_each_phase_against_its_own_floor():
         pytest.approx((2.0, 100.0, 3.0, 2.0))
     assert (upd["floor_s"], upd["products_gflops"], upd["wall_over_floor"], upd["products_over_floor"]) == \
         pytest.approx((10.0, 2000 / 12, 1.5, 1.2))
+    assert upd["bound_over_floor"] == pytest.approx(1.3)  # (12 s of products + 1 s of optimizer) / 10 s
     # the profiled (last) step's time holds the profiler's processing: the step before it is the step's time
     assert (r["step_s"], r["step_over_floor"], r["products_s"], r["products_over_floor"]) == \
         pytest.approx((24.0, 2.0, 16.0, 16 / 12))
@@ -67,6 +72,9 @@ def test_breakdown_profiles_a_real_step_and_leaves_the_trainer_as_it_was(tiny_ck
     assert set(r["phases"]) == {"generate", "update"}  # beta 0, mu 1: no log-prob pass
     for phase in r["phases"].values():
         assert 0 < phase["products_s"] < phase["ops_s"] <= phase["profiled_wall_s"] and phase["wall_s"] > 0
+    # torch.optim's record of the optimizer step is found in the update's profile, and only there
+    assert 0 < r["phases"]["update"]["optimizer_s"] < r["phases"]["update"]["profiled_wall_s"]
+    assert r["phases"]["generate"]["optimizer_s"] == 0
     assert (step_module.collect_groups, step_module.update_step, step_module.attach_logprobs) == before
 
 
