@@ -99,15 +99,31 @@ def test_cpu_peak_reader_sees_a_64mib_allocation():
     assert during - before >= 60
 
 
-MMAP_PROBE = """
+# a fresh process's glibc and its mallinfo2 (glibc >= 2.33): `mapped()` = bytes it serves by mmap
+MALLINFO = """
 import ctypes, torch
-from grpo_engine.train.memory import update_allocations
+from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
-mapped = lambda: libc.mallinfo2().hblkhd  # bytes served by mmap
+mapped = lambda: libc.mallinfo2().hblkhd
+"""
+
+
+def _run_mallinfo_probe(probe: str) -> str:
+    """The stdout of `probe` run in a fresh Python process (skipped without glibc >= 2.33's mallinfo2)."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc" or not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallopt, mallinfo2)")
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+MMAP_PROBE = MALLINFO + """
 size = 4 * 1024 * 1024
 with update_allocations("mmap"):
     before = mapped(); inside = torch.empty(size, dtype=torch.uint8); grown = mapped() - before
@@ -121,50 +137,30 @@ def test_update_allocations_are_mmapped_inside_the_block_only():
     """memory.cpu_update_mmap: in a fresh process (glibc serves a request from free heap chunks first, whatever
     the threshold), a 4 MiB tensor made inside the block is an mmapped chunk, unmapped when freed; after the
     block the threshold is glibc's 32 MiB maximum, so the same request comes from the heap."""
-    import platform
-    import subprocess
-    import sys
-
-    if platform.libc_ver()[0] != "glibc" or not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
-        pytest.skip("needs glibc >= 2.33 (mallopt, mallinfo2)")
-    out = subprocess.run([sys.executable, "-c", MMAP_PROBE], capture_output=True, text=True, timeout=120, check=True)
-    grown, shrunk, grown_after, size = map(int, out.stdout.split())
+    out = _run_mallinfo_probe(MMAP_PROBE)
+    grown, shrunk, grown_after, size = map(int, out.split())
     assert grown >= size and abs(shrunk) < size, (grown, shrunk)
     assert grown_after < size, grown_after
 
 
-HEAP_PROBE = """
-import ctypes, torch
-from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
+HEAP_PROBE = MALLINFO + """
 libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)  # as after an earlier update
 with update_allocations("trim"):
-    before = libc.mallinfo2().hblkhd; inside = torch.empty(4 * 1024 * 1024, dtype=torch.uint8)
-    print(libc.mallinfo2().hblkhd - before)
+    before = mapped(); inside = torch.empty(4 * 1024 * 1024, dtype=torch.uint8)
+    print(mapped() - before)
 """
 
 
 def test_trim_keeps_the_updates_allocations_on_the_heap():
     """memory.cpu_update_mmap=trim sets no mmap threshold: with glibc's threshold at its 32 MiB maximum (as after
     an earlier update), a 4 MiB tensor made inside the block comes from the heap, not from mmap."""
-    import platform
-    import subprocess
-    import sys
-
-    if platform.libc_ver()[0] != "glibc" or not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
-        pytest.skip("needs glibc >= 2.33 (mallopt, mallinfo2)")
-    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=120, check=True)
-    assert int(out.stdout.split()[-1]) < 4 * 1024 * 1024, out.stdout
+    out = _run_mallinfo_probe(HEAP_PROBE)
+    assert int(out.split()[-1]) < 4 * 1024 * 1024, out
 
 
 TRIM_PROBE = """
-import ctypes, os, torch
+import ctypes, os, sys, torch
 from grpo_engine.train.memory import GLIBC_MMAP_MAX, M_MMAP_THRESHOLD, update_allocations
-import sys
 libc = ctypes.CDLL("libc.so.6")
 libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)  # as after an update: a few MB come from the heap
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
