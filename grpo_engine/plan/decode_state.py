@@ -85,15 +85,6 @@ class DecodePlan:
         return sum(self.eval_state.values()) + self.eval_pool
 
 
-def wave_rows(prompts: int, samples: int, new_tokens: int, budget: int = 0) -> int:
-    """The most rows one of generate()'s waves can hold (rollout/generate.py plan_waves): all of them without a
-    budget (0); with one, whole prompts of `samples` rows while rows x (longest prompt + new_tokens) stays within
-    it, at least one prompt. A bound over prompt lengths: a wave of one-token prompts holds the most rows."""
-    if not budget:
-        return prompts * samples
-    return max(1, min(prompts, budget // (samples * (1 + new_tokens)))) * samples
-
-
 def state_shape(calls: list[DecodeCall]) -> StateShape:
     """The union static_decoder keeps: bucket_for of the most rows, the most slots rounded up, the most uniforms."""
     from ..rollout.static_cache import bucket_for

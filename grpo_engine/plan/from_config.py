@@ -74,13 +74,13 @@ def decode_call_knobs(cfg: Config) -> dict:
 
 
 def rollout_rows_in_flight(cfg: Config, slots: int) -> int:
-    """Rows decoded at once (0 = all P x G): generate() packs whole groups of G while
-    rows x (prompt + completion) stays under rollout.max_tokens_in_flight (rollout/generate.py plan_waves)."""
+    """Rows the rollout decodes at once (0 = all P x G), by the sampler's own rule (rollout/generate.py
+    rows_in_flight)."""
+    from ..rollout.generate import rows_in_flight
+
     r = cfg.rollout
-    if r.max_tokens_in_flight == 0:
-        return 0
-    groups = max(1, r.max_tokens_in_flight // (r.group_size * slots))
-    return min(r.prompts_per_step, groups) * r.group_size
+    return rows_in_flight(r.prompts_per_step, r.group_size, slots, r.max_tokens_in_flight) if r.max_tokens_in_flight \
+        else 0
 
 
 def static_decode_planned(cfg: Config) -> bool:

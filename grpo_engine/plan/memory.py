@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config.training import LORA_TARGETS as ALL_LINEAR
 from ..model.config import ModelConfig
-from .decode_state import DecodeCall, DecodePlan, decode_plan, sampler_step_bytes, wave_rows
+from .decode_state import DecodeCall, DecodePlan, decode_plan, sampler_step_bytes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -312,19 +312,22 @@ def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
 
 
 def decode_calls(k: PlanInput) -> list[DecodeCall]:
-    """The generate() calls of a run, each at its largest wave (decode_state.wave_rows): the rollout's, the
-    evaluations' (greedy by default, one row per example), the curriculum scoring's (the rollout's sampling,
-    `samples` rows per prompt)."""
+    """The generate() calls of a run, each at its largest wave (rollout/generate.py rows_in_flight, at one-token
+    prompts: the wave that holds the most rows): the rollout's, the evaluations' (greedy by default, one row per
+    example), the curriculum scoring's (the rollout's sampling, `samples` rows per prompt)."""
+    from ..rollout.generate import rows_in_flight
+
     filters = dict(top_k=k.top_k, top_p=k.top_p, min_p=k.min_p)
     budget = k.max_tokens_in_flight
-    rollout = wave_rows(k.prompts_per_step, k.group_size, k.completion_len, budget) if budget else rollout_rows(k)
+    rollout = rows_in_flight(k.prompts_per_step, k.group_size, 1 + k.completion_len, budget) if budget \
+        else rollout_rows(k)
     calls = [DecodeCall("rollout", rollout, k.prompt_len, k.completion_len, k.temperature, **filters)]
     if k.eval_examples:
-        rows = wave_rows(k.eval_examples, 1, k.eval_new_tokens, budget)
+        rows = rows_in_flight(k.eval_examples, 1, 1 + k.eval_new_tokens, budget)
         calls.append(DecodeCall("eval", rows, k.prompt_len, k.eval_new_tokens, k.eval_temperature, **filters))
     if k.curriculum_prompts:
         new = k.curriculum_new_tokens or k.completion_len
-        rows = wave_rows(k.curriculum_prompts, k.curriculum_samples, new, budget)
+        rows = rows_in_flight(k.curriculum_prompts, k.curriculum_samples, 1 + new, budget)
         calls.append(DecodeCall("curriculum", rows, k.prompt_len, new, k.temperature, **filters))
     return calls
 

@@ -66,6 +66,16 @@ class GenerationOutput:
 # Wave planning
 
 
+def rows_in_flight(prompts: int, samples: int, slots: int, budget: int | None) -> int:
+    """The most rows one wave decodes at once: every prompt's `samples` rows without a budget (0 or None); with one,
+    whole prompts while rows x slots (tokens a row holds: its prompt + max_new_tokens) stays within it, at least one
+    prompt. The one formula of rollout.max_tokens_in_flight: the waves (plan_waves), the planner's rows and static
+    decode state (plan/from_config.py, plan/memory.py) and the size check (plan/sizes.py) all ask it."""
+    if not budget:
+        return prompts * samples
+    return max(1, min(prompts, budget // (samples * slots))) * samples
+
+
 def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
     """Group prompt indices into waves with rows x (longest prompt + max_new_tokens) <= the budget.
 
@@ -74,20 +84,19 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     budget, n, t = params.max_tokens_in_flight, params.n, params.max_new_tokens
     waves: list[list[int]] = []
-    for i in order:
-        need_alone = n * (lengths[i] + t)
+    start = 0  # order[start] is the next wave's longest prompt
+    while start < len(order):
+        longest = lengths[order[start]]
+        need_alone = n * (longest + t)
         if budget is not None and need_alone > budget:
             raise ValueError(
-                f"max_tokens_in_flight={budget} cannot hold the n={n} samples of prompt {i} "
-                f"(n x ({lengths[i]} tokens + max_new_tokens={t}) = {need_alone} slots); "
+                f"max_tokens_in_flight={budget} cannot hold the n={n} samples of prompt {order[start]} "
+                f"(n x ({longest} tokens + max_new_tokens={t}) = {need_alone} slots); "
                 "raise rollout.max_tokens_in_flight, or lower n or max_new_tokens"
             )
-        if waves:
-            longest = lengths[waves[-1][0]]
-            if budget is None or (len(waves[-1]) + 1) * n * (longest + t) <= budget:
-                waves[-1].append(i)
-                continue
-        waves.append([i])
+        size = rows_in_flight(len(order) - start, n, longest + t, budget) // n
+        waves.append(order[start : start + size])
+        start += size
     return waves
 
 

@@ -19,7 +19,6 @@ from grpo_engine.plan.decode_state import (
     sampler_step_bytes,
     state_bytes,
     state_shape,
-    wave_rows,
 )
 from grpo_engine.plan.from_config import plan_config
 from grpo_engine.plan.memory import plan_memory
@@ -154,8 +153,11 @@ def test_the_samplers_cuda_memory_stays_within_the_bound(temperature, top_k, top
     assert torch.cuda.max_memory_allocated() - base <= sampler_step_bytes(call, rows, vocab, BYTES[dtype])
 
 
-def test_wave_rows_bound_every_wave_generate_makes():
-    from grpo_engine.rollout.generate import plan_waves
+def test_rows_in_flight_at_one_token_prompts_bounds_every_wave_generate_makes():
+    from grpo_engine.rollout.generate import plan_waves, rows_in_flight
+
+    def wave_rows(prompts, samples, new_tokens, budget):  # the planner's bound: a wave of one-token prompts
+        return rows_in_flight(prompts, samples, 1 + new_tokens, budget)
 
     for budget in (0, 700, 2000):
         params = SamplingParams(n=4, max_new_tokens=20, max_tokens_in_flight=budget or None)
