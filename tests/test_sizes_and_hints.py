@@ -62,7 +62,7 @@ def test_sizes_beyond_this_machine_are_refused_before_the_run_lock(tiny_ckpt, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_budget_is_the_card(tiny_ckpt, tmp_path, capsys, no_lock):
-    from grpo_engine.train.setup import device_memory
+    from grpo_engine.plan.sizes import device_memory
 
     card = torch.cuda.get_device_properties(0).total_memory
     assert device_memory(torch.device("cuda", 0)).nbytes == card
@@ -75,7 +75,7 @@ def test_the_planned_bytes_are_counted_in_integers(tiny_ckpt):
     """By hand: the KV cache and [rows, V] logits of the one group decoded at a time, the padded batch (P x G rows x
     (prompt + completion) tokens x 16 bytes), the probe's rows decoded at a time."""
     from grpo_engine.plan.from_config import config_model_shape
-    from grpo_engine.train.setup import scaled_terms
+    from grpo_engine.plan.sizes import scaled_terms
 
     cfg = load_config(TINY, [f"model.path={tiny_ckpt}", "rollout.prompts_per_step=10", "rollout.group_size=1000",
                              "rollout.max_tokens_in_flight=1", "eval.max_new_tokens=20"])
@@ -85,14 +85,14 @@ def test_the_planned_bytes_are_counted_in_integers(tiny_ckpt):
     batch = 10 * 1000 * (128 + 8) * (8 + 4 + 4)
     decoded = 1000 * ((128 + 8) * kv_slot + shape["vocab_size"] * 12)  # one group of G rows
     probe = 1 * ((128 + 20) * kv_slot + shape["vocab_size"] * 12)  # n=1: groups of one row, one at a time
-    terms = scaled_terms(cfg, 7, model, torch.device("cpu"))
+    terms = scaled_terms(cfg, 7, model, "fp32")
     assert [t.nbytes for t in terms] == [decoded, batch, probe]
 
 
 def test_the_model_and_a_micro_batch_beyond_the_batch(tiny_ckpt, tmp_path):
     """A model too large for the budget names what to change; a micro-batch budget larger than the step's batch (10^12
     meaning "all at once", or 10^400) is planned as the batch, as the trainer packs it, not refused or overflowed."""
-    from grpo_engine.train.setup import DeviceMemory, check_sizes
+    from grpo_engine.plan.sizes import DeviceMemory, check_sizes
 
     for tokens in (10**12, 10**400):
         check_sizes(load_config(TINY, [f"model.path={tiny_ckpt}", f"memory.micro_batch_tokens={tokens}"]), 0,
@@ -115,10 +115,43 @@ def _smollm2_shape(tmp_path) -> Path:
     return d
 
 
+def test_a_cpu_run_whose_auto_is_bf16_is_sized_in_bf16(tiny_ckpt, tmp_path, monkeypatch):
+    """On a CPU whose `auto` resolves to bf16 (native bf16, the model's products measured faster), `grpo train`'s size
+    check plans the step in bf16, as it runs: a machine between the bf16 and the fp32 peak is not refused."""
+    import grpo_engine.kernels.cpu as cpu
+    import grpo_engine.kernels.select as select
+    import grpo_engine.plan.sizes as sizes
+    import grpo_engine.train.setup as setup
+
+    monkeypatch.setattr(cpu, "native_bf16_isa", lambda: "amx_bf16")
+    monkeypatch.setattr(select, "bf16_ratio", lambda hidden, intermediate: 0.5)
+    model = _smollm2_shape(tmp_path)
+    (model / "model.safetensors").touch()  # never read: the check comes before any weights
+    overrides = [f"model.path={model}", f"tokenizer.path={tiny_ckpt}", f"run_dir={tmp_path / 'run'}",
+                 "lora.enabled=true"]
+    peak = {p: max(t.nbytes for t in sizes.planned_sizes(load_config(TINY, [*overrides, f"memory.precision={p}"]), 0,
+                                                         torch.device("cpu"), 2**60)) for p in ("fp32", "bf16")}
+    assert peak["bf16"] < peak["fp32"]
+    between = sizes.DeviceMemory((peak["bf16"] + peak["fp32"]) // 2, "physical RAM on this machine")
+    monkeypatch.setattr(sizes, "device_memory", lambda device: between)
+
+    class Checked(Exception):  # the sizes passed: the run lock is next
+        pass
+
+    def acquire(self):
+        raise Checked
+
+    monkeypatch.setattr(setup.RunLock, "acquire", acquire)
+    with pytest.raises(Checked):
+        setup.setup_run(load_config(TINY, [*overrides, "memory.precision=auto"]))
+    with pytest.raises(ValueError, match="more than the .* bytes .* of physical RAM on this machine"):  # in fp32
+        setup.setup_run(load_config(TINY, [*overrides, "memory.precision=fp32"]))
+
+
 def test_the_shipped_configs_and_demos_pass_on_a_24_gb_machine(tiny_ckpt, tmp_path):
     """The check refuses nothing a user is told to run: each configs/*.yaml and demo recipe fits 24 GiB (the GPU
     presets: a 24 GiB card, planned at their model's shape; the CPU ones: 24 GiB of RAM)."""
-    from grpo_engine.train.setup import DeviceMemory, check_sizes
+    from grpo_engine.plan.sizes import DeviceMemory, check_sizes
 
     smollm2 = _smollm2_shape(tmp_path)
     yamls = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "grpo_engine" / "recipes").glob("*.yaml"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError, config_from_yaml_text
-from ..plan.precision import resolve_precision
+from ..plan.precision import choose_precision
 from .store import stored_settings_file
 
 # Dotted keys (or prefixes ending in ".") whose change a resumed run cannot honour.
@@ -77,10 +77,10 @@ def device_here(cfg: Config) -> str:
 
 
 def precision_here(cfg: Config) -> str:
-    """memory.precision as it resolves on this machine without a model (plan/precision.py resolve_precision): auto
+    """memory.precision as it resolves on this machine without a model (plan/precision.py choose_precision): auto
     is bf16 on a CUDA card with native bf16, else fp32. A CPU run's measured choice is not this: it is written in
     the stored config, and a config that leaves it to the engine keeps it (ENGINE_CHOSEN, kept_precision)."""
-    return resolve_precision(cfg.memory.precision, device_here(cfg))
+    return choose_precision(cfg.memory.precision, device_here(cfg)).precision
 
 
 def kept_precision(ckpt_dir: Path, device: str) -> str | None:

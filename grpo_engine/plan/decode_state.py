@@ -85,6 +85,12 @@ class DecodePlan:
         return sum(self.eval_state.values()) + self.eval_pool
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Keys and values of one token in every layer: the one KV-cache formula (the planner's KV terms, the static
+    state, the size check all multiply it)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
 def state_shape(calls: list[DecodeCall]) -> StateShape:
     """The union static_decoder keeps: bucket_for of the most rows, the most slots rounded up, the most uniforms."""
     from ..rollout.static_cache import bucket_for
@@ -105,7 +111,7 @@ def state_bytes(cfg: ModelConfig, shape: StateShape, dtype_bytes: int, sample_by
 
     B, S1, U, V = shape.rows, shape.slots + 1, shape.columns, cfg.vocab_size
     return {
-        "kv cache": 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * S1 * cfg.head_dim * dtype_bytes,
+        "kv cache": B * S1 * kv_bytes_per_token(cfg, dtype_bytes),
         "key mask": B * S1,  # bool
         "step buffers": 4 * B * 8,  # ids, positions [B, 1] and write, col [B]: int64
         "uniforms": B * U * uniform_bytes,

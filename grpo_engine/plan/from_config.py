@@ -2,14 +2,16 @@
 
 memory.py knows knobs (PlanInput), not configs; this module is the one place that says which config field
 decides which knob, so `grpo plan CONFIG` and the check `grpo train` runs before loading the model
-plan exactly the same thing. The planner predicts GPU memory, so it always plans for a CUDA card, in the dtype
-the trainer will load there (plan/precision.py resolve_precision): this machine's card when it has one, else a card
-with native bf16 (memory.precision=auto plans bf16 then; plan an older card with memory.precision=fp32).
+plan exactly the same thing. The planner predicts GPU memory, so it plans for a CUDA card, in the dtype the
+trainer will load there (`precision_choice`, the run's own answer): this machine's card when it has one, else a card
+with native bf16 (memory.precision=auto plans bf16 then; plan an older card with memory.precision=fp32). A config
+resolved for a CPU (plan/resolved.py) carries its CPU's answer in memory.precision, and is planned in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config, ConfigError
@@ -17,7 +19,7 @@ from ..model.config import ModelConfig
 from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice
 from .memory import MemoryPlan, PlanInput, fits, linear_shapes, plan_memory
 from .policy_spec import policy_spec
-from .precision import planned_card_native_bf16, resolve_precision
+from .precision import PrecisionChoice, choose_precision, planned_card_native_bf16
 from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
 
@@ -33,16 +35,20 @@ def shown(n: int) -> str:
     return f"{n:,}" if n < 10**18 else f"{digits[0]}.{digits[1:3]}e+{len(digits) - 1}"
 
 
+def unplannable(cfg: Config) -> str | None:
+    """The first size setting beyond SIZE_LIMIT, None when all are plannable: the planner counts bytes in floats, and
+    products of such values overflow them (memory.micro_batch_tokens and rollout.max_tokens_in_flight mean 'all at
+    once' when large: they are capped by the step's rows instead)."""
+    return next((name for name in SIZE_SETTINGS if getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])
+                 > SIZE_LIMIT), None)
+
+
 def check_sizes_plannable(cfg: Config) -> None:
-    """Refuse a size setting beyond SIZE_LIMIT in one line: the planner counts bytes in floats, and products of such
-    values overflow them (memory.micro_batch_tokens and rollout.max_tokens_in_flight mean 'all at once' when large:
-    they are capped by the step's rows instead)."""
-    for name in SIZE_SETTINGS:
-        section, field = name.split(".")
-        value = getattr(getattr(cfg, section), field)
-        if value > SIZE_LIMIT:
-            raise ConfigError(f"{name}={shown(value)} is more than any card holds (the planner counts sizes up to "
-                              f"{SIZE_LIMIT:,}): lower {name}")
+    """Refuse a size setting beyond SIZE_LIMIT in one line (unplannable)."""
+    if (name := unplannable(cfg)) is not None:
+        value = getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])
+        raise ConfigError(f"{name}={shown(value)} is more than any card holds (the planner counts sizes up to "
+                          f"{SIZE_LIMIT:,}): lower {name}")
 
 
 def check_lora_rank(knobs: PlanInput, model: ModelConfig) -> None:
@@ -92,11 +98,30 @@ def static_decode_planned(cfg: Config) -> bool:
     return r.cuda_graphs != "off" and not cfg.tools.enabled and not (fsdp2 and r.cuda_graphs == "auto")
 
 
+def precision_choice(cfg: Config, device, kept: str | None = None,
+                     native: Callable[[], bool] | None = None) -> PrecisionChoice:
+    """memory.precision for a run of `cfg` on `device` (plan/precision.py choose_precision): `kept` (a resumed run's)
+    when the config leaves it to the engine, else chosen for the model's MLP shape (no shape readable: None).
+    native: whether the CUDA card has native bf16 (None: ask the card)."""
+    if kept is not None and cfg.memory.precision == "auto":
+        return PrecisionChoice(kept, "kept from the checkpoint resumed")
+    if cfg.memory.precision != "auto" or str(device).split(":")[0] != "cpu":  # no measurement, no shape needed
+        return choose_precision(cfg.memory.precision, device, native=native)
+    try:
+        shape = config_model_shape(cfg)
+        mlp = (shape.hidden_size, shape.intermediate_size)
+    except (OSError, ValueError):  # ConfigError, CheckpointError included
+        mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
+    stochastic = cfg.optimizer.master_weights and cfg.optimizer.bf16_rounding == "stochastic"
+    return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full",
+                            rounds_stochastically=stochastic)
+
+
 def planned_precision(cfg: Config, bf16_native: bool | None = None) -> str:
-    """memory.precision as the trainer resolves it on the planned card (bf16_native: whether that card has native
-    bf16; None = this machine's card, or a card with it when there is none)."""
+    """memory.precision on the planned CUDA card (bf16_native: whether it has native bf16; None = this machine's
+    card, or a card with it when there is none)."""
     native = planned_card_native_bf16 if bf16_native is None else (lambda: bf16_native)
-    return resolve_precision(cfg.memory.precision, "cuda", native)
+    return precision_choice(cfg, "cuda", native=native).precision
 
 
 def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> PlanInput:
@@ -143,8 +168,9 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
 
 
 def config_memory_choice(cfg: Config, card_gib: float | None, shape: str | None = None) -> MemoryChoice:
-    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU); plan/device_defaults.py."""
-    if card_gib is None:  # the CPU defaults need no model shape
+    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU); plan/device_defaults.py. Sizes
+    no card holds get the CPU defaults, unplanned: the size check (plan/sizes.py) refuses them next."""
+    if card_gib is None or unplannable(cfg):  # the CPU defaults need no model shape
         return memory_choice(None, None, cfg.memory, None)
     return memory_choice(config_model_shape(cfg, shape), plan_input_from_config(cfg), cfg.memory, card_gib)
 

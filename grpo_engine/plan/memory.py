@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config.training import LORA_TARGETS as ALL_LINEAR
 from ..model.config import ModelConfig
-from .decode_state import DecodeCall, DecodePlan, decode_plan, sampler_step_bytes
+from .decode_state import DecodeCall, DecodePlan, decode_plan, kv_bytes_per_token, sampler_step_bytes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -307,8 +307,7 @@ def backward_working_set(cfg: ModelConfig, k: PlanInput, tokens: int, recompute:
 def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
     rows = rollout_rows(k)
     slots = k.prompt_len + k.completion_len
-    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[k.precision]
-    return rows * slots * per_slot
+    return rows * slots * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
 
 
 def decode_calls(k: PlanInput) -> list[DecodeCall]:

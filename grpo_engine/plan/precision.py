@@ -1,6 +1,7 @@
 """The weights' dtype a run gets: `memory.precision` resolved for a device. One function decides it
-(`resolve_precision`); the trainer (train/memory.py), the resume check (checkpoint/resume.py) and the planner
-(plan/from_config.py) all ask it, so what the planner plans is what the trainer loads.
+(`choose_precision`; for a config, plan/from_config.py precision_choice reads the model's shape for it): the run
+(plan/resolved.py), the planner (plan/from_config.py), the size check (plan/sizes.py), `grpo bench` and the resume
+check (checkpoint/resume.py) all ask it, so what the planner plans is what the trainer loads.
 
 Why a card check: bf16 halves the weights and runs at full speed only on cards that compute it natively (compute
 capability 8.0 and later: Ampere, Ada, Hopper). An RTX 20xx or a T4 (7.5) emulates it, several times slower, and
@@ -69,41 +70,45 @@ def card_name(device=None) -> str:
     return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
 
 
-def resolve_precision(setting: str, device, native: Callable[[], bool] | None = None) -> str:
-    """memory.precision ("auto" | "fp32" | "bf16") on `device` -> "fp32" | "bf16".
+PRECISION_SETTINGS = ("auto", "fp32", "bf16")
 
-    CPU: auto is fp32 here (a run's CPU choice needs the model: choose_precision, which plan/resolved.py asks once
-    and writes into the run's config). CUDA: auto is bf16 where the card has it natively, else fp32; bf16 on a card
-    without it raises ConfigError. `native`: the card's answer (default native_bf16 of `device`), asked only on
-    CUDA."""
-    if setting not in ("auto", "fp32", "bf16"):
+
+def choose_precision(setting: str, device, shape: tuple[int, int] | None = None, trains_weights: bool = False,
+                     rounds_stochastically: bool = True, ratio: Callable[[int, int], float] | None = None,
+                     isa: Callable[[], str | None] | None = None,
+                     native: Callable[[], bool] | None = None) -> PrecisionChoice:
+    """memory.precision ("auto" | "fp32" | "bf16") on `device` for a model whose MLP weight is `shape` = (hidden,
+    intermediate) (None: not known), with the reason. trains_weights: full fine-tuning (the weights themselves are
+    trained, not adapters); rounds_stochastically: bf16 weights would be set from fp32 masters by stochastic
+    rounding (optimizer master_weights and bf16_rounding=stochastic). CUDA: auto is bf16 where the card has it
+    natively (`native`: the card's answer, default native_bf16 of `device`), else fp32; bf16 on a card without it
+    raises ConfigError. CPU: a value written is kept; `auto` asks `isa` (the CPU's native bf16 instruction set or
+    None; default kernels/cpu.py native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products;
+    default measured here)."""
+    if setting not in PRECISION_SETTINGS:
         raise ValueError(f"precision {setting!r}; choose from auto, bf16, fp32")
-    if str(device).split(":")[0] != "cuda" or setting == "fp32":
-        return "fp32" if setting == "auto" else setting
-    has_bf16 = native() if native is not None else native_bf16(device)
-    if has_bf16:
-        return "bf16"
+    if str(device).split(":")[0] == "cuda":
+        return _on_card(setting, device, native)
+    if setting != "auto":
+        return PrecisionChoice(setting, "set in the config")
+    return _on_cpu(shape, trains_weights, rounds_stochastically, ratio, isa)
+
+
+def _on_card(setting: str, device, native: Callable[[], bool] | None) -> PrecisionChoice:
+    if setting == "fp32":
+        return PrecisionChoice("fp32", "set in the config")
+    if native() if native is not None else native_bf16(device):
+        return PrecisionChoice("bf16", "set in the config" if setting == "bf16" else "auto: native bf16 on this card")
     if setting == "auto":
-        return "fp32"
+        return PrecisionChoice("fp32", "auto: no native bf16 on this card")
     card = card_name(device) if native is None else "this card"
     raise ConfigError(f"memory.precision=bf16: {card} has no native bf16 (compute capability 8.0+ needed); "
                       f"set memory.precision=auto (fp32 on this card) or fp32")
 
 
-def choose_precision(setting: str, device, shape: tuple[int, int] | None = None, trains_weights: bool = False,
-                     rounds_stochastically: bool = True, ratio: Callable[[int, int], float] | None = None,
-                     isa: Callable[[], str | None] | None = None) -> PrecisionChoice:
-    """memory.precision on `device` for a model whose MLP weight is `shape` = (hidden, intermediate) (None: not known),
-    with the reason. trains_weights: full fine-tuning (the weights themselves are trained, not adapters);
-    rounds_stochastically: bf16 weights would be set from fp32 masters by stochastic rounding (optimizer
-    master_weights and bf16_rounding=stochastic). On a CPU `auto` asks `isa` (the CPU's native bf16 instruction set
-    or None; default kernels/cpu.py native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products;
-    default measured here); elsewhere it is resolve_precision's answer."""
-    if str(device).split(":")[0] == "cuda" or setting != "auto":
-        chosen = resolve_precision(setting, device)
-        why = "set in the config" if setting != "auto" else f"auto: {'native' if chosen == 'bf16' else 'no native'} "\
-              "bf16 on this card"
-        return PrecisionChoice(chosen, why)
+def _on_cpu(shape: tuple[int, int] | None, trains_weights: bool, rounds_stochastically: bool,
+            ratio: Callable[[int, int], float] | None, isa: Callable[[], str | None] | None) -> PrecisionChoice:
+    """`auto` on a CPU (the module docstring says why)."""
     from ..kernels.cpu import native_bf16_isa
     from ..kernels.select import bf16_ratio
 

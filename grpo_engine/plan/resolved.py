@@ -21,9 +21,7 @@ from omegaconf import OmegaConf
 from ..config import Config
 from ..config.trust import unmarked
 from .device_defaults import MemoryChoice
-from .from_config import config_memory_choice, config_model_shape
-from .policy_spec import policy_spec
-from .precision import PrecisionChoice, choose_precision
+from .from_config import config_memory_choice, precision_choice
 
 RESOLVED_FILE = "resolved.yaml"
 
@@ -62,23 +60,6 @@ def resolve_settings(cfg: Config, device: torch.device, kept_precision: str | No
     config = dataclasses.replace(cfg, memory=memory,
                                  model=dataclasses.replace(cfg.model, path=warm_start_path(cfg)))
     return Resolved(config, device, precision.precision, card, choice.planned_gib, precision.why)
-
-
-def precision_choice(cfg: Config, device: torch.device, kept: str | None = None) -> PrecisionChoice:
-    """memory.precision for this run on `device`: `kept` (a resumed run's) when the config leaves it to the
-    engine, else chosen for the model's MLP shape (plan/precision.py choose_precision; no shape readable: None)."""
-    if kept is not None and cfg.memory.precision == "auto":
-        return PrecisionChoice(kept, "kept from the checkpoint resumed")
-    if cfg.memory.precision != "auto" or device.type != "cpu":  # no measurement, no shape needed
-        return choose_precision(cfg.memory.precision, device)
-    try:
-        shape = config_model_shape(cfg)
-        mlp = (shape.hidden_size, shape.intermediate_size)
-    except (OSError, ValueError):  # ConfigError, CheckpointError included
-        mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
-    stochastic = cfg.optimizer.master_weights and cfg.optimizer.bf16_rounding == "stochastic"
-    return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full",
-                            rounds_stochastically=stochastic)
 
 
 def chosen_memory(cfg: Config, choice: MemoryChoice):

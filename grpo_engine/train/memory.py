@@ -22,16 +22,16 @@ from torch import nn
 from ..config.training import MemorySection
 from ..kernels import apply_activation_checkpointing
 from ..plan.memory import checkpoint_every
-from ..plan.precision import resolve_precision
 
 MIB = 1024**2
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def torch_dtype(precision: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """The weights dtype memory.precision resolves to on `device` (plan/precision.py resolve_precision: "auto" is
-    bf16 on a CUDA card with native bf16, fp32 on older cards and on CPU; bf16 on a card without it is refused)."""
-    return PRECISIONS[resolve_precision(precision, device)]
+def torch_dtype(precision: str) -> torch.dtype:
+    """The weights dtype of a resolved memory.precision (plan/resolved.py: "auto" is decided there, once)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f'memory.precision={precision!r} must be resolved first (plan.resolved.resolve_settings)')
+    return PRECISIONS[precision]
 
 
 def apply_memory_config(model: nn.Module, cfg: MemorySection) -> nn.Module:
@@ -39,7 +39,7 @@ def apply_memory_config(model: nn.Module, cfg: MemorySection) -> nn.Module:
     (already resolved: "auto" needs the training config, train/policy.py checkpointing_for)."""
     if cfg.activation_checkpointing == "auto":
         raise ValueError('activation_checkpointing="auto" must be resolved first (train.policy.checkpointing_for)')
-    dtype = torch_dtype(cfg.precision, next(model.parameters()).device)
+    dtype = torch_dtype(cfg.precision)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.is_floating_point() and "lora_" not in name and p.dtype != dtype:

@@ -117,7 +117,7 @@ def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: Worl
     world = world or World()
     cfg, device = resolved.config, resolved.device
     spec = policy_spec(cfg)
-    dtype = torch_dtype(resolved.precision, device)
+    dtype = torch_dtype(resolved.precision)
     full_resume = resume_dir is not None and spec.mode == "full"
     model = policy_model(cfg, spec, resume_dir / "model" if full_resume else cfg.model.path, dtype, device)
     if spec.mode != "full" and resume_dir is not None:

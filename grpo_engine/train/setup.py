@@ -8,7 +8,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import dataclass, replace
@@ -38,13 +37,11 @@ from ..collect.signal_check import (
 )
 from ..config import Config, ConfigError, check_paths
 from ..kernels import PLAN_FILE
-from ..model.config import ModelConfig
 from ..model.loading import load_tokenizer, pick_device
 from ..monitor import Monitor, RankMessages
-from ..plan import GIB
-from ..plan.from_config import check_memory_fits, config_model_shape, plan_config, planned_precision
-from ..plan.precision import resolve_precision
+from ..plan.from_config import check_memory_fits
 from ..plan.resolved import Resolved, resolve_settings
+from ..plan.sizes import check_sizes
 from ..rollout import SamplingParams
 from ..sft.warm_start import warm_start
 from ..tasks import build_task
@@ -116,8 +113,6 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
                           f"check task.data_path / the task's options")
     eval_examples = split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.every else []
     device = pick_device(cfg.model.device, world.local_rank)
-    check_sizes(cfg, len(eval_examples), device)  # before the run lock
-    check_memory_fits(cfg)  # memory.gpu_memory_gib > 0: the planner's verdict, before any weights are read
     ckpt_root = Path(cfg.run_dir) / "checkpoints"
     resume_dir = resolve_resume(resume, ckpt_root, to_stderr, command=options.command, verify=world.is_main)
     kept = kept_precision(resume_dir, device.type) if resume_dir else None
@@ -125,7 +120,7 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
         cfg = fitted.cfg
         if world.is_main:
             to_stderr(f"resume: {fitted.describe()}, as the signal check chose for the run resumed")
-    resolved = resolve_settings(cfg, device, kept)  # what this machine decides, once: later stages read only this
+    resolved = checked_settings(cfg, device, len(eval_examples), kept)  # before the run lock and any weights
     saved = load_trainer_state(resume_dir) if resume_dir else None
     if saved is not None and world.is_main and nonfinite_state(saved):
         raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options.command)
@@ -147,6 +142,18 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
         if lock is not None:
             lock.release()
         raise
+
+
+def checked_settings(cfg: Config, device: torch.device, eval_rows: int, kept: str | None = None) -> Resolved:
+    """What this machine decides for `cfg` (plan/resolved.py resolve_settings: later stages read only this), and
+    the size check on it (plan/sizes.py check_sizes, in the precision resolved; with memory.gpu_memory_gib > 0 the
+    planner's verdict for that card, check_memory_fits): `grpo train` and `grpo check` refuse the same configs,
+    before any weights are read."""
+    resolved = resolve_settings(cfg, device, kept)
+    # the memory settings resolved, on the config's own model.path (a warm start's output is not written yet)
+    check_sizes(replace(cfg, memory=resolved.config.memory), eval_rows, device)
+    check_memory_fits(cfg)  # the card the config names: planned as the config asks, not as this machine resolved it
+    return resolved
 
 
 def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | None) -> Run:
@@ -270,7 +277,7 @@ def signal_of(cfg: Config, inputs: StepInputs, grow: SignalReport | None = None)
 def checked_rollout(cfg: Config, inputs: StepInputs, eval_rows: int, device: torch.device) -> RolloutFit:
     """The signal check at the run's rollout settings; with check.fit_length, at the longer caps it leads to
     (collect/signal_check.py fit_length), then with check.fit_group_size at the larger groups (fit_group_size), each
-    setting planned against the device's memory first (check_sizes)."""
+    setting planned against the device's memory first (plan/sizes.py check_sizes)."""
     def fits(**changes) -> bool:
         try:
             check_sizes(with_rollout(cfg, **changes), eval_rows, device)
@@ -327,202 +334,12 @@ def check_config(cfg: Config) -> RolloutFit:
     examples = split_examples(task, cfg, "train_split")
     if not examples:
         raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples")
+    eval_rows = len(split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples]) if cfg.eval.every else 0
+    resolved = checked_settings(cfg, pick_device(cfg.model.device, 0), eval_rows)  # as `grpo train` checks it
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    resolved = resolve_settings(cfg, pick_device(cfg.model.device, 0))
     cfg = resolved.config
     policy = build_policy(resolved)
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
-    eval_rows = len(split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples]) if cfg.eval.every else 0
     return checked_rollout(cfg, inputs, eval_rows, resolved.device)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sizes bounded before anything is allocated: the settings that scale what a step holds (rollout.prompts_per_step,
-# rollout.group_size, rollout.max_new_tokens, rollout.max_prompt_tokens, eval.max_examples, eval.max_new_tokens and
-# the tool budget tools.max_tokens) are compared with the device's memory before the run lock is taken and before any
-# weights are read (check_sizes).
-#
-# Why in integers first: `rollout.group_size=10^12` ran into the kernel's out-of-memory killer with the run lock held,
-# and `rollout.prompts_per_step=10^9` ended in a MemoryError traceback from the prompt stream. What scales with those
-# settings is counted in Python integers (the KV cache of the rows decoded at once, the step's padded batch, the
-# held-out probe's KV cache), so no value, however absurd, allocates or overflows; only once each is within the
-# device's memory does the memory planner (plan/, floats) plan the step and the probe with the weights, optimizer
-# state and a micro-batch. The budget is the CUDA card's memory, or the machine's physical RAM on a CPU (swap left
-# out: a step that only fits in swap does not run in any useful time).
-
-# One padded TrainBatch token (train/batch.py): input_ids int64, completion_mask and sampler_logp fp32.
-BATCH_BYTES_PER_TOKEN = 8 + 4 + 4
-LOGIT_BYTES = 4 * 3  # a decode step's [rows, V] fp32 logits and two sampling buffers of that size
-
-
-@dataclass(frozen=True)
-class Term:
-    """One part of the planned peak: what it is, the settings that scale it (as written), its bytes."""
-
-    what: str
-    settings: dict[str, int | str]
-    nbytes: int
-    fix: str = ""  # what to change; default: lower one of the settings
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    nbytes: int
-    what: str  # "physical RAM on this machine" | "the CUDA card cuda:0"
-
-
-def device_memory(device: torch.device) -> DeviceMemory:
-    """What the run's device holds: the card's memory on CUDA, physical RAM (no swap) on a CPU."""
-    if device.type == "cuda":
-        return DeviceMemory(torch.cuda.get_device_properties(device).total_memory, f"the CUDA card {device}")
-    return DeviceMemory(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM on this machine")
-
-
-def check_sizes(cfg: Config, eval_rows: int, device: torch.device, memory: DeviceMemory | None = None,
-                shape: str | None = None) -> None:
-    """Refuse, in one line naming the settings and the planned vs available bytes, a config whose planned peak
-    exceeds the device's memory. eval_rows: the held-out probe's prompts (0 without eval); shape: plan this model
-    shape (a plan/shapes.py name or HF dir) instead of model.path's."""
-    memory = memory or device_memory(device)
-    model = _model_shape(cfg, shape)
-    terms = scaled_terms(cfg, eval_rows, model, device)
-    bounded = max(t.nbytes for t in terms) <= memory.nbytes  # then the planner's floats are safe
-    # with memory.gpu_memory_gib set, check_memory_fits judges the whole plan against the card the config names
-    if model is not None and bounded and cfg.memory.gpu_memory_gib <= 0:
-        terms = planned_terms(cfg, eval_rows, device, shape, memory.nbytes, batch=terms[1].nbytes)
-    worst = max(terms, key=lambda t: t.nbytes)
-    if worst.nbytes > memory.nbytes:
-        raise ConfigError(refusal(worst, memory))
-
-
-def refusal(worst: Term, memory: DeviceMemory) -> str:
-    settings = ", ".join(f"{k}={_count(v) if isinstance(v, int) else v}" for k, v in worst.settings.items())
-    return (f"{settings}: {worst.what} is planned at {_count(worst.nbytes)} bytes ({_gib(worst.nbytes)}), more than "
-            f"the {memory.nbytes:,} bytes ({_gib(memory.nbytes)}) of {memory.what}; "
-            f"{worst.fix or 'lower ' + ' or '.join(worst.settings)} (`grpo plan CONFIG` shows where the memory goes)")
-
-
-def scaled_terms(cfg: Config, eval_rows: int, model: ModelConfig | None, device: torch.device) -> list[Term]:
-    """What scales with the size settings, in Python integers, each alive at one moment of a step: the KV cache and
-    logits of the rollout's rows decoded at once, the step's padded batch, the held-out probe's KV cache and logits
-    (the last two need the model's shape: 0 without one)."""
-    r = cfg.rollout
-    slots, probe_slots = r.max_prompt_tokens + completion_cap(cfg), r.max_prompt_tokens + probe_cap(cfg)
-    rows = r.prompts_per_step * r.group_size
-    decoded, probed = in_flight(cfg, rows, r.group_size, slots), in_flight(cfg, eval_rows, 1, probe_slots)
-    rollout = probe = 0
-    if model is not None:
-        per_slot = kv_bytes_per_slot(model, precision_on(cfg, device))
-        rollout = decoded * (slots * per_slot + model.vocab_size * LOGIT_BYTES)
-        probe = probed * (probe_slots * per_slot + model.vocab_size * LOGIT_BYTES)
-    return [Term("the rollout's KV cache", rollout_settings(cfg), rollout),
-            Term("the step's padded batch", rollout_settings(cfg), rows * slots * BATCH_BYTES_PER_TOKEN),
-            Term(f"the held-out probe ({eval_rows} prompts)", probe_settings(cfg), probe)]
-
-
-def planned_terms(cfg: Config, eval_rows: int, device: torch.device, shape: str | None, budget: int,
-                  batch: int) -> list[Term]:
-    """The memory planner's peak of one step (plus the padded batch, which it does not count) and of the held-out
-    probe (the weights and optimizer state stay resident while it samples)."""
-    cpu = device.type != "cuda"
-    card = None if cpu else budget / GIB
-    common = {"precision": precision_on(cfg, device), **({"static_decode": False, "cuda_context_gib": 0.0} if cpu
-                                                         else {})}
-    r, slots = cfg.rollout, cfg.rollout.max_prompt_tokens + completion_cap(cfg)
-    planned = micro_batch_within_the_batch(cfg, r.prompts_per_step * r.group_size * slots)
-    step = plan_config(planned, shape, card, completion_len=completion_cap(cfg),
-                       rollout_rows_in_flight=in_flight(cfg, r.prompts_per_step * r.group_size, r.group_size, slots),
-                       **common)
-    what, total = f"one step ({step.peak_phase} phase)", int(step.total_gib * GIB) + batch
-    terms = [Term(what, rollout_settings(cfg), total) if step.peak_phase == "rollout" else Term(
-        what, {"model.path": cfg.model.path or "(the warm start's)", "memory.micro_batch_tokens":
-               cfg.memory.micro_batch_tokens or "auto"}, total,
-        "train LoRA adapters (lora.enabled) or a smaller model, or choose optimizer.name=adamw_8bit or adamw_offload"
-        if step.peak_phase == "optimizer" else
-        "lower memory.micro_batch_tokens, or train LoRA adapters (lora.enabled) or a smaller model")]
-    if step.peak_phase == "eval":  # the evaluation's prompts' prefill and, past the rollout's rows, its own state
-        terms = [Term(what, probe_settings(cfg), total, "lower eval.max_examples (at most rollout.prompts_per_step "
-                      "x group_size: the evaluation then decodes on the rollout's state)")]
-    if eval_rows:
-        rows = in_flight(cfg, eval_rows, 1, r.max_prompt_tokens + probe_cap(cfg))
-        probe = plan_config(planned, shape, card, prompts_per_step=eval_rows, group_size=1,
-                            completion_len=probe_cap(cfg), rollout_rows_in_flight=rows, **common)
-        k = probe.knobs
-        sampling = probe.phase("rollout").total * (1 + k.fragmentation) + k.cuda_context_gib * GIB
-        terms.append(Term(f"the held-out probe ({eval_rows} prompts)", probe_settings(cfg), int(sampling)))
-    return terms
-
-
-def micro_batch_within_the_batch(cfg: Config, batch_tokens: int) -> Config:
-    """cfg with memory.micro_batch_tokens at most the step's batch (a micro-batch never holds more than the whole
-    batch): a larger budget, e.g. 10^12 to mean "all at once", is planned as the batch, not as 10^12 tokens (which
-    the planner would also carry into floats that overflow)."""
-    if cfg.memory.micro_batch_tokens <= batch_tokens:
-        return cfg
-    return replace(cfg, memory=replace(cfg.memory, micro_batch_tokens=batch_tokens))
-
-
-def completion_cap(cfg: Config) -> int:
-    """Tokens after the prompt in a rollout row: tools.max_tokens for trajectories, else rollout.max_new_tokens."""
-    return cfg.tools.max_tokens if cfg.tools.enabled else cfg.rollout.max_new_tokens
-
-
-def probe_cap(cfg: Config) -> int:
-    return cfg.tools.max_tokens if cfg.tools.enabled else cfg.eval.max_new_tokens
-
-
-def in_flight(cfg: Config, rows: int, group: int, slots: int) -> int:
-    """Rows decoded at once: all of them, or whole groups while rows x slots stays under rollout.max_tokens_in_flight
-    (rollout/generate.py plan_waves; at least one group). Trajectories with tools decode all rows together."""
-    cap = cfg.rollout.max_tokens_in_flight
-    if cap == 0 or cfg.tools.enabled:
-        return rows
-    return min(rows, max(1, cap // (group * slots)) * group)
-
-
-def rollout_settings(cfg: Config) -> dict[str, int]:
-    r = cfg.rollout
-    cap = ("tools.max_tokens", cfg.tools.max_tokens) if cfg.tools.enabled else ("rollout.max_new_tokens",
-                                                                                r.max_new_tokens)
-    return {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
-            "rollout.max_prompt_tokens": r.max_prompt_tokens, cap[0]: cap[1]}
-
-
-def probe_settings(cfg: Config) -> dict[str, int]:
-    cap = ("tools.max_tokens", cfg.tools.max_tokens) if cfg.tools.enabled else ("eval.max_new_tokens",
-                                                                                cfg.eval.max_new_tokens)
-    return {"eval.max_examples": cfg.eval.max_examples, "rollout.max_prompt_tokens": cfg.rollout.max_prompt_tokens,
-            cap[0]: cap[1]}
-
-
-def kv_bytes_per_slot(model: ModelConfig, precision: str) -> int:
-    """Keys and values of one token in every layer."""
-    return 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * (4 if precision == "fp32" else 2)
-
-
-def precision_on(cfg: Config, device: torch.device) -> str:
-    """memory.precision as the trainer resolves it on `device` (plan/precision.py)."""
-    return planned_precision(cfg) if device.type == "cuda" else resolve_precision(cfg.memory.precision, "cpu")
-
-
-def _model_shape(cfg: Config, shape: str | None) -> ModelConfig | None:
-    """The policy's shape, or None where the config names none to read (the model load reports that itself)."""
-    try:
-        return config_model_shape(cfg, shape)
-    except (ConfigError, ValueError, OSError):
-        return None
-
-
-def _gib(n: int) -> str:
-    """Integer division above 1 TiB: a planned size may be too large for a float."""
-    return f"{n / GIB:.1f} GiB" if n < 1024 * GIB else f"{_count(n // (1024 * GIB))} TiB"
-
-
-def _count(n: int) -> str:
-    """1,234,567 up to 10^18, then 1.23e+400 from the digits (an int that large has no float)."""
-    if n < 10**18:
-        return f"{n:,}"
-    digits = str(n)
-    return f"{digits[0]}.{digits[1:3]}e+{len(digits) - 1}"

@@ -196,9 +196,11 @@ def test_grpo_trains_size_check_names_the_evaluation_when_it_is_the_peak():
 
     cfg = load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml",
                       ["eval.max_examples=256", "memory.gpu_memory_gib=0"])
-    card = setup_mod.DeviceMemory(12 * 2**30, "the CUDA card cuda:0")
+    from grpo_engine.plan.sizes import DeviceMemory, check_sizes
+
+    card = DeviceMemory(12 * 2**30, "the CUDA card cuda:0")
     with pytest.raises(ConfigError) as e:
-        setup_mod.check_sizes(cfg, 256, torch.device("cuda"), card, shape="qwen2.5-1.5b")
+        check_sizes(cfg, 256, torch.device("cuda"), card, shape="qwen2.5-1.5b")
     msg = str(e.value)
     assert "\n" not in msg and "one step (eval phase)" in msg and msg.startswith("eval.max_examples=256, ")
     assert "lower eval.max_examples (at most rollout.prompts_per_step x group_size" in msg

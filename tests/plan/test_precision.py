@@ -36,30 +36,32 @@ def fake_card(monkeypatch, name: str, emulation_argument: bool = True) -> None:
 @pytest.mark.parametrize("card, auto", [("rtx2080", "fp32"), ("t4", "fp32"), ("a100", "bf16"), ("rtx4090", "bf16")])
 def test_auto_is_bf16_only_on_a_card_with_native_bf16(monkeypatch, card, auto, emulation_argument):
     fake_card(monkeypatch, card, emulation_argument)
-    assert precision.resolve_precision("auto", "cuda") == auto
-    assert precision.resolve_precision("auto", torch.device("cuda")) == auto
-    assert precision.resolve_precision("fp32", "cuda") == "fp32"
-    assert torch_dtype("auto", "cuda") == {"fp32": torch.float32, "bf16": torch.bfloat16}[auto]
-    assert precision.resolve_precision("auto", "cpu") == "fp32" and torch_dtype("auto", "cpu") == torch.float32
+    assert precision.choose_precision("auto", "cuda").precision == auto
+    assert precision.choose_precision("auto", torch.device("cuda")).precision == auto
+    assert precision.choose_precision("fp32", "cuda").precision == "fp32"
+    chosen = precision.choose_precision("auto", "cuda").precision
+    assert torch_dtype(chosen) == {"fp32": torch.float32, "bf16": torch.bfloat16}[auto]
+    cpu = precision.choose_precision("auto", "cpu").precision  # no model shape: too little known for bf16
+    assert cpu == "fp32" and torch_dtype(cpu) == torch.float32
 
 
 def test_bf16_on_a_card_without_it_is_refused_in_one_line_naming_the_setting(monkeypatch):
     fake_card(monkeypatch, "t4")
     with pytest.raises(ConfigError) as e:
-        torch_dtype("bf16", "cuda")
+        precision.choose_precision("bf16", "cuda")
     message = str(e.value)
     assert "\n" not in message and message.startswith("memory.precision=bf16: Tesla T4, compute capability 7.5")
     assert "set memory.precision=auto" in message
     fake_card(monkeypatch, "a100")
-    assert torch_dtype("bf16", "cuda") == torch.bfloat16
-    assert torch_dtype("bf16", "cpu") == torch.bfloat16  # a CPU run may ask for bf16 (slow, warned elsewhere)
+    assert torch_dtype(precision.choose_precision("bf16", "cuda").precision) == torch.bfloat16
+    assert torch_dtype(precision.choose_precision("bf16", "cpu").precision) == torch.bfloat16  # slow, warned elsewhere
 
 
 def test_the_planner_plans_the_dtype_the_trainer_gets(monkeypatch):
     cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
                              "rollout.max_prompt_tokens=16"])
     fake_card(monkeypatch, "rtx2080")
-    assert plan_input_from_config(cfg).precision == "fp32" == precision.resolve_precision("auto", "cuda")
+    assert plan_input_from_config(cfg).precision == "fp32" == precision.choose_precision("auto", "cuda").precision
     fp32 = plan_config(cfg, shape="qwen2.5-0.5b").phase("rollout").components["weights"]
     fake_card(monkeypatch, "rtx4090")
     assert plan_input_from_config(cfg).precision == "bf16"
