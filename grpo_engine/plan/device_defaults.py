@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
-from .memory import GIB, PlanInput, plan_memory
+from .memory import GIB, PlanInput, plan_memory, resolve_checkpointing
 
 CPU_MICRO_BATCH_TOKENS = 1024  # the CPU defaults (docs/benchmarks.md: larger micro-batches are no faster there)
 CPU_LOGPROB_CHUNK = 256
@@ -31,7 +31,7 @@ GPU_HEADROOM = 0.75  # share of the card a plan may fill: the planner's error (m
 class MemoryChoice:
     micro_batch_tokens: int
     logprob_chunk_size: int
-    activation_checkpointing: str  # as asked on CPU ("auto": train/policy.py resolves it per model), else a mode
+    activation_checkpointing: str  # none | all | every_k
     checkpoint_every: int
     planned_gib: float | None = None  # the planned peak on the card, None for a CPU run
     step_gib: float | None = field(default=None, compare=False)  # the same over the step's phases: not the eval
@@ -47,9 +47,7 @@ def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, ca
     """The memory settings of a run: `memory` is the config's memory section (0 / "auto" = left to the engine),
     `knobs` the rest of the step's plan, card_gib None for a CPU run."""
     if card_gib is None:
-        return MemoryChoice(memory.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS,
-                            memory.logprob_chunk_size or CPU_LOGPROB_CHUNK,
-                            memory.activation_checkpointing, memory.checkpoint_every)
+        return cpu_choice(model, knobs, memory)
     modes = CHECKPOINTING_CHOICES if memory.activation_checkpointing == "auto" else (
         (memory.activation_checkpointing, memory.checkpoint_every),)
     good = min(GPU_GOOD_TOKENS, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[0])
@@ -65,6 +63,17 @@ def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, ca
         best = _choice(model, knobs, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[-1],
                        memory.logprob_chunk_size or CHUNK_CHOICES[-1], mode, every)
     return best
+
+
+def cpu_choice(model: ModelConfig | None, knobs: PlanInput | None, memory) -> MemoryChoice:
+    """The CPU defaults; activation checkpointing `auto` by the planner's rule for a micro-batch of
+    micro_batch_tokens (plan/memory.py resolve_checkpointing; no model shape or knobs known: none, and the model's
+    load then says why)."""
+    tokens = memory.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS
+    mode = memory.activation_checkpointing
+    if mode == "auto":
+        mode = resolve_checkpointing(model, knobs, tokens) if model is not None and knobs is not None else "none"
+    return MemoryChoice(tokens, memory.logprob_chunk_size or CPU_LOGPROB_CHUNK, mode, memory.checkpoint_every)
 
 
 def _largest_fitting(model: ModelConfig, knobs: PlanInput, memory, budget_gib: float, mode: str,

@@ -168,11 +168,24 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
 
 
 def config_memory_choice(cfg: Config, card_gib: float | None, shape: str | None = None) -> MemoryChoice:
-    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU); plan/device_defaults.py. Sizes
-    no card holds get the CPU defaults, unplanned: the size check (plan/sizes.py) refuses them next."""
-    if card_gib is None or unplannable(cfg):  # the CPU defaults need no model shape
-        return memory_choice(None, None, cfg.memory, None)
+    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU, in cfg's memory.precision);
+    plan/device_defaults.py. Sizes no card holds get the CPU defaults: the size check (plan/sizes.py) refuses them
+    next."""
+    if card_gib is None or unplannable(cfg):
+        return memory_choice(*_cpu_shape_and_knobs(cfg, shape), cfg.memory, None)
     return memory_choice(config_model_shape(cfg, shape), plan_input_from_config(cfg), cfg.memory, card_gib)
+
+
+def _cpu_shape_and_knobs(cfg: Config, shape: str | None) -> tuple[ModelConfig | None, PlanInput | None]:
+    """The model's shape and the step's knobs for the CPU's activation checkpointing, in cfg's precision as resolved
+    (a CPU's bf16 is no card's to refuse), else as planned; (None, None) where they cannot be known."""
+    if cfg.memory.activation_checkpointing != "auto" or unplannable(cfg):
+        return None, None
+    try:
+        model = config_model_shape(cfg, shape)
+    except (OSError, ValueError):  # ConfigError included: no config.json / GGUF header to read
+        return None, None
+    return model, plan_input_from_config(cfg, bf16_native=True if cfg.memory.precision != "auto" else None)
 
 
 def plan_config(cfg: Config, shape: str | None = None, card_gib: float | None = None,

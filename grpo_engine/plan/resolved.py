@@ -53,11 +53,11 @@ def resolve_settings(cfg: Config, device: torch.device, kept_precision: str | No
     CPU defaults), memory.precision resolved (`kept_precision`: a resumed run's, kept), and model.path the warm
     start's output. Reads at most the model's config.json or GGUF header (the shape the card's memory plan and a
     CPU's precision need), never its weights. The chosen precision is written into the config's memory.precision."""
-    card = card_gib(cfg, device)
-    choice = config_memory_choice(cfg, card)
     precision = precision_choice(cfg, device, kept_precision)
-    memory = dataclasses.replace(chosen_memory(cfg, choice), precision=precision.precision)
-    config = dataclasses.replace(cfg, memory=memory,
+    card = card_gib(cfg, device)
+    asked = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, precision=precision.precision))
+    choice = config_memory_choice(asked, card)  # in the precision chosen: what the step will hold
+    config = dataclasses.replace(asked, memory=chosen_memory(asked, choice),
                                  model=dataclasses.replace(cfg.model, path=warm_start_path(cfg)))
     return Resolved(config, device, precision.precision, card, choice.planned_gib, precision.why)
 

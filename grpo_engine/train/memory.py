@@ -36,9 +36,9 @@ def torch_dtype(precision: str) -> torch.dtype:
 
 def apply_memory_config(model: nn.Module, cfg: MemorySection) -> nn.Module:
     """Cast floating weights to cfg.precision (LoRA adapters keep their own dtype) and set checkpointing
-    (already resolved: "auto" needs the training config, train/policy.py checkpointing_for)."""
+    (already resolved: "auto" is decided with the model's shape, plan/resolved.py resolve_settings)."""
     if cfg.activation_checkpointing == "auto":
-        raise ValueError('activation_checkpointing="auto" must be resolved first (train.policy.checkpointing_for)')
+        raise ValueError('activation_checkpointing="auto" must be resolved first (plan.resolved.resolve_settings)')
     dtype = torch_dtype(cfg.precision)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -13,7 +13,6 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,8 +32,6 @@ from ..kernels import (
 )
 from ..model.loading import load_model
 from ..model.lora import adapters_disabled, apply_lora, load_adapter
-from ..plan.from_config import plan_input_from_config
-from ..plan.memory import resolve_checkpointing
 from ..plan.policy_spec import PolicySpec, policy_spec
 from ..plan.resolved import Resolved
 from ..world import World
@@ -126,7 +123,7 @@ def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: Worl
         warn_if_bf16_is_slow(model.config)
     kernels = kernel_plan(model, resume_dir)
     apply_kernels(model, kernels)
-    apply_memory_config(model, replace(cfg.memory, activation_checkpointing=checkpointing_for(cfg, model, dtype)))
+    apply_memory_config(model, cfg.memory)
     reference = None
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
@@ -148,14 +145,6 @@ def policy_model(cfg: Config, spec: PolicySpec, path, dtype: torch.dtype, device
         return load_model(path, dtype, device)
     model = load_model(path, dtype, torch.device("cpu") if spec.mode == "qlora" else device)
     return apply_lora(model, cfg.lora, device)
-
-
-def checkpointing_for(cfg: Config, model, dtype: torch.dtype) -> str:
-    """memory.activation_checkpointing with "auto" resolved for this model (plan.memory.resolve_checkpointing:
-    every block when a full micro-batch's activations would be a large share of the training state). A pure
-    function of the config and the model's shape, so a resumed run resolves it the same way."""
-    knobs = replace(plan_input_from_config(cfg), precision="bf16" if dtype == torch.bfloat16 else "fp32")
-    return resolve_checkpointing(model.config, knobs, cfg.memory.micro_batch_tokens)
 
 
 BF16_SLOWDOWN_WARN = 1.5  # bf16 products this much slower than fp32: say so

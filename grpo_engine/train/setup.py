@@ -56,9 +56,9 @@ from .update import weights_finite
 
 @dataclass
 class Run:
-    """A training run ready for its next step."""
+    """A training run ready for its next step. Its config is one object: resolved.config, the step's inputs.cfg."""
 
-    cfg: Config
+    resolved: Resolved  # what this machine decided, the config the run trains with; stored as resolved.yaml
     inputs: StepInputs
     state: StepState
     monitor: Monitor
@@ -70,7 +70,13 @@ class Run:
     lock: RunLock | None = None  # rank 0's hold on run_dir
     data: dict | None = None  # the data files the run reads, fingerprinted (rank 0; checkpoint/data_record.py)
     resumed_from: Path | None = None  # the checkpoint this run resumed from
-    resolved: Resolved | None = None  # what this machine decided (cfg is resolved.config); stored as resolved.yaml
+
+    def __post_init__(self):
+        assert self.inputs.cfg is self.resolved.config, "the step reads the config the run resolved"
+
+    @property
+    def cfg(self) -> Config:
+        return self.resolved.config
 
 
 @dataclass
@@ -186,8 +192,8 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     curriculum = build_curriculum(cfg, prompts, tokenizer, c.task, c.train_examples, params, world,
                                   saved.curriculum if saved else None)
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
-    return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
-               RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir, resolved)
+    return Run(resolved, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
+               RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
@@ -317,9 +323,7 @@ def run_with_rollout(run: Run, fit: RolloutFit) -> Run:
         changes.update(group_size=fit.group.group_size, prompts_per_step=fit.group.prompts)
     cfg = with_rollout(run.cfg, **changes)
     params = replace(run.inputs.params, n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens)
-    inputs = replace(run.inputs, cfg=cfg, params=params)
-    resolved = replace(run.resolved, config=cfg) if run.resolved is not None else None
-    return replace(run, cfg=cfg, inputs=inputs, resolved=resolved)
+    return replace(run, resolved=replace(run.resolved, config=cfg), inputs=replace(run.inputs, cfg=cfg, params=params))
 
 
 def check_config(cfg: Config) -> RolloutFit:

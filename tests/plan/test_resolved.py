@@ -57,3 +57,72 @@ def test_the_warm_start_writes_where_resolve_said(tmp_path):
     cfg = load_config(None, [f"run_dir={tmp_path}", "warm_start.tiny.arch=qwen2", "warm_start.tiny.hidden_size=32",
                              "warm_start.tiny.intermediate_size=64", "warm_start.tiny.num_hidden_layers=1"])
     assert str(warm_start(cfg, None)) == resolve_settings(cfg, CPU).config.model.path == str(tmp_path / "base")
+
+
+# What Resolved says is what runs: one test per setting left to the engine, through `grpo train`'s set-up ----------
+TINY = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "tiny_arithmetic.yaml")
+
+
+def _set_up(tiny_ckpt, tmp_path, *overrides):
+    """setup_run of the tiny config on the CPU (the lock released at once: nothing else runs)."""
+    from grpo_engine.train.setup import setup_run
+
+    run = setup_run(load_config(TINY, [f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'run'}", "model.device=auto",
+                                       "logging.progress=false", *overrides]))
+    if run.lock is not None:
+        run.lock.release()
+    return run
+
+
+def test_the_device_resolved_is_the_policys(tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = _set_up(tiny_ckpt, tmp_path)
+    assert run.resolved.device == CPU == run.inputs.policy.device
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_the_precision_resolved_is_the_weights(tiny_ckpt, tmp_path, monkeypatch, fast_bf16):
+    """memory.precision=auto on a CPU: fp32 for the tiny model; bf16 where this CPU's bf16 pays (here: made to)."""
+    import grpo_engine.kernels.cpu as cpu
+    import grpo_engine.kernels.select as select
+    from grpo_engine.plan import precision
+
+    monkeypatch.setattr(cpu, "native_bf16_isa", lambda: "amx_bf16")
+    monkeypatch.setattr(select, "bf16_ratio", lambda hidden, intermediate: 0.5 if fast_bf16 else 1.5)
+    monkeypatch.setattr(precision, "CPU_BF16_MIN_WEIGHT", 1)
+    run = _set_up(tiny_ckpt, tmp_path, "memory.precision=auto", "lora.enabled=true")
+    want = "bf16" if fast_bf16 else "fp32"
+    assert run.resolved.precision == run.cfg.memory.precision == want
+    dtypes = {p.dtype for n, p in run.inputs.policy.model.named_parameters() if "lora_" not in n}
+    assert dtypes == {torch.bfloat16 if fast_bf16 else torch.float32}
+
+
+def test_the_micro_batch_and_chunk_resolved_are_the_steps(tiny_ckpt, tmp_path):
+    run = _set_up(tiny_ckpt, tmp_path, "memory.micro_batch_tokens=0", "memory.logprob_chunk_size=0")
+    m = run.resolved.config.memory
+    assert (m.micro_batch_tokens, m.logprob_chunk_size) == (1024, 256)  # the CPU defaults
+    assert run.state.micro_tokens == m.micro_batch_tokens  # the budget grpo_step splits the batch by
+    assert run.inputs.cfg.memory.logprob_chunk_size == m.logprob_chunk_size  # attach_logprobs' chunk
+
+
+@pytest.mark.parametrize("tokens, blocks", [(1024, "none"), (400_000, "all")])
+def test_activation_checkpointing_resolved_is_the_models(tiny_ckpt, tmp_path, tokens, blocks):
+    """auto on a CPU is decided in Resolved by the planner's rule (plan/memory.py resolve_checkpointing): the tiny
+    model's 1,024-token activations are far under its floor (none); 400k tokens are over it (all)."""
+    from grpo_engine.kernels import checkpointed_blocks
+
+    run = _set_up(tiny_ckpt, tmp_path, "memory.activation_checkpointing=auto", f"memory.micro_batch_tokens={tokens}")
+    assert run.resolved.config.memory.activation_checkpointing == blocks
+    n = len(run.inputs.policy.model.layers)
+    assert checkpointed_blocks(run.inputs.policy.model) == (list(range(n)) if blocks == "all" else [])
+
+
+def test_one_config_reaches_the_step(tiny_ckpt, tmp_path):
+    from grpo_engine.collect.signal_check import LengthFit, RolloutFit
+    from grpo_engine.train.setup import run_with_rollout
+
+    run = _set_up(tiny_ckpt, tmp_path)
+    assert run.cfg is run.resolved.config is run.inputs.cfg
+    fitted = run_with_rollout(run, RolloutFit(LengthFit(run.cfg.rollout.max_new_tokens * 2, [], fitted=True)))
+    assert fitted.cfg is fitted.resolved.config is fitted.inputs.cfg
+    assert fitted.cfg.rollout.max_new_tokens == 2 * run.cfg.rollout.max_new_tokens == fitted.inputs.params.max_new_tokens
