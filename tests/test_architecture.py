@@ -283,3 +283,80 @@ def test_train_is_the_loop_and_what_a_step_composes():
     text = (REPO / "docs" / "architecture.md").read_text()
     assert len(modules) <= MAX_TRAIN_MODULES, modules
     assert [m for m in modules if f"train/{m}.py" not in text] == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# One place for each decision (docs/architecture.md, "Where each decision is made"): the KV bytes, the rows in
+# flight and the precision are each computed by one function, which every other module asks.
+
+def _functions_matching(predicate) -> list[str]:
+    """'path:function' of every function (innermost) in the package with a node for which predicate(node) holds."""
+    hits = []
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            inner = {n for child in ast.walk(fn) if child is not fn and isinstance(child, ast.FunctionDef)
+                     for n in ast.walk(child)}
+            if any(predicate(n) for n in ast.walk(fn) if n not in inner):
+                hits.append(f"{path.relative_to(PACKAGE).as_posix()}:{fn.name}")
+    return sorted(set(hits))
+
+
+def _product_names(node: ast.AST) -> set[str]:
+    """The attribute and variable names multiplied together in a chain of `*` rooted at node."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _product_names(node.left) | _product_names(node.right)
+    if isinstance(node, ast.Attribute):
+        return {node.attr}
+    return {node.id} if isinstance(node, ast.Name) else set()
+
+
+def _is_kv_bytes(node: ast.AST) -> bool:
+    """A product of layers x KV heads x head size: the KV cache's size per token (any multiple of it)."""
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and {
+        "num_hidden_layers", "num_key_value_heads", "head_dim"} <= _product_names(node)
+
+
+def _is_rows_in_flight(node: ast.AST) -> bool:
+    """A floor division of the decode's token budget (rollout.max_tokens_in_flight, or a budget / cap divided by a
+    group's rows x slots) into rows."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv)):
+        return False
+    left, per_group = ast.unparse(node.left), _product_names(node.right)
+    return "tokens_in_flight" in left or (left in ("budget", "cap") and bool(per_group & {"samples", "group", "slots"}))
+
+
+def test_the_kv_bytes_are_computed_in_one_function():
+    assert _is_kv_bytes(ast.parse("2 * c.num_hidden_layers * B * c.num_key_value_heads * S * c.head_dim * b").body[0]
+                        .value)
+    assert not _is_kv_bytes(ast.parse("c.num_key_value_heads * c.head_dim").body[0].value)  # a projection's width
+    assert _functions_matching(_is_kv_bytes) == ["plan/decode_state.py:kv_bytes_per_token"]
+
+
+def test_the_rows_in_flight_are_computed_in_one_function():
+    for formula in ("cfg.rollout.max_tokens_in_flight // (g * s)", "cap // (group * slots)",
+                    "budget // (samples * (1 + new_tokens))"):
+        assert _is_rows_in_flight(ast.parse(formula).body[0].value)
+    assert not _is_rows_in_flight(ast.parse("budget // (vocab * 4)").body[0].value)  # a log-prob block's rows
+    assert _functions_matching(_is_rows_in_flight) == ["rollout/generate.py:rows_in_flight"]
+
+
+def test_the_precision_is_decided_in_one_function():
+    """Only plan/precision.py asks the card or the CPU for bf16, inside choose_precision (its two branches) and the
+    readers they call, and builds a precision choice (plan/from_config.py precision_choice passes a resumed run's on);
+    everything else asks choose_precision or reads Resolved."""
+    asks = {"native_bf16", "native_bf16_isa", "is_bf16_supported", "get_device_capability"}
+
+    def asks_the_hardware(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        return name in asks
+
+    def chooses(node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and ast.unparse(node.func) == "PrecisionChoice"
+
+    assert _functions_matching(asks_the_hardware) == sorted(f"plan/precision.py:{f}" for f in (
+        "_on_card", "_on_cpu", "card_name", "native_bf16", "planned_card_native_bf16"))
+    assert [c for c in _functions_matching(chooses) if not c.startswith("plan/precision.py:")] == [
+        "plan/from_config.py:precision_choice"]

@@ -125,4 +125,5 @@ def test_one_config_reaches_the_step(tiny_ckpt, tmp_path):
     assert run.cfg is run.resolved.config is run.inputs.cfg
     fitted = run_with_rollout(run, RolloutFit(LengthFit(run.cfg.rollout.max_new_tokens * 2, [], fitted=True)))
     assert fitted.cfg is fitted.resolved.config is fitted.inputs.cfg
-    assert fitted.cfg.rollout.max_new_tokens == 2 * run.cfg.rollout.max_new_tokens == fitted.inputs.params.max_new_tokens
+    doubled = 2 * run.cfg.rollout.max_new_tokens
+    assert fitted.cfg.rollout.max_new_tokens == doubled == fitted.inputs.params.max_new_tokens
