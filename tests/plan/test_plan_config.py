@@ -275,7 +275,8 @@ def test_preflight_passes_a_config_that_fits(tmp_path, monkeypatch):
 
 
 def test_memory_left_to_the_engine_is_chosen_per_device():
-    """CPU: the CPU defaults; a card: the least recompute whose largest fitting micro-batch is 4,096+ tokens, the
+    """CPU: the CPU defaults, activation checkpointing by the planner's rule for the model (none where no shape is
+    known); a card: the least recompute whose largest fitting micro-batch is 4,096+ tokens, the
     largest chunk that then fits, within GPU_HEADROOM of the card; a setting the user wrote is kept; a card too
     small for anything gets the leanest settings (and the pre-flight check refuses it)."""
     from grpo_engine.plan.device_defaults import CHECKPOINTING_CHOICES, GPU_HEADROOM
@@ -283,8 +284,14 @@ def test_memory_left_to_the_engine_is_chosen_per_device():
 
     cfg = load_config(REPO / "configs/gpu12gb_qwen2.5-1.5b_lora.yaml")
     assert (cfg.memory.micro_batch_tokens, cfg.memory.logprob_chunk_size) == (0, 0)  # the preset leaves them
-    cpu = config_memory_choice(cfg, None)
-    assert (cpu.micro_batch_tokens, cpu.logprob_chunk_size, cpu.activation_checkpointing) == (1024, 256, "auto")
+    from grpo_engine.plan.from_config import plan_input_from_config
+    from grpo_engine.plan.memory import resolve_checkpointing
+    from grpo_engine.plan.shapes import model_shape
+
+    cpu = config_memory_choice(cfg, None)  # model.path not downloaded: no shape to judge
+    assert (cpu.micro_batch_tokens, cpu.logprob_chunk_size, cpu.activation_checkpointing) == (1024, 256, "none")
+    want = resolve_checkpointing(model_shape("qwen2.5-1.5b"), plan_input_from_config(cfg), 1024)
+    assert config_memory_choice(cfg, None, "qwen2.5-1.5b").activation_checkpointing == want != "auto"
     gpu = config_memory_choice(cfg, 12.0, "qwen2.5-1.5b")
     assert gpu.planned_gib <= 12.0 * GPU_HEADROOM and gpu.micro_batch_tokens >= 4096
     cheaper = [m for m, _ in CHECKPOINTING_CHOICES[: [m for m, _ in CHECKPOINTING_CHOICES].index(
