@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import ModelConfig
+from ..plan.memory import linear_shapes
 
 GEMM_SHAPE = (4096, 576, 1536)  # M, K, N of the product whose rate defines the floor
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the precisions a floor's rate is measured in
@@ -54,10 +55,7 @@ class StepFlops:
 
 def body_flops_per_token(cfg: ModelConfig) -> float:
     """2 x the projection weights of every block: q, k, v, o and the gated MLP (gate, up, down)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)  # q, o; k, v
-    mlp = 3 * h * cfg.intermediate_size
-    return 2.0 * cfg.num_hidden_layers * (attn + mlp)
+    return 2.0 * cfg.num_hidden_layers * sum(i * o for i, o in linear_shapes(cfg).values())
 
 
 def attention_flops(cfg: ModelConfig, queries: int, keys_before: int) -> float:

@@ -36,19 +36,19 @@ def shown(n: int) -> str:
 
 
 def unplannable(cfg: Config) -> str | None:
-    """The first size setting beyond SIZE_LIMIT, None when all are plannable: the planner counts bytes in floats, and
-    products of such values overflow them (memory.micro_batch_tokens and rollout.max_tokens_in_flight mean 'all at
-    once' when large: they are capped by the step's rows instead)."""
-    return next((name for name in SIZE_SETTINGS if getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])
-                 > SIZE_LIMIT), None)
+    """The refusal of a size setting beyond SIZE_LIMIT (None: all are plannable): the planner counts bytes in floats,
+    and products of such values overflow them (memory.micro_batch_tokens and rollout.max_tokens_in_flight mean 'all
+    at once' when large: they are capped by the step's rows instead)."""
+    for name in SIZE_SETTINGS:
+        if (value := getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])) > SIZE_LIMIT:
+            return f"{name}={shown(value)} is more than any card holds (the planner counts sizes up to " \
+                   f"{SIZE_LIMIT:,}): lower {name}"
+    return None
 
 
 def check_sizes_plannable(cfg: Config) -> None:
-    """Refuse a size setting beyond SIZE_LIMIT in one line (unplannable)."""
-    if (name := unplannable(cfg)) is not None:
-        value = getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])
-        raise ConfigError(f"{name}={shown(value)} is more than any card holds (the planner counts sizes up to "
-                          f"{SIZE_LIMIT:,}): lower {name}")
+    if (refusal := unplannable(cfg)) is not None:
+        raise ConfigError(refusal)
 
 
 def check_lora_rank(knobs: PlanInput, model: ModelConfig) -> None:
@@ -77,16 +77,6 @@ def decode_call_knobs(cfg: Config) -> dict:
                 eval_temperature=e.temperature,
                 curriculum_prompts=max(1, r.prompts_per_step * r.group_size // c.samples) if c.mode != "none" else 0,
                 curriculum_samples=c.samples, curriculum_new_tokens=c.max_new_tokens or r.max_new_tokens)
-
-
-def rollout_rows_in_flight(cfg: Config, slots: int) -> int:
-    """Rows the rollout decodes at once (0 = all P x G), by the sampler's own rule (rollout/generate.py
-    rows_in_flight)."""
-    from ..rollout.generate import rows_in_flight
-
-    r = cfg.rollout
-    return rows_in_flight(r.prompts_per_step, r.group_size, slots, r.max_tokens_in_flight) if r.max_tokens_in_flight \
-        else 0
 
 
 def static_decode_planned(cfg: Config) -> bool:
@@ -128,6 +118,8 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
     """The planner's knobs for one step of `cfg`. Lengths are the caps (rollout.max_prompt_tokens,
     rollout.max_new_tokens), so the plan is the worst step, not the average one; a training micro-batch
     holds memory.micro_batch_tokens // (prompt + completion) rows of that worst length (at least one)."""
+    from ..rollout.generate import rows_in_flight
+
     check_sizes_plannable(cfg)
     r, m = cfg.rollout, cfg.memory
     spec = policy_spec(cfg)  # the trainer's own decision: full / LoRA / QLoRA and where the reference lives
@@ -141,7 +133,8 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
         micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
-        rollout_rows_in_flight=rollout_rows_in_flight(cfg, slots), reference=spec.reference,
+        rollout_rows_in_flight=rows_in_flight(r.prompts_per_step, r.group_size, slots, r.max_tokens_in_flight)
+        if r.max_tokens_in_flight else 0, reference=spec.reference,
         static_decode=static_decode_planned(cfg),
         **decode_call_knobs(cfg),
     )

@@ -70,9 +70,6 @@ def card_name(device=None) -> str:
     return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
 
 
-PRECISION_SETTINGS = ("auto", "fp32", "bf16")
-
-
 def choose_precision(setting: str, device, shape: tuple[int, int] | None = None, trains_weights: bool = False,
                      rounds_stochastically: bool = True, ratio: Callable[[int, int], float] | None = None,
                      isa: Callable[[], str | None] | None = None,
@@ -85,7 +82,7 @@ def choose_precision(setting: str, device, shape: tuple[int, int] | None = None,
     raises ConfigError. CPU: a value written is kept; `auto` asks `isa` (the CPU's native bf16 instruction set or
     None; default kernels/cpu.py native_bf16_isa) and `ratio` (bf16 over fp32 seconds of the model's products;
     default measured here)."""
-    if setting not in PRECISION_SETTINGS:
+    if setting not in ("auto", "fp32", "bf16"):
         raise ValueError(f"precision {setting!r}; choose from auto, bf16, fp32")
     if str(device).split(":")[0] == "cuda":
         return _on_card(setting, device, native)

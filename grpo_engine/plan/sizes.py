@@ -1,18 +1,11 @@
-"""The size check of `grpo train` and `grpo check`: a config whose planned peak exceeds the device's memory is
-refused in one line, before the run lock is taken and before any weights are read (`check_sizes`).
+"""The size check of `grpo train` and `grpo check` (`check_sizes`): a config whose planned peak exceeds the device's
+memory (the CUDA card's, or physical RAM on a CPU: swap left out) is refused in one line, before the run lock and any
+weights, in the precision the run resolved, with the planner's own formulas (rows_in_flight, kv_bytes_per_token).
 
-It plans the settings that scale what a step holds (rollout.prompts_per_step, rollout.group_size,
-rollout.max_new_tokens, rollout.max_prompt_tokens, eval.max_examples, eval.max_new_tokens and the tool budget
-tools.max_tokens) with the planner's own formulas (rows in flight: rollout/generate.py rows_in_flight; KV bytes:
-plan/decode_state.py kv_bytes_per_token), in the precision the run resolved (plan/resolved.py).
-
-Why in integers first: `rollout.group_size=10^12` ran into the kernel's out-of-memory killer with the run lock held,
-and `rollout.prompts_per_step=10^9` ended in a MemoryError traceback from the prompt stream. What scales with those
-settings is counted in Python integers (the KV cache of the rows decoded at once, the step's padded batch, the
-held-out probe's KV cache), so no value, however absurd, allocates or overflows; only once each is within the
-device's memory does the memory planner (floats) plan the step and the probe with the weights, optimizer state and a
-micro-batch. The budget is the CUDA card's memory, or the machine's physical RAM on a CPU (swap left out: a step that
-only fits in swap does not run in any useful time).
+Integers first: `rollout.group_size=10^12` met the out-of-memory killer with the run lock held, and
+`rollout.prompts_per_step=10^9` a MemoryError in the prompt stream. What scales with the size settings (the rows
+decoded at once, the padded batch, the held-out probe) is counted in Python integers, so no value allocates or
+overflows; only once each is within the device's memory does the planner (floats) plan the step and the probe.
 """
 
 from __future__ import annotations
@@ -162,18 +155,15 @@ def in_flight(cfg: Config, prompts: int, group: int, slots: int) -> int:
 
 
 def rollout_settings(cfg: Config) -> dict[str, int]:
-    r = cfg.rollout
-    cap = ("tools.max_tokens", cfg.tools.max_tokens) if cfg.tools.enabled else ("rollout.max_new_tokens",
-                                                                                r.max_new_tokens)
+    r, cap = cfg.rollout, "tools.max_tokens" if cfg.tools.enabled else "rollout.max_new_tokens"
     return {"rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
-            "rollout.max_prompt_tokens": r.max_prompt_tokens, cap[0]: cap[1]}
+            "rollout.max_prompt_tokens": r.max_prompt_tokens, cap: completion_cap(cfg)}
 
 
 def probe_settings(cfg: Config) -> dict[str, int]:
-    cap = ("tools.max_tokens", cfg.tools.max_tokens) if cfg.tools.enabled else ("eval.max_new_tokens",
-                                                                                cfg.eval.max_new_tokens)
+    cap = "tools.max_tokens" if cfg.tools.enabled else "eval.max_new_tokens"
     return {"eval.max_examples": cfg.eval.max_examples, "rollout.max_prompt_tokens": cfg.rollout.max_prompt_tokens,
-            cap[0]: cap[1]}
+            cap: probe_cap(cfg)}
 
 
 def _model_shape(cfg: Config, shape: str | None) -> ModelConfig | None:

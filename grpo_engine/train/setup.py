@@ -151,10 +151,8 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
 
 
 def checked_settings(cfg: Config, device: torch.device, eval_rows: int, kept: str | None = None) -> Resolved:
-    """What this machine decides for `cfg` (plan/resolved.py resolve_settings: later stages read only this), and
-    the size check on it (plan/sizes.py check_sizes, in the precision resolved; with memory.gpu_memory_gib > 0 the
-    planner's verdict for that card, check_memory_fits): `grpo train` and `grpo check` refuse the same configs,
-    before any weights are read."""
+    """What this machine decides for `cfg` (resolve_settings), then the size checks on it: `grpo train` and
+    `grpo check` refuse the same configs, before any weights are read."""
     resolved = resolve_settings(cfg, device, kept)
     # the memory settings resolved, on the config's own model.path (a warm start's output is not written yet)
     check_sizes(replace(cfg, memory=resolved.config.memory), eval_rows, device)
