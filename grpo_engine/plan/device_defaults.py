@@ -46,8 +46,11 @@ class MemoryChoice:
 def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, card_gib: float | None) -> MemoryChoice:
     """The memory settings of a run: `memory` is the config's memory section (0 / "auto" = left to the engine),
     `knobs` the rest of the step's plan, card_gib None for a CPU run."""
-    if card_gib is None:
-        return cpu_choice(model, knobs, memory)
+    if card_gib is None:  # the CPU defaults; checkpointing by the planner's rule (no shape known: none)
+        tokens, mode = memory.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS, memory.activation_checkpointing
+        if mode == "auto":
+            mode = resolve_checkpointing(model, knobs, tokens) if model is not None else "none"
+        return MemoryChoice(tokens, memory.logprob_chunk_size or CPU_LOGPROB_CHUNK, mode, memory.checkpoint_every)
     modes = CHECKPOINTING_CHOICES if memory.activation_checkpointing == "auto" else (
         (memory.activation_checkpointing, memory.checkpoint_every),)
     good = min(GPU_GOOD_TOKENS, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[0])
@@ -63,17 +66,6 @@ def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, ca
         best = _choice(model, knobs, memory.micro_batch_tokens or MICRO_BATCH_CHOICES[-1],
                        memory.logprob_chunk_size or CHUNK_CHOICES[-1], mode, every)
     return best
-
-
-def cpu_choice(model: ModelConfig | None, knobs: PlanInput | None, memory) -> MemoryChoice:
-    """The CPU defaults; activation checkpointing `auto` by the planner's rule for a micro-batch of
-    micro_batch_tokens (plan/memory.py resolve_checkpointing; no model shape or knobs known: none, and the model's
-    load then says why)."""
-    tokens = memory.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS
-    mode = memory.activation_checkpointing
-    if mode == "auto":
-        mode = resolve_checkpointing(model, knobs, tokens) if model is not None and knobs is not None else "none"
-    return MemoryChoice(tokens, memory.logprob_chunk_size or CPU_LOGPROB_CHUNK, mode, memory.checkpoint_every)
 
 
 def _largest_fitting(model: ModelConfig, knobs: PlanInput, memory, budget_gib: float, mode: str,

@@ -92,7 +92,8 @@ def precision_choice(cfg: Config, device, kept: str | None = None,
                      native: Callable[[], bool] | None = None) -> PrecisionChoice:
     """memory.precision for a run of `cfg` on `device` (plan/precision.py choose_precision): `kept` (a resumed run's)
     when the config leaves it to the engine, else chosen for the model's MLP shape (no shape readable: None).
-    native: whether the CUDA card has native bf16 (None: ask the card)."""
+    native: whether the CUDA card has native bf16 (None: ask the card; plan/precision.py planned_card_native_bf16:
+    this machine's card, or one with it where there is none)."""
     if kept is not None and cfg.memory.precision == "auto":
         return PrecisionChoice(kept, "kept from the checkpoint resumed")
     if cfg.memory.precision != "auto" or str(device).split(":")[0] != "cpu":  # no measurement, no shape needed
@@ -105,13 +106,6 @@ def precision_choice(cfg: Config, device, kept: str | None = None,
     stochastic = cfg.optimizer.master_weights and cfg.optimizer.bf16_rounding == "stochastic"
     return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full",
                             rounds_stochastically=stochastic)
-
-
-def planned_precision(cfg: Config, bf16_native: bool | None = None) -> str:
-    """memory.precision on the planned CUDA card (bf16_native: whether it has native bf16; None = this machine's
-    card, or a card with it when there is none)."""
-    native = planned_card_native_bf16 if bf16_native is None else (lambda: bf16_native)
-    return precision_choice(cfg, "cuda", native=native).precision
 
 
 def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> PlanInput:
@@ -128,7 +122,8 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
         prompts_per_step=r.prompts_per_step, group_size=r.group_size,
         prompt_len=r.max_prompt_tokens, completion_len=r.max_new_tokens,
         mode=spec.mode, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
-        precision=planned_precision(cfg, bf16_native),
+        precision=precision_choice(cfg, "cuda", native=planned_card_native_bf16 if bf16_native is None
+                                   else lambda: bf16_native).precision,  # the planned card's (module docstring)
         optimizer=cfg.optimizer.name, master_weights=cfg.optimizer.master_weights,
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
         micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),

@@ -305,9 +305,7 @@ def backward_working_set(cfg: ModelConfig, k: PlanInput, tokens: int, recompute:
 
 
 def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
-    rows = rollout_rows(k)
-    slots = k.prompt_len + k.completion_len
-    return rows * slots * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
+    return rollout_rows(k) * (k.prompt_len + k.completion_len) * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
 
 
 def decode_calls(k: PlanInput) -> list[DecodeCall]:

@@ -18,9 +18,8 @@ measurement only where the optimizer sets each bf16 weight from its fp32 master 
 (optimizer.master_weights, optimizer.bf16_rounding=stochastic, the defaults): a CPU run is short (tens of steps) at
 a small learning rate, Adam moves a weight by about lr a step, 2e-4 over 20 steps at 1e-5, which is one bf16
 rounding step of a weight of 0.05, so rounded to nearest most bf16 weights move by zero or one step and the update's
-direction drowns in rounding (`grpo demo --real`, full fine-tuning at 1e-5, learned 11 points less in bf16 than in
-fp32 over seeds 0-2 with nearest rounding, docs/benchmarks.md); rounded stochastically each weight the model runs is
-its master in expectation. Elsewhere fp32: without native dot products bf16 is converted in software, several times
+direction drowns in rounding (docs/benchmarks.md); rounded stochastically each weight the model runs is its master
+in expectation. Elsewhere fp32: without native dot products bf16 is converted in software, several times
 slower. On a GPU `auto` is bf16 for full fine-tuning too: there memory decides.
 
 torch is imported inside the functions: `grpo --help` imports the planner without torch.

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .decode_state import kv_bytes_per_token
-from .from_config import config_model_shape, plan_config, planned_precision, precision_choice, shown
+from .from_config import config_model_shape, plan_config, precision_choice, shown
 from .memory import DTYPE_BYTES, GIB
+from .precision import planned_card_native_bf16
 
 # One padded TrainBatch token (train/batch.py): input_ids int64, completion_mask and sampler_logp fp32.
 BATCH_BYTES_PER_TOKEN = 8 + 4 + 4
@@ -66,7 +67,7 @@ def planned_sizes(cfg: Config, eval_rows: int, device, budget: int, shape: str |
     the budget the planner's step and probe (planned_terms). With memory.gpu_memory_gib set, check_memory_fits
     judges the whole plan against the card the config names instead."""
     model = _model_shape(cfg, shape)
-    precision = planned_precision(cfg) if device.type == "cuda" else precision_choice(cfg, device).precision
+    precision = precision_choice(cfg, device, native=planned_card_native_bf16).precision
     terms = scaled_terms(cfg, eval_rows, model, precision)
     if model is not None and max(t.nbytes for t in terms) <= budget and cfg.memory.gpu_memory_gib <= 0:
         terms = planned_terms(cfg, eval_rows, device, shape, budget, precision, batch=terms[1].nbytes)

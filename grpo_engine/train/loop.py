@@ -183,7 +183,7 @@ def checkpoint(run: Run, step: int) -> Path:
         return run.last_checkpoint
     policy_state = inputs.policy.state_dict()
     files = {**inputs.policy.kernel_files(), **({DATA_FILE: record_text(run.data)} if run.data is not None else {}),
-             **({RESOLVED_FILE: run.resolved.to_yaml()} if run.resolved is not None else {})}
+             RESOLVED_FILE: run.resolved.to_yaml()}
     extra = {"reference": policy_state["reference"]} if "reference" in policy_state else {}
     curriculum = inputs.curriculum.state_dict() if inputs.curriculum is not None else {}
     state = TrainerState(step, inputs.prompts.position, policy_state["optimizer"], policy_state["scheduler"],
