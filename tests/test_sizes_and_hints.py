@@ -60,6 +60,17 @@ def test_sizes_beyond_this_machine_are_refused_before_the_run_lock(tiny_ckpt, tm
     assert not run_dir.exists()  # nothing written, no lock left behind
 
 
+def test_grpo_check_refuses_the_sizes_grpo_train_refuses(tiny_ckpt, capsys, monkeypatch):
+    """`grpo check` runs train/setup.py checked_settings as `grpo train` does: the same one-line refusal, before the
+    tokenizer or any weights are read."""
+    import grpo_engine.train.setup as setup
+
+    monkeypatch.setattr(setup, "load_tokenizer", lambda *a, **k: pytest.fail("read before the size check"))
+    code, err = grpo(capsys, "check", TINY, f"model.path={tiny_ckpt}", "rollout.group_size=1000000000000")
+    line = one_error_line(err)
+    assert code == 2 and "rollout.group_size=1,000,000,000,000" in line and "physical RAM" in line
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_budget_is_the_card(tiny_ckpt, tmp_path, capsys, no_lock):
     from grpo_engine.plan.sizes import device_memory
