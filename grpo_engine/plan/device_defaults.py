@@ -39,8 +39,15 @@ class MemoryChoice:
 
     def knobs(self, slots: int) -> dict:
         """The PlanInput fields this choice sets (slots: tokens of the longest row, prompt + completion)."""
-        return {"micro_batch_rows": max(1, self.micro_batch_tokens // slots), "logprob_chunk": self.logprob_chunk_size,
+        return {"micro_batch_rows": micro_batch_rows(self.micro_batch_tokens, slots),
+                "logprob_chunk": self.logprob_chunk_size,
                 "activation_checkpointing": self.activation_checkpointing, "checkpoint_every": self.checkpoint_every}
+
+
+def micro_batch_rows(tokens: int, slots: int) -> int:
+    """Rows of the longest length (`slots` tokens) a micro-batch of `tokens` holds, at least one: the planner's
+    bound on train/batch.py micro_batches, which packs a step's rows by their own lengths."""
+    return max(1, tokens // slots)
 
 
 def memory_choice(model: ModelConfig | None, knobs: PlanInput | None, memory, card_gib: float | None) -> MemoryChoice:

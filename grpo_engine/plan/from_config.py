@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
-from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice
+from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice, micro_batch_rows
 from .memory import MemoryPlan, PlanInput, fits, linear_shapes, plan_memory
 from .policy_spec import policy_spec
 from .precision import PrecisionChoice, choose_precision, planned_card_native_bf16
@@ -126,7 +126,7 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
                                    else lambda: bf16_native).precision,  # the planned card's (module docstring)
         optimizer=cfg.optimizer.name, master_weights=cfg.optimizer.master_weights,
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
-        micro_batch_rows=max(1, (m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS) // slots),
+        micro_batch_rows=micro_batch_rows(m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS, slots),
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
         rollout_rows_in_flight=rows_in_flight(r.prompts_per_step, r.group_size, slots, r.max_tokens_in_flight)
         if r.max_tokens_in_flight else 0, reference=spec.reference,
