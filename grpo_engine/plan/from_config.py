@@ -98,11 +98,8 @@ def precision_choice(cfg: Config, device, kept: str | None = None,
         return PrecisionChoice(kept, "kept from the checkpoint resumed")
     if cfg.memory.precision != "auto" or str(device).split(":")[0] != "cpu":  # no measurement, no shape needed
         return choose_precision(cfg.memory.precision, device, native=native)
-    try:
-        shape = config_model_shape(cfg)
-        mlp = (shape.hidden_size, shape.intermediate_size)
-    except (OSError, ValueError):  # ConfigError, CheckpointError included
-        mlp = None  # no config.json / GGUF header to read: too little known for a CPU's bf16
+    shape = shape_or_none(cfg)  # None: too little known for a CPU's bf16
+    mlp = (shape.hidden_size, shape.intermediate_size) if shape is not None else None
     stochastic = cfg.optimizer.master_weights and cfg.optimizer.bf16_rounding == "stochastic"
     return choose_precision(cfg.memory.precision, device, mlp, trains_weights=policy_spec(cfg).mode == "full",
                             rounds_stochastically=stochastic)
@@ -155,25 +152,25 @@ def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:
                       f"(not downloaded yet?): download it, or plan with {hint}")
 
 
-def config_memory_choice(cfg: Config, card_gib: float | None, shape: str | None = None) -> MemoryChoice:
-    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU, in cfg's memory.precision);
-    plan/device_defaults.py. Sizes no card holds get the CPU defaults: the size check (plan/sizes.py) refuses them
-    next."""
-    if card_gib is None or unplannable(cfg):
-        return memory_choice(*_cpu_shape_and_knobs(cfg, shape), cfg.memory, None)
-    return memory_choice(config_model_shape(cfg, shape), plan_input_from_config(cfg), cfg.memory, card_gib)
-
-
-def _cpu_shape_and_knobs(cfg: Config, shape: str | None) -> tuple[ModelConfig | None, PlanInput | None]:
-    """The model's shape and the step's knobs for the CPU's activation checkpointing, in cfg's precision as resolved
-    (a CPU's bf16 is no card's to refuse), else as planned; (None, None) where they cannot be known."""
-    if cfg.memory.activation_checkpointing != "auto" or unplannable(cfg):
-        return None, None
+def shape_or_none(cfg: Config, shape: str | None = None) -> ModelConfig | None:
+    """config_model_shape, or None where the config names none to read (the model's load reports that itself)."""
     try:
-        model = config_model_shape(cfg, shape)
-    except (OSError, ValueError):  # ConfigError included: no config.json / GGUF header to read
-        return None, None
-    return model, plan_input_from_config(cfg, bf16_native=True if cfg.memory.precision != "auto" else None)
+        return config_model_shape(cfg, shape)
+    except (OSError, ValueError):  # ConfigError, CheckpointError included
+        return None
+
+
+def config_memory_choice(cfg: Config, card_gib: float | None, shape: str | None = None) -> MemoryChoice:
+    """The memory settings `cfg` runs with on a card of card_gib GiB (None: on a CPU, activation checkpointing in
+    cfg's precision as resolved, else as planned); plan/device_defaults.py. Sizes no card holds get the CPU
+    defaults: the size check (plan/sizes.py) refuses them next."""
+    if card_gib is not None and not unplannable(cfg):
+        return memory_choice(config_model_shape(cfg, shape), plan_input_from_config(cfg), cfg.memory, card_gib)
+    auto = cfg.memory.activation_checkpointing == "auto" and not unplannable(cfg)
+    model = shape_or_none(cfg, shape) if auto else None
+    native = True if cfg.memory.precision != "auto" else None  # a CPU's bf16 is no card's to refuse
+    knobs = plan_input_from_config(cfg, native) if model is not None else None
+    return memory_choice(model, knobs, cfg.memory, None)
 
 
 def plan_config(cfg: Config, shape: str | None = None, card_gib: float | None = None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .decode_state import kv_bytes_per_token
-from .from_config import config_model_shape, plan_config, precision_choice, shown
+from .from_config import plan_config, precision_choice, shape_or_none, shown
 from .memory import DTYPE_BYTES, GIB
 from .precision import planned_card_native_bf16
 
@@ -66,7 +66,7 @@ def planned_sizes(cfg: Config, eval_rows: int, device, budget: int, shape: str |
     """The terms check_sizes compares with `budget` bytes: the integer terms (scaled_terms), and once each is within
     the budget the planner's step and probe (planned_terms). With memory.gpu_memory_gib set, check_memory_fits
     judges the whole plan against the card the config names instead."""
-    model = _model_shape(cfg, shape)
+    model = shape_or_none(cfg, shape)
     precision = precision_choice(cfg, device, native=planned_card_native_bf16).precision
     terms = scaled_terms(cfg, eval_rows, model, precision)
     if model is not None and max(t.nbytes for t in terms) <= budget and cfg.memory.gpu_memory_gib <= 0:
@@ -165,14 +165,6 @@ def probe_settings(cfg: Config) -> dict[str, int]:
     cap = "tools.max_tokens" if cfg.tools.enabled else "eval.max_new_tokens"
     return {"eval.max_examples": cfg.eval.max_examples, "rollout.max_prompt_tokens": cfg.rollout.max_prompt_tokens,
             cap: probe_cap(cfg)}
-
-
-def _model_shape(cfg: Config, shape: str | None) -> ModelConfig | None:
-    """The policy's shape, or None where the config names none to read (the model load reports that itself)."""
-    try:
-        return config_model_shape(cfg, shape)
-    except (ConfigError, ValueError, OSError):
-        return None
 
 
 def _gib(n: int) -> str:
