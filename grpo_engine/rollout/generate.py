@@ -69,7 +69,7 @@ class GenerationOutput:
 def rows_in_flight(prompts: int, samples: int, slots: int, budget: int | None) -> int:
     """The most rows one wave decodes at once: every prompt's `samples` rows without a budget (0 or None); with one,
     whole prompts while rows x slots (tokens a row holds: its prompt + max_new_tokens) stays within it, at least one
-    prompt (of any). The one formula of rollout.max_tokens_in_flight: the waves (plan_waves), the planner's rows
+    prompt when there is one. The one formula of rollout.max_tokens_in_flight: the waves (plan_waves), the planner's rows
     and static decode state (plan/from_config.py, plan/memory.py) and the size check (plan/sizes.py) all ask it."""
     if not budget:
         return prompts * samples
@@ -84,14 +84,13 @@ def plan_waves(lengths: list[int], params: SamplingParams) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     budget, n, t = params.max_tokens_in_flight, params.n, params.max_new_tokens
     waves: list[list[int]] = []
-    start = 0  # order[start] is the next wave's longest prompt
-    while start < len(order):
+    start = 0
+    while start < len(order):  # order[start]: the next wave's longest prompt
         longest = lengths[order[start]]
-        need_alone = n * (longest + t)
-        if budget is not None and need_alone > budget:
+        if budget is not None and n * (longest + t) > budget:
             raise ValueError(
                 f"max_tokens_in_flight={budget} cannot hold the n={n} samples of prompt {order[start]} "
-                f"(n x ({longest} tokens + max_new_tokens={t}) = {need_alone} slots); "
+                f"(n x ({longest} tokens + max_new_tokens={t}) = {n * (longest + t)} slots); "
                 "raise rollout.max_tokens_in_flight, or lower n or max_new_tokens"
             )
         size = rows_in_flight(len(order) - start, n, longest + t, budget) // n
