@@ -69,8 +69,8 @@ class GenerationOutput:
 def rows_in_flight(prompts: int, samples: int, slots: int, budget: int | None) -> int:
     """The most rows one wave decodes at once: every prompt's `samples` rows without a budget (0 or None); with one,
     whole prompts while rows x slots (tokens a row holds: its prompt + max_new_tokens) stays within it, at least one
-    prompt when there is one. The one formula of rollout.max_tokens_in_flight: the waves (plan_waves), the planner's rows
-    and static decode state (plan/from_config.py, plan/memory.py) and the size check (plan/sizes.py) all ask it."""
+    prompt when there is one. The one formula of rollout.max_tokens_in_flight: the waves (plan_waves), the planner
+    (plan/from_config.py, plan/memory.py) and the size check (plan/sizes.py) all ask it."""
     if not budget:
         return prompts * samples
     return min(prompts, max(1, budget // (samples * slots))) * samples
