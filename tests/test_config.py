@@ -22,14 +22,14 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(p, ["algorithm.loss=dapo", "rollout.group_size=16", "optimizer.betas=[0.8,0.9]",
                           "algorithm.eps_high=0.28", "algorithm.advantage.estimator=dr_grpo"])
     assert isinstance(cfg, Config)
-    assert (cfg.rollout.group_size, cfg.algorithm.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
+    assert (cfg.rollout.group_size, cfg.algorithm.policy_loss.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
     assert cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.max_new_tokens == 256  # default kept
-    # the algorithm section is the rl library's LossConfig: resolved once (with Dr. GRPO's normaliser defaulting to
-    # rollout.max_new_tokens), it is what policy_loss reads
-    loss = resolve(cfg.algorithm, cfg.rollout.max_new_tokens)
-    assert isinstance(cfg.algorithm, LossConfig) and loss.cfg is cfg.algorithm
-    assert (loss.cfg.loss, loss.eps_high, loss.max_completion_len, loss.aggregation) == ("dapo", 0.28, 256,
+    # the algorithm section holds the rl library's LossConfig (its keys written at the algorithm level): resolved
+    # once (with Dr. GRPO's normaliser defaulting to rollout.max_new_tokens) into the flat loss policy_loss reads
+    loss = resolve(cfg.algorithm.policy_loss, cfg.rollout.max_new_tokens)
+    assert isinstance(cfg.algorithm.policy_loss, LossConfig) and not hasattr(loss, "cfg")
+    assert (loss.loss, loss.eps_high, loss.max_completion_len, loss.aggregation) == ("dapo", 0.28, 256,
                                                                                          "token-mean")
     assert cfg.algorithm.advantage.estimator == "dr_grpo"
 

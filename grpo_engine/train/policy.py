@@ -130,7 +130,7 @@ def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: Worl
     reference = None
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
-        reference = make_reference(apply_kernels(initial, kernels), cfg.reference, beta=cfg.algorithm.beta)
+        reference = make_reference(apply_kernels(initial, kernels), cfg.reference, beta=cfg.algorithm.policy_loss.beta)
         shard_model(reference.module, world)
     shard_model(model, world)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, device)
