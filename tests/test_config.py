@@ -22,7 +22,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(p, ["algorithm.loss=dapo", "rollout.group_size=16", "optimizer.betas=[0.8,0.9]",
                           "algorithm.eps_high=0.28", "algorithm.advantage.estimator=dr_grpo"])
     assert isinstance(cfg, Config)
-    assert (cfg.rollout.group_size, cfg.algorithm.policy_loss.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
+    a = cfg.algorithm
+    assert (cfg.rollout.group_size, a.policy_loss.loss, a.overlong.filter_truncated) == (16, "dapo", True)
     assert cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.max_new_tokens == 256  # default kept
     # the algorithm section holds the rl library's LossConfig (its keys written at the algorithm level): resolved

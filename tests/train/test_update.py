@@ -277,9 +277,9 @@ def test_an_update_without_rows_still_steps_the_optimizer(tiny_ckpt):
 
 def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_weight_as_float64(tiny_ckpt_factory,
                                                                                               monkeypatch):
-    """The trainer's update accumulates the planned oneDNN weights' gradients in place (onednn.weight_grads_in_place);
-    with shared prompts, several micro-batches and activation checkpointing, one SGD step (lr 1, w - grad) moves
-    every weight as float64 autograd's gradient says."""
+    """The trainer's update accumulates the planned oneDNN weights' gradients in place (the model's
+    kernels.weight_grads_in_place); with shared prompts, several micro-batches and activation checkpointing, one SGD
+    step (lr 1, w - grad) moves every weight as float64 autograd's gradient says."""
     import copy
 
     from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, apply_kernels, onednn
