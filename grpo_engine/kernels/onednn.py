@@ -144,9 +144,8 @@ def blocked_weight_grad(grad_w: torch.Tensor, gz: torch.Tensor, h: torch.Tensor)
     grad_w. Whole, that output is as large as the head ([V, D]: 113 MB at SmolLM2's vocabulary, 311 MB at
     Qwen's), and glibc serves anything over 32 MB by mmap, page-faulting it in on every chunk; a block's output is
     a few MB, reused from the heap. Each block's rows of gz^T are copied into one contiguous [block, n] buffer
-    first: oneDNN runs a column-strided operand far slower than it copies it. On an AMD EPYC (Zen 5) this runs the
-    head's weight gradient at 1.5-1.7x the rate of torch's addmm_ (MKL's AVX2 kernel there); the kernel plan
-    measures which is faster (select.measure_head_weight_grad)."""
+    first: oneDNN runs a column-strided operand far slower than it copies it. Whether this beats torch's addmm_
+    depends on the CPU (docs/benchmarks.md): the kernel plan measures it (select.measure_head_weight_grad)."""
     vocab, rows = gz.shape[1], gz.shape[0]
     buf = torch.empty(min(HEAD_GRAD_BLOCK, vocab), rows, dtype=gz.dtype)  # [block, n]
     h_t = h.t()  # [D, n]: the product's weight operand, a view

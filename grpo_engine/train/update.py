@@ -137,7 +137,7 @@ def accumulate_gradients(model, batch: TrainBatch, loss: ResolvedLoss, token_bud
     while True:
         try:
             parts = []
-            for rows in plan_micro_batches(batch, token_budget):  # a loop, not a comprehension: one frame less
+            for rows in plan_micro_batches(batch, token_budget):
                 sub = batch.select(torch.tensor(rows)).to(model.device)
                 parts.append(grpo_loss(model, sub, loss, totals, temperature=temperature, chunk_size=chunk_size,
                                        fused=fused))
@@ -202,9 +202,8 @@ class UpdateSettings:
 
 # GRADS_FIRST: on the CPU every gradient is allocated (as zeros) before the pass's first micro-batch rather than by
 # its backward, among the micro-batch's activations. glibc's heap then keeps the gradients together and their
-# release after the update leaves one large hole, not many that later requests do not fit. At the SmolLM2-135M
-# shape (full fine-tuning, `grpo bench step`, 4 steps, AMD EPYC, 2026-11-28): peak RSS 3,097-3,100 MiB against
-# 3,237-3,258 MiB, step times alike. Zeros plus the first micro-batch's gradient are that gradient to the bit.
+# release after the update leaves one large hole, not many that later requests do not fit (the peak RSS this saves:
+# docs/memory.md). Zeros plus the first micro-batch's gradient are that gradient to the bit.
 
 
 def update_policy(model, optimizer, batch: TrainBatch | None, s: UpdateSettings, micro_tokens: int,
