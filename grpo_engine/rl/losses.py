@@ -21,6 +21,7 @@ of one big batch. Without them, the call's own counts are used (right for a sing
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,16 +87,11 @@ def resolve(cfg: LossConfig, max_new_tokens: int | None = None) -> ResolvedLoss:
     length = cfg.max_completion_len or max_new_tokens
     if aggregation == "seq-mean-token-sum-norm" and not (length or 0) > 0:
         raise ValueError("aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs max_completion_len > 0")
-    return ResolvedLoss(
-        loss=cfg.loss, ratio_level=cfg.ratio_level or p.ratio_level, surrogate=p.surrogate,
-        eps_low=p.eps_low if cfg.eps_low is None else cfg.eps_low,
-        eps_high=p.eps_high if cfg.eps_high is None else cfg.eps_high,
-        aggregation=aggregation, max_completion_len=length, dual_clip_c=cfg.dual_clip_c,
-        cispo_min_weight=cfg.cispo_min_weight, cispo_max_weight=cfg.cispo_max_weight,
-        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, kl_estimator=cfg.kl_estimator, beta=cfg.beta,
-        kl_clamp=cfg.kl_clamp, entropy_coef=cfg.entropy_coef, entropy_top_quantile=cfg.entropy_top_quantile,
-        rollout_correction=cfg.rollout_correction, rollout_correction_cap=cfg.rollout_correction_cap,
-        rollout_correction_level=cfg.rollout_correction_level)
+    as_set = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # the user's values, then the preset's
+    return ResolvedLoss(**{**as_set, "ratio_level": cfg.ratio_level or p.ratio_level, "surrogate": p.surrogate,
+                           "eps_low": p.eps_low if cfg.eps_low is None else cfg.eps_low,
+                           "eps_high": p.eps_high if cfg.eps_high is None else cfg.eps_high,
+                           "aggregation": aggregation, "max_completion_len": length})
 
 
 def is_tokenwise(r: ResolvedLoss) -> bool:
