@@ -266,9 +266,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return _build(merged, str(path or "config"))
 
 
+def as_mapping(cfg: Config) -> dict:
+    """The config as plain YAML values, keyed as a user writes them (a stored config's marks: plain text)."""
+    return _flat(OmegaConf.to_container(OmegaConf.structured(unmarked(cfg))))
+
+
 def to_yaml(cfg: Config) -> str:
-    plain = OmegaConf.to_container(OmegaConf.structured(unmarked(cfg)))  # a stored config's marks: plain text
-    return OmegaConf.to_yaml(OmegaConf.create(_flat(plain)))
+    return OmegaConf.to_yaml(OmegaConf.create(as_mapping(cfg)))
 
 
 def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
