@@ -227,3 +227,20 @@ def test_null_empties_a_free_mapping_but_not_a_section(tmp_path):
 
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['digits'\].*add task.options=null"):
         task_of(load_config(path, ["task.name=countdown"]))
+
+
+def test_the_loss_keys_stay_at_the_algorithm_level():
+    """AlgorithmSection holds the LossConfig (`policy_loss`), but users, stored configs and `grpo config show` write
+    its keys as algorithm.beta: both forms load, the written one is the user's, and unknown keys are named so."""
+    import yaml
+
+    from grpo_engine.config import config_from_yaml_text
+
+    cfg = load_config(None, ["algorithm.beta=0.04", "algorithm.loss=dapo"])
+    assert (cfg.algorithm.policy_loss.beta, cfg.algorithm.policy_loss.loss) == (0.04, "dapo")
+    stored = yaml.safe_load(to_yaml(cfg))["algorithm"]
+    assert "policy_loss" not in stored and (stored["beta"], stored["loss"], stored["mu"]) == (0.04, "dapo", 1)
+    assert config_from_yaml_text(to_yaml(cfg)) == cfg
+    assert config_from_yaml_text("algorithm:\n  policy_loss:\n    beta: 0.04\n    loss: dapo\n") == cfg
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.betta' \(did you mean 'algorithm\.beta'"):
+        load_config(None, ["algorithm.betta=0.1"])
