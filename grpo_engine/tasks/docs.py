@@ -43,7 +43,10 @@ Your own task: write a JSONL file with `prompt` and `answer` fields and use the 
 verifier (`numeric` for a number, `choice` for an option letter, `word` for a short word, `exact`, `math`; each
 reads replies with its own lenient cascade), or name a reward function `module:function` called as
 `fn(example, completion) -> float | RewardResult` (it runs through the guarded scorer: an exception or a run
-past the timeout scores 0 and is counted). `task.options.data_path` and `task.data_path` are one setting. Without
+past the timeout scores 0 and is counted). `example` carries every column of its row: `example["difficulty"]`
+reads a `difficulty` field of the file; `reward_fns` sums several, each with a weight
+(`[my_rewards:correct, {fn: my_rewards:short, weight: 0.1}]`). From Python the same task takes functions, lists of
+rows and `datasets.Dataset`s (docs/python.md). `task.options.data_path` and `task.data_path` are one setting. Without
 `test_path` the task holds out a seeded `holdout` share of the data file (10%; a file under 20 rows is both
 splits) as its test split and says so, so the held-out accuracy is measured on rows the model never trained on.
 A new task class implements the `Task` protocol of grpo_engine/tasks/base.py (`examples`, `prompt`, `reward`,
