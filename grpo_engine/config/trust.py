@@ -71,6 +71,11 @@ def mark_stored_code(cfg, source: str):
     return cfg
 
 
+def code_values(cfg) -> list[str]:
+    """Every "module:function" value under CODE_KEYS in `cfg` (StoredCode ones marked as such)."""
+    return [node[leaf] for node, leaf, _ in _code_slots(cfg)]
+
+
 def unmarked(cfg):
     """A copy of `cfg` with plain strings for its StoredCode values, to be written out (OmegaConf refuses a str
     subclass; read back, a stored file is marked again)."""
