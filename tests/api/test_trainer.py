@@ -184,3 +184,58 @@ def test_overrides_are_validated_as_the_clis(tmp_path, tiny_ckpt):
     with pytest.raises(ConfigError, match="reward="):
         GRPO(tiny_ckpt, reward=42)
     assert GRPO(tiny_ckpt, **{"rollout.group_size": 6}, rollout__top_k=3).config.rollout.group_size == 6
+
+
+def test_a_model_object_matches_its_path(reference, tmp_path, tiny_ckpt):
+    import api_rewards
+
+    from grpo_engine import load_model
+
+    trainer = GRPO(load_model(tiny_ckpt), reward=api_rewards.even_bytes, train_data=ROWS, config=base_config(),
+                   run_dir=str(tmp_path / "py"))
+    trainer.train()
+    assert metrics(tmp_path / "py") == reference["fn"]
+    assert trainer.config.model.path == str((tmp_path / "py/model").resolve())
+    with pytest.raises(TypeError, match="grpo_engine.load_model"):
+        GRPO(object())
+
+
+def test_after_training_generate_evaluate_save_and_history(tmp_path, tiny_ckpt, monkeypatch, capfd):
+    import api_rewards
+
+    from grpo_engine import load_model
+
+    trainer = GRPO(tiny_ckpt, reward=api_rewards.by_level, train_data=ROWS, config=base_config(),
+                   run_dir=str(tmp_path / "py"), logging__progress=True)
+    trainer.train()
+    out = capfd.readouterr().out
+    assert "step 2/2" in out and "\x1b" not in out and "\r" not in out  # plain lines in a log: no escape sequences
+    assert trainer.current_model() == tmp_path / "py/checkpoints/step-000002/model"
+    reply = trainer.generate("say 3", max_new_tokens=4)
+    assert isinstance(reply, str) and len(trainer.generate(["a", "b"], max_new_tokens=2, n=2, temperature=1.0)) == 2
+    report = trainer.evaluate(data=ROWS[:3], max_new_tokens=4)
+    assert report.summary.num_problems == 3
+    # by_level adds the row's level (0, 1, 2) to a share in [0, 1]: its mean reward is above the mean level
+    assert report.summary.mean_reward >= 1.0
+    saved = trainer.save(tmp_path / "saved")
+    assert load_model(saved).config.vocab_size == load_model(tiny_ckpt).config.vocab_size
+    with pytest.raises(FileExistsError):
+        trainer.save(tmp_path / "saved")
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)  # without pandas: a list of dicts
+    assert [r["step"] for r in trainer.history] == [1, 2]
+
+
+def test_help_says_what_docs_python_md_says():
+    import inspect
+
+    doc = (REPO / "docs/python.md").read_text()
+    methods = [name for name, _ in inspect.getmembers(GRPO) if not name.startswith("_")]
+    assert methods == ["check", "current_model", "evaluate", "export_gguf", "generate", "history", "plot", "save",
+                       "train"]
+    for name in methods:
+        assert f"`{name}" in doc, name
+    for name in ("check()", "train(steps=None)", "evaluate(data=None)", "generate(prompts, ...)", "save(path)",
+                 "export_gguf(path, type=\"f16\")", "plot(show=True)", "history"):
+        assert name in GRPO.__doc__, name
+    for argument in ("model", "reward", "train_data", "test_data", "config", "**overrides"):
+        assert f"`{argument}`" in doc and f"\n      {argument}" in GRPO.__doc__, argument
