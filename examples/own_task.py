@@ -84,11 +84,15 @@ print(f"before: {before.summary.pass_at[1]:.1%} of {before.summary.num_problems}
 # %% [markdown]
 # ## Train
 #
-# A progress bar and a line per step; run the cell again to continue a stopped run (train(overwrite=True) starts
-# over, the old run renamed). The run directory is `grpo train`'s: `grpo plot runs/own_task_python` works on it.
+# A progress bar and a line per step. Before step 1 the check runs again and the run trains at the reply length it
+# fits (check.fit_length). Run the cell again to continue a stopped run (train(overwrite=True) starts over, the old
+# run renamed). The run directory is `grpo train`'s: `grpo plot runs/own_task_python` works on it, and
+# `grpo train runs/own_task_python --resume` would refuse it in one line: `converted` is defined in this notebook
+# (`__main__`), so only a GRPO given the same function resumes it; a reward imported from a module resumes from the
+# CLI too, with --allow-code.
 
 # %%
-result = trainer.train(check=False)
+result = trainer.train()
 print(f"{result.last_step} steps ({result.stopped_by})")
 
 # %%
