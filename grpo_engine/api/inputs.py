@@ -6,9 +6,9 @@
   reward_fns) and handed over in process (tasks/custom.py providing_rewards); a built-in verifier's name sets
   task.options.verifier;
 - rows (a list of dicts, a `datasets.Dataset`): checked row by row as a data file is (fields, text, the per-row
-  and per-file budgets), errors naming the row's index, then written as JSON lines under RUN_DIR/data/, named by
-  their content's hash: the run reads, fingerprints (data.json) and resumes from that file like any other, the CLI
-  included.
+  and per-file budgets), errors naming the row's index, then written as JSON lines to RUN_DIR/data/train_data.jsonl
+  (test_data.jsonl): the run reads, fingerprints (data.json) and resumes from that file like any other, the CLI
+  included, and other rows on resume are a data change (refused unless allowed).
 """
 
 from __future__ import annotations
@@ -199,22 +199,31 @@ def _row_line(row, where: str, limits: Limits) -> str:
 
 @dataclass(frozen=True)
 class RowsFile:
-    """Rows given in Python, checked, and the file under RUN_DIR/data/ they are read from."""
+    """Rows given in Python, checked, and the file under RUN_DIR/data/ the run reads them from."""
 
     path: Path
     text: str
 
-    def write(self) -> Path:
-        """Write the file once (its name is its content's hash: an existing one holds these rows)."""
-        if not self.path.is_file():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(self.text, encoding="utf-8")
-            os.replace(tmp, self.path)
+    def write(self, replace: bool = True) -> Path:
+        """Write the file unless it holds these rows already. replace=False: other rows in it (those a run's
+        checkpoints were trained on) are a DataError, not overwritten."""
+        if self.path.is_file() and self.path.read_text(encoding="utf-8") == self.text:
+            return self.path
+        if self.path.is_file() and not replace:
+            what = self.path.stem
+            raise DataError(f"{what} differs from the rows this run's checkpoints were trained on ({self.path}): "
+                            f"train(allow_data_change=True) goes on with the new rows, train(overwrite=True) starts "
+                            f"over; or choose another run_dir")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(self.text, encoding="utf-8")
+        os.replace(tmp, self.path)
         return self.path
 
 
-def rows_file(data, what: str, run_dir: str | Path, limits: Limits) -> RowsFile:
+def rows_file(data, what: str, run_dir: str | Path, limits: Limits, hashed: bool = False) -> RowsFile:
+    """The checked rows and their file: RUN_DIR/data/{what}.jsonl (the run's data, a file that changes with the rows
+    as a user's file would), or with `hashed` named by its content's hash (rows evaluated, never trained on)."""
     text = jsonl_text(rows_of(data, what), what, limits)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-    return RowsFile(Path(run_dir).resolve() / DATA_DIR / f"{what}-{digest}.jsonl", text)
+    name = f"{what}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:16]}" if hashed else what
+    return RowsFile(Path(run_dir).resolve() / DATA_DIR / f"{name}.jsonl", text)

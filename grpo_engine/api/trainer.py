@@ -39,7 +39,8 @@ class GRPO:
       train_data  a path (any data file the custom task reads), a list of dicts or a datasets.Dataset, each row
                   with 'prompt' and 'answer' (other columns are kept for the reward). Rows are checked as a
                   file's lines are (errors name the row's index: train_data[3]) and written to
-                  RUN_DIR/data/train_data-<hash>.jsonl, which data.json fingerprints like any data file.
+                  RUN_DIR/data/train_data.jsonl, which data.json fingerprints like any data file (other rows
+                  on resume: train(allow_data_change=True), as --allow-data-change).
       test_data   the same, for the held-out split (without it: a seeded share of train_data, as in the CLI).
       config      a YAML path or a dict of the same sections; None = the defaults.
       **overrides the command line's dotted keys with `__` for the dots (rollout__group_size=16), or dotted keys
@@ -97,13 +98,15 @@ class GRPO:
                 items.append(f"task.options.{key}={yaml_value(str(path))}")
         return items + (["task.data_path=null"] if train_data is not None else [])
 
-    def _materialize(self) -> None:
-        """Write what the run reads from RUN_DIR: the rows given in Python, and a model object's weights (once per
-        run: a resumed run loads the checkpoint's)."""
+    def _materialize(self, replace_data: bool = False) -> None:
+        """Write what the run reads from RUN_DIR: the rows given in Python (other rows than a run's checkpoints were
+        trained on only with replace_data) and a model object's weights (once per run: a resumed run loads the
+        checkpoint's)."""
+        trained = bool(list_checkpoints(self.run_dir / "checkpoints"))
         for f in self._files.values():
-            f.write()
+            f.write(replace=replace_data or not trained)
         target = self.run_dir / MODEL_DIR
-        resumed = list_checkpoints(self.run_dir / "checkpoints") and target.is_dir()
+        resumed = trained and target.is_dir()
         if self._model_object is not None and not self._model_written and not resumed:
             from ..model.loading import save_model
 
@@ -142,7 +145,7 @@ class GRPO:
         for name in self._rewards.python_only:
             print(f"note: the reward {name} cannot be imported by name (a lambda, or defined in __main__: a notebook "
                   f"cell): this run resumes from Python only, by a GRPO given the same function", file=sys.stderr)
-        self._materialize()
+        self._materialize(replace_data=allow_data_change)
         with self._engine():
             return train(self.config, resume=resume, stop_after=steps, allow_data_change=allow_data_change,
                          command=f"grpo train {self.run_dir}", check=check, held_out=self.config.eval.before_after)
@@ -251,7 +254,8 @@ class GRPO:
         with self._engine():
             if data is None:
                 return task_of(cfg)
-            path = rows_file(data, "eval_data", self.run_dir, _limits(cfg)).write() if is_rows(data) else Path(data)
+            path = rows_file(data, "eval_data", self.run_dir, _limits(cfg), hashed=True).write() if is_rows(data) \
+                else Path(data)
             if cfg.task.name != "custom":  # a task that reads its own files: `path` as its data (`grpo eval --data`)
                 return build_task(cfg.task.name, {k: v for k, v in cfg.task.options.items() if k != "data_path"},
                                   str(path))

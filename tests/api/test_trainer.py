@@ -89,7 +89,7 @@ def test_a_config_dict_and_a_list_of_rows_match_the_cli(reference, tmp_path, tin
     trainer.train()
     assert metrics(tmp_path / "py") == reference["fn"]
     stored = (tmp_path / "py/checkpoints/step-000002/config.yaml").read_text()
-    assert "reward_fn: api_rewards:even_bytes" in stored and str(tmp_path / "py/data/train_data-") in stored
+    assert "reward_fn: api_rewards:even_bytes" in stored and str(tmp_path / "py/data/train_data.jsonl") in stored
     record = json.loads((tmp_path / "py/checkpoints/step-000002/data.json").read_text())
     assert record["files"]["task.options.data_path"]["rows"] == 8  # the rows' fingerprint, as for a file
 
@@ -239,3 +239,18 @@ def test_help_says_what_docs_python_md_says():
         assert name in GRPO.__doc__, name
     for argument in ("model", "reward", "train_data", "test_data", "config", "**overrides"):
         assert f"`{argument}`" in doc and f"\n      {argument}" in GRPO.__doc__, argument
+
+
+def test_other_rows_on_resume_are_refused_unless_allowed(tmp_path, tiny_ckpt):
+    import api_rewards
+
+    args = dict(reward=api_rewards.even_bytes, config=base_config(), run_dir=str(tmp_path / "py"), checkpoint__every=1)
+    GRPO(tiny_ckpt, train_data=ROWS, **args).train(steps=1)
+    data = tmp_path / "py/data/train_data.jsonl"
+    before = data.read_text()
+    other = GRPO(tiny_ckpt, train_data=ROWS[:6], **args)
+    with pytest.raises(DataError, match=r"allow_data_change=True"):
+        other.train()
+    assert data.read_text() == before  # nothing overwritten
+    assert other.train(allow_data_change=True).last_step == 2
+    assert len(data.read_text().splitlines()) == 6
