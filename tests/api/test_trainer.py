@@ -254,3 +254,24 @@ def test_other_rows_on_resume_are_refused_unless_allowed(tmp_path, tiny_ckpt):
     assert data.read_text() == before  # nothing overwritten
     assert other.train(allow_data_change=True).last_step == 2
     assert len(data.read_text().splitlines()) == 6
+
+
+def test_a_run_resumed_by_a_new_object_is_the_uninterrupted_run(reference, tmp_path, tiny_ckpt):
+    import api_rewards
+
+    args = dict(reward=api_rewards.even_bytes, train_data=ROWS, config={**base_config(), "run_dir": str(tmp_path)})
+    assert GRPO(tiny_ckpt, **args).train(steps=1).last_step == 1
+    assert GRPO(tiny_ckpt, **args).train().last_step == 2  # the Python kernel restarted: the same arguments
+    assert metrics(tmp_path) == reference["fn"]
+
+
+def test_a_cli_run_resumes_from_python(reference, tmp_path, tiny_ckpt):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**base_config(), "task": {"name": "custom", "options": {
+        "data_path": str(data), "reward_fn": "api_rewards:even_bytes"}}}))
+    assert main(["train", str(config), f"model.path={tiny_ckpt}", f"run_dir={tmp_path / 'r'}",
+                 "--stop-after", "1"]) == 0
+    assert GRPO(tiny_ckpt, config=str(config), run_dir=str(tmp_path / "r")).train().last_step == 2
+    assert metrics(tmp_path / "r") == reference["fn"]
