@@ -69,7 +69,6 @@ class GRPO:
 
     def __init__(self, model, reward=None, train_data=None, test_data=None, config: str | Path | Mapping | None = None,
                  **overrides):
-        self._config_source = config
         self._user = override_items(overrides)
         base = load_config(config, self._user)  # the user's own settings, validated before anything else
         self.run_dir = Path(base.run_dir)
@@ -87,14 +86,14 @@ class GRPO:
     # ------------------------------------------------------------------------------------------ the inputs
     def _model_path(self, model) -> str:
         if self._model_object is None:  # absolute: the run is resumed from anywhere, the CLI included
-            return str(Path(model).resolve()) if Path(model).exists() else str(model)
+            return str(_absolute(model))
         return str(self.run_dir.resolve() / MODEL_DIR)
 
     def _data_items(self, train_data, test_data) -> list[str]:
         items = []
         for what, data, key in (("train_data", train_data, "data_path"), ("test_data", test_data, "test_path")):
             if data is not None:
-                path = self._files[what].path if what in self._files else Path(data)
+                path = self._files[what].path if what in self._files else _absolute(data)
                 items.append(f"task.options.{key}={yaml_value(str(path))}")
         return items + (["task.data_path=null"] if train_data is not None else [])
 
@@ -270,6 +269,12 @@ class GRPO:
 
     def __repr__(self) -> str:
         return f"GRPO(run_dir={str(self.run_dir)!r}, model={self.config.model.path!r}, task={self.config.task.name!r})"
+
+
+def _absolute(path: str | Path) -> Path:
+    """An existing path made absolute (the run resumes from anywhere, the CLI included); a missing one as given, for
+    the error that names it."""
+    return Path(path).resolve() if Path(path).exists() else Path(path)
 
 
 def _model_object(model):
