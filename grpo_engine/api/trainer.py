@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..checkpoint.run_dir import RunLock, holds_run, list_checkpoints, plan_run_dir
-from ..config import Config, load_config
+from ..config import Config, ConfigError, load_config
 from ..tasks.custom import providing_rewards
 from ..tasks.data import MAX_FILE_MIB, MAX_LINE_KIB, Limits
 from .inputs import Rewards, RowsFile, is_rows, override_items, reward_settings, rows_file, yaml_value
@@ -82,6 +82,7 @@ class GRPO:
                    *self._rewards.overrides, f"model.path={yaml_value(self._model_path(model))}"]
         self.config: Config = load_config(config, [*_reset_items(base, train_data, self._rewards), *self._user,
                                                    *derived])
+        _check_task(self.config)
 
     # ------------------------------------------------------------------------------------------ the inputs
     def _model_path(self, model) -> str:
@@ -285,6 +286,18 @@ def _model_object(model):
     return model
 
 
+def _check_task(cfg: Config) -> None:
+    """The task's name and options checked now, as the run's set-up checks them (no data read): a missing data path
+    or a bad option is a ConfigError when the object is made, not at train()."""
+    from ..tasks import task_options
+
+    options = {**cfg.task.options, **({"data_path": cfg.task.data_path} if cfg.task.data_path else {})}
+    try:
+        task_options(cfg.task.name, **options)
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+
+
 def _limits(cfg: Config) -> Limits:
     options = cfg.task.options
     return Limits(file_mib=int(options.get("max_data_file_mib", MAX_FILE_MIB)),
@@ -310,7 +323,6 @@ def run_dir_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config
     """`grpo train RUN_DIR --resume`: the config the run's newest checkpoint stored (config.yaml), run_dir set to
     RUN_DIR, with `overrides`. A stored config is data: each reward it names runs only with --allow-code (a run made
     from Python names its functions so), and one that cannot be imported by name is refused in one line."""
-    from ..config import ConfigError
     from ..config.trust import code_values, mark_stored_code
     from ..tasks.custom import import_reward_fn
 

@@ -183,6 +183,10 @@ def test_overrides_are_validated_as_the_clis(tmp_path, tiny_ckpt):
         GRPO(tiny_ckpt, rollout={"group_size": 1})
     with pytest.raises(ConfigError, match="reward="):
         GRPO(tiny_ckpt, reward=42)
+    with pytest.raises(ConfigError, match="task: custom task needs data_path"):
+        GRPO(tiny_ckpt, reward="numeric")  # a verifier without data: said when the object is made
+    options = GRPO(tiny_ckpt, reward="m:f", train_data=ROWS, task__options__reward_fns=["m:g"]).config.task.options
+    assert options["reward_fn"] == "m:f" and options["reward_fns"] is None  # the argument replaces the config's
     assert GRPO(tiny_ckpt, **{"rollout.group_size": 6}, rollout__top_k=3).config.rollout.group_size == 6
 
 
