@@ -191,7 +191,7 @@ def test_cli_help_and_plot_load_no_torch(argv):
 # The layer order (docs/architecture.md): each room imports only rooms to its left, and no files form a circle.
 
 LAYERS = ["config", "world", "progress", "tasks", "model", "rollout", "rl", "kernels", "collect", "plan", "checkpoint",
-          "monitor", "eval", "sft", "gguf_export", "train", "bench", "plot", "demo", "cli"]
+          "monitor", "eval", "sft", "gguf_export", "train", "bench", "plot", "api", "demo", "cli"]
 MAX_TRAIN_MODULES = 12
 
 

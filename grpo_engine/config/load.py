@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 
 import yaml
@@ -256,14 +256,29 @@ def _schema() -> DictConfig:
     return schema
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by every section."""
+def load_config(path: str | Path | Mapping | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file (or a mapping of the same sections: the Python API's config dict) <- `a.b=value`
+    overrides, type-checked, then range-checked by every section."""
     merged: DictConfig = _schema()
+    source = "config dict" if isinstance(path, Mapping) else str(path or "config")
     if path is not None:
-        merged = _merge(merged, _empty_sections_dropped(merged, _read_yaml(Path(path))), str(path))
+        data = _plain(path) if isinstance(path, Mapping) else _read_yaml(Path(path))
+        merged = _merge(merged, _empty_sections_dropped(merged, data), source)
     for item in overrides:
         merged = _override(merged, item)
-    return _build(merged, str(path or "config"))
+    return _build(merged, source)
+
+
+def _plain(data: Mapping) -> dict:
+    """A config mapping as YAML would give it: plain dicts and lists (tuples as lists), keys as text."""
+    def plain(value):
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return plain(data)
 
 
 def as_mapping(cfg: Config) -> dict:
