@@ -127,11 +127,11 @@ def grpo_settings(args) -> dict:
                 "lr": args.lr, "steps": args.grpo_steps, "betas": BETAS, "weight_decay": 0.0, "grad_clip": 1.0,
                 "loss_type": None}
     cfg = real_config(args)
-    a, sch = cfg.algorithm, cfg.schedule
-    if (a.loss != "grpo" or a.beta != 0.0 or a.mu != 1 or cfg.optimizer.name not in ("adamw", "adamw_fused")
+    a, loss, sch = cfg.algorithm, cfg.algorithm.policy_loss, cfg.schedule
+    if (loss.loss != "grpo" or loss.beta != 0.0 or a.mu != 1 or cfg.optimizer.name not in ("adamw", "adamw_fused")
             or sch.lr_schedule != "constant" or sch.warmup_steps != 0):
         raise SystemExit("efficacy_vs_trl --real maps loss grpo, beta 0, mu 1, AdamW and a constant lr onto TRL; the "
-                         f"recipe now uses loss={a.loss} beta={a.beta} mu={a.mu} optimizer={cfg.optimizer.name} "
+                         f"recipe now uses loss={loss.loss} beta={loss.beta} mu={a.mu} optimizer={cfg.optimizer.name} "
                          f"lr_schedule={sch.lr_schedule} warmup_steps={sch.warmup_steps}")
     r, o = cfg.rollout, cfg.optimizer
     return {"prompts": r.prompts_per_step, "group": r.group_size, "max_new": r.max_new_tokens,

@@ -7,6 +7,7 @@ The public names below are imported on first use (PEP 562), so that `import grpo
 from importlib import import_module
 
 _PUBLIC = {
+    "GRPO": ".api",
     "CheckpointError": ".model.hf_io",
     "load_model": ".model.loading",
     "save_model": ".model.loading",

@@ -26,7 +26,8 @@ from .plan.cli import add_plan_parser
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train with a YAML config and key=value overrides")
-    p.add_argument("config", help="YAML config file (see configs/)")
+    p.add_argument("config", help="YAML config file (see configs/); with --resume also a run directory (its newest "
+                                  "checkpoint's config.yaml, stored code run only with --allow-code)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.group_size=16")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint of run_dir, or from the given checkpoint dir")
@@ -100,6 +101,10 @@ def _train_config(args):
 
     from .config import ConfigError, load_config
 
+    if Path(args.config).is_dir() and args.resume is not None:  # a run directory (one made from Python too)
+        from .api.trainer import run_dir_config
+
+        return run_dir_config(args.config, args.overrides)
     cfg = load_config(args.config, [*args.overrides, *CONTROLS.get(args.control or "", ())])
     if args.control == "no-tools" and not load_config(args.config, args.overrides).tools.enabled:
         raise ConfigError("--control no-tools is the control of a run with tools (tools.enabled): this config has none")

@@ -151,6 +151,47 @@ class _PlainLines:
         pass
 
 
+class _NotebookLines:
+    """The console in Jupyter: a progress bar redrawn in place in the cell's output (an IPython display, no escape
+    sequences) and every step's line below it."""
+
+    def __init__(self, total: int, start: int):
+        from IPython.display import display
+
+        self.total, self.start = total, time.monotonic()
+        self.handle = display({"text/plain": self._bar(start, "")}, raw=True, display_id=True)
+
+    def _bar(self, step: int, info: str, width: int = 30) -> str:
+        done = round(width * step / max(1, self.total))
+        return f"step {step}/{self.total} [{'#' * done}{'.' * (width - done)}] {time.monotonic() - self.start:.0f} s" \
+               f"{'  ' + info if info else ''}"
+
+    def update(self, m: StepMetrics) -> None:
+        acc = "" if m.accuracy != m.accuracy else f"  acc {m.accuracy:.2f}"  # NaN: the task has no answer check
+        info = f"reward {m.reward_mean:.3f}{acc}  len {m.completion_len_mean:.0f}"
+        print(f"step {m.step}/{self.total}  {info}  gen {m.gen_tokens_per_s:.0f} tok/s", flush=True)
+        self.handle.update({"text/plain": self._bar(m.step, info)}, raw=True)
+
+    def close(self) -> None:
+        pass
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (IPython's ZMQ shell): its stdout is no terminal, yet a person
+    watches it."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def console_for(total: int, start: int):
+    """rich's bar on a terminal, a bar and a line per step in Jupyter, plain lines elsewhere (a log keeps no escape
+    sequences)."""
+    if sys.stdout.isatty():
+        return _Console(total, start)
+    return _NotebookLines(total, start) if in_notebook() else _PlainLines(total)
+
+
 class Monitor:
     def __init__(
         self,
@@ -172,7 +213,7 @@ class Monitor:
         if not progress:
             self.console = None
         else:
-            self.console = _Console(total_steps, start_step) if sys.stdout.isatty() else _PlainLines(total_steps)
+            self.console = console_for(total_steps, start_step)
         self.tb = _open_tensorboard(self.run_dir) if tensorboard else None
         self.wandb = _open_wandb(wandb_project, config, self.run_dir) if wandb else None
 

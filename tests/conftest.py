@@ -20,7 +20,6 @@ os.environ["TMPDIR"] = _SESSION_DIR
 # measures on purpose).
 os.environ.setdefault("GRPO_THREADS", "1")
 
-from grpo_engine.kernels import activate  # noqa: E402
 from grpo_engine.model.tiny import make_tiny_checkpoint  # noqa: E402
 
 # One thread: the tiny models gain nothing from more, and on a shared, loaded CPU OpenMP threads that
@@ -46,13 +45,6 @@ def tiny_ckpt_factory(tmp_path_factory):
 @pytest.fixture
 def tiny_ckpt(tiny_ckpt_factory):
     return tiny_ckpt_factory("qwen2")
-
-
-@pytest.fixture(autouse=True)
-def _no_kernel_plan_leaks():
-    """A test that applied a measured kernel plan leaves the process as it found it (the size threshold)."""
-    yield
-    activate(None)
 
 
 @pytest.fixture(autouse=True)

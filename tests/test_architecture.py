@@ -191,7 +191,7 @@ def test_cli_help_and_plot_load_no_torch(argv):
 # The layer order (docs/architecture.md): each room imports only rooms to its left, and no files form a circle.
 
 LAYERS = ["config", "world", "progress", "tasks", "model", "rollout", "rl", "kernels", "collect", "plan", "checkpoint",
-          "monitor", "eval", "sft", "gguf_export", "train", "bench", "plot", "demo", "cli"]
+          "monitor", "eval", "sft", "gguf_export", "train", "bench", "plot", "api", "demo", "cli"]
 MAX_TRAIN_MODULES = 12
 
 
@@ -286,6 +286,101 @@ def test_train_is_the_loop_and_what_a_step_composes():
 
 
 # ----------------------------------------------------------------------------------------------------
+# One loss settings type and the kernel plan on the model (issue 69, items 2 and 4): the loss reaches the step as one
+# flat, frozen `ResolvedLoss`, resolved once and never written; the GEMM choice and the in-place-gradient switch are
+# fields of the model's `Kernels`, not globals of kernels/onednn.py.
+
+LOSS_TYPES = {"LossConfig", "ResolvedLoss"}
+
+
+def _setattr_writes(source: str) -> list[str]:
+    """Where `object.__setattr__` writes a loss value: outside a class's own `self`, a field named loss, or inside a
+    class that holds (or is) a loss settings type."""
+    found = []
+
+    def visit(node: ast.AST, holds_loss: bool) -> None:
+        if isinstance(node, ast.ClassDef):
+            annotations = {ast.unparse(s.annotation) for s in node.body if isinstance(s, ast.AnnAssign)}
+            holds_loss = node.name in LOSS_TYPES or any(t in a for a in annotations for t in LOSS_TYPES)
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) == "object.__setattr__" and node.args
+                and (holds_loss or ast.unparse(node.args[0]) != "self"
+                     or "loss" in ast.unparse(node.args[1:2]).lower())):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, holds_loss)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    "@dataclass(frozen=True)\nclass UpdateSettings:\n    loss: ResolvedLoss\n    def __post_init__(self):\n"
+    "        object.__setattr__(self, 'loss', resolve(self.loss))",
+    "object.__setattr__(settings.loss, 'beta', 0.0)",
+    "class S:\n    def __post_init__(self):\n        object.__setattr__(self, 'policy_loss', x)"])
+def test_the_loss_write_check_finds_each_form(source):
+    assert _setattr_writes(source) != []
+
+
+def test_no_loss_value_is_written_through_object_setattr():
+    assert _setattr_writes("class S:\n    def __post_init__(self):\n        object.__setattr__(self, 'ks', x)") == []
+    found = [f"{p.relative_to(REPO)}:{hit}" for p in _sources() for hit in _setattr_writes(p.read_text())]
+    assert found == []
+
+
+def test_the_resolved_loss_is_one_flat_value_resolved_once():
+    """ResolvedLoss carries every LossConfig field itself (no `.cfg`, no nested settings), `resolve` takes a
+    LossConfig only, no function takes `LossConfig | ResolvedLoss`, and only train/step.py resolves (once per run)."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from grpo_engine.rl.losses import LossConfig, ResolvedLoss, resolve
+
+    fields = {f.name: f for f in dataclasses.fields(ResolvedLoss)}
+    assert "cfg" not in fields and not hasattr(ResolvedLoss, "cfg")
+    assert {f.name for f in dataclasses.fields(LossConfig)} <= fields.keys()
+    hints = typing.get_type_hints(ResolvedLoss)
+    assert all(set(typing.get_args(t) or [t]) <= {str, int, float, type(None)} for t in hints.values()), hints
+    assert ResolvedLoss.__dataclass_params__.frozen
+    assert inspect.signature(resolve).parameters["cfg"].annotation in ("LossConfig", LossConfig)
+    unions, callers = [], []
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.annotation is not None:
+                text = ast.unparse(node.annotation)
+                if all(t in text for t in LOSS_TYPES):
+                    unions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.arg}: {text}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("resolve", "losses.resolve"):
+                callers.append(str(path.relative_to(REPO)))
+    assert unions == []
+    assert callers == ["grpo_engine/train/step.py"]
+
+
+def test_the_gemm_choice_is_the_models_not_a_global_of_onednn():
+    """kernels/onednn.py keeps no plan and no switch of its own: its only module-level mutable state is the one-time
+    check of what this torch build runs (`_state`), nothing declares a `global`, and the plan reaches a projection
+    through its model's `Kernels` (the `gemm` and `weight_grads_in_place` fields)."""
+    import dataclasses
+
+    from grpo_engine.kernels import onednn
+    from grpo_engine.model.kernels_slot import Kernels
+
+    tree = ast.parse((PACKAGE / "kernels" / "onednn.py").read_text())
+    mutable = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(
+                node.value, (ast.Dict, ast.List, ast.Set, ast.Call, ast.DictComp, ast.ListComp, ast.SetComp)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            mutable += [ast.unparse(t) for t in targets]
+    assert mutable == ["_state"]
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Global, ast.Nonlocal))]
+    assert not hasattr(onednn, "activate") and not hasattr(onednn, "active_plan")
+    assert {"gemm", "weight_grads_in_place"} <= {f.name for f in dataclasses.fields(Kernels)}
+    assert Kernels().weight_grads_in_place is not Kernels().weight_grads_in_place  # one switch per value
+
+
 # One place for each decision (docs/architecture.md, "Where each decision is made"): the KV bytes, the rows in
 # flight and the precision are each computed by one function, which every other module asks.
 

@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from grpo_engine.bench.floor import StepSizes, attention_flops, body_flops_per_token, generate_flops, update_flops
 from grpo_engine.config import LossConfig
 from grpo_engine.model.loading import load_model
+from grpo_engine.rl.losses import resolve
 from grpo_engine.rollout import SamplingParams, generate
 from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.update import UpdateSettings, update_policy
@@ -60,7 +61,7 @@ def test_update_flops_equal_torch_flop_counter(tiny_ckpt, loss, shared, fused):
     completions = [torch.randint(0, 250, (T,), generator=g).tolist() for _ in range(P * G)]
     batch = build_train_batch(rows, completions, [[0.0] * T] * (P * G), torch.randn(P * G, generator=g),
                                 [True] * (P * G), pad_id=0, share_prompts=shared)
-    s = UpdateSettings(loss=LossConfig(loss=loss), mu=1, grad_clip=0.0, temperature=1.0, chunk_size=16,
+    s = UpdateSettings(loss=resolve(LossConfig(loss=loss)), mu=1, grad_clip=0.0, temperature=1.0, chunk_size=16,
                        auto_halve=False)
     kernel, counter = counting()
     with kernel, counter:

@@ -22,14 +22,15 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(p, ["algorithm.loss=dapo", "rollout.group_size=16", "optimizer.betas=[0.8,0.9]",
                           "algorithm.eps_high=0.28", "algorithm.advantage.estimator=dr_grpo"])
     assert isinstance(cfg, Config)
-    assert (cfg.rollout.group_size, cfg.algorithm.loss, cfg.algorithm.overlong.filter_truncated) == (16, "dapo", True)
+    a = cfg.algorithm
+    assert (cfg.rollout.group_size, a.policy_loss.loss, a.overlong.filter_truncated) == (16, "dapo", True)
     assert cfg.optimizer.betas == [0.8, 0.9]
     assert cfg.rollout.max_new_tokens == 256  # default kept
-    # the algorithm section is the rl library's LossConfig: resolved once (with Dr. GRPO's normaliser defaulting to
-    # rollout.max_new_tokens), it is what policy_loss reads
-    loss = resolve(cfg.algorithm, cfg.rollout.max_new_tokens)
-    assert isinstance(cfg.algorithm, LossConfig) and loss.cfg is cfg.algorithm
-    assert (loss.cfg.loss, loss.eps_high, loss.max_completion_len, loss.aggregation) == ("dapo", 0.28, 256,
+    # the algorithm section holds the rl library's LossConfig (its keys written at the algorithm level): resolved
+    # once (with Dr. GRPO's normaliser defaulting to rollout.max_new_tokens) into the flat loss policy_loss reads
+    loss = resolve(cfg.algorithm.policy_loss, cfg.rollout.max_new_tokens)
+    assert isinstance(cfg.algorithm.policy_loss, LossConfig) and not hasattr(loss, "cfg")
+    assert (loss.loss, loss.eps_high, loss.max_completion_len, loss.aggregation) == ("dapo", 0.28, 256,
                                                                                          "token-mean")
     assert cfg.algorithm.advantage.estimator == "dr_grpo"
 
@@ -226,3 +227,20 @@ def test_null_empties_a_free_mapping_but_not_a_section(tmp_path):
 
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['digits'\].*add task.options=null"):
         task_of(load_config(path, ["task.name=countdown"]))
+
+
+def test_the_loss_keys_stay_at_the_algorithm_level():
+    """AlgorithmSection holds the LossConfig (`policy_loss`), but users, stored configs and `grpo config show` write
+    its keys as algorithm.beta: both forms load, the written one is the user's, and unknown keys are named so."""
+    import yaml
+
+    from grpo_engine.config import config_from_yaml_text
+
+    cfg = load_config(None, ["algorithm.beta=0.04", "algorithm.loss=dapo"])
+    assert (cfg.algorithm.policy_loss.beta, cfg.algorithm.policy_loss.loss) == (0.04, "dapo")
+    stored = yaml.safe_load(to_yaml(cfg))["algorithm"]
+    assert "policy_loss" not in stored and (stored["beta"], stored["loss"], stored["mu"]) == (0.04, "dapo", 1)
+    assert config_from_yaml_text(to_yaml(cfg)) == cfg
+    assert config_from_yaml_text("algorithm:\n  policy_loss:\n    beta: 0.04\n    loss: dapo\n") == cfg
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.betta' \(did you mean 'algorithm\.beta'"):
+        load_config(None, ["algorithm.betta=0.1"])

@@ -159,7 +159,7 @@ def test_parity_and_mismatch_run_the_trainers_kernels(gpu_check, tmp_path, monke
     model, _ = gpu_check.trainer_model(path, gpu_check.torch.float32, "cpu")
     planned = kernels.planned_kernels(kernels.choose_plan(model), model)
     assert applied == [0] and model.kernels.decode_attention == planned.decode_attention
-    assert model.kernels.gemm == planned.gemm
+    assert model.kernels.gemm.gemm == planned.gemm.gemm  # the same GEMM choices
     gpu_check.our_logits(path, "cpu", gpu_check.torch.float32, prompts)
     lora = gpu_check.MismatchCase("fp32", "off", lora=True)
     result = gpu_check.rollout_mismatch(path, "cpu", prompts, gpu_check.SMOKE, lora)

@@ -162,16 +162,16 @@ def bench_step(model_dir: str, *, prompts: int, group: int, max_new: int, prompt
 def step_matmul_flops(inputs, *, prompt_len: int, max_new: int):
     """The matmul FLOPs (bench/floor.py StepFlops) of one step of this run, with its resolved settings."""
     from ..kernels import checkpointed_blocks
-    from ..rl.losses import is_tokenwise, resolve
+    from ..rl.losses import is_tokenwise
     from .floor import StepSizes, step_flops
 
     cfg, model = inputs.cfg, inputs.policy.model
     mem, n_layers = cfg.memory, model.config.num_hidden_layers
     recompute = len(checkpointed_blocks(model)) / n_layers  # "auto" resolved by build_policy
-    tokenwise = is_tokenwise(resolve(cfg.algorithm, cfg.rollout.max_new_tokens))
+    tokenwise = is_tokenwise(inputs.update.loss)
     sizes = StepSizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, prompt_len, max_new,
                       shared_prompt=mem.share_prompt_forward, fused_head=tokenwise,
-                      recompute=recompute, mu=cfg.algorithm.mu, reference=cfg.algorithm.beta > 0)
+                      recompute=recompute, mu=cfg.algorithm.mu, reference=inputs.update.loss.beta > 0)
     return step_flops(model.config, sizes)
 
 

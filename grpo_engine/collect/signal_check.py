@@ -373,12 +373,12 @@ def fit_group_size(grow: Callable[[SignalReport, int], SignalReport], first: Sig
     (chance_limited); the larger group is kept only when more of its groups have a spread than the same prompts had
     at the smaller size (spread_before; grown groups never have less). Why: a prompt answered right with probability
     p gives a group of G a spread with probability 1 - p^G - (1-p)^G, so where right replies are rare a larger group
-    is what turns a prompt into signal, and a run the check would stop gets one. Why only there: a larger group
-    halves the prompts a step learns from, and where a quarter of the groups had a spread the examples learned more
-    with groups of 8 than with 16 replies for 4 prompts (unit conversions, seed 0, 20 steps: +21.5 points against
-    +12.5; docs/tasks.md). Stops at `limit`, at a prompts per step that cannot halve (below 1, or not shared evenly
-    by `ranks`), and at settings `fits` refuses (the device's memory). Never shrinks the group set. grow(report, P):
-    the check at twice report's group size and P prompts per step (grow_groups: report's groups, grown)."""
+    is what turns a prompt into signal, and a run the check would stop gets one. Why only there: a larger group halves
+    the prompts a step learns from, and where a quarter of the groups had a spread the examples learned more with groups
+    of 8 than with 16 replies for 4 prompts (docs/tasks.md). Stops at `limit`, at a prompts per step that cannot halve
+    (below 1, or not shared evenly by `ranks`), and at settings `fits` refuses (the device's memory). Never shrinks the
+    group set. grow(report, P): the check at twice report's group size and P prompts per step (grow_groups: report's
+    groups, grown)."""
     group, reports, stopped = first.stats.group_size, [first], ""
     while not reports[-1].verdict.ok and chance_limited(reports[-1].stats):
         larger, fewer = 2 * group, prompts // 2

@@ -1,7 +1,8 @@
 """The typed configuration tree of a training run: a leaf package (no torch, nothing from rl/, train/, model/).
 
-One dataclass per section (algorithm.py, training.py, run.py); YAML maps 1:1 onto it and `key.sub=value`
-command-line overrides patch it (load.py). Sections validate themselves in `__post_init__`; every field
+One dataclass per section (algorithm.py, training.py, run.py); YAML maps 1:1 onto it (an inline section's keys
+at its parent's level: algorithm.beta is algorithm.policy_loss.beta) and `key.sub=value` command-line overrides
+patch it (load.py). Sections validate themselves in `__post_init__`; every field
 documents itself in its metadata (docs.py writes docs/configuration.md from it).
 """
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fields import one_of, option, require, section
+from .fields import inline, one_of, option, require, section
 
 LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo")
 RATIO_LEVELS = ("token", "sequence")
@@ -148,10 +148,12 @@ class GroupFilterConfig:
 
 
 @dataclass(frozen=True)
-class AlgorithmSection(LossConfig):
-    """The policy loss (LossConfig's fields, e.g. algorithm.loss=dapo, algorithm.beta=0.04) and the rest of the
-    algorithm: advantages, semantic entropy, overlong handling, dynamic sampling, passes per batch."""
+class AlgorithmSection:
+    """The policy loss (`policy_loss`, whose fields are written at this level: algorithm.loss=dapo,
+    algorithm.beta=0.04) and the rest of the algorithm: advantages, semantic entropy, overlong handling, dynamic
+    sampling, passes per batch."""
 
+    policy_loss: LossConfig = inline(LossConfig, "the policy loss (rl/losses.py resolve makes it the step's loss)")
     mu: int = option(1, "policy-gradient passes over each rollout batch (> 1 computes old log-probs first)")
     advantage: AdvantageConfig = section(AdvantageConfig, "group-relative advantage estimator")
     semantic_entropy: SemanticEntropyConfig = section(
@@ -163,7 +165,6 @@ class AlgorithmSection(LossConfig):
                                         "is still the task's answer check (grpo demo --control random-reward)")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require(self.mu >= 1, "algorithm.mu must be >= 1")
 
 

@@ -15,7 +15,7 @@ def iter_config_docs(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, A
     for f in dataclasses.fields(cls):
         value = getattr(instance, f.name)
         if dataclasses.is_dataclass(value):
-            yield from iter_config_docs(type(value), f"{prefix}{f.name}.")
+            yield from iter_config_docs(type(value), prefix if f.metadata.get("inline") else f"{prefix}{f.name}.")
             continue
         help_text = f.metadata.get("help", "")
         if "choices" in f.metadata:

@@ -33,6 +33,12 @@ def section(cls, help: str):
     return field(default_factory=cls, metadata={"help": help})
 
 
+def inline(cls, help: str):
+    """A nested section whose fields are written at its parent's level (algorithm.beta, not
+    algorithm.policy_loss.beta): load.py moves them under it, docs.py lists them there."""
+    return field(default_factory=cls, metadata={"help": help, "inline": True})
+
+
 def require(ok: bool, message: str) -> None:
     """Raise ValueError(message) unless ok: a user-controlled value is out of range."""
     if not ok:

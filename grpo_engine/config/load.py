@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 
 import yaml
@@ -24,13 +24,58 @@ from .trust import mark_stored_code, unmarked
 
 
 def _dotted_names(cls=Config, prefix: str = "") -> list[str]:
+    """Every key a user may write, an inline section's fields at its parent's level (fields.inline)."""
     names = []
     for f in dataclasses.fields(cls):
-        names.append(prefix + f.name)
         sub = _section_class(f)
+        if sub is not None and f.metadata.get("inline"):
+            names += _dotted_names(sub, prefix)
+            continue
+        names.append(prefix + f.name)
         if sub is not None:
             names += _dotted_names(sub, prefix + f.name + ".")
     return names
+
+
+def _nested(data, cls=Config):
+    """A user's mapping with the keys of each inline section moved under its field, as the schema has them."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for f in dataclasses.fields(cls):
+        sub = _section_class(f)
+        if sub is not None and f.metadata.get("inline"):
+            moved = {g.name: out.pop(g.name) for g in dataclasses.fields(sub) if g.name in out}
+            out[f.name] = {**(out.get(f.name) or {}), **moved}
+        if sub is not None and f.name in out:
+            out[f.name] = _nested(out[f.name], sub)
+    return out
+
+
+def _flat(data, cls=Config):
+    """The schema's mapping with each inline section's keys back at its parent's level: what a user writes."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        f = next((f for f in dataclasses.fields(cls) if f.name == key), None)
+        sub = _section_class(f) if f is not None else None
+        if sub is not None and f.metadata.get("inline"):
+            out.update(_flat(value, sub))
+        else:
+            out[key] = _flat(value, sub) if sub is not None else value
+    return out
+
+
+def _user_key(full_key: str, cls=Config, prefix: str = "") -> str:
+    """An OmegaConf key as the user wrote it: an inline section's name left out (algorithm.policy_loss.beta ->
+    algorithm.beta)."""
+    for f in dataclasses.fields(cls):
+        sub, path = _section_class(f), prefix + f.name + "."
+        if sub is None or not full_key.startswith(path):
+            continue
+        return prefix + full_key[len(path):] if f.metadata.get("inline") else _user_key(full_key, sub, path)
+    return full_key
 
 
 def _section_class(f: dataclasses.Field):
@@ -59,7 +104,7 @@ def _closest(full_key: str) -> str:
 
 
 def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
-    key = getattr(e, "full_key", None) or "?"
+    key = _user_key(getattr(e, "full_key", None) or "?")
     msg = str(e).splitlines()[0]
     if isinstance(e, ConfigKeyError) or "not in" in msg or "Key '" in msg and "not" in msg:
         raise ConfigError(f"{source}: unknown config key {key!r}{_closest(key)}") from None
@@ -75,6 +120,7 @@ def _raise_from_omegaconf(e: OmegaConfBaseException, source: str) -> None:
 def _merge(merged: DictConfig, data: dict, source: str) -> DictConfig:
     """OmegaConf.merge with its errors as ConfigErrors. A list or a number where a section or mapping belongs
     is named by its dotted key: OmegaConf reports it without the key, or as a bare TypeError (a traceback)."""
+    data = _nested(data)
     try:
         return OmegaConf.merge(merged, data)
     except (OmegaConfBaseException, TypeError) as e:
@@ -210,18 +256,38 @@ def _schema() -> DictConfig:
     return schema
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- `a.b=value` overrides, type-checked, then range-checked by every section."""
+def load_config(path: str | Path | Mapping | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file (or a mapping of the same sections: the Python API's config dict) <- `a.b=value`
+    overrides, type-checked, then range-checked by every section."""
     merged: DictConfig = _schema()
+    source = "config dict" if isinstance(path, Mapping) else str(path or "config")
     if path is not None:
-        merged = _merge(merged, _empty_sections_dropped(merged, _read_yaml(Path(path))), str(path))
+        data = _plain(path) if isinstance(path, Mapping) else _read_yaml(Path(path))
+        merged = _merge(merged, _empty_sections_dropped(merged, data), source)
     for item in overrides:
         merged = _override(merged, item)
-    return _build(merged, str(path or "config"))
+    return _build(merged, source)
+
+
+def _plain(data: Mapping) -> dict:
+    """A config mapping as YAML would give it: plain dicts and lists (tuples as lists), keys as text."""
+    def plain(value):
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return plain(data)
+
+
+def as_mapping(cfg: Config) -> dict:
+    """The config as plain YAML values, keyed as a user writes them (a stored config's marks: plain text)."""
+    return _flat(OmegaConf.to_container(OmegaConf.structured(unmarked(cfg))))
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(unmarked(cfg)))  # a stored config's marks: plain text
+    return OmegaConf.to_yaml(OmegaConf.create(as_mapping(cfg)))
 
 
 def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
@@ -232,7 +298,7 @@ def config_from_yaml_text(text: str, source: str = "stored config") -> Config:
         data = load_yaml(text, source) or {}
         if isinstance(data, dict) and set(data) == {"machine", "config"}:  # resolved.yaml: the config it ran with
             data = data["config"] or {}
-        merged = OmegaConf.merge(_schema(), OmegaConf.create(data))
+        merged = OmegaConf.merge(_schema(), OmegaConf.create(_nested(data)))
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: malformed YAML ({str(e).splitlines()[0]})") from None
     except OmegaConfBaseException as e:

@@ -197,15 +197,15 @@ class Config:
 
     def __post_init__(self) -> None:
         """Checks that span sections (each section checks its own fields)."""
-        a, r = self.algorithm, self.rollout
+        a, r, beta = self.algorithm, self.rollout, self.algorithm.policy_loss.beta
         require(self.seed >= 0, f"seed={self.seed} must be >= 0")
         require(a.advantage.eps > 0, f"algorithm.advantage.eps={a.advantage.eps} must be > 0: it keeps the advantage "
                                      "of a group with a tiny reward spread finite")
         require(not (r.cuda_graphs == "on" and self.model.device == "cpu"),
                 "rollout.cuda_graphs=on needs CUDA, but model.device=cpu: set rollout.cuda_graphs=auto (or off)")
-        require(a.beta == 0 or self.reference.mode != "none",
+        require(beta == 0 or self.reference.mode != "none",
                 "algorithm.beta > 0 needs a reference policy: set reference.mode=frozen (or beta=0 for no KL term)")
-        require(not (self.lora.enabled and a.beta > 0 and self.reference.mode != "frozen"),
+        require(not (self.lora.enabled and beta > 0 and self.reference.mode != "frozen"),
                 "with lora.enabled the reference policy is the base model (adapters off): use reference.mode=frozen")
         require(not (self.check.fit_length and (self.tools.enabled or self.curriculum.mode != "none")),
                 "check.fit_length chooses rollout.max_new_tokens, but a run with tools caps its trajectories at "

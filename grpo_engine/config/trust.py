@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from .fields import ConfigError
 
 # Every config key whose value names code to import ("module:function"). Tools are built-in names, not code.
-CODE_KEYS = ("task.options.reward_fn",)
+CODE_KEYS = ("task.options.reward_fn", "task.options.reward_fns")  # reward_fns: a list of names or {fn, weight}
 ALLOW_FLAG = "--allow-code"
 CODE_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -46,15 +46,22 @@ class StoredCode(str):
         return StoredCode, (str(self), self.key, self.source)
 
 
-def _code_slots(cfg) -> Iterator[tuple[dict, str, str]]:
-    """(the dict holding it, its name, the dotted key) of each key of CODE_KEYS with a string value in `cfg`."""
+def _code_slots(cfg) -> Iterator[tuple[dict | list, str | int, str]]:
+    """(the dict or list holding it, its name or index, the dotted key) of each "module:function" string under a key
+    of CODE_KEYS in `cfg`: the key's own string value, or each item of its list (a string, or a mapping's `fn`)."""
     for key in CODE_KEYS:
         *parents, leaf = key.split(".")
         node = cfg
         for name in parents:
             node = node.get(name) if isinstance(node, dict) else getattr(node, name, None)
-        if isinstance(node, dict) and isinstance(node.get(leaf), str):
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str):
             yield node, leaf, key
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            if isinstance(item, str):
+                yield value, i, f"{key}[{i}]"
+            elif isinstance(item, dict) and isinstance(item.get("fn"), str):
+                yield item, "fn", f"{key}[{i}].fn"
 
 
 def mark_stored_code(cfg, source: str):
@@ -62,6 +69,11 @@ def mark_stored_code(cfg, source: str):
     for node, leaf, key in _code_slots(cfg):
         node[leaf] = StoredCode(node[leaf], key, source)
     return cfg
+
+
+def code_values(cfg) -> list[str]:
+    """Every "module:function" value under CODE_KEYS in `cfg` (StoredCode ones marked as such)."""
+    return [node[leaf] for node, leaf, _ in _code_slots(cfg)]
 
 
 def unmarked(cfg):

@@ -10,7 +10,7 @@ from ..model.kernels_slot import Kernels
 from ..model.transformer import Transformer
 from .attention import decode_attention_for, train_attention_for
 from .checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from .onednn import OneDNNLinear, activate, planned_head_gemm, use_onednn_projections, weight_grads_in_place
+from .onednn import OneDNNLinear, planned_head_gemm, use_onednn_projections
 from .packing import planned_decode_kernels
 from .select import (
     PLAN_FILE,
@@ -34,12 +34,11 @@ def apply_kernels(model: Transformer, plan: KernelPlan | None = None) -> Transfo
     decode steps with grouped KV heads run the grouped attention whatever the plan, and forwards with a gradient
     SDPA (kernels/attention.py). Returns the model."""
     plan = plan if plan is not None else choose_plan(model)
-    activate(plan)
     if plan.threads != torch.get_num_threads():
         torch.set_num_threads(plan.threads)
-    for block in model.layers:
-        use_onednn_projections(block)
     model.kernels = planned_kernels(plan, model)
+    for block in model.layers:
+        use_onednn_projections(block, model.kernels)
     return model
 
 
@@ -47,15 +46,14 @@ def planned_kernels(plan: KernelPlan, model: Transformer) -> Kernels:
     """The products `plan` chose for `model` on this machine, torch's where it keeps them."""
     key, c = attention_shape(model), model.config  # key: the head shape and dtype the plan's attention was timed at
     return Kernels(
-        gemm=dict(plan.gemm),
+        gemm=plan,
         decode_attention=decode_attention_for(model.device.type, c.num_attention_heads, c.num_key_value_heads,
                                               plan.attention.get(key, "sdpa")),
         train_attention=train_attention_for(model.device.type, plan.train_attention.get(key, "sdpa")),
         head=planned_head_gemm(plan, model.lm_head.weight),
-        decode=planned_decode_kernels(plan, model),
-        weight_grads_in_place=weight_grads_in_place)  # the trainer's accumulation passes enter it
+        decode=planned_decode_kernels(plan, model))
 
 
-__all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "activate", "apply_activation_checkpointing", "apply_kernels",
+__all__ = ["PLAN_FILE", "KernelPlan", "OneDNNLinear", "apply_activation_checkpointing", "apply_kernels",
            "bf16_ratio", "checkpointed_blocks", "choose_plan", "cpu_model", "load_plan", "measured_here",
            "planned_kernels"]

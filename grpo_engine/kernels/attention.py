@@ -4,10 +4,8 @@ grouped matmuls, chosen by measurement.
 Why: on the CPU, SDPA with a key mask and a single query runs slower than its FLOPs warrant, and with
 grouped-query attention it expands K and V to every query head. `grouped_attention` views the H query
 heads as [H_kv, H / H_kv] (query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa does), so each KV
-head is read once. Which is faster depends on the CPU and the head shape (on a 2-core AMD EPYC: 1.1-1.8x faster
-at 9 / 3, 14 / 2 and 8 / 2 heads for most row and cache sizes, 0.8x at 9 / 3 heads with 32 rows and 200 cached
-slots), so kernels/select.py times both at the model's shape and dtype and the plan records the winner. In bf16
-the gap is wider (the same CPU: SDPA 1.6 ms against 0.19 ms at 9 / 3 heads, 32 rows, 96 slots). Same result up to
+head is read once. Which is faster depends on the CPU, the head shape and the dtype (docs/benchmarks.md), so
+kernels/select.py times both at the model's shape and dtype and the plan records the winner. Same result up to
 rounding.
 
 On CUDA nothing is measured: with grouped KV heads a decode step always runs the grouped kernel
@@ -19,11 +17,9 @@ The grouped kernel reads each KV head once, in the model's dtype, in two batched
 captured in the static decode's graphs). Without grouping, SDPA's memory-efficient kernel takes the mask.
 
 The same grouped matmuls serve a forward whose gradient is taken (training, scoring with a gradient): on the CPU,
-SDPA's backward in bf16 runs far below its FLOPs (an Intel Xeon with AMX, 2 threads, 9 / 3 heads of 64, 8 rows of
-64 queries over 96 keys: 0.54 ms forward and 7.6 ms backward, against 1.2 and 1.8 ms grouped; 0.63x the time at
-128 over 192), while the grouped matmuls' autograd graph runs on the GEMMs. The grouped kernel materialises the
-scores [B, H, T, S] (SDPA's flash kernel does not) and loses from 256 queries over 320 keys on (1.35x there), so
-it runs only up to the largest (queries x keys) timed, TRAIN_SIZES; longer sequences, and forwards without a
+SDPA's backward in bf16 can run far below its FLOPs, while the grouped matmuls' autograd graph runs on the GEMMs.
+The grouped kernel materialises the scores [B, H, T, S] (SDPA's flash kernel does not) and loses on long sequences,
+so it runs only up to the largest (queries x keys) timed, TRAIN_SIZES; longer sequences, and forwards without a
 gradient, keep SDPA. kernels/select.py times both, forward and backward, at the model's head shape and dtype and
 the plan records the winner (benchmarks/attention_kernels.py prints each size).
 """

@@ -9,9 +9,9 @@ reduced-precision math): results agree with torch.mm to fp32 rounding (~1e-6).
 public API, so `linear` probes it once (same result as torch.mm on a small problem) and falls back to
 torch.mm whenever it is missing, fails, or the inputs are not fp32 CPU tensors. GRPO_ONEDNN=0 turns it off.
 
-Which weights use it is decided per weight shape by a measured `KernelPlan` (kernels/select.py) once one is
-active, for the forward and weight-gradient products and, apart, for the input gradient (the product with the
-transposed weight, which can favour the other GEMM); before that, by a size threshold.
+Which weights use it is decided per weight shape by the measured `KernelPlan` (kernels/select.py) that the model's
+`Kernels.gemm` holds, for the forward and weight-gradient products and, apart, for the input gradient (the product
+with the transposed weight, which can favour the other GEMM); without a plan, by a size threshold.
 
 `pack` reorders a weight into oneDNN's blocked layout once, so that the products of a decode loop (same weights,
 a few dozen rows, every step) skip the reorder oneDNN otherwise does on every call; kernels/packing.py decides
@@ -21,23 +21,22 @@ The chunked log-prob head (rl/logprobs.py) and the decode loop's LM head (rollou
 of this: `planned_head_gemm` and packing.planned_decode_kernels build the products the plan chose for them, which
 kernels.apply_kernels sets in the model's `Kernels` (model/kernels_slot.py).
 
-Inside `weight_grads_in_place`, the weight gradient of a shape the plan marks "inplace" is added straight into
-weight.grad by one GEMM with accumulation (torch's addmm_) instead of being returned to autograd, which would
-allocate a fresh [out, in] gradient per micro-batch (page-faulted in on the CPU) and add it in a second pass.
+Inside the model's `Kernels.weight_grads_in_place` switch, the weight gradient of a shape the plan marks "inplace"
+is added straight into weight.grad by one GEMM with accumulation (torch's addmm_) instead of being returned to
+autograd, which would allocate a fresh [out, in] gradient per micro-batch (page-faulted in on the CPU) and add it in
+a second pass.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
-from ..model.kernels_slot import HeadGemm
+from ..model.kernels_slot import TORCH_KERNELS, GemmPlan, HeadGemm, Kernels
 
-_state: dict[str, bool] = {}
-_active: dict[str, object] = {}  # {"plan": KernelPlan} once kernels.activate(plan) ran; "in_place": bool
+_state: dict[str, bool] = {}  # the one-time checks of what this machine's torch build runs
 
 
 def op_works() -> bool:
@@ -66,9 +65,8 @@ def matches_mm(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 MIN_WEIGHT_NUMEL = 1 << 18  # without a plan: below ~1 MB of weight the call overhead wins
 
 
-def chosen_for(weight: torch.Tensor) -> bool:
-    """The active plan's choice for this weight's shape; without a plan, a size threshold."""
-    plan = active_plan()
+def chosen_for(weight: torch.Tensor, plan: GemmPlan | None) -> bool:
+    """The plan's choice for this weight's shape; without a plan, a size threshold."""
     if plan is None:
         return weight.numel() >= MIN_WEIGHT_NUMEL
     return plan.backend(tuple(weight.shape)) == "onednn"
@@ -79,29 +77,19 @@ def fp32_cpu_matrices(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.dim() == weight.dim() == 2
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `linear(x, weight)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the shape."""
-    return fp32_cpu_matrices(x, weight) and op_works() and chosen_for(weight)
+def applies(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None) -> bool:
+    """True when `linear(x, weight, plan)` will run on oneDNN: fp32 CPU matrices, a working op, chosen for the
+    shape."""
+    return fp32_cpu_matrices(x, weight) and op_works() and chosen_for(weight, plan)
 
 
-def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor) -> bool:
+def grad_input_applies(grad_y: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None) -> bool:
     """True when the gradient with respect to the input, grad_y [M, N] @ weight [N, K], is to run on oneDNN: as
     `applies`, with the plan's `grad_input` choice for the weight's shape (which defaults to the forward's)."""
-    plan = active_plan()
     if plan is None:
         return applies(grad_y, weight)
     return (fp32_cpu_matrices(grad_y, weight) and op_works()
             and plan.grad_input_backend(tuple(weight.shape)) == "onednn")
-
-
-def active_plan():
-    """The kernels.select.KernelPlan that `activate` made active, or None (the size threshold decides)."""
-    return _active.get("plan")
-
-
-def activate(plan) -> None:
-    """Make `plan` (a kernels.select.KernelPlan, or None for the size threshold) decide every product."""
-    _active["plan"] = plan
 
 
 def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,9 +144,8 @@ def blocked_weight_grad(grad_w: torch.Tensor, gz: torch.Tensor, h: torch.Tensor)
     grad_w. Whole, that output is as large as the head ([V, D]: 113 MB at SmolLM2's vocabulary, 311 MB at
     Qwen's), and glibc serves anything over 32 MB by mmap, page-faulting it in on every chunk; a block's output is
     a few MB, reused from the heap. Each block's rows of gz^T are copied into one contiguous [block, n] buffer
-    first: oneDNN runs a column-strided operand far slower than it copies it. On an AMD EPYC (Zen 5) this runs the
-    head's weight gradient at 1.5-1.7x the rate of torch's addmm_ (MKL's AVX2 kernel there); the kernel plan
-    measures which is faster (select.measure_head_weight_grad)."""
+    first: oneDNN runs a column-strided operand far slower than it copies it. Whether this beats torch's addmm_
+    depends on the CPU (docs/benchmarks.md): the kernel plan measures it (select.measure_head_weight_grad)."""
     vocab, rows = gz.shape[1], gz.shape[0]
     buf = torch.empty(min(HEAD_GRAD_BLOCK, vocab), rows, dtype=gz.dtype)  # [block, n]
     h_t = h.t()  # [D, n]: the product's weight operand, a view
@@ -185,34 +172,22 @@ def planned_head_gemm(plan, weight: torch.Tensor) -> HeadGemm | None:
     return HeadGemm(logits, grad_input, accepts=fp32_cpu_matrices, grad_weight=grad_weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T -> a new [M, N] tensor (weight may be a transposed view). No autograd."""
-    if applies(x, weight):
+    if applies(x, weight, plan):
         return _op(x, weight)
     return x @ weight.t()
 
 
-@contextmanager
-def weight_grads_in_place(enabled: bool = True) -> Iterator[None]:
-    """Inside (when enabled): the weight gradients of OneDNNLinear products whose shape the active plan marks
-    "inplace" accumulate directly into weight.grad and autograd sees none for them.
+def _grad_in_place(weight: torch.Tensor | None, kernels: Kernels) -> bool:
+    """Whether this weight's gradient goes straight into weight.grad: inside the model's switch
+    (`kernels.weight_grads_in_place`), for a shape its plan marks "inplace". None: not a trainable parameter.
 
     For the trainer's gradient-accumulation passes only: autograd hooks on those weights do not fire and
     torch.autograd.grad gets no weight gradient, so sharded training (FSDP2), which reduces gradients from
     hooks, must not enable it; the engine's own data parallelism sums .grad after the pass and may."""
-    before = _active.get("in_place", False)
-    _active["in_place"] = enabled
-    try:
-        yield
-    finally:
-        _active["in_place"] = before
-
-
-def _grad_in_place(weight: torch.Tensor | None) -> bool:
-    """Whether this weight's gradient goes straight into weight.grad (see weight_grads_in_place); None: not a
-    trainable parameter."""
-    plan = active_plan()
-    if not _active.get("in_place") or plan is None or weight is None:
+    plan = kernels.gemm
+    if not kernels.weight_grads_in_place.enabled or plan is None or weight is None:
         return False
     if not plan.grad_in_place(tuple(weight.shape)):
         return False
@@ -237,12 +212,13 @@ def product(x: torch.Tensor, weight: torch.Tensor, on_onednn: bool) -> torch.Ten
 class _LinearFn(torch.autograd.Function):
     """y = x W^T + b with the forward and weight-gradient products on oneDNN (on_onednn) or torch's GEMM, the
     input-gradient product on the one `grad_input_applies` names; the weight gradient straight into weight.grad
-    instead where `weight_grads_in_place` and the plan say so."""
+    instead where the model's switch and plan say so (`_grad_in_place`, asked at the backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, on_onednn, grad_input_on_onednn):  # x [M, K], weight [N, K], bias [N] | None
+    def forward(ctx, x, weight, bias, on_onednn, grad_input_on_onednn, kernels):  # x [M, K], weight [N, K], bias [N]
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.on_onednn, ctx.grad_input_on_onednn = bias is not None, on_onednn, grad_input_on_onednn
+        ctx.kernels = kernels
         # the parameter itself: what saved_tensors gives back under activation checkpointing is a detached
         # recomputed alias, whose .grad is not the parameter's
         ctx.param = weight if weight.is_leaf and weight.requires_grad else None
@@ -254,31 +230,32 @@ class _LinearFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = product(grad_y, weight.t(), ctx.grad_input_on_onednn) if need_x else None  # [M, N] @ [N, K]
         grad_w = None
-        if need_w and _grad_in_place(ctx.param):
+        if need_w and _grad_in_place(ctx.param, ctx.kernels):
             _accumulate_weight_grad(ctx.param, grad_y, x)
         elif need_w:
             grad_w = product(grad_y.t(), x.t(), ctx.on_onednn)  # [N, M] @ [M, K]
         grad_b = grad_y.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class OneDNNLinear(torch.nn.Linear):
-    """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN when the
-    plan chooses it, and whose training weight gradient accumulates in place where the plan says so (on either
-    GEMM); anything else (CUDA, bf16, no oneDNN) is nn.Linear itself.
-    `kernels.apply_kernels` puts one in place of each of a model's nn.Linear projections (`use_onednn_projections`).
-    Inside a decode loop
-    `packed` holds the weight packed by oneDNN or MKL (kernels/packing.py sets and clears it), used without
-    gradients."""
+    """nn.Linear (same parameters, state dict and LoRA targeting) whose fp32 CPU products use oneDNN where its
+    model's plan chooses it, and whose training weight gradient accumulates in place where that plan and the model's
+    switch say so (on either GEMM); anything else (CUDA, bf16, no oneDNN) is nn.Linear itself. `kernels` is its
+    model's `Kernels` (the same value as `model.kernels`): `kernels.apply_kernels` puts one in place of each of a
+    model's nn.Linear projections (`use_onednn_projections`). Inside a decode loop `packed` holds the weight packed
+    by oneDNN or MKL (kernels/packing.py sets and clears it), used without gradients."""
 
+    kernels: Kernels = TORCH_KERNELS  # its model's (holding / use_onednn_projections set it)
     packed: Callable[..., torch.Tensor] | None = None  # a kernels/packed.py PackedWeight: x [M, K] -> [M, N]
 
     @classmethod
-    def holding(cls, linear: torch.nn.Linear) -> OneDNNLinear:
+    def holding(cls, linear: torch.nn.Linear, kernels: Kernels) -> OneDNNLinear:
         """A OneDNNLinear holding `linear`'s own parameters: the same tensors (nothing copied or allocated), so
         names, state dicts, optimizer state and storage stay as they were."""
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                      dtype=linear.weight.dtype)
+        module.kernels = kernels
         module.weight = linear.weight
         if linear.bias is not None:
             module.bias = linear.bias
@@ -288,22 +265,27 @@ class OneDNNLinear(torch.nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])  # [M, in]
         if self.packed is not None and not torch.is_grad_enabled():
             return self.packed(x2, self.bias).view(*x.shape[:-1], self.out_features)
-        on_onednn = applies(x2, self.weight)
-        grad_input_on_onednn = torch.is_grad_enabled() and grad_input_applies(x2, self.weight)
+        plan = self.kernels.gemm
+        on_onednn = applies(x2, self.weight, plan)
+        grad_input_on_onednn = torch.is_grad_enabled() and grad_input_applies(x2, self.weight, plan)
         if not (on_onednn or grad_input_on_onednn or self._torch_grad_in_place(x2)):
             return super().forward(x)  # every product on torch's GEMM: nn.Linear's own autograd
-        y = _LinearFn.apply(x2, self.weight, self.bias, on_onednn, grad_input_on_onednn)  # [M, out]
+        y = _LinearFn.apply(x2, self.weight, self.bias, on_onednn, grad_input_on_onednn, self.kernels)  # [M, out]
         return y.view(*x.shape[:-1], self.out_features)
 
     def _torch_grad_in_place(self, x2: torch.Tensor) -> bool:
         """A product on torch's GEMM whose weight gradient is to be accumulated in place (fp32 CPU training)."""
         w = self.weight
-        return torch.is_grad_enabled() and w.requires_grad and fp32_cpu_matrices(x2, w) and _grad_in_place(w)
+        return (torch.is_grad_enabled() and w.requires_grad and fp32_cpu_matrices(x2, w)
+                and _grad_in_place(w, self.kernels))
 
 
-def use_onednn_projections(module: torch.nn.Module) -> None:
-    """Replace every plain nn.Linear inside `module` by a OneDNNLinear holding the same parameters (`holding`)."""
+def use_onednn_projections(module: torch.nn.Module, kernels: Kernels) -> None:
+    """Replace every plain nn.Linear inside `module` by a OneDNNLinear holding the same parameters (`holding`) and
+    following `kernels`, the model's; the OneDNNLinear already there follow `kernels` from now on."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, OneDNNLinear.holding(child))
+                setattr(parent, name, OneDNNLinear.holding(child, kernels))
+            elif isinstance(child, OneDNNLinear):
+                child.kernels = kernels

@@ -1,14 +1,12 @@
 """A weight reordered once for the products of a decode loop, by oneDNN or by MKL: whichever the kernel plan
 measured faster for its shape on this machine (kernels/select.py `measure_packing`).
 
-Why two: both libraries reorder a weight into a blocked layout that their small-row products read faster than a
-plain weight, and which is faster depends on the CPU. On an Intel Xeon (family 6 model 207, 2 threads) MKL's
-packed product of 32 rows ran 1.2-2.0x faster than oneDNN's on the block weights of a 135M model
-(docs/benchmarks.md). MKL's packed layout is made for one row count: a product with any other count runs on the
-plain weight instead, so a decode loop whose batch shrinks repacks its MKL weights (packing.DecodePacks.resize).
-Both pack fp32 weights: the products agree with torch.mm to fp32 rounding. oneDNN packs bf16 weights too (MKL's
-packed GEMM is fp32 only), for AMX or AVX512_BF16: on an Intel Xeon with AMX (2 threads) its packed bf16 products of
-32 rows ran 1.5-2.1x faster than torch's bf16 GEMM on a 135M model's large block weights and its LM head.
+Why two: both libraries reorder a weight into a blocked layout that their small-row products read faster than a plain
+weight, and which is faster depends on the CPU (docs/benchmarks.md). MKL's packed layout is made for one row count: a
+product with any other count runs on the plain weight instead, so a decode loop whose batch shrinks repacks its MKL
+weights (packing.DecodePacks.resize). Both pack fp32 weights: the products agree with torch.mm to fp32 rounding. oneDNN
+packs bf16 weights too (MKL's packed GEMM is fp32 only), for AMX or AVX512_BF16, where its packed bf16 products can beat
+torch's bf16 GEMM.
 """
 
 from __future__ import annotations

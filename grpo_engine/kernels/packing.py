@@ -1,15 +1,14 @@
 """Weights packed once for a decode loop: oneDNN's or MKL's blocked layout (kernels/packed.py), made per generate()
 call and dropped after it.
 
-Why: a decode step multiplies a few dozen rows by every weight of the model, and a oneDNN product on a plain
-weight first reorders that weight into its blocked layout, on every call. Over a decode loop the weights do not
-change, so reordering each one once per loop saves that work on every step: on a 2-core AMD EPYC, 1.2-1.3x on the
-products of 32 rows of a 135M model and its LM head (docs/benchmarks.md). Packing costs about one weight copy of
-time and memory, so the kernel plan (select.py) measures, per weight shape, from how many decode steps it pays,
+Why: a decode step multiplies a few dozen rows by every weight of the model, and a oneDNN product on a plain weight
+first reorders that weight into its blocked layout, on every call. Over a decode loop the weights do not change, so
+reordering each one once per loop saves that work on every step (docs/benchmarks.md). Packing costs about one weight
+copy of time and memory, so the kernel plan (select.py) measures, per weight shape, from how many decode steps it pays,
 and a weight is packed only for loops at least that long, by the kind whose packed product was faster. The packed
-product is timed against the weight's own GEMM, whichever it is: a weight that runs on torch's GEMM in training
-(where oneDNN is no faster, as on some Intel Xeon parts) is still packed for decoding where a packed product beats
-torch's at decode size.
+product is timed against the weight's own GEMM, whichever it is: a weight that runs on torch's GEMM in training (where
+oneDNN is no faster, as on some Intel Xeon parts) is still packed for decoding where a packed product beats torch's at
+decode size.
 
 Memory: the packed copies live only during generation, and only weights that require gradients are packed: in
 training their gradients, freed before the rollout, are at least as large as the copies, so packing does not

@@ -6,7 +6,7 @@ Intel Xeon parts) and on the shape (call overhead wins for small weights), so no
 weight shape of the model, both are timed in turns on a few representative products and the faster one is kept
 (`race`); for each weight, whether packing it for a decode loop pays against that GEMM, from how many decode steps
 and packed by which library (packing.py, packed.py), whether its training gradient is faster accumulated in place
-(onednn.weight_grads_in_place) than made by its GEMM and added, and which GEMM runs the gradient with respect to its
+(`Kernels.weight_grads_in_place`) than made by its GEMM and added, and which GEMM runs the gradient with respect to its
 input (a product with the weight transposed, which need not favour the forward's GEMM: on an AVX2-only EPYC oneDNN
 wins the decode-sized forward of some weights and loses their input gradient to torch's). The thread count is
 measured first (threads.py) and the GEMMs are timed at that count. The plan is cached in a JSON file keyed by (CPU,

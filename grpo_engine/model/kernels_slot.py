@@ -13,8 +13,7 @@ it), so a deep copy of the model (the KL reference) runs them on its own weights
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,32 +64,58 @@ class DecodeKernels:
     head: Product | None = None  # (h [A, D], W [V, D]) -> new [A, V]: the LM head at decode
 
 
-def no_weight_grads_in_place(enabled: bool = True) -> AbstractContextManager[None]:
-    """torch's way: autograd returns every weight gradient and adds it to .grad."""
-    return contextlib.nullcontext()
+class GemmPlan(Protocol):
+    """Which GEMM runs each projection weight's products, by the weight's shape (kernels/select.py KernelPlan)."""
+
+    def backend(self, weight_shape: tuple[int, ...]) -> str:
+        """"onednn" | "torch": the forward's and the weight gradient's GEMM."""
+
+    def grad_input_backend(self, weight_shape: tuple[int, ...]) -> str:
+        """"onednn" | "torch": the GEMM of the gradient with respect to the input."""
+
+    def grad_in_place(self, weight_shape: tuple[int, ...]) -> bool:
+        """Whether the weight gradient is added straight into .grad (inside `WeightGradSwitch`)."""
+
+
+class WeightGradSwitch:
+    """One model's switch for in-place weight gradients: inside `switch(enabled)` the projections add the gradients
+    of the weights their GemmPlan marks straight into .grad (kernels/onednn.py); outside, and with enabled=False
+    (sharded training, which reduces gradients from autograd's hooks), autograd returns every weight gradient."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self, enabled: bool = True) -> Iterator[None]:
+        before, self.enabled = self.enabled, enabled
+        try:
+            yield
+        finally:
+            self.enabled = before
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The products a model runs, as kernels/ chose them for this machine (`Kernels()`: torch's everywhere).
 
-    gemm: "out x in" of a projection weight -> "onednn" | "torch", the GEMM its products run on: the plan's
-        choice, which apply_kernels also makes the process's active plan, the one the OneDNNLinear projections it
-        puts in place of the blocks' nn.Linear follow (kernels/onednn.py); empty: torch's.
+    gemm: the GEMM each projection weight's products run on, by its shape: the KernelPlan (kernels/select.py)
+        that the OneDNNLinear projections apply_kernels puts in place of the blocks' nn.Linear read through this
+        value (kernels/onednn.py); None: torch's.
     decode_attention: the attention of a decode step (one new token per row), None for SDPA.
     train_attention: the attention of a forward of more than one token whose gradient is taken, None for SDPA.
     head: the chunked log-prob head's products (rl/logprobs.py), None for torch's.
     decode: the decode loops' packing and LM-head product.
-    weight_grads_in_place: the context in which the trainer's accumulation passes add the planned weight
-        gradients straight into .grad (enabled=False: autograd's way, as sharded training needs).
+    weight_grads_in_place: this model's switch, entered by the trainer's accumulation passes, inside which its
+        projections add the planned weight gradients straight into .grad (enabled=False: autograd's way, as
+        sharded training needs). Two models carry two switches, as they carry two plans.
     """
 
-    gemm: dict[str, str] = field(default_factory=dict)
+    gemm: GemmPlan | None = None
     decode_attention: DecodeAttention | None = None
     train_attention: TrainAttention | None = None
     head: HeadGemm | None = None
     decode: DecodeKernels = DecodeKernels()
-    weight_grads_in_place: Callable[[bool], AbstractContextManager[None]] = no_weight_grads_in_place
+    weight_grads_in_place: WeightGradSwitch = field(default_factory=WeightGradSwitch)
 
 
 TORCH_KERNELS = Kernels()

@@ -24,9 +24,9 @@ def load_model(
 ) -> Transformer:
     """Load an HF checkpoint directory or a .gguf file (model/gguf_io.py)."""
     path = Path(path)
-    if path.suffix == ".gguf":
-        return load_gguf_model(path, dtype, device)
-    return load_hf_model(path, dtype, device)
+    model = load_gguf_model(path, dtype, device) if path.suffix == ".gguf" else load_hf_model(path, dtype, device)
+    model.loaded_from = str(path)  # where its tokenizer is: the Python API trains a model object with it
+    return model
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -19,7 +19,7 @@ class PolicySpec:
 
 def policy_spec(cfg: Config) -> PolicySpec:
     mode = "full" if not cfg.lora.enabled else ("qlora" if cfg.lora.quantize_base == "nf4" else "lora")
-    if cfg.algorithm.beta == 0 or cfg.reference.mode == "none":
+    if cfg.algorithm.policy_loss.beta == 0 or cfg.reference.mode == "none":
         reference = "none"
     elif mode != "full":
         reference = "adapters"

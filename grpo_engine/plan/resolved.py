@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from omegaconf import OmegaConf
 
 from ..config import Config
-from ..config.trust import unmarked
+from ..config.load import as_mapping
 from .device_defaults import MemoryChoice
 from .from_config import config_memory_choice, precision_choice
 
@@ -44,8 +43,7 @@ class Resolved:
 
     def to_yaml(self) -> str:
         """resolved.yaml: `machine` (what was decided here) and `config` (the config the run trains with)."""
-        config = OmegaConf.to_container(OmegaConf.structured(unmarked(self.config)))
-        return yaml.safe_dump({"machine": self.machine(), "config": config}, sort_keys=False)
+        return yaml.safe_dump({"machine": self.machine(), "config": as_mapping(self.config)}, sort_keys=False)
 
 
 def resolve_settings(cfg: Config, device: torch.device, kept_precision: str | None = None) -> Resolved:

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config.algorithm import LossConfig
-
 
 @dataclass
 class Correction:
@@ -81,16 +79,17 @@ CORRECTIONS: dict[str, Callable[[torch.Tensor, float], Correction]] = {"none": _
 
 
 def rollout_correction(train_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                       cfg: LossConfig) -> Correction:
-    """The config's correction of the tokens in mask [B, T] (bool); padding gets weight 1 and no hit.
+                       loss) -> Correction:
+    """The correction `loss` (an rl.losses.ResolvedLoss) names, of the tokens in mask [B, T] (bool); padding gets
+    weight 1 and no hit.
 
     train_logp [B, T]: pi_train's log-probs (detached here); sampler_logp [B, T]: the sampler's.
     """
     m = mask.to(train_logp.dtype)  # [B, T]
     d = train_logp.detach() - sampler_logp.to(train_logp.dtype)  # [B, T]
     log_rho = torch.where(mask, d, torch.zeros_like(d))  # [B, T], 0 off the mask (where, not * m: inf * 0 = NaN)
-    level = LEVELS[cfg.rollout_correction_level](log_rho, m)  # [B, T]
-    c = CORRECTIONS[cfg.rollout_correction](level, math.log(cfg.rollout_correction_cap))
+    level = LEVELS[loss.rollout_correction_level](log_rho, m)  # [B, T]
+    c = CORRECTIONS[loss.rollout_correction](level, math.log(loss.rollout_correction_cap))
     return Correction(torch.where(mask, c.weight, torch.ones_like(c.weight)), c.hit & mask)
 
 

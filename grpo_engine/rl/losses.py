@@ -8,9 +8,10 @@ four small variants, each chosen by name from a dict:
     aggregation  AGGREGATIONS  seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
     KL           KL_ESTIMATORS k1 | k2 | k3
 
-`LossConfig.loss` picks a preset (PRESETS) that fills the variants; explicit fields override the preset.
+`LossConfig.loss` picks a preset (PRESETS) that fills the variants; explicit fields override the preset;
+`resolve` turns the LossConfig into the one flat `ResolvedLoss` that every function here takes.
 Given the sampler's log-probs, the policy-gradient term can also be reweighted for the sampler/trainer
-mismatch (`LossConfig.rollout_correction`, one of rl.correction.CORRECTIONS).
+mismatch (`ResolvedLoss.rollout_correction`, one of rl.correction.CORRECTIONS).
 Formulas with citations: docs/algorithms.md.
 
 Micro-batching: the aggregations divide by the size of the WHOLE optimizer step (num_tokens_total /
@@ -20,6 +21,7 @@ of one big batch. Without them, the call's own counts are used (right for a sing
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,58 +51,68 @@ PRESETS: dict[str, _Preset] = {
 
 
 @dataclass(frozen=True)
-class ResolvedLoss(_Preset):
-    """A LossConfig (the config's algorithm section is one) with the preset applied: every variant named, every
-    number set. What the update step reads."""
+class ResolvedLoss:
+    """The policy loss as the step reads it: a LossConfig (config.algorithm's `policy_loss`) with its preset
+    applied, every variant named and every number set (LossConfig's fields say what each one means)."""
 
-    cfg: LossConfig
-    max_completion_len: int | None = None  # Dr. GRPO's constant normaliser: cfg's, else the rollout's length cap
+    loss: str  # the preset's name
+    ratio_level: str
+    surrogate: str
+    eps_low: float
+    eps_high: float
+    aggregation: str
+    max_completion_len: int | None  # Dr. GRPO's constant normaliser: the config's, else the rollout's length cap
+    dual_clip_c: float | None
+    cispo_min_weight: float
+    cispo_max_weight: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+    kl_estimator: str
+    beta: float
+    kl_clamp: float
+    entropy_coef: float
+    entropy_top_quantile: float
+    rollout_correction: str
+    rollout_correction_cap: float
+    rollout_correction_level: str
 
 
-def resolve(cfg: LossConfig | ResolvedLoss, max_new_tokens: int | None = None) -> ResolvedLoss:
+def resolve(cfg: LossConfig, max_new_tokens: int | None = None) -> ResolvedLoss:
     """Apply the preset; max_new_tokens (rollout.max_new_tokens) is Dr. GRPO's normaliser where
     cfg.max_completion_len leaves it unset. LossConfig checked every name and number when it was made (its
     __post_init__, against the names of these tables); what depends on the preset is checked here. The trainer
-    resolves once per run and passes the ResolvedLoss on; resolving one again returns it as it is."""
-    if isinstance(cfg, ResolvedLoss):
-        return cfg
+    resolves once per run (train/step.py update_settings) and passes the ResolvedLoss on."""
     p = PRESETS[cfg.loss]
     aggregation = cfg.aggregation or p.aggregation
     length = cfg.max_completion_len or max_new_tokens
     if aggregation == "seq-mean-token-sum-norm" and not (length or 0) > 0:
         raise ValueError("aggregation 'seq-mean-token-sum-norm' (Dr. GRPO) needs max_completion_len > 0")
-    return ResolvedLoss(
-        ratio_level=cfg.ratio_level or p.ratio_level,
-        surrogate=p.surrogate,
-        eps_low=p.eps_low if cfg.eps_low is None else cfg.eps_low,
-        eps_high=p.eps_high if cfg.eps_high is None else cfg.eps_high,
-        aggregation=aggregation,
-        cfg=cfg,
-        max_completion_len=length,
-    )
+    as_set = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # the user's values, then the preset's
+    return ResolvedLoss(**{**as_set, "ratio_level": cfg.ratio_level or p.ratio_level, "surrogate": p.surrogate,
+                           "eps_low": p.eps_low if cfg.eps_low is None else cfg.eps_low,
+                           "eps_high": p.eps_high if cfg.eps_high is None else cfg.eps_high,
+                           "aggregation": aggregation, "max_completion_len": length})
 
 
-def is_tokenwise(cfg: LossConfig | ResolvedLoss) -> bool:
+def is_tokenwise(r: ResolvedLoss) -> bool:
     """True when the loss is a sum of per-token terms, each depending on that token's log-prob and entropy only.
 
     Then the LM head can compute its gradients in its forward pass (train/fused_head.py, rl.logprobs.head_chunks).
     Not per-token: GSPO's sequence ratio (a mean over the sequence), top-entropy masking (a batch quantile) and a
     sequence-level rollout correction (its weight depends on every token of the sequence).
     """
-    r = resolve(cfg)
-    c = r.cfg
-    sequence_correction = c.rollout_correction != "none" and c.rollout_correction_level == "sequence"
-    return r.ratio_level == "token" and c.entropy_top_quantile >= 1 and not sequence_correction
+    sequence_correction = r.rollout_correction != "none" and r.rollout_correction_level == "sequence"
+    return r.ratio_level == "token" and r.entropy_top_quantile >= 1 and not sequence_correction
 
 
-def zero_advantage_is_inert(cfg: LossConfig) -> bool:
+def zero_advantage_is_inert(r: ResolvedLoss) -> bool:
     """True when a token with advantage 0 gets exactly zero gradient, so rows with A = 0 can be left out of the update.
 
     Every surrogate is A times a function of the ratio (clip, dual clip, CISPO, SAPO, GSPO's sequence ratio, any
     rollout correction weight), and the aggregations divide by the step's totals, not the call's. Not so with a KL
     or entropy term (they act on every token) or top-entropy masking (its quantile is taken over the call's tokens).
     """
-    return cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.entropy_top_quantile >= 1
+    return r.beta == 0 and r.entropy_coef == 0 and r.entropy_top_quantile >= 1
 
 
 # ---- importance ratio: [B, T] log-probs -> [B, T] ratio ------------------------------------------------
@@ -135,8 +147,8 @@ def _clip_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
     surr1 = ratio * adv  # [B, T]
     surr2 = ratio.clamp(1 - r.eps_low, 1 + r.eps_high) * adv  # [B, T]
     obj = torch.minimum(surr1, surr2)  # [B, T]
-    if r.cfg.dual_clip_c is not None:
-        capped = torch.maximum(obj, r.cfg.dual_clip_c * adv)  # only binds when A < 0
+    if r.dual_clip_c is not None:
+        capped = torch.maximum(obj, r.dual_clip_c * adv)  # only binds when A < 0
         obj = torch.where(adv < 0, capped, obj)
     return _Surrogate(
         loss=-obj,
@@ -147,7 +159,7 @@ def _clip_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
 
 def _cispo_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
     """CISPO: -sg(clip(ratio, w_min, w_max)) * A * logp -- every token keeps its gradient, only its weight is capped."""
-    lo, hi = r.cfg.cispo_min_weight, r.cfg.cispo_max_weight
+    lo, hi = r.cispo_min_weight, r.cispo_max_weight
     weight = ratio.clamp(lo, hi).detach()  # [B, T]
     return _Surrogate(loss=-weight * adv * logp, clipped_low=ratio < lo, clipped_high=ratio > hi)
 
@@ -158,7 +170,7 @@ def _sapo_surrogate(ratio, logp, adv, r: ResolvedLoss) -> _Surrogate:
     d f / d logp = 4 s (1 - s) r with s = sigmoid(tau (r - 1)): exactly 1 on-policy (r = 1, the plain policy
     gradient), decaying smoothly to 0 as r leaves 1 instead of PPO's hard cut. Nothing is clipped outright.
     """
-    tau = torch.where(adv > 0, r.cfg.sapo_tau_pos, r.cfg.sapo_tau_neg).to(ratio.dtype)  # [B, T]
+    tau = torch.where(adv > 0, r.sapo_tau_pos, r.sapo_tau_neg).to(ratio.dtype)  # [B, T]
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau  # [B, T]
     none = torch.zeros_like(ratio, dtype=torch.bool)
     return _Surrogate(loss=-gate * adv, clipped_low=none, clipped_high=none)
@@ -216,13 +228,13 @@ AGGREGATIONS: dict[str, Callable] = {
 # ---- inputs: shapes, advantages [B] -> [B, T], normalisers, finite masking --------------------------------
 
 
-def check_inputs(c: LossConfig, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+def check_inputs(loss: ResolvedLoss, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     """Shapes agree with mask [B, T], and the inputs the config's terms need are there."""
-    if c.rollout_correction != "none" and tensors["sampler_logp"] is None:
-        raise ValueError(f"rollout_correction {c.rollout_correction!r} needs sampler_logp (the sampler's log-probs)")
-    if c.beta > 0 and tensors["ref_logp"] is None:
-        raise ValueError("cfg.beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
-    if (c.entropy_coef > 0 or c.entropy_top_quantile < 1) and tensors["entropy"] is None:
+    if loss.rollout_correction != "none" and tensors["sampler_logp"] is None:
+        raise ValueError(f"rollout_correction {loss.rollout_correction!r} needs sampler_logp (the sampler's log-probs)")
+    if loss.beta > 0 and tensors["ref_logp"] is None:
+        raise ValueError("beta > 0 needs ref_logp (reference-policy log-probs); set beta=0 to train without KL")
+    if (loss.entropy_coef > 0 or loss.entropy_top_quantile < 1) and tensors["entropy"] is None:
         raise ValueError("entropy_coef > 0 or entropy_top_quantile < 1 needs the entropy [B, T] input")
     if mask.dim() != 2:
         raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
@@ -288,7 +300,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    cfg: LossConfig | ResolvedLoss | None = None,
+    loss: ResolvedLoss,
     *,
     entropy: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
@@ -300,10 +312,10 @@ def policy_loss(
 
     logp [B, T]: current policy log-probs (with grad); old_logp [B, T] or None: behaviour policy log-probs
     (None = on-policy single pass: logp.detach() is used, so the ratio is 1 and the gradient is exact);
-    ref_logp [B, T] or None: reference log-probs (needed when cfg.beta > 0); advantages [B] or [B, T];
+    ref_logp [B, T] or None: reference log-probs (needed when loss.beta > 0); advantages [B] or [B, T];
     mask [B, T] (bool or 0/1) of completion tokens; entropy [B, T] (needed for entropy_coef > 0 or
     entropy_top_quantile < 1); sampler_logp [B, T]: the sampler's log-probs of the same tokens (needed for
-    cfg.rollout_correction; when given, the mismatch metrics of rl.correction are reported).
+    loss.rollout_correction; when given, the mismatch metrics of rl.correction are reported).
 
     num_tokens_total / num_seqs_total: active tokens / sequences of the WHOLE optimizer step (default: this
     call's): each micro-batch's loss is then its share of the big-batch loss, so the summed gradients equal the
@@ -311,15 +323,13 @@ def policy_loss(
     with_metrics=False: the loss alone (the fused head's per-chunk gradients); the metrics are read from the
     device once per call, not once per value.
     """
-    r = resolve(cfg or LossConfig())  # a ResolvedLoss (the trainer's) is used as it is
-    c = r.cfg
-    check_inputs(c, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
+    check_inputs(loss, mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy,
                  sampler_logp=sampler_logp)
     adv = broadcast_advantages(advantages, mask).to(logp.dtype)  # [B, T]
 
     old = logp.detach() if old_logp is None else old_logp
-    live = finite_inputs(mask, logp, old, adv, ref_logp if c.beta > 0 else None, entropy,
-                         sampler_logp if c.rollout_correction != "none" else None)
+    live = finite_inputs(mask, logp, old, adv, ref_logp if loss.beta > 0 else None, entropy,
+                         sampler_logp if loss.rollout_correction != "none" else None)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(live.mask, logp, zero)
     old = torch.where(live.mask, old.to(logp.dtype), zero)
@@ -327,16 +337,16 @@ def policy_loss(
     m_bool, m = live.mask, live.mask.to(logp.dtype)  # [B, T]
 
     n_tok, n_seq = normalisers(m, num_tokens_total, num_seqs_total)
-    aggregate = AGGREGATIONS[r.aggregation]
-    pg = _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r)
-    pg_loss = aggregate(pg.loss, pg.mask, n_tok, n_seq, r)
-    loss, kl_mean, ent_mean = _add_kl_and_entropy(
-        pg_loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, r
+    aggregate = AGGREGATIONS[loss.aggregation]
+    pg = _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, loss)
+    pg_loss = aggregate(pg.loss, pg.mask, n_tok, n_seq, loss)
+    value, kl_mean, ent_mean = _add_kl_and_entropy(
+        pg_loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok, n_seq, loss
     )
 
     if not with_metrics:
-        return loss, {}
-    return loss, _read({"loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_mean": kl_mean,
+        return value, {}
+    return value, _read({"loss": value.detach(), "pg_loss": pg_loss.detach(), "kl_mean": kl_mean,
                         "entropy_mean": ent_mean, "active_tokens": m.sum(), "num_nonfinite": live.num_nonfinite,
                         **_ratio_metrics(pg.ratio.detach(), pg.surr, m_bool), **pg.metrics})
 
@@ -363,20 +373,20 @@ class _PolicyGradient:
 
 def _policy_gradient_term(logp, old, adv, m_bool, entropy, sampler_logp, r: ResolvedLoss) -> _PolicyGradient:
     """Ratio -> surrogate -> rollout-correction weight (old = pi_train: logp.detach() when on-policy)."""
-    c, m = r.cfg, m_bool.to(logp.dtype)  # [B, T]
+    m = m_bool.to(logp.dtype)  # [B, T]
     ratio = RATIOS[r.ratio_level](logp, old, m)  # [B, T]
     surr = SURROGATES[r.surrogate](ratio, logp, adv, r)
     per_token, metrics = surr.loss, {}
-    if c.entropy_top_quantile < 1:
+    if r.entropy_top_quantile < 1:
         # The low-entropy tokens' terms are zeroed, not dropped from the mask: the aggregation must still divide
         # by every active token (Wang et al. 2025; docs/algorithms.md). Aggregating over the top-entropy mask
         # would make seq-mean-token-mean divide by each sequence's kept tokens, scaling its gradient by 1/q.
-        per_token = per_token * _top_entropy_mask(entropy, m_bool, c.entropy_top_quantile).to(m.dtype)
+        per_token = per_token * _top_entropy_mask(entropy, m_bool, r.entropy_top_quantile).to(m.dtype)
     if sampler_logp is not None:
         metrics = mismatch_metrics(old, sampler_logp, m_bool)
         hit = 0.0
-        if c.rollout_correction != "none":
-            fix = rollout_correction(old, sampler_logp, m_bool, c)
+        if r.rollout_correction != "none":
+            fix = rollout_correction(old, sampler_logp, m_bool, r)
             per_token = per_token * fix.weight
             hit = fix.hit.sum() / m_bool.sum().clamp_min(1)
         metrics["rollout_correction_frac"] = hit
@@ -388,19 +398,18 @@ def _add_kl_and_entropy(loss, logp, ref_logp, entropy, m_bool, aggregate, n_tok,
 
     Returns (loss, kl_mean, entropy_mean) with the means over active tokens, for metrics.
     """
-    c = r.cfg
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     m = m_bool.to(logp.dtype)  # [B, T]
     kl_mean = ent_mean = 0.0
-    if c.beta > 0:
+    if r.beta > 0:
         d = torch.where(m_bool, ref_logp.to(logp.dtype), zero) - logp  # [B, T] log(pi_ref / pi)
-        kl = KL_ESTIMATORS[c.kl_estimator](d.clamp(-c.kl_clamp, c.kl_clamp))  # [B, T]
-        loss = loss + c.beta * aggregate(kl, m, n_tok, n_seq, r)
+        kl = KL_ESTIMATORS[r.kl_estimator](d.clamp(-r.kl_clamp, r.kl_clamp))  # [B, T]
+        loss = loss + r.beta * aggregate(kl, m, n_tok, n_seq, r)
         kl_mean = _masked_mean(kl, m)
     if entropy is not None:
         ent = torch.where(m_bool, entropy.to(logp.dtype), zero)
-        if c.entropy_coef > 0:
-            loss = loss - c.entropy_coef * aggregate(ent, m, n_tok, n_seq, r)
+        if r.entropy_coef > 0:
+            loss = loss - r.entropy_coef * aggregate(ent, m, n_tok, n_seq, r)
         ent_mean = _masked_mean(ent, m)
     return loss, kl_mean, ent_mean
 

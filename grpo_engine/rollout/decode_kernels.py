@@ -49,8 +49,8 @@ class DecodeHead:
     have one (oneDNN on some fp32 CPUs), else torch.mm into one reused [rows, V] logits buffer.
 
     Why the buffer: a fresh [rows, V] tensor per step (19 MB for 32 rows of a Qwen vocabulary) is served by
-    mmap and page-faulted in on every step; on the 2-core CPU machine that halved torch.mm's throughput.
-    oneDNN allocates its own output and is still about 2x faster than torch.mm into a buffer there.
+    mmap and page-faulted in on every step, which can halve torch.mm's throughput (docs/benchmarks.md). oneDNN
+    allocates its own output and is still faster than torch.mm into a buffer where the plan chose it.
     """
 
     def __init__(self, model: nn.Module, rows: int, packs: PackedWeights | None = None):

@@ -12,7 +12,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -34,9 +34,33 @@ R1_PREFILL = "Let me solve this step by step.\n<think>"
 
 @dataclass(frozen=True)
 class Example:
+    """One problem. A task read from rows (the custom task) keeps each row's columns in `row`, so that a reward
+    reads any of them by name: `example["difficulty"]`; `example["id"]`, `["question"]` and `["answer"]` work for
+    every example (a row's own column of that name first)."""
+
     id: str  # stable identifier (split + index, or the source row)
     question: str  # the problem text shown to the model
     answer: str  # the reference final answer (normalised form used for scoring)
+    row: Mapping[str, object] = field(default_factory=dict, compare=False, repr=False, kw_only=True)  # its columns
+
+    def __getitem__(self, name: str) -> object:
+        if name in self.row:
+            return self.row[name]
+        if name in ("id", "question", "answer"):
+            return getattr(self, name)
+        raise KeyError(f"{name!r}: example {self.id}'s row has no such column (its columns: {self.keys()})")
+
+    def get(self, name: str, default: object = None) -> object:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.row or name in ("id", "question", "answer")
+
+    def keys(self) -> list[str]:
+        return sorted({*self.row, "id", "question", "answer"})
 
 
 @dataclass(frozen=True)

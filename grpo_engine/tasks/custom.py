@@ -4,8 +4,13 @@ is UTF-8 text; a byte-order mark at its start and Windows line ends (what Window
 write) are read as the plain file.
 
 A reward function is called as fn(example, completion) and returns a float (used as the total) or a
-RewardResult. It runs in the training process: the trainer calls it through safe_reward, so if it raises
-or runs past the timeout the completion scores 0 and the failure is counted.
+RewardResult; `example` carries every column of its row (`example["difficulty"]`, base.Example). Several, each with
+a weight, are `reward_fns`: their weighted sum is the total. It runs in the training process: the trainer calls it
+through safe_reward, so if it raises or runs past the timeout the completion scores 0 and the failure is counted.
+
+Functions given as Python objects (the Python API, api/trainer.py) are named in the config by "module:qualname" like
+any other and handed over in process (`providing_rewards`), not imported; a name that cannot be imported (a lambda,
+a function of `__main__`: a notebook cell) is refused by name alone, in one line saying the run resumes from Python.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import importlib
 import math
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..config.fields import option
@@ -75,6 +82,9 @@ class CustomOptions(ChatTaskOptions):
               "answer_line, answer_is, then final_number (exact / math), final_number and sentence_number (numeric), "
               "choice (choice) or final_word (word)")
     reward_fn: str | None = option(None, "\"module:function\" called as fn(example, completion); replaces the verifier")
+    reward_fns: list | None = option(None, "several reward functions, their weighted sum the total: a list of "
+                                           "\"module:function\" or {fn: \"module:function\", weight: w} (weight "
+                                           "1 when left out); replaces the verifier and reward_fn")
 
     def __post_init__(self) -> None:
         if self.verifier not in VERIFIERS:
@@ -84,14 +94,68 @@ class CustomOptions(ChatTaskOptions):
         super().__post_init__()
         if not self.data_path:
             raise ValueError("custom task needs data_path: a .jsonl file with 'prompt' and 'answer' fields")
+        if self.reward_fns is not None:
+            if self.reward_fn is not None:
+                raise ValueError("reward_fn and reward_fns are both set: keep one (reward_fns holds several)")
+            self.reward_fns = weighted_specs(self.reward_fns)
         if not 0 <= self.holdout < 1:
             raise ValueError(f"holdout={self.holdout} must be in [0, 1): the share of data_path's rows held out for "
                              f"testing when there is no test_path")
 
 
-def import_reward_fn(spec: str) -> Callable[[Example, str], float | RewardResult]:
-    """Resolve "package.module:function" to a callable, with errors that say what to fix. A value from a stored
-    config (a run directory's config.yaml) is refused unless the user allowed it (config/trust.py)."""
+RewardFn = Callable[[Example, str], "float | RewardResult"]
+_IN_PROCESS: ContextVar[Mapping[str, RewardFn] | None] = ContextVar("grpo_in_process_rewards", default=None)
+
+
+@contextmanager
+def providing_rewards(functions: Mapping[str, RewardFn]) -> Iterator[None]:
+    """Within this block, a reward named by one of `functions`' names is that object, not imported: the Python API
+    hands over the functions it was given (a notebook's among them) under the names the config stores."""
+    token = _IN_PROCESS.set({**(_IN_PROCESS.get() or {}), **functions})
+    try:
+        yield
+    finally:
+        _IN_PROCESS.reset(token)
+
+
+def importable_name(spec: str) -> bool:
+    """Whether "module:qualname" can name a function to import: not one of `__main__` (a notebook cell, a script run
+    directly), not a lambda or a function defined inside another (`<lambda>`, `<locals>`)."""
+    module_name, _, attr = str(spec).partition(":")
+    return module_name != "__main__" and "<" not in attr and "#" not in attr
+
+
+def weighted_specs(value) -> list[dict]:
+    """reward_fns as [{"fn": "module:function", "weight": w}]: each item a name (weight 1) or such a mapping; the
+    names keep their type (a StoredCode stays one, config/trust.py)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"reward_fns={value!r} must be a non-empty list of \"module:function\" or "
+                         f"{{fn: \"module:function\", weight: w}}")
+    out = []
+    for i, item in enumerate(value):
+        fn, weight = (item.get("fn"), item.get("weight", 1.0)) if isinstance(item, Mapping) else (item, 1.0)
+        extra = set(item) - {"fn", "weight"} if isinstance(item, Mapping) else set()
+        if not isinstance(fn, str) or extra:
+            raise ValueError(f"reward_fns[{i}]={item!r} must be \"module:function\" or {{fn: \"module:function\", "
+                             f"weight: w}}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"reward_fns[{i}] weight={weight!r} must be a finite number")
+        out.append({"fn": fn, "weight": float(weight)})
+    return out
+
+
+def import_reward_fn(spec: str, key: str = "task.options.reward_fn") -> RewardFn:
+    """Resolve "package.module:function" to a callable, with errors that say what to fix: one handed over in
+    process (providing_rewards) as it is; a value from a stored config (a run directory's config.yaml) is refused
+    unless the user allowed it (config/trust.py), and one that names no importable function in one line saying the
+    run resumes from Python only."""
+    given = (_IN_PROCESS.get() or {}).get(str(spec))
+    if given is not None:
+        return given
+    if not importable_name(spec):
+        raise ValueError(f"{getattr(spec, 'key', key)}={str(spec)!r} names a function defined in __main__ (a notebook "
+                         f"cell or a script run directly) or a lambda, which cannot be imported by name: this run "
+                         f"resumes from Python only, as grpo_engine.GRPO(..., reward=<that function>) on its run_dir")
     check_code(spec)  # before anything is imported
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -110,7 +174,7 @@ def load_custom(path: str) -> list[Example]:
     rows = read_records(path)
     require_fields(rows, ("prompt", "answer"), path)
     ids = [str(r.get("id", f"{path}#{i}")) for i, r in enumerate(rows)]
-    return [Example(i, str(r["prompt"]), str(r["answer"])) for i, r in zip(ids, rows)]
+    return [Example(i, str(r["prompt"]), str(r["answer"]), row=r) for i, r in zip(ids, rows)]
 
 
 class CustomTask(ChatTask):
@@ -120,6 +184,8 @@ class CustomTask(ChatTask):
         super().__init__(options)
         self._equal = VERIFIERS[options.verifier]()
         self._reward_fn = import_reward_fn(options.reward_fn) if options.reward_fn else None
+        self._weighted = [(item["fn"], import_reward_fn(item["fn"], "task.options.reward_fns"), item["weight"])
+                          for item in options.reward_fns or ()]
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
@@ -144,6 +210,9 @@ class CustomTask(ChatTask):
     def reward(self, example: Example, completion: str) -> RewardResult:
         if self._reward_fn is not None:
             return _checked(self._reward_fn(example, completion), self.options.reward_fn)
+        if self._weighted:
+            return weighted_sum([(name, _checked(fn(example, completion), name), weight)
+                                 for name, fn, weight in self._weighted])
         found = extract_answer(self.options.prefill + completion, self.options.extractors).answer
         correct = found is not None and self._equal(example.answer, found)
         return weighted_reward(self.options, completion, float(correct), found)
@@ -176,3 +245,17 @@ def _checked(value: object, spec: str | None) -> RewardResult:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return RewardResult(float(value), {"custom": float(value)}, None)
     raise ValueError(f"reward_fn {spec} returned {value!r}; return a finite float or a RewardResult")
+
+
+def weighted_sum(parts: list[tuple[str, RewardResult, float]]) -> RewardResult:
+    """Several rewards' results (name, result, weight) as one: the total their weighted sum, each one's total a
+    component under its name (the plots and metrics show them apart), and correctness, the answer found and the
+    format from the first that reports them (a RewardResult with "answer" / "format" components)."""
+    total = sum(weight * result.total for _, result, weight in parts)
+    components = {name.rpartition(":")[2]: result.total for name, result, _ in parts}
+    for key in ("answer", "format"):
+        found = next((r.components[key] for _, r, _ in parts if key in r.components), None)
+        if found is not None:
+            components[key] = found
+    answer = next((r.answer for _, r, _ in parts if r.answer is not None), None)
+    return RewardResult(total, components, answer)

@@ -76,10 +76,9 @@ def update_allocations_rule(setting: str, device: torch.device) -> str:
     """memory.cpu_update_mmap resolved to the update's allocation rule: "mmap" (true), "trim", or "heap" (auto,
     false, and every device but the CPU).
 
-    Why not mmap by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host.
-    At the SmolLM2-135M shape (every block checkpointed, `grpo bench step`), it cost 5-8% of the step on an Intel
-    Xeon, and 12.1-13.8 s of update against 9.0-9.5 s on an AMD EPYC (9.6 million page faults against 2.1 million
-    over a run of three steps), for 5-7% less peak RSS (docs/memory.md). "trim" keeps the heap and gives its
+    Why not mmap by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host:
+    a few percent of the step on one, a third more update time on another, for a few percent less peak RSS
+    (docs/memory.md). "trim" keeps the heap and gives its
     freed pages back at the update's start and end: about half of what the heap alone gains over a long run, at
     about half of mmap's page faults and the heap's speed (the `--real` demo's recipe; docs/memory.md).
     """

@@ -153,8 +153,8 @@ _NOISE_POOLS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def _noise_pool(device: torch.device) -> torch.Tensor:
     """[UPDATE_SLICE + ROUNDING_OFFSETS] int32 uniform in [0, 2^16), drawn once per device from a fixed seed: a
-    window of it is the noise of one stochastic rounding (drawing fresh noise per step cost 0.6 s a step at 135M
-    parameters on 2 cores; adding a window costs 0.1 s)."""
+    window of it is the noise of one stochastic rounding: adding a window costs a fraction of drawing fresh noise
+    for every weight each step."""
     key = (device, UPDATE_SLICE + ROUNDING_OFFSETS)
     if key not in _NOISE_POOLS:
         g = torch.Generator().manual_seed(0)
@@ -254,8 +254,8 @@ def build_adamw(params, cfg, device):
 
 
 def build_adamw_fused(params, cfg, device):
-    """torch's fused AdamW (CUDA and CPU kernels): no full-size temporaries, about 6x faster than foreach on the
-    2-core CPU machine at 100M params. It is also what transformers' Trainer (and so TRL) uses by default."""
+    """torch's fused AdamW (CUDA and CPU kernels): no full-size temporaries, and several times faster than foreach
+    on the CPU (docs/memory.md). It is also what transformers' Trainer (and so TRL) uses by default."""
     if device.type not in ("cuda", "cpu"):
         _fallback(cfg, f"adamw_fused has torch kernels for cuda and cpu, and the device is {device.type}",
                   "adamw (foreach)")

@@ -46,9 +46,9 @@ class Policy:
     """The trained model with its optimizer, LR scheduler and (optional) KL reference."""
 
     def __init__(self, model, optimizer, scheduler, reference: Reference | None, spec: PolicySpec,
-                 kernels: KernelPlan):
+                 kernel_plan: KernelPlan):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.reference, self.spec, self.kernels = reference, spec, kernels
+        self.reference, self.spec, self.kernel_plan = reference, spec, kernel_plan
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +88,7 @@ class Policy:
 
     def kernel_files(self) -> dict[str, str]:
         """The kernel plan's record, a checkpoint's file (kernels.json) for an exact resume on this machine."""
-        return {PLAN_FILE: self.kernels.to_json()}
+        return {PLAN_FILE: self.kernel_plan.to_json()}
 
     def state_dict(self) -> dict:
         """What besides the weights an exact resume needs from the policy."""
@@ -121,20 +121,20 @@ def build_policy(resolved: Resolved, resume_dir: Path | None = None, world: Worl
         load_adapter(model, resume_dir / "adapter")
     if dtype == torch.bfloat16 and device.type == "cpu":
         warn_if_bf16_is_slow(model.config)
-    kernels = kernel_plan(model, resume_dir)
-    apply_kernels(model, kernels)
+    plan = kernel_plan(model, resume_dir)
+    apply_kernels(model, plan)
     apply_memory_config(model, cfg.memory)
     reference = None
     if spec.reference in ("cpu", "gpu_copy"):
         initial = load_model(cfg.model.path, dtype, device) if full_resume else model
-        reference = make_reference(apply_kernels(initial, kernels), cfg.reference, beta=cfg.algorithm.beta)
+        reference = make_reference(apply_kernels(initial, plan), cfg.reference, beta=cfg.algorithm.policy_loss.beta)
         shard_model(reference.module, world)
     shard_model(model, world)
     optimizer = build_optimizer(model.parameters(), cfg.optimizer, device)
     s = cfg.schedule
     scheduler = make_scheduler(optimizer, total=s.steps, warmup=s.warmup_steps, kind=s.lr_schedule,
                                min_ratio=s.min_lr_ratio)
-    return Policy(model, optimizer, scheduler, reference, spec, kernels)
+    return Policy(model, optimizer, scheduler, reference, spec, plan)
 
 
 def policy_model(cfg: Config, spec: PolicySpec, path, dtype: torch.dtype, device: torch.device):

@@ -176,7 +176,7 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
-        (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
+        (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernel_plan.to_json())  # the kernels this run uses
         if asked.memory.precision == "auto":  # the engine's choice, said once (stored in resolved.yaml)
             monitor.message(f"memory.precision {resolved.precision} ({resolved.precision_why})")
     prompts = ShuffledPrompts(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)

@@ -99,7 +99,7 @@ def grpo_step(inputs: StepInputs, state: StepState, step: int, message: Callable
     #    loss normalisers are the step's token and sequence counts over all ranks
     batch, adv_info = train_batch(collected.groups, cfg, inputs.task, inputs.tokenizer.pad_token_id, inputs.world)
     totals = step_totals(batch, inputs.world)
-    if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(cfg.algorithm):
+    if batch is not None and cfg.memory.skip_zero_advantage and zero_advantage_is_inert(inputs.update.loss):
         batch = rows_with_signal(batch)  # rows with advantage 0 add nothing to this loss's gradient: not run
 
     # 5. old-policy (mu > 1) and reference (beta > 0) log-probs, only when the loss needs them
@@ -191,7 +191,7 @@ def step_totals(batch: TrainBatch | None, world: World) -> tuple[int, int] | Non
 
 def update_settings(cfg: Config) -> UpdateSettings:
     """The update step's settings; the loss is the algorithm section resolved (rl/losses.py resolve), once."""
-    return UpdateSettings(loss=resolve(cfg.algorithm, cfg.rollout.max_new_tokens), mu=cfg.algorithm.mu,
+    return UpdateSettings(loss=resolve(cfg.algorithm.policy_loss, cfg.rollout.max_new_tokens), mu=cfg.algorithm.mu,
                           grad_clip=cfg.optimizer.grad_clip,
                           temperature=cfg.rollout.temperature, chunk_size=cfg.memory.logprob_chunk_size,
                           auto_halve=cfg.memory.auto_halve_micro_batch)

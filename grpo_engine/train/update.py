@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rl.losses import LossConfig, ResolvedLoss, is_tokenwise, policy_loss, resolve
+from ..rl.losses import ResolvedLoss, is_tokenwise, policy_loss
 from ..world import World
 from .batch import TrainBatch, plan_micro_batches
 from .distributed import accumulating, sum_gradients
@@ -91,7 +91,7 @@ def grpo_loss(model, sub: TrainBatch, loss: ResolvedLoss, totals: tuple[int, int
     """
     objective = functools.partial(
         policy_loss, old_logp=sub.old_logp, ref_logp=sub.ref_logp, advantages=sub.advantages,
-        mask=sub.completion_mask, cfg=loss, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
+        mask=sub.completion_mask, loss=loss, sampler_logp=sub.sampler_logp, num_tokens_total=totals[0],
         num_seqs_total=totals[1])
     if not fused:
         logp, entropy = sequence_logprobs(model, sub, temperature=temperature, chunk_size=chunk_size,
@@ -100,10 +100,10 @@ def grpo_loss(model, sub: TrainBatch, loss: ResolvedLoss, totals: tuple[int, int
         value.backward()
         return metrics
     head = FusedHead(model, sub, temperature=temperature, chunk_size=chunk_size,
-                     entropy_grad=loss.cfg.entropy_coef > 0)
+                     entropy_grad=loss.entropy_coef > 0)
     # per chunk the gradient only: the sampler's log-probs only when the correction needs them (the mismatch
     # metrics, host syncs, are computed once below)
-    sampler_logp = sub.sampler_logp if loss.cfg.rollout_correction != "none" else None
+    sampler_logp = sub.sampler_logp if loss.rollout_correction != "none" else None
     for chunk in head.chunks():
         logp, entropy = head.place(chunk)  # [b, T] each: the chunk's tokens are leaves
         value, _ = objective(logp, entropy=entropy, sampler_logp=sampler_logp, with_metrics=False)
@@ -118,7 +118,7 @@ def grpo_loss(model, sub: TrainBatch, loss: ResolvedLoss, totals: tuple[int, int
     return metrics
 
 
-def accumulate_gradients(model, batch: TrainBatch, loss: LossConfig | ResolvedLoss, token_budget: int, *,
+def accumulate_gradients(model, batch: TrainBatch, loss: ResolvedLoss, token_budget: int, *,
                          temperature: float, chunk_size: int, fused_head: bool = True,
                          totals: tuple[int, int] | None = None, halve_on_oom: bool = False,
                          message=print) -> UpdateStats:
@@ -128,7 +128,6 @@ def accumulate_gradients(model, batch: TrainBatch, loss: LossConfig | ResolvedLo
     batch's). halve_on_oom: on CUDA OOM, halve the budget and run the pass again (one process only: a rank
     retrying alone would leave the others waiting in a collective); the budget used is in the result.
     """
-    loss = loss if isinstance(loss, ResolvedLoss) else resolve(loss)
     if totals is None:  # one process: this batch is the whole step
         totals = (batch.active_tokens(), batch.active_rows())
     totals = (max(1, totals[0]), max(1, totals[1]))
@@ -138,7 +137,7 @@ def accumulate_gradients(model, batch: TrainBatch, loss: LossConfig | ResolvedLo
     while True:
         try:
             parts = []
-            for rows in plan_micro_batches(batch, token_budget):  # a loop, not a comprehension: one frame less
+            for rows in plan_micro_batches(batch, token_budget):
                 sub = batch.select(torch.tensor(rows)).to(model.device)
                 parts.append(grpo_loss(model, sub, loss, totals, temperature=temperature, chunk_size=chunk_size,
                                        fused=fused))
@@ -192,7 +191,7 @@ class UpdateOutcome:
 class UpdateSettings:
     """The config values the update phase reads (memory.*, optimizer.*, algorithm.mu)."""
 
-    loss: ResolvedLoss  # a LossConfig is resolved once, here
+    loss: ResolvedLoss  # the algorithm section's policy loss, resolved once (train/step.py update_settings)
     mu: int
     grad_clip: float
     temperature: float
@@ -200,16 +199,11 @@ class UpdateSettings:
     auto_halve: bool  # memory.auto_halve_micro_batch
     fused_head: bool = True  # per-token losses take the fused LM-head backward (train/fused_head.py)
 
-    def __post_init__(self):
-        if isinstance(self.loss, LossConfig):
-            object.__setattr__(self, "loss", resolve(self.loss))
-
 
 # GRADS_FIRST: on the CPU every gradient is allocated (as zeros) before the pass's first micro-batch rather than by
 # its backward, among the micro-batch's activations. glibc's heap then keeps the gradients together and their
-# release after the update leaves one large hole, not many that later requests do not fit. At the SmolLM2-135M
-# shape (full fine-tuning, `grpo bench step`, 4 steps, AMD EPYC, 2026-11-28): peak RSS 3,097-3,100 MiB against
-# 3,237-3,258 MiB, step times alike. Zeros plus the first micro-batch's gradient are that gradient to the bit.
+# release after the update leaves one large hole, not many that later requests do not fit (the peak RSS this saves:
+# docs/memory.md). Zeros plus the first micro-batch's gradient are that gradient to the bit.
 
 
 def update_policy(model, optimizer, batch: TrainBatch | None, s: UpdateSettings, micro_tokens: int,

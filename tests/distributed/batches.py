@@ -4,6 +4,7 @@ lengths (so ranks run different numbers of micro-batches), whole groups per rank
 import torch
 
 from grpo_engine.config import LossConfig
+from grpo_engine.rl.losses import resolve
 from grpo_engine.train.batch import TrainBatch, build_train_batch
 from grpo_engine.train.update import UpdateSettings
 
@@ -28,5 +29,5 @@ def rank_rows(rank: int, size: int) -> list[int]:
 
 
 def settings(loss: str) -> UpdateSettings:
-    return UpdateSettings(loss=LossConfig(loss=loss, max_completion_len=16), mu=1, grad_clip=0.0, temperature=1.0,
-                          chunk_size=16, auto_halve=False)
+    return UpdateSettings(loss=resolve(LossConfig(loss=loss, max_completion_len=16)), mu=1, grad_clip=0.0,
+                          temperature=1.0, chunk_size=16, auto_halve=False)

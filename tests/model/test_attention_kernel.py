@@ -4,7 +4,7 @@ decode through either gives the same tokens."""
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, activate, apply_kernels, select
+from grpo_engine.kernels import KernelPlan, apply_kernels, select
 from grpo_engine.kernels.attention import (
     grouped_attention,
     grouped_training_attention,
@@ -72,12 +72,9 @@ def test_a_bf16_model_gets_its_attentions_timed_in_bf16(tiny_ckpt, tmp_path, mon
     monkeypatch.setattr(select, "measure_train_attention", lambda key: timed.append(("train", key)) or "grouped")
     model = load_model(tiny_ckpt, dtype=torch.bfloat16)
     c = model.config
-    try:
-        plan = select.choose_plan(model, tmp_path / "kernels.json")
-        again = select.choose_plan(model, tmp_path / "kernels.json")  # from the cache: nothing timed
-        apply_kernels(model, plan)
-    finally:
-        activate(None)
+    plan = select.choose_plan(model, tmp_path / "kernels.json")
+    again = select.choose_plan(model, tmp_path / "kernels.json")  # from the cache: nothing timed
+    apply_kernels(model, plan)
     key = f"{c.num_attention_heads}/{c.num_key_value_heads}/{c.head_dim} bfloat16"
     if plan.source == "forced":  # no oneDNN in this torch build: plain torch, SDPA
         assert plan.attention == plan.train_attention == {key: "sdpa"} and model.kernels.train_attention is None
@@ -96,14 +93,11 @@ def test_the_plan_sets_the_decode_attention_of_the_model(tiny_ckpt):
     key = shape_key(c.num_attention_heads, c.num_key_value_heads, c.head_dim, torch.float64)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
     outs = {}
-    try:
-        for choice in ("sdpa", "grouped"):
-            apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
-                                            {key: choice}))
-            assert model.kernels.decode_attention is (None if choice == "sdpa" else grouped_attention)
-            outs[choice] = generate(model, [[1, 2, 3], [4, 5]], params, seed=7)
-    finally:
-        activate(None)
+    for choice in ("sdpa", "grouped"):
+        apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
+                                        {key: choice}))
+        assert model.kernels.decode_attention is (None if choice == "sdpa" else grouped_attention)
+        outs[choice] = generate(model, [[1, 2, 3], [4, 5]], params, seed=7)
     assert outs["sdpa"].completion_ids == outs["grouped"].completion_ids
     for a, b in zip(outs["sdpa"].logprobs, outs["grouped"].logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-10)

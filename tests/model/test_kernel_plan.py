@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from grpo_engine.kernels import KernelPlan, activate, onednn, packed, select
+from grpo_engine.kernels import KernelPlan, onednn, packed, select
 from grpo_engine.kernels.cpu import describe_cpu
 from grpo_engine.kernels.select import choose_plan, shape_key, weight_shapes
 from grpo_engine.model.loading import load_model
@@ -161,10 +161,10 @@ def test_forced_torch_and_the_active_plan_decide_applies(tiny_ckpt, tmp_path, mo
     assert forced.source == "forced" and set(forced.gemm.values()) == {"torch"}
     x = torch.randn(3, model.config.hidden_size)
     w = model.layers[0].mlp.up_proj.weight
-    activate(KernelPlan("cpu", torch.__version__, 1, {shape_key(tuple(w.shape)): "onednn"}))
-    assert onednn.applies(x, w) == onednn.op_works()
-    activate(KernelPlan("cpu", torch.__version__, 1, {shape_key(tuple(w.shape)): "torch"}))
-    assert not onednn.applies(x, w)
+    onednn_plan = KernelPlan("cpu", torch.__version__, 1, {shape_key(tuple(w.shape)): "onednn"})
+    assert onednn.applies(x, w, onednn_plan) == onednn.op_works()
+    torch_plan = KernelPlan("cpu", torch.__version__, 1, {shape_key(tuple(w.shape)): "torch"})
+    assert not onednn.applies(x, w, torch_plan)
 
 
 def test_run_folder_and_checkpoint_record_the_plan_and_resume_reuses_it(tiny_ckpt, tmp_path, monkeypatch):
@@ -187,7 +187,7 @@ def test_run_folder_and_checkpoint_record_the_plan_and_resume_reuses_it(tiny_ckp
     monkeypatch.setattr("grpo_engine.train.setup.build_policy",
                         lambda *a, **k: seen.append(real_build(*a, **k)) or seen[-1])
     train(cfg(), resume="latest")
-    assert seen[0].kernels.source == "checkpoint" and seen[0].kernels.gemm == recorded.gemm
+    assert seen[0].kernel_plan.source == "checkpoint" and seen[0].kernel_plan.gemm == recorded.gemm
 
 
 
@@ -277,7 +277,6 @@ def test_plan_measures_threads_first_times_gemms_at_that_count_and_applies_it(ti
         apply_kernels(model, again)
         assert torch.get_num_threads() == 1
     finally:
-        activate(None)
         torch.set_num_threads(before)
 
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from grpo_engine.kernels import KernelPlan, OneDNNLinear, apply_activation_checkpointing, apply_kernels, onednn
+from grpo_engine.kernels import KernelPlan, OneDNNLinear, apply_activation_checkpointing, apply_kernels
 from grpo_engine.kernels.attention import grouped_attention, shape_key
 from grpo_engine.kernels.checkpointing import CheckpointedBlock
 from grpo_engine.kernels.select import shape_key as weight_key
@@ -27,16 +27,14 @@ def test_a_model_carries_torchs_kernels_until_the_plan_sets_its_own(tiny_ckpt):
     model = load_model(tiny_ckpt)
     assert model.kernels is TORCH_KERNELS
     k = model.kernels
-    assert (k.gemm, k.decode_attention, k.head, k.decode) == ({}, None, None, DecodeKernels())
+    assert (k.gemm, k.decode_attention, k.head, k.decode) == (None, None, None, DecodeKernels())
     with model.kernels.weight_grads_in_place(True):  # torch's way: a context that changes nothing
         pass
-    try:
-        apply_kernels(model, _plan(model))
-    finally:
-        onednn.activate(None)
-    assert model.kernels.gemm == {weight_key(s): "onednn" for s in weight_shapes(model)} != {}
+    plan = _plan(model)
+    apply_kernels(model, plan)
+    assert model.kernels.gemm is plan and plan.gemm == {weight_key(s): "onednn" for s in weight_shapes(model)} != {}
     assert model.kernels.decode_attention is grouped_attention
-    assert model.kernels.weight_grads_in_place is onednn.weight_grads_in_place
+    assert all(m.kernels is model.kernels for m in model.modules() if isinstance(m, OneDNNLinear))
 
 
 def test_kernels_and_checkpointing_keep_every_parameter_and_name(tiny_ckpt):
@@ -45,12 +43,9 @@ def test_kernels_and_checkpointing_keep_every_parameter_and_name(tiny_ckpt):
     state = {k: v.data_ptr() for k, v in model.state_dict().items()}
     x = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     want = model(x)
-    try:
-        apply_kernels(model, _plan(model))
-        apply_activation_checkpointing(model, every=2)
-        got = model(x)
-    finally:
-        onednn.activate(None)
+    apply_kernels(model, _plan(model))
+    apply_activation_checkpointing(model, every=2)
+    got = model(x)
     assert isinstance(model.layers[0].attn.q_proj, OneDNNLinear) and isinstance(model.layers[1].mlp.up_proj,
                                                                                 OneDNNLinear)
     assert [type(b) for b in model.layers] == [CheckpointedBlock if i % 2 == 0 else Block
@@ -67,10 +62,7 @@ def test_kernels_and_checkpointing_keep_every_parameter_and_name(tiny_ckpt):
 def test_a_deep_copy_carries_its_own_kernels(tiny_ckpt):
     """The KL reference is a deep copy: it runs the same choices on its own weights."""
     model = load_model(tiny_ckpt)
-    try:
-        apply_kernels(model, _plan(model))
-    finally:
-        onednn.activate(None)
+    apply_kernels(model, _plan(model))
     ref = copy.deepcopy(model)
     assert ref.kernels.decode_attention is grouped_attention
     assert ref.layers[0].attn.q_proj.weight is not model.layers[0].attn.q_proj.weight

@@ -6,6 +6,7 @@ from references import naive_token_logprobs
 
 from grpo_engine.kernels import KernelPlan, apply_kernels, onednn
 from grpo_engine.kernels.select import shape_key, weight_shapes
+from grpo_engine.model.kernels_slot import Kernels
 from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 
 
@@ -13,7 +14,6 @@ from grpo_engine.rl.logprobs import token_logprobs, token_logprobs_with_grads
 def _small_threshold(monkeypatch):
     """No measured plan, and a threshold that lets the small test matrices take the oneDNN path."""
     monkeypatch.setattr(onednn, "MIN_WEIGHT_NUMEL", 1)
-    onednn.activate(None)
 
 
 def _xw(m=5, k=24, n=301, dtype=torch.float32):
@@ -187,16 +187,13 @@ def test_projection_input_gradient_runs_on_its_own_planned_gemm(forward, grad_in
     ref = (ref_x.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
 
     layer.zero_grad(set_to_none=True)
-    layer = onednn.OneDNNLinear.holding(layer)
+    plan = KernelPlan("cpu", torch.__version__, 1, {"40x24": forward}, grad_input={"40x24": grad_input})
+    layer = onednn.OneDNNLinear.holding(layer, Kernels(gemm=plan))
     calls, real = [], onednn._op
     monkeypatch.setattr(onednn, "_op", lambda a, w, b=None: calls.append((tuple(a.shape), tuple(w.shape)))
                         or real(a, w, b))
-    onednn.activate(KernelPlan("cpu", torch.__version__, 1, {"40x24": forward}, grad_input={"40x24": grad_input}))
-    try:
-        xx = x.clone().requires_grad_()
-        layer(xx).backward(y_grad)
-    finally:
-        onednn.activate(None)
+    xx = x.clone().requires_grad_()
+    layer(xx).backward(y_grad)
     products = {((6, 24), (40, 24)): forward, ((40, 6), (24, 6)): forward,  # forward x W^T; weight grad gy^T x
                 ((6, 40), (24, 40)): grad_input}  # input gradient gy @ W, W given to oneDNN as a transposed view
     assert sorted(calls) == sorted(k for k, backend in products.items() if backend == "onednn")

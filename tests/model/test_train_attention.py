@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_engine.kernels import KernelPlan, activate, apply_kernels
+from grpo_engine.kernels import KernelPlan, apply_kernels
 from grpo_engine.kernels import attention as kernels
 from grpo_engine.kernels.attention import (
     MAX_QUERY_KEYS,
@@ -118,17 +118,14 @@ def test_a_training_forward_runs_the_planned_attention_and_matches_sdpa(tiny_ckp
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, :3] = mask[2, :5] = 0
     results, calls = {}, []
-    try:
-        for choice in ("sdpa", "grouped"):
-            apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
-                                            train_attention={key: choice}))
-            if choice == "grouped":
-                model.kernels = replace(model.kernels, train_attention=_counted(model.kernels.train_attention, calls))
-            results[choice] = _loss_and_grads(model, ids, mask)
-            with torch.no_grad():
-                model(ids, mask)
-    finally:
-        activate(None)
+    for choice in ("sdpa", "grouped"):
+        apply_kernels(model, KernelPlan("cpu", torch.__version__, torch.get_num_threads(), {}, "test",
+                                        train_attention={key: choice}))
+        if choice == "grouped":
+            model.kernels = replace(model.kernels, train_attention=_counted(model.kernels.train_attention, calls))
+        results[choice] = _loss_and_grads(model, ids, mask)
+        with torch.no_grad():
+            model(ids, mask)
     assert len(calls) == c.num_hidden_layers  # the forward with a gradient only
     torch.testing.assert_close(results["grouped"][0], results["sdpa"][0], rtol=0, atol=1e-12)
     for name, grad in results["sdpa"][1].items():

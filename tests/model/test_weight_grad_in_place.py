@@ -1,5 +1,6 @@
-"""onednn.weight_grads_in_place: weight gradients summed over micro-batches by one accumulating GEMM straight into
-.grad -- the same gradients as autograd's, only for the weights the plan marks, only inside the context."""
+"""A model's `kernels.weight_grads_in_place` switch: weight gradients summed over micro-batches by one accumulating
+GEMM straight into .grad -- the same gradients as autograd's, only for the weights the plan marks, only inside the
+switch."""
 
 import copy
 
@@ -40,7 +41,7 @@ def test_in_place_gradients_match_float64_autograd(tiny_ckpt_factory, arch, chec
                                            every=checkpointing).train()  # checkpointing acts in training mode
     in_place, real = [], onednn._accumulate_weight_grad
     monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *a: in_place.append(w) or real(w, *a))
-    with onednn.weight_grads_in_place():
+    with model.kernels.weight_grads_in_place():
         _two_micro_batches(model)
     assert len({id(w) for w in in_place}) == 7 * model.config.num_hidden_layers  # every projection
     got = dict(model.named_parameters())
@@ -59,12 +60,12 @@ def test_only_planned_weights_inside_the_context_accumulate_in_place(tiny_ckpt, 
     monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *a: in_place.append(w) or real(w, *a))
     _two_micro_batches(model)  # outside: autograd sums every weight's gradient
     assert in_place == []
-    with onednn.weight_grads_in_place():
+    with model.kernels.weight_grads_in_place():
         _two_micro_batches(model)
     assert sum(w is up for w in in_place) == 2 and not any(w is q for w in in_place)
     assert {tuple(w.shape) for w in in_place} == {tuple(up.shape)}
     in_place.clear()
-    with onednn.weight_grads_in_place(enabled=False):  # the trainer's switch under fsdp2
+    with model.kernels.weight_grads_in_place(enabled=False):  # the trainer's switch under fsdp2
         _two_micro_batches(model)
     assert in_place == []
 
@@ -75,3 +76,34 @@ def test_autograd_grad_outside_the_context_still_returns_weight_gradients(tiny_c
     loss = model(torch.tensor([[1, 2, 3, 4]])).square().mean()
     (grad,) = torch.autograd.grad(loss, [w])
     assert grad is not None and grad.shape == w.shape and w.grad is None
+
+
+def test_two_models_in_one_process_keep_their_own_plan_and_switch(tiny_ckpt, monkeypatch):
+    """The GEMM choice and the in-place switch are the model's (`model.kernels`), not the process's: a model whose
+    plan puts every weight on oneDNN keeps running oneDNN after another model was given an all-torch plan, and
+    entering one model's switch leaves the other's gradients to autograd."""
+    shapes = [shape_key(s) for s in weight_shapes(load_model(tiny_ckpt))]
+    everything = dict.fromkeys(shapes, "inplace")
+    a = apply_kernels(load_model(tiny_ckpt), KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
+                                                        weight_grad=everything))
+    b = apply_kernels(load_model(tiny_ckpt), KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "torch"),
+                                                        weight_grad=everything))
+    assert a.kernels.gemm is not b.kernels.gemm
+    assert a.kernels.weight_grads_in_place is not b.kernels.weight_grads_in_place
+    products, real_op = [], onednn._op
+    monkeypatch.setattr(onednn, "_op", lambda x, w, bias=None: products.append(w) or real_op(x, w, bias))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        b(ids)  # the all-torch plan: no oneDNN product
+        assert products == []
+        a(ids)  # applied first, still on its own plan
+    assert len(products) == (7 * a.config.num_hidden_layers if onednn.op_works() else 0)
+    in_place, real_acc = [], onednn._accumulate_weight_grad
+    monkeypatch.setattr(onednn, "_accumulate_weight_grad", lambda w, *args: in_place.append(w) or real_acc(w, *args))
+    with a.kernels.weight_grads_in_place():
+        _two_micro_batches(b)  # b's switch is off: autograd's way
+        assert in_place == []
+        _two_micro_batches(a)
+    a_weights = {id(p) for p in a.parameters()}
+    assert in_place and all(id(w) in a_weights for w in in_place)
+    assert all(p.grad is not None for p in b.parameters() if p.requires_grad)  # b's gradients came from autograd

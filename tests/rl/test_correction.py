@@ -8,7 +8,7 @@ import torch
 
 from grpo_engine.config.algorithm import CORRECTION_LEVELS, ROLLOUT_CORRECTIONS
 from grpo_engine.rl.correction import mismatch_metrics
-from grpo_engine.rl.losses import LossConfig, policy_loss
+from grpo_engine.rl.losses import LossConfig, policy_loss, resolve
 
 F64 = torch.float64
 LN3, LN15 = math.log(3.0), math.log(1.5)
@@ -33,7 +33,7 @@ def test_tis_token_level_mu1_uses_the_detached_current_policy():
     # old_logp None (one pass): pi_train = logp.detach(), ratio 1. w = min(rho, 2) = [2, 1.5, 1/3, 1]
     # token-mean: loss = -sum(w A) / 4 = -(2 + 1.5 + 1/3 + 1) / 4 = -1.2083333; grad = -w A / 4
     train, sampler, adv, mask = _token_case()
-    loss, grad, m = _run(LossConfig(loss="dapo", rollout_correction="tis"), train, None, adv, mask, sampler)
+    loss, grad, m = _run(resolve(LossConfig(loss="dapo", rollout_correction="tis")), train, None, adv, mask, sampler)
     assert loss == pytest.approx(-1.2083333, abs=1e-7)
     torch.testing.assert_close(grad, torch.tensor([[-0.5, -0.375, -1 / 12, -0.25]], dtype=F64))
     assert m["rollout_correction_frac"] == 0.25  # the ratio-3 token was capped
@@ -42,7 +42,7 @@ def test_tis_token_level_mu1_uses_the_detached_current_policy():
 def test_mis_token_level_masks_ratios_outside_the_band():
     # w = 1 inside [1/2, 2]: [0, 1, 0, 1]; loss = -(0 + 1 + 0 + 1) / 4 = -0.5; masked tokens still count in N
     train, sampler, adv, mask = _token_case()
-    loss, grad, m = _run(LossConfig(loss="dapo", rollout_correction="mis"), train, None, adv, mask, sampler)
+    loss, grad, m = _run(resolve(LossConfig(loss="dapo", rollout_correction="mis")), train, None, adv, mask, sampler)
     assert loss == pytest.approx(-0.5, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.25, 0.0, -0.25]], dtype=F64))
     assert m["rollout_correction_frac"] == 0.5
@@ -54,7 +54,7 @@ def test_mu_above_1_weights_come_from_the_old_policy_not_the_current_one():
     # loss = -e^0.1 (2 + 1.5 + 1/3 + 1) / 4 = -1.3354149; grad = -w e^0.1 / 4
     train, sampler, adv, mask = _token_case()
     logp = train + 0.1
-    loss, grad, m = _run(LossConfig(loss="dapo", rollout_correction="tis"), logp, train, adv, mask, sampler)
+    loss, grad, m = _run(resolve(LossConfig(loss="dapo", rollout_correction="tis")), logp, train, adv, mask, sampler)
     assert loss == pytest.approx(-1.3354149, abs=1e-7)
     expect = -torch.tensor([[2.0, 1.5, 1 / 3, 1.0]], dtype=F64) * math.exp(0.1) / 4
     torch.testing.assert_close(grad, expect)
@@ -78,7 +78,7 @@ def _sequence_case():
 ])
 def test_sequence_level(mode, loss_value, grad, frac):
     train, sampler, adv, mask = _sequence_case()
-    cfg = LossConfig(loss="dapo", rollout_correction=mode, rollout_correction_level="sequence")
+    cfg = resolve(LossConfig(loss="dapo", rollout_correction=mode, rollout_correction_level="sequence"))
     loss, g, m = _run(cfg, train, None, adv, mask, sampler)
     assert loss == pytest.approx(loss_value, abs=1e-12)
     torch.testing.assert_close(g, torch.tensor(grad, dtype=F64))
@@ -88,7 +88,7 @@ def test_sequence_level(mode, loss_value, grad, frac):
 def test_sequence_level_far_past_exp_range_stays_finite():
     # 2 tokens of log ratio 400 each: exp(800) overflows float64, min(rho, C) must still be exactly C
     train = torch.tensor([[-1.0, -1.0]], dtype=F64)
-    cfg = LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_level="sequence")
+    cfg = resolve(LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_level="sequence"))
     loss, grad, _ = _run(cfg, train, None, torch.ones(1, dtype=F64), torch.ones(1, 2, dtype=torch.bool), train - 400)
     assert loss == pytest.approx(-2.0) and torch.isfinite(grad).all()
 
@@ -99,7 +99,7 @@ def test_nonfinite_sampler_logprob_drops_only_its_token():
     # token-mean over the 4 live tokens: loss = (-2 * 3 + 0.5 * 1) / 4 = -1.375
     train, sampler, adv, mask = _sequence_case()
     sampler[1, 0] = -math.inf
-    cfg = LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_level="sequence")
+    cfg = resolve(LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_level="sequence"))
     loss, grad, m = _run(cfg, train, None, adv, mask, sampler)
     assert m["num_nonfinite"] == 1.0 and loss == pytest.approx(-1.375, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-0.5, -0.5, -0.5], [0.0, 0.125, 0.0]], dtype=F64))
@@ -117,8 +117,8 @@ def test_agreeing_sampler_gives_exactly_the_plain_loss(mode, level, mu_above_1, 
     adv = torch.randn(4, generator=g, dtype=F64)
     mask = torch.arange(5)[None, :] < torch.tensor([5, 2, 4, 1])[:, None]
     sampler = (old if mu_above_1 else logp.detach()).clone()
-    cfg = LossConfig(loss=loss, rollout_correction=mode, rollout_correction_level=level)
-    plain, _ = policy_loss(logp, old, None, adv, mask, LossConfig(loss=loss))
+    cfg = resolve(LossConfig(loss=loss, rollout_correction=mode, rollout_correction_level=level))
+    plain, _ = policy_loss(logp, old, None, adv, mask, resolve(LossConfig(loss=loss)))
     corrected, m = policy_loss(logp, old, None, adv, mask, cfg, sampler_logp=sampler)
     assert torch.equal(corrected, plain)
     assert torch.equal(torch.autograd.grad(corrected, logp)[0], torch.autograd.grad(plain, logp)[0])
@@ -127,8 +127,9 @@ def test_agreeing_sampler_gives_exactly_the_plain_loss(mode, level, mu_above_1, 
 
 
 @pytest.mark.parametrize("cfg", [
-    LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_cap=1.2),
-    LossConfig(loss="grpo", rollout_correction="mis", rollout_correction_level="sequence", rollout_correction_cap=3),
+    resolve(LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_cap=1.2)),
+    resolve(LossConfig(loss="grpo", rollout_correction="mis", rollout_correction_level="sequence",
+                       rollout_correction_cap=3)),
 ])
 def test_micro_batches_sum_to_one_batch_gradient(cfg):
     """Masked / capped tokens keep counting in the step's normalisers, so split gradients still add up."""
@@ -165,19 +166,19 @@ def test_mismatch_metrics_hand_computed():
 
 def test_policy_loss_reports_mismatch_only_with_sampler_logprobs():
     train, sampler, adv, mask = _token_case()
-    _, _, with_sampler = _run(LossConfig(loss="dapo"), train, None, adv, mask, sampler)
+    _, _, with_sampler = _run(resolve(LossConfig(loss="dapo")), train, None, adv, mask, sampler)
     assert with_sampler["mismatch_mean_abs"] == pytest.approx(0.6506724, abs=1e-7)
     assert with_sampler["rollout_correction_frac"] == 0.0  # correction off: nothing capped
-    _, without = policy_loss(train, None, None, adv, mask, LossConfig(loss="dapo"))
+    _, without = policy_loss(train, None, None, adv, mask, resolve(LossConfig(loss="dapo")))
     assert "mismatch_mean_abs" not in without
 
 
 def test_correction_needs_sampler_logprobs_and_a_cap_above_1():
     train, _, adv, mask = _token_case()
     with pytest.raises(ValueError, match="needs sampler_logp"):
-        policy_loss(train, None, None, adv, mask, LossConfig(rollout_correction="tis"))
+        policy_loss(train, None, None, adv, mask, resolve(LossConfig(rollout_correction="tis")))
     with pytest.raises(ValueError, match="rollout_correction_cap"):
-        LossConfig(rollout_correction="mis", rollout_correction_cap=1.0)
+        resolve(LossConfig(rollout_correction="mis", rollout_correction_cap=1.0))
     with pytest.raises(ValueError, match="unknown rollout_correction"):
-        LossConfig(rollout_correction="is")
+        resolve(LossConfig(rollout_correction="is"))
 

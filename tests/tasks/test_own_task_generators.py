@@ -316,6 +316,6 @@ def test_the_own_task_recipe_reads_each_example_task(written):
                                                 "word": "final_word"}[verifier]
         example = task.examples("test")[0]
         assert task.reward(example, f"The answer is {example.answer}.").correct
-    assert cfg.algorithm.group_filter.enabled and cfg.lora.enabled and cfg.algorithm.beta == 0.0
+    assert cfg.algorithm.group_filter.enabled and cfg.lora.enabled and cfg.algorithm.policy_loss.beta == 0.0
     assert cfg.rollout.max_new_tokens >= 64 and cfg.eval.max_new_tokens == cfg.rollout.max_new_tokens
     assert cfg.task.options["format_weight"] == 0.0

@@ -17,7 +17,7 @@ import yaml
 
 import grpo_engine.train.update as update_module
 from grpo_engine.cli import main
-from grpo_engine.rl.losses import LossConfig, is_tokenwise
+from grpo_engine.rl.losses import LossConfig, is_tokenwise, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -84,7 +84,7 @@ def loss_calls(monkeypatch):
 @pytest.mark.parametrize("loss", ["grpo", "gspo"])
 def test_the_loss_is_back_propagated_within_six_frames_of_grpo_step(tmp_path, monkeypatch, tiny_ckpt, loss,
                                                                      backprop_calls, loss_calls):
-    assert is_tokenwise(LossConfig(loss=loss)) == (loss == "grpo")  # grpo: the fused head; gspo: autograd
+    assert is_tokenwise(resolve(LossConfig(loss=loss))) == (loss == "grpo")  # grpo: the fused head; gspo: autograd
     heads, real_head = [], update_module.FusedHead
     monkeypatch.setattr(update_module, "FusedHead", lambda *a, **k: heads.append(real_head(*a, **k)) or heads[-1])
     cfg = _config(tmp_path, monkeypatch)

@@ -178,12 +178,13 @@ def test_a_skipped_first_step_advances_the_schedule_without_a_warning(tiny_ckpt,
     cfg = load_config(str(Path(__file__).parents[2] / "configs/tiny_arithmetic.yaml"),
                       [f"model.path={tiny_ckpt}", f"run_dir={tmp_path}", "memory.precision=fp32",
                        "optimizer.lr=1e-3", "schedule.warmup_steps=4", "schedule.steps=8"])
-    from grpo_engine.rl.losses import LossConfig
+    from grpo_engine.rl.losses import LossConfig, resolve
     from grpo_engine.train.update import UpdateSettings, update_policy
 
     policy = build_policy(resolve_settings(cfg, torch.device("cpu")))
     lrs = [policy.optimizer.param_groups[0]["lr"]]
-    settings = UpdateSettings(LossConfig(), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4, auto_halve=False)
+    settings = UpdateSettings(resolve(LossConfig()), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4,
+                              auto_halve=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = update_policy(policy.model, policy.optimizer, None, settings, 64, scheduler=policy.scheduler)

@@ -7,7 +7,7 @@ import torch
 from grpo_engine.kernels import apply_activation_checkpointing
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import LoRAConfig, apply_lora
-from grpo_engine.rl.losses import LossConfig
+from grpo_engine.rl.losses import LossConfig, resolve
 from grpo_engine.train.batch import build_train_batch, group_micro_batches, plan_micro_batches, shared_prompt_index
 from grpo_engine.train.forward import completion_hidden, plain_completion_hidden, shared_layout
 from grpo_engine.train.update import accumulate_gradients
@@ -44,7 +44,7 @@ def _unshared(batch):
 
 def _grads(model, batch, budget):
     model.zero_grad(set_to_none=True)
-    stats = accumulate_gradients(model, batch, LossConfig(loss="grpo", beta=0.0, entropy_coef=0.01), budget,
+    stats = accumulate_gradients(model, batch, resolve(LossConfig(loss="grpo", beta=0.0, entropy_coef=0.01)), budget,
                                  temperature=0.7, chunk_size=5)
     return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_engine.model.loading import load_model
-from grpo_engine.rl.losses import LossConfig
+from grpo_engine.rl.losses import LossConfig, resolve
 from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.update import accumulate_gradients
 
@@ -41,7 +41,8 @@ def _step(model, batch):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    accumulate_gradients(model, batch, LossConfig(loss="grpo", beta=0.0), 1_000_000, temperature=1.0, chunk_size=1024)
+    accumulate_gradients(model, batch, resolve(LossConfig(loss="grpo", beta=0.0)), 1_000_000, temperature=1.0,
+                         chunk_size=1024)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, peak

@@ -7,7 +7,7 @@ import torch
 
 from grpo_engine.config import algorithm as A
 from grpo_engine.model.loading import load_model
-from grpo_engine.rl.losses import LossConfig, is_tokenwise, resolve
+from grpo_engine.rl.losses import LossConfig, ResolvedLoss, is_tokenwise, resolve
 from grpo_engine.train.batch import build_train_batch, micro_batches
 from grpo_engine.train.forward import batch_logprobs
 from grpo_engine.train.update import accumulate_gradients, combine_metrics
@@ -38,7 +38,7 @@ def test_micro_batching_is_exact(tiny_ckpt, preset):
         ref = old - 0.05
     noise = 0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))  # [B, T]
     batch.old_logp, batch.ref_logp = (old + noise) * batch.completion_mask, ref
-    cfg = LossConfig(loss=preset, beta=0.04, entropy_coef=0.01, max_completion_len=9)
+    cfg = resolve(LossConfig(loss=preset, beta=0.04, entropy_coef=0.01, max_completion_len=9))
     assert len(micro_batches(batch.lengths.tolist(), 12)) >= 4  # really split
     whole, g_whole = _grads(model, batch, cfg, 10_000)
     split, g_split = _grads(model, batch, cfg, 12)
@@ -56,7 +56,7 @@ def _old_and_ref(model, batch):
     return (old + noise) * batch.completion_mask, old - 0.05
 
 
-def _tokenwise_losses() -> list[LossConfig]:
+def _tokenwise_losses() -> list[ResolvedLoss]:
     """Every per-token loss the config can name: each combination of preset, ratio level, rollout correction,
     correction level and top-entropy masking for which is_tokenwise holds (GSPO with a token ratio; TIS and MIS
     per token), one case per distinct loss. The KL estimators, the entropy bonus and the dual clip are spread
@@ -64,18 +64,18 @@ def _tokenwise_losses() -> list[LossConfig]:
     cases, seen = [], set()
     axes = itertools.product(A.LOSSES, A.RATIO_LEVELS, A.ROLLOUT_CORRECTIONS, A.CORRECTION_LEVELS, (1.0, 0.2))
     for loss, ratio, correction, level, top_q in axes:
-        cfg = LossConfig(loss=loss, ratio_level=ratio, rollout_correction=correction,
-                         rollout_correction_level=level, entropy_top_quantile=top_q, max_completion_len=9)
+        cfg = resolve(LossConfig(loss=loss, ratio_level=ratio, rollout_correction=correction,
+                                 rollout_correction_level=level, entropy_top_quantile=top_q, max_completion_len=9))
         key = (loss, ratio, correction, level if correction != "none" else "-")
         if not is_tokenwise(cfg) or key in seen:
             continue
         seen.add(key)
         i = len(cases)
-        cases.append(LossConfig(
+        cases.append(resolve(LossConfig(
             loss=loss, ratio_level=ratio, rollout_correction=correction, rollout_correction_level=level,
             rollout_correction_cap=1.3, max_completion_len=9, beta=0.04 if i % 2 == 0 else 0.0,
             kl_estimator=A.KL_ESTIMATORS[i % 3], entropy_coef=0.01 if i % 3 != 1 else 0.0,
-            dual_clip_c=3.0 if i % 4 == 1 else None))
+            dual_clip_c=3.0 if i % 4 == 1 else None)))
     return cases
 
 
@@ -111,7 +111,7 @@ def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cf
                                             fused_head=fused)
         grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert grads[True].keys() == grads[False].keys()
-    if resolve(cfg).surrogate == "clip":  # (CISPO's weight cap of 5 is not reached by this noise; SAPO never clips)
+    if cfg.surrogate == "clip":  # (CISPO's weight cap of 5 is not reached by this noise; SAPO never clips)
         assert stats[True].metrics["clip_frac_low"] + stats[True].metrics["clip_frac_high"] > 0  # clips are live
     if cfg.rollout_correction != "none":
         assert 0 < stats[True].metrics["rollout_correction_frac"] < 1  # the correction is live
@@ -121,13 +121,13 @@ def test_fused_head_gradients_equal_autograd_float64(tiny_ckpt_factory, arch, cf
 
 
 @pytest.mark.parametrize("cfg,tokenwise", [
-    (LossConfig(loss="grpo"), True),
-    (LossConfig(loss="gspo"), False),  # sequence-level ratio
-    (LossConfig(loss="dapo", ratio_level="sequence"), False),
-    (LossConfig(loss="grpo", entropy_top_quantile=0.2), False),  # a batch quantile
-    (LossConfig(loss="sapo"), True),
-    (LossConfig(loss="dapo", rollout_correction="tis"), True),  # a token's weight depends on that token only
-    (LossConfig(loss="dapo", rollout_correction="mis", rollout_correction_level="sequence"), False),
+    (resolve(LossConfig(loss="grpo")), True),
+    (resolve(LossConfig(loss="gspo")), False),  # sequence-level ratio
+    (resolve(LossConfig(loss="dapo", ratio_level="sequence")), False),
+    (resolve(LossConfig(loss="grpo", entropy_top_quantile=0.2)), False),  # a batch quantile
+    (resolve(LossConfig(loss="sapo")), True),
+    (resolve(LossConfig(loss="dapo", rollout_correction="tis")), True),  # a token's weight depends on that token only
+    (resolve(LossConfig(loss="dapo", rollout_correction="mis", rollout_correction_level="sequence")), False),
 ])
 def test_is_tokenwise(cfg, tokenwise):
     assert is_tokenwise(cfg) is tokenwise
@@ -148,7 +148,7 @@ def _grouped_batch(vocab: int, share: bool):
 def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_factory):
     """Both fast paths together (shared-prompt forward + in-forward head gradients) == the plain autograd path."""
     model = load_model(tiny_ckpt_factory("qwen2-tied"), dtype=torch.float64)
-    cfg = LossConfig(loss="dapo", beta=0.05, entropy_coef=0.02)
+    cfg = resolve(LossConfig(loss="dapo", beta=0.05, entropy_coef=0.02))
     grads = {}
     for fast in (True, False):
         batch = _grouped_batch(model.config.vocab_size, share=fast)
@@ -162,8 +162,8 @@ def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_
 
 
 @pytest.mark.parametrize("cfg", [
-    LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_cap=1.3),
-    LossConfig(loss="sapo", rollout_correction="mis", rollout_correction_cap=1.5),
+    resolve(LossConfig(loss="dapo", rollout_correction="tis", rollout_correction_cap=1.3)),
+    resolve(LossConfig(loss="sapo", rollout_correction="mis", rollout_correction_cap=1.5)),
 ], ids=["tis", "sapo-mis"])
 @pytest.mark.parametrize("mu_above_1", [False, True])
 def test_fused_head_with_rollout_correction_equals_autograd_float64(tiny_ckpt_factory, cfg, mu_above_1):
@@ -211,13 +211,13 @@ def _zero_group_batch(vocab: int):
 
 
 @pytest.mark.parametrize("cfg,inert", [
-    (LossConfig(loss="grpo"), True),
-    (LossConfig(loss="gspo", rollout_correction="mis", rollout_correction_level="sequence"), True),
-    (LossConfig(loss="cispo", dual_clip_c=3.0), True),
-    (LossConfig(loss="sapo"), True),
-    (LossConfig(loss="grpo", beta=0.04), False),  # KL acts on every token
-    (LossConfig(loss="dapo", entropy_coef=0.01), False),  # so does the entropy bonus
-    (LossConfig(loss="grpo", entropy_top_quantile=0.5), False),  # the quantile is over the call's tokens
+    (resolve(LossConfig(loss="grpo")), True),
+    (resolve(LossConfig(loss="gspo", rollout_correction="mis", rollout_correction_level="sequence")), True),
+    (resolve(LossConfig(loss="cispo", dual_clip_c=3.0)), True),
+    (resolve(LossConfig(loss="sapo")), True),
+    (resolve(LossConfig(loss="grpo", beta=0.04)), False),  # KL acts on every token
+    (resolve(LossConfig(loss="dapo", entropy_coef=0.01)), False),  # so does the entropy bonus
+    (resolve(LossConfig(loss="grpo", entropy_top_quantile=0.5)), False),  # the quantile is over the call's tokens
 ], ids=["grpo", "gspo-mis", "cispo-dual", "sapo", "kl", "entropy", "top-entropy"])
 def test_rows_without_advantage_leave_the_gradient_unchanged_float64(tiny_ckpt_factory, cfg, inert):
     """The update over rows_with_signal(batch), normalised by the whole batch's totals, has the whole batch's
@@ -262,7 +262,7 @@ def test_an_update_without_rows_still_steps_the_optimizer(tiny_ckpt):
     for drop in (False, True):
         model = load_model(tiny_ckpt)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
-        s = UpdateSettings(LossConfig(loss="grpo"), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4,
+        s = UpdateSettings(resolve(LossConfig(loss="grpo")), mu=1, grad_clip=1.0, temperature=1.0, chunk_size=4,
                            auto_halve=False)
         update_policy(model, opt, _batch(model.config.vocab_size), s, 10_000)  # momentum from a real step
         zero = _batch(model.config.vocab_size)
@@ -277,9 +277,9 @@ def test_an_update_without_rows_still_steps_the_optimizer(tiny_ckpt):
 
 def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_weight_as_float64(tiny_ckpt_factory,
                                                                                               monkeypatch):
-    """The trainer's update accumulates the planned oneDNN weights' gradients in place (onednn.weight_grads_in_place);
-    with shared prompts, several micro-batches and activation checkpointing, one SGD step (lr 1, w - grad) moves
-    every weight as float64 autograd's gradient says."""
+    """The trainer's update accumulates the planned oneDNN weights' gradients in place (the model's
+    kernels.weight_grads_in_place); with shared prompts, several micro-batches and activation checkpointing, one SGD
+    step (lr 1, w - grad) moves every weight as float64 autograd's gradient says."""
     import copy
 
     from grpo_engine.kernels import KernelPlan, apply_activation_checkpointing, apply_kernels, onednn
@@ -289,7 +289,7 @@ def test_update_with_in_place_weight_gradients_and_checkpointing_steps_every_wei
     model = load_model(tiny_ckpt_factory("qwen2-tied"))
     reference = copy.deepcopy(model).double()
     batch = _grouped_batch(model.config.vocab_size, share=True)
-    cfg = LossConfig(loss="dapo")
+    cfg = resolve(LossConfig(loss="dapo"))
     accumulate_gradients(reference, batch, cfg, 16, temperature=1.0, chunk_size=3)
     shapes = [shape_key(s) for s in weight_shapes(model)]
     apply_kernels(model, KernelPlan("cpu", torch.__version__, 1, dict.fromkeys(shapes, "onednn"),
@@ -318,7 +318,7 @@ def test_cpu_update_allocates_every_gradient_before_the_first_micro_batch(tiny_c
     model = load_model(tiny_ckpt_factory("qwen2-tied")).train()
     plain = copy.deepcopy(model)
     batch = _grouped_batch(model.config.vocab_size, share=True)
-    cfg = LossConfig(loss="dapo")
+    cfg = resolve(LossConfig(loss="dapo"))
     accumulate_gradients(plain, batch, cfg, 16, temperature=1.0, chunk_size=3)  # gradients made by backward
     seen, real = [], update.accumulate_gradients
     monkeypatch.setattr(update, "accumulate_gradients", lambda m, *a, **k: seen.append(

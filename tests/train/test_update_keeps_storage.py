@@ -13,7 +13,7 @@ import torch
 from grpo_engine.config.training import LoRAConfig, OptimizerSection
 from grpo_engine.model.loading import load_model
 from grpo_engine.model.lora import apply_lora
-from grpo_engine.rl.losses import LossConfig
+from grpo_engine.rl.losses import LossConfig, resolve
 from grpo_engine.rollout.static_decode import model_signature
 from grpo_engine.train.batch import build_train_batch
 from grpo_engine.train.optim import build_optimizer
@@ -35,7 +35,7 @@ def _storage(model) -> dict[str, int]:
 
 
 def _step(model, optimizer) -> None:
-    settings = UpdateSettings(loss=LossConfig(loss="grpo"), mu=2, grad_clip=1.0, temperature=1.0, chunk_size=8,
+    settings = UpdateSettings(loss=resolve(LossConfig(loss="grpo")), mu=2, grad_clip=1.0, temperature=1.0, chunk_size=8,
                               auto_halve=False)
     outcome = update_policy(model, optimizer, _batch(model.config.vocab_size), settings, 4096)
     assert not outcome.skipped

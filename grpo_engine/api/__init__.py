@@ -1,0 +1,5 @@
+"""The Python API: `GRPO`, the trainer object (api/trainer.py; docs/python.md)."""
+
+from .trainer import GRPO
+
+__all__ = ["GRPO"]
