@@ -311,3 +311,13 @@ def test_run_dir_dot_trains_and_overwrite_there_is_one_line_whose_hint_works(tin
     assert [p.name.split(".prev-")[0] for p in tmp_path.glob("myrun.prev-*")] == ["myrun"]
     assert (here / "checkpoints" / "step-000001").is_dir()
     shutil.rmtree(here)
+
+
+def test_the_out_of_memory_hint_names_settings_a_config_accepts():
+    """Following the out-of-memory hint: every `key=value` it names loads as an override."""
+    from grpo_engine.train.update import OOM_KNOBS
+
+    pairs = re.findall(r"([a-z_]+\.[a-z_]+)=([a-z_0-9]+)", OOM_KNOBS)
+    assert pairs, OOM_KNOBS
+    for key, value in pairs:
+        load_config(None, [f"{key}={value}"])

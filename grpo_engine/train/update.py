@@ -25,7 +25,7 @@ from .fused_head import FusedHead, zero_grads
 OOM_KNOBS = (
     "memory.micro_batch_tokens (tokens per forward/backward), rollout.max_tokens_in_flight (generation), "
     "rollout.group_size / rollout.prompts_per_step (rows per step), rollout.max_new_tokens, "
-    "memory.activation_checkpointing=1, or set memory.auto_halve_micro_batch=true"
+    "memory.activation_checkpointing=all, or set memory.auto_halve_micro_batch=true"
 )
 
 
