@@ -24,7 +24,11 @@ replayed once from the state the warm-up started from and must give the same tok
 within 1e-5 (fp32) or 1e-3 (bf16). A capture that raises or a replay that differs (a driver's, a torch build's or a
 card's surprise) ends nothing under rollout.cuda_graphs=auto: one warning line, the rest of the process decodes the
 same static state eagerly (still one host read per chunk), and metrics.jsonl's rollout/cuda_graphs_fallback says so;
-`on` raises instead (tests, benchmarks). `auto` is off up front under FSDP2 (graphs_for), and every CUDA call runs
+`on` raises instead (tests, benchmarks). An out-of-memory error in a warm-up or a capture says nothing about the
+graphs' correctness, only about that bucket's size: the failed capture's memory is freed (its graph dropped, the
+allocator's cache emptied), that bucket and the larger ones decode eagerly, and the next smaller bucket the rows step
+down to is captured once more; only its own out-of-memory error makes it eager too (per bucket, never the process).
+`auto` is off up front under FSDP2 (graphs_for), and every CUDA call runs
 under torch.cuda.device(model.device) on streams of that device (CudaGraphs). A graph replays fixed addresses: the
 state's buffers, the LM head's logits buffer, the sampler's work buffer, and the model's parameters. The optimizer
 and LoRA merges write the weights in place, so graphs stay valid across training steps; what a capture bakes in
@@ -43,6 +47,7 @@ samples than rollout.cuda_graphs=off.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import weakref
@@ -115,10 +120,12 @@ class CaptureCheckFailed(RuntimeError):
 @dataclass
 class GraphHealth:
     """This process's capture checks: how many ran, and the cause once one failed, after which
-    rollout.cuda_graphs=auto decodes every later chunk of the process eagerly, on the same static state."""
+    rollout.cuda_graphs=auto decodes every later chunk of the process eagerly, on the same static state; and the
+    buckets an out-of-memory error left eager (bucket -> cause)."""
 
     checks: int = 0
     cause: str | None = None
+    out_of_memory: dict[int, str] = field(default_factory=dict)
 
 
 HEALTH = GraphHealth()
@@ -131,6 +138,11 @@ def fall_back(cause: str) -> None:
           flush=True)
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether an error is the allocator's (or the driver's) out-of-memory error."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
 def one_line(error: BaseException, limit: int = 200) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}".rstrip(": ")
@@ -140,7 +152,7 @@ def one_line(error: BaseException, limit: int = 200) -> str:
 def cuda_graphs_fallback() -> int | None:
     """metrics.jsonl's rollout/cuda_graphs_fallback: 1 once a failed capture check made this process decode
     eagerly, 0 while every capture check passed, None before any ran (a CPU run, graphs off)."""
-    if HEALTH.cause is not None:
+    if HEALTH.cause is not None or HEALTH.out_of_memory:
         return 1
     return 0 if HEALTH.checks else None
 
@@ -182,6 +194,13 @@ class CudaGraphs:
 
         return replay
 
+    def release_failed(self) -> None:
+        """After a warm-up or capture that ran out of memory (its graph already dropped): what it allocated goes
+        back to the pool, and the allocator's cached blocks back to the card, before the eager chunk runs."""
+        gc.collect()
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
 
 class StaticDecoder:
     """A model's static state, LM-head buffer, token samplers and captured graphs (no reference to the model itself).
@@ -196,6 +215,7 @@ class StaticDecoder:
         self.graphs: dict[tuple, Callable[[], None]] = {}  # (bucket, sampling key) -> its graph's replay
         self.backend = CudaGraphs(device)
         self.captures, self.capture_seconds = 0, 0.0
+        self.eager_from: int | None = None  # the smallest bucket an out-of-memory error left eager (and all above)
         self.signature: tuple | None = None
         self.renew(model)
 
@@ -229,7 +249,8 @@ class StaticDecoder:
         """One chunk at bucket b. graphs `off`, or `auto` after a failed capture check in this process: eagerly;
         else by the pair's graph, captured and checked the first time (`on`: a failed check raises)."""
         replay = self.graphs.get((b, sample.key))
-        if graphs == "off" or (graphs == "auto" and HEALTH.cause is not None):
+        too_large = self.eager_from is not None and b >= self.eager_from
+        if graphs == "off" or (graphs == "auto" and (HEALTH.cause is not None or too_large)):
             self.chunk(model, b, sample)
         elif replay is not None:
             replay()
@@ -243,13 +264,19 @@ class StaticDecoder:
         again eagerly from the state it started from. Either way the chunk has run once when this returns."""
         t0 = time.perf_counter()
         before = [t.clone() for t in self.state.step_buffers()]
+        oom = False
         try:
             cause = self.check_capture(model, b, sample, before)
         except Exception as e:  # noqa: BLE001 - a driver's, a torch build's or a card's surprise: any of them
-            cause = one_line(e)
+            cause, oom = one_line(e), out_of_memory(e)
         self.capture_seconds += time.perf_counter() - t0
         HEALTH.checks += 1
         if cause is None:
+            return
+        if oom and not strict:
+            self.bucket_out_of_memory(b, cause)
+            self.restore(before)
+            self.chunk(model, b, sample)
             return
         self.graphs.clear()  # their pool goes with them
         self.backend = CudaGraphs(self.state.device)
@@ -259,6 +286,14 @@ class StaticDecoder:
         fall_back(cause)
         self.restore(before)
         self.chunk(model, b, sample)
+
+    def bucket_out_of_memory(self, b: int, cause: str) -> None:
+        """Bucket b (and every larger one) decodes eagerly from now on; the failed capture's memory is freed."""
+        self.backend.release_failed()
+        self.eager_from = b if self.eager_from is None else min(b, self.eager_from)
+        HEALTH.out_of_memory[b] = cause
+        print(f"warning: rollout.cuda_graphs: out of memory capturing the {b}-row bucket ({cause}); it decodes "
+              "eagerly, smaller buckets keep their graphs", file=sys.stderr, flush=True)
 
     def check_capture(self, model: Transformer, b: int, sample: TokenSampler, before: list[torch.Tensor]) -> str | None:
         """Warm up eagerly (the reference), capture, replay once from the same state and compare: None when the
@@ -377,7 +412,8 @@ def static_decode_stats(model: Transformer) -> dict | None:
         return None
     s = d.state
     return {"captures": d.captures, "capture_seconds": d.capture_seconds, "graphs": len(d.graphs), "rows": s.rows,
-            "slots": s.slots, "fallback": HEALTH.cause}
+            "slots": s.slots, "fallback": HEALTH.cause, "eager_from_bucket": d.eager_from,
+            "out_of_memory": dict(HEALTH.out_of_memory), "buckets": sorted({b for b, _ in d.graphs})}
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
