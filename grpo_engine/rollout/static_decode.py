@@ -52,6 +52,7 @@ import gc
 import sys
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -217,6 +218,7 @@ class StaticDecoder:
         self.backend = CudaGraphs(device)
         self.captures, self.capture_seconds = 0, 0.0
         self.slots_read = 0  # key/value slots the chunks' attention read, summed over rows, steps (one layer's K)
+        self.chunks: Counter[tuple[int, int]] = Counter()  # (bucket, window) -> chunks run there
         self.eager_from: int | None = None  # the smallest bucket an out-of-memory error left eager (and all above)
         self.signature: tuple | None = None
         self.renew(model)
@@ -257,6 +259,7 @@ class StaticDecoder:
         failed check raises)."""
         window = self.state.slots if window is None else window
         self.slots_read += CHUNK * b * (window + 1)
+        self.chunks[(b, window)] += 1
         replay = self.graphs.get((b, window, sample.key))
         too_large = self.eager_from is not None and b >= self.eager_from
         if graphs == "off" or (graphs == "auto" and (HEALTH.cause is not None or too_large)):
@@ -416,7 +419,9 @@ def release_static_decode(model: Transformer) -> None:
 
 
 def static_decode_stats(model: Transformer) -> dict | None:
-    """Captures so far and their seconds, and the state's size, of the model's decoder (None: it has none)."""
+    """Of the model's decoder (None: it has none): captures so far and their seconds, the state's size, the graphs'
+    buckets and windows, the process's fallback cause and its out-of-memory buckets, the key/value slots the
+    attention read and the chunks run per (bucket, window)."""
     d = _DECODERS.get(model)
     if d is None:
         return None
@@ -424,7 +429,8 @@ def static_decode_stats(model: Transformer) -> dict | None:
     return {"captures": d.captures, "capture_seconds": d.capture_seconds, "graphs": len(d.graphs), "rows": s.rows,
             "slots": s.slots, "fallback": HEALTH.cause, "eager_from_bucket": d.eager_from,
             "out_of_memory": dict(HEALTH.out_of_memory), "buckets": sorted({b for b, _, _ in d.graphs}),
-            "windows": sorted({w for _, w, _ in d.graphs}), "kv_slots_read": d.slots_read}
+            "windows": sorted({w for _, w, _ in d.graphs}), "kv_slots_read": d.slots_read,
+            "chunks": dict(d.chunks)}
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
