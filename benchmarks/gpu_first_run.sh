@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first run of this engine on a GPU, prepared to fit one lent card (H100 / H200) in at most 10 minutes, no
-# network: the CUDA tests, benchmarks/gpu_check.py's parity and rollout speed at the 1.5B shape, and one GRPO step
-# of configs/gpu12gb_qwen2.5-1.5b_lora.yaml (training tokens/s, step time, peak memory against `grpo plan`). Steps
+# network: the CUDA tests, the masked training attention's three forms timed (benchmarks/training_attention_forms.py),
+# benchmarks/gpu_check.py's parity and rollout speed at the 1.5B shape, and one GRPO step of
+# configs/gpu12gb_qwen2.5-1.5b_lora.yaml (training tokens/s, step time, peak memory against `grpo plan`). Steps
 # are joined by `;`: a failing one is recorded and the next runs. Whatever ran, one JSON lands in
 # docs/measurements/ (and in $OUT, with the logs, where the device tool sets it).
 #
@@ -12,6 +13,11 @@
 # Wheels: the device image lacks omegaconf, antlr4-python3-runtime, math-verify and torchao; they are installed
 # (no index, no network) from the first of $GRPO_WHEELS, .whl/, shared/wheels/, shared/.whl/, /.whl/ holding
 # wheels, into the run's own folder; without one the run says so and goes on (imports then name what is missing).
+# Fetch them once where pip reaches a registry (benchmarks' own machine; one version of each):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl omegaconf \
+#     antlr4-python3-runtime==4.9.3 math-verify latex2sympy2_extended torchao
+# and keep .whl/ out of git (.git/info/exclude); the device tool carries it when a call names it.
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -81,7 +87,7 @@ export WHEEL_NOTE
 step imports 60 cpu "$PY" -c "import importlib.util as u; m = [n for n in ('torch', 'omegaconf', 'math_verify', 'torchao', 'transformers', 'safetensors') if u.find_spec(n) is None]; print('missing:', ', '.join(m) or 'none')"
 step gpu 30 cpu "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 # shellcheck disable=SC2086
-step cuda_tests 130 gpu "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -k "$CUDA_TEST_FILTER" \
+step cuda_tests 120 gpu "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -k "$CUDA_TEST_FILTER" \
   --junitxml="$RUN/cuda_tests.xml" $CUDA_TEST_FILES
 GPU_CHECK=(benchmarks/gpu_check.py --out "$RUN/gpu_check" --sections parity,speed --speed-shapes qwen2.5-1.5b
            --engines ours_training,ours_training_stops,ours_training_top_p)
@@ -90,7 +96,8 @@ if [ "$DRY" = 1 ]; then
   step gpu_check_plan 60 cpu "$PY" "${GPU_CHECK[@]}" --dry-run
   step preset_step_plan 60 cpu "$PY" "${PRESET_STEP[@]}" --dry-run
 fi
-step gpu_check 220 gpu "$PY" "${GPU_CHECK[@]}"
+step attention_forms 40 gpu "$PY" benchmarks/training_attention_forms.py --out "$RUN/attention_forms.json"
+step gpu_check 210 gpu "$PY" "${GPU_CHECK[@]}"
 step preset_step 200 gpu "$PY" "${PRESET_STEP[@]}"
 
 # the report: always written, whatever ran
@@ -130,6 +137,7 @@ if (run / "cuda_tests.xml").exists():
               if c.find("failure") is not None or c.find("error") is not None]
     tests = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"failed": failed}
 check = read_json(run / "gpu_check" / "gpu_check.json")
+forms = read_json(run / "attention_forms.json")
 preset = read_json(run / "preset" / "gpu_check.json")
 step = None
 for m in (preset or {}).get("memory", []) if isinstance((preset or {}).get("memory"), list) else []:
@@ -146,6 +154,7 @@ for m in (preset or {}).get("memory", []) if isinstance((preset or {}).get("memo
 report = {"script": "benchmarks/gpu_first_run.sh", "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
           "commit": git("rev-parse", "HEAD"), "tree_changed": bool(git("status", "--porcelain", "--untracked-files=no")),
           "wheels": os.environ.get("WHEEL_NOTE"), "steps": steps, "cuda_tests": tests,
+          "training_attention_forms": forms,
           "gpu_check": check, "preset": os.environ["PRESET"], "preset_step": step}
 Path(os.environ["REPORT"]).write_text(json.dumps(report, indent=1) + "\n")
 print(f"== report: {os.environ['REPORT']}")
