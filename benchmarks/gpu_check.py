@@ -8,7 +8,11 @@ section or measurement that raises records {"error": "<one line>"} (the tracebac
 on; without transformers its rows say {"skipped": "transformers not installed"}; without CUDA (and no --smoke) the
 report says so and the command exits cleanly. Checkpoints are random weights at the real Qwen2.5 shapes, made by the
 project's own make_tiny_checkpoint on the GPU (byte-level tokenizer, 151,936-row vocabulary), cached in
-$GRPO_BENCH_CACHE (default ~/.cache/grpo-engine/bench). --smoke runs every code path at a toy shape on CPU.
+$GRPO_BENCH_CACHE (default ~/.cache/grpo-engine/bench), then scaled so that their logits are peaked as a trained
+model's are (the final norm's weight x LOGIT_SCALE, q and k projections x QK_SCALE: attention logits of a few tens;
+drawn at std 0.02 the next-token distribution would be near-uniform over 151,936 tokens, and the parity's top-1 and
+the mismatch would say little). `--model DIR` runs parity and speed on a real checkpoint instead; the JSON's `weights`
+entry says which figures come from random weights. --smoke runs every code path at a toy shape on CPU.
 
 Sections
 - parity: logits of our bf16 model vs transformers' bf16 model, both against our fp32 forward (the same
@@ -19,14 +23,18 @@ Sections
   512-token completions: torch.cuda max allocated / reserved per phase, beside `grpo plan`'s prediction; the
   report's `step` entry (per preset file: seconds per step, generate / log-probs / update seconds, the update's
   MFU over 989 TFLOP/s bf16, recompute not counted, and the peak reserved) comes from the same steps.
-- speed: at the Qwen2.5-0.5B and -1.5B shapes, bf16, 16 prompts x 8 samples x 512 new tokens, EOS ignored:
+- speed: at the Qwen2.5-0.5B and -1.5B shapes, bf16, 16 prompts x 8 samples x 512 new tokens, EOS ignored
+  (but in `ours_training_stops`, whose rows stop at real stop tokens, so batches step down through the buckets;
+  `ours_training_top_p` samples with top-p 0.9, the sort path):
   `ours_training`, the exact path training's rollouts take with the default config (rollout.generate with
   train.setup.sampling_params, so rollout.cuda_graphs=auto: the static decode in CUDA graphs on CUDA; per-prompt
   seeds as collect_groups draws them); tokens/s from a second call, the first call's capture seconds apart. Beside
   it transformers' generate with the dynamic and the static cache, and on request (--engines all) our eager
   dynamic loop and its torch.compile'd step. Tokens/s, the fraction of the HBM bound (weight + KV-cache bytes read
   per decode step over the measured copy bandwidth), and per shape ours_training over the faster transformers
-  engine against the issue's 15x target.
+  engine against the issue's 15x target. Each row records the peak memory of that row alone (the counter is reset
+  before it) and, for ours, the CUDA graphs captured, the buckets and attention windows run, and any fallback with
+  its cause (a failed capture check: the process decodes eagerly; an out-of-memory error: that bucket and larger).
 
 Time on an H100 / H200 (estimated from the recorded H200 figures, not yet measured with this version): parity ~1
 min, memory ~4-5 min (four presets, one process each), speed ~5 min (per shape ~45 s for each transformers engine,
@@ -49,6 +57,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -91,9 +100,24 @@ class Sizes:
 SMOKE = Sizes(prompts=2, group=2, completion=8, prompt_len=40, speed_prompts=2)
 
 
-def checkpoint(shape: str, smoke: bool) -> Path:
-    """A random-weight bf16 checkpoint of a named Qwen2.5 shape (drawn on the GPU when there is one)."""
-    out = CACHE / (f"smoke-{shape}" if smoke else f"random-{shape}")
+LOGIT_SCALE = 8.0  # the final norm's weight: logits of std ~5 (top-1 probabilities of tenths, not 1 / 151,936)
+QK_SCALE = 4.0  # q and k projections (weights and biases): attention logits x 16, into the tens
+MODEL: Path | None = None  # --model: a real checkpoint for parity and speed (None: the random ones)
+
+
+def weights_note() -> dict:
+    """The report's `weights` entry: where the figures' weights come from."""
+    random_figures = ["memory"] + ([] if MODEL else ["parity", "speed"])
+    return {"model": str(MODEL) if MODEL else None, "random_weights_in": random_figures,
+            "random_scaling": {"final_norm": LOGIT_SCALE, "q_k_proj": QK_SCALE}}
+
+
+def checkpoint(shape: str, smoke: bool, real: bool = True) -> Path:
+    """A random-weight bf16 checkpoint of a named Qwen2.5 shape (drawn on the GPU when there is one), its logits
+    peaked (peak_logits); the --model checkpoint instead where `real` and one was given."""
+    if real and MODEL is not None:
+        return MODEL
+    out = CACHE / (f"smoke-{shape}" if smoke else f"random-peaked-{shape}")
     if not (out / "config.json").exists():
         s = MODEL_SHAPES[shape]
         fields = (
@@ -119,7 +143,23 @@ def checkpoint(shape: str, smoke: bool) -> Path:
             device=device,
             **fields,
         )
+        peak_logits(out)
     return out
+
+
+def peak_logits(path: Path) -> None:
+    """Scale a random checkpoint's saved weights in place: the final norm's weight by LOGIT_SCALE (the LM head's
+    logits scale with it, tied embeddings or not, the inputs untouched) and the q / k projections by QK_SCALE."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(path.glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name == "model.norm.weight":
+                tensors[name] = t * LOGIT_SCALE
+            elif ".q_proj." in name or ".k_proj." in name:
+                tensors[name] = t * QK_SCALE
+        save_file(tensors, f, metadata={"format": "pt"})
 
 
 def gpu_name() -> str:
@@ -249,6 +289,7 @@ def logits_parity(out: dict, report: Report, path: Path, device: str, prompts: l
     logits = {name: guarded(run) if run is not None else SKIP_NO_TRANSFORMERS for name, run in runs.items()}
     if isinstance(logits["fp32"], list):
         out["logit_std_fp32"] = torch.cat([w.flatten() for w in logits["fp32"]]).std().item()
+        out["top1_prob_fp32"] = torch.cat([w.softmax(-1).amax(-1) for w in logits["fp32"]]).mean().item()
     for row, a, b in LOGIT_PAIRS:
         failed = next((logits[k] for k in (a, b) if not isinstance(logits[k], list)), None)
         out[row] = failed if failed is not None else guarded(logit_diff, logits[a], logits[b])
@@ -331,7 +372,8 @@ def parity(report: Report, smoke: bool, sizes: Sizes) -> None:
     from grpo_engine.bench.generate import bench_prompts
     from grpo_engine.model.loading import load_tokenizer
 
-    section = report.data["parity"] = {"shape": "qwen2.5-0.5b", "logits": {}, "mismatch": []}
+    section = report.data["parity"] = {"shape": "qwen2.5-0.5b" if MODEL is None else str(MODEL), "logits": {},
+                                       "mismatch": []}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = checkpoint("qwen2.5-0.5b", smoke)
     prompts = bench_prompts(load_tokenizer(path), sizes.prompts)
@@ -411,7 +453,7 @@ def one_preset(config: str, smoke: bool, sizes: Sizes, profile_last: bool = Fals
     from grpo_engine.plan.from_config import plan_config
     from grpo_engine.train.step import grpo_step
 
-    path = checkpoint(PRESETS[config], smoke)
+    path = checkpoint(PRESETS[config], smoke, real=False)
     if torch.cuda.is_available():  # drawing a missing checkpoint on the GPU is not part of the preset's peaks
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -564,14 +606,29 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 * 10 / (time.perf_counter() - t0)
 
 
-def decode_bytes(cfg, rows: int, prompt_len: float, new: int) -> float:
-    """Bytes a decode pass must read from memory: all weights once per step + every row's KV cache so far."""
+def step_weight_bytes(cfg) -> float:
+    """Bytes of bf16 weights a decode step reads (all of them, the LM head included)."""
     d, v, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     kv_dim = cfg.num_key_value_heads * cfg.head_dim
     per_layer = 4 * d * d + 2 * d * kv_dim + 3 * d * cfg.intermediate_size  # q,o + k,v + mlp (approx: q,o d x d)
-    weights = 2 * (layers * per_layer + v * d)  # bf16; the LM head is read every step
-    kv_per_token = 2 * layers * 2 * kv_dim  # K and V, bf16
-    return sum(weights + rows * kv_per_token * (prompt_len + t) for t in range(new))
+    return 2 * (layers * per_layer + v * d)
+
+
+def kv_slot_bytes(cfg) -> float:
+    """Bytes of one slot's keys and values over all layers, bf16."""
+    return 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+
+
+def decode_bytes(cfg, rows: int, prompt_len: float, new: int) -> float:
+    """Bytes a decode pass must read from memory: all weights once per step + every row's KV cache so far (the
+    least any decode reads: real lengths, no padding, no rounding)."""
+    return sum(step_weight_bytes(cfg) + rows * kv_slot_bytes(cfg) * (prompt_len + t) for t in range(new))
+
+
+def read_bytes(cfg, decode_steps: int, kv_slots_read: int) -> float:
+    """Bytes the static decode did read: the weights once per step it ran, and the key / value slots its attention
+    windows covered (static_decode_stats' kv_slots_read: rows x window slots per step)."""
+    return step_weight_bytes(cfg) * decode_steps + kv_slot_bytes(cfg) * kv_slots_read
 
 
 def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
@@ -594,12 +651,17 @@ def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
     return bench_generate(args)
 
 
-def training_speed(path: Path, sizes: Sizes) -> dict:
+TOP_P = 0.9  # ours_training_top_p's filter: the sampler's sort path
+
+
+def training_speed(path: Path, sizes: Sizes, variant: str = "plain") -> dict:
     """`ours_training`: rollout.generate exactly as a training step calls it with the default config (the sampling
     parameters of train.setup.sampling_params, rollout.cuda_graphs=auto; per-prompt seeds as collect_groups draws
     them; the model loaded and kernel-planned as build_policy does), EOS ignored. Two calls: the first allocates the
     static state and captures the graphs (its seconds and the capture seconds are reported apart); the second is
-    timed, as every later training step would run."""
+    timed, as every later training step would run. variant "top_p": top-p TOP_P; "stops": rows stop at real stop
+    tokens (stop_tokens), so the batch steps down through the buckets. The timed call's graphs, buckets, windows,
+    fallbacks and bytes read are recorded (decode_record)."""
     from grpo_engine.bench.generate import bench_prompts
     from grpo_engine.collect.groups import prompt_seed
     from grpo_engine.config import load_config
@@ -613,12 +675,20 @@ def training_speed(path: Path, sizes: Sizes) -> dict:
     cfg = load_config(None, [f"rollout.group_size={sizes.group}", f"rollout.max_new_tokens={sizes.completion}"])
     tok = load_tokenizer(path)
     params = dataclasses.replace(sampling_params(cfg, tok), stop_token_ids=[])  # EOS ignored: T tokens a row
+    if variant == "top_p":
+        params = dataclasses.replace(params, top_p=TOP_P)
     model = apply_kernels(load_model(path, dtype=torch.bfloat16 if cuda else torch.float32,
                                      device="cuda" if cuda else "cpu"))
     prompts = bench_prompts(tok, sizes.speed_prompts)
     seeds = [prompt_seed(cfg.seed, 1, 0, i) for i in range(len(prompts))]
-    calls = []
+    extra = {}
+    if variant == "stops":
+        stops, extra["stop_tokens_from"] = stop_tokens(model, tok, prompts, params, seeds)
+        params = dataclasses.replace(params, stop_token_ids=stops)
+        extra["stop_tokens"] = stops
+    calls, before = [], {}
     for _ in range(2):
+        before = static_decode_stats(model) or {}
         sync()
         t0 = time.perf_counter()
         out = generate(model, prompts, params, seed=seeds)
@@ -629,9 +699,51 @@ def training_speed(path: Path, sizes: Sizes) -> dict:
     (seconds, tokens), first = calls[1], calls[0][0]
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens, "first_call_seconds": first,
             "capture_seconds": stats.get("capture_seconds", 0.0), "captures": stats.get("captures", 0),
-            "cuda_graphs": params.cuda_graphs, "static_decode": bool(stats),
+            "cuda_graphs": params.cuda_graphs, "static_decode": bool(stats), "top_p": params.top_p,
             "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
-            "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}
+            "mean_new_tokens": tokens / max(1, len(out.completion_ids)), **extra, **decode_record(before, stats)}
+
+
+def decode_record(before: dict, after: dict) -> dict:
+    """What the timed call's static decode did (static_decode_stats before and after it): graphs captured in it and
+    held, the buckets and attention windows its chunks ran at, the fallback cause (a failed capture check: the
+    process decodes eagerly) and the buckets an out-of-memory error left eager, the steps run and the key/value
+    slots read."""
+    if not after:
+        return {}
+    chunks = {k: n - before.get("chunks", {}).get(k, 0) for k, n in after["chunks"].items()}
+    ran = {k: n for k, n in chunks.items() if n > 0}
+    from grpo_engine.rollout.static_cache import CHUNK
+
+    return {"graphs_captured": after["captures"] - before.get("captures", 0), "graphs_held": after["graphs"],
+            "buckets_run": sorted({b for b, _ in ran}), "windows_run": sorted({w for _, w in ran}),
+            "graph_fallback": after["fallback"], "out_of_memory_buckets": after["out_of_memory"],
+            "eager_from_bucket": after["eager_from_bucket"], "decode_steps": CHUNK * sum(ran.values()),
+            "kv_slots_read": after["kv_slots_read"] - before.get("kv_slots_read", 0)}
+
+
+def stop_tokens(model, tok, prompts: list[list[int]], params, seeds: list[int]) -> tuple[list[int], str]:
+    """Stop tokens that end rows at varied lengths: a real checkpoint's (--model) end-of-sequence tokens; for random
+    weights (which never pick those), the tokens sampled most often by a call without stops, as few as make the
+    rows' mean length at most half of max_new_tokens (a row stops at its first such token: the same seeds sample
+    the same tokens up to there)."""
+    from grpo_engine.rollout import generate
+
+    if MODEL is not None:
+        return list(tok.eos_token_ids), "the tokenizer's end-of-sequence tokens"
+    rows = generate(model, prompts, params, seed=seeds).completion_ids
+    first = [{} for _ in rows]  # row -> token -> its first position
+    for row, seen in zip(rows, first):
+        for i, t in enumerate(row):
+            seen.setdefault(t, i + 1)
+    lengths = [len(r) for r in rows]
+    chosen = []
+    for t, _ in Counter(t for r in rows for t in r).most_common():
+        chosen.append(t)
+        lengths = [min(n, seen.get(t, n)) for n, seen in zip(lengths, first)]
+        if sum(lengths) <= len(rows) * params.max_new_tokens / 2:
+            break
+    return chosen, "the most frequent tokens of a call without stops (random weights)"
 
 
 def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
@@ -657,8 +769,11 @@ def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens}
 
 
-ENGINES = ("ours_training", "hf_dynamic", "hf_static", "ours_eager", "ours_compiled")
-DEFAULT_ENGINES = ENGINES[:3]
+ENGINES = ("ours_training", "ours_training_stops", "ours_training_top_p", "hf_dynamic", "hf_static", "ours_eager",
+           "ours_compiled")
+DEFAULT_ENGINES = ENGINES[:5]
+ESTIMATE_ENGINE_S = {"ours_training": 20, "ours_training_stops": 30, "ours_training_top_p": 20, "hf_dynamic": 45,
+                     "hf_static": 45, "ours_eager": 45, "ours_compiled": 75}  # an H100 / H200, per shape
 SPEED_TARGET = 15.0  # issue 42: ours_training >= 15x the faster transformers engine, same run, same shape
 
 
@@ -666,6 +781,8 @@ def speed_runs(path: Path, sizes: Sizes, shape: str, engines: list[str], hf_stat
     """engine name -> a call that times it, in the order the section runs them."""
     runs = {
         "ours_training": partial(training_speed, path, sizes),
+        "ours_training_stops": partial(training_speed, path, sizes, "stops"),
+        "ours_training_top_p": partial(training_speed, path, sizes, "top_p"),
         "hf_dynamic": partial(hf_speed, path, sizes, None),
         "hf_static": partial(hf_speed, path, sizes, "static"),
         "ours_eager": partial(ours_speed, path, sizes, False),
@@ -718,11 +835,18 @@ def shape_speed(smoke: bool, sizes: Sizes, shape: str, engines: list[str], hf_st
     path = checkpoint(shape, smoke)
     cfg = config_from_hf(read_json(path / "config.json"))
     for name, run in speed_runs(path, sizes, shape, engines, hf_static).items():
+        if torch.cuda.is_available():  # each row's peak is its own
+            torch.cuda.reset_peak_memory_stats()
         r = guarded(run)
-        if "seconds" in r:
+        if torch.cuda.is_available():
+            r["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        rows = sizes.speed_prompts * sizes.group
+        if "seconds" in r and r.get("new_tokens") == rows * sizes.completion:  # every row ran its length
             prompt_len = r.get("mean_prompt_tokens", sizes.prompt_len)
-            rows = sizes.speed_prompts * sizes.group
             r["fraction_of_hbm_bound"] = decode_bytes(cfg, rows, prompt_len, sizes.completion) / bw / r["seconds"]
+        if "seconds" in r and r.get("decode_steps"):  # what the static decode read, windows rounded up included
+            r["read_gb"] = read_bytes(cfg, r["decode_steps"], r["kv_slots_read"]) / 1e9
+            r["read_fraction_of_bandwidth"] = r["read_gb"] * 1e9 / bw / r["seconds"]
         runs.append({"shape": shape, "engine": name, **r})
         print(json.dumps(runs[-1]), flush=True)
         if report is not None:
@@ -807,6 +931,16 @@ def speed_lines(s: dict) -> list[str]:
             if "capture_seconds" in x else ""
         lines.append(f"| {x['shape']} | {x['engine']} | {x['tokens_per_s']:.0f} | {x['seconds']:.1f}{capture} | "
                      f"{x.get('fraction_of_hbm_bound', float('nan')):.3f} |")
+    decoded = [x for x in s.get("runs", []) if "graphs_captured" in x]
+    if decoded:
+        lines += ["", "| shape | engine | new tokens / row | graphs captured (held) | buckets run | windows run | "
+                  "fallback | out-of-memory buckets | read GB (of bandwidth) | peak MiB |", "|---" * 10 + "|"]
+        for x in decoded:
+            read = f"{x['read_gb']:.1f} ({x['read_fraction_of_bandwidth']:.2f})" if "read_gb" in x else "-"
+            lines.append(f"| {x['shape']} | {x['engine']} | {x['mean_new_tokens']:.0f} | {x['graphs_captured']} "
+                         f"({x['graphs_held']}) | {x['buckets_run']} | {x['windows_run']} | "
+                         f"{x['graph_fallback'] or 'none'} | {x['out_of_memory_buckets'] or 'none'} | {read} | "
+                         f"{x.get('peak_allocated_mib', float('nan')):.0f} |")
     if s.get("targets"):
         lines += ["", "| shape | ours_training tokens/s | faster transformers | ratio | target |",
                   "|---|---|---|---|---|"]
@@ -832,7 +966,7 @@ def markdown(r: dict) -> str:
 
 
 SECTIONS = ("parity", "memory", "speed")
-ESTIMATE_S = {"parity": 60, "memory": 70, "speed": 45}  # an H100 / H200: parity; per preset; per engine and shape
+ESTIMATE_S = {"parity": 60, "memory": 70}  # an H100 / H200: parity; per preset (speed: ESTIMATE_ENGINE_S)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -849,6 +983,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--presets", default=",".join(PRESETS), help="preset configs of the memory section")
     ap.add_argument("--memory-steps", type=int, default=1, help="GRPO steps per preset (peaks: the last step)")
     ap.add_argument("--profile", default="", help="a preset whose last step (one extra) runs under torch.profiler")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a real checkpoint (HF dir) for parity and speed; its shape is the speed section's only one")
     ap.add_argument("--one-preset", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sections = args.sections.split(",")
@@ -867,7 +1003,7 @@ def run_plan(args: argparse.Namespace) -> dict:
     engines = {shape: [e for e in args.engines if e != "hf_static" or shape in static] for shape in shapes}
     presets = args.presets.split(",")
     seconds = {"parity": ESTIMATE_S["parity"], "memory": ESTIMATE_S["memory"] * len(presets),
-               "speed": ESTIMATE_S["speed"] * sum(map(len, engines.values()))}
+               "speed": sum(ESTIMATE_ENGINE_S[e] for es in engines.values() for e in es)}
     seconds = {k: v for k, v in seconds.items() if k in args.sections}
     sizes = SMOKE if args.smoke else Sizes()
     return {"sections": args.sections, "speed_engines": engines if "speed" in args.sections else {},
@@ -898,7 +1034,11 @@ def run_section(name: str, report: Report, args: argparse.Namespace, sizes: Size
 
 
 def main(argv: list[str] | None = None) -> None:
+    global MODEL
     args = parse_args(argv)
+    MODEL = args.model
+    if MODEL is not None:
+        args.speed_shapes, args.hf_static = "model", "model"
     if args.dry_run:
         print(json.dumps(run_plan(args), indent=1))
         return
@@ -909,7 +1049,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.one_preset:
         print(json.dumps(one_preset(args.one_preset, args.smoke, sizes, args.profile == args.one_preset)))
         return
-    report = Report(args.out, {**header(), "sizes": dataclasses.asdict(sizes), "plan": run_plan(args)})
+    report = Report(args.out, {**header(), "sizes": dataclasses.asdict(sizes), "plan": run_plan(args),
+                               "weights": weights_note()})
     if not torch.cuda.is_available() and not args.smoke:
         report.data["error"] = NO_CUDA.format(torch=torch.__version__, cuda=torch.version.cuda)
         report.save()

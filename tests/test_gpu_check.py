@@ -27,16 +27,15 @@ def gpu_check():
 
 def test_arguments_and_the_dry_run_plan(gpu_check, tmp_path, capsys):
     args = gpu_check.parse_args(["--out", str(tmp_path)])
-    assert args.sections == ["parity", "memory", "speed"] and args.engines == ["ours_training", "hf_dynamic",
-                                                                              "hf_static"]
+    default = ["ours_training", "ours_training_stops", "ours_training_top_p", "hf_dynamic", "hf_static"]
+    assert args.sections == ["parity", "memory", "speed"] and args.engines == default
     plan = gpu_check.run_plan(args)
     assert plan["speed_size"] == "16 prompts x 8 x 512 new tokens"
-    assert plan["speed_engines"] == {s: ["ours_training", "hf_dynamic", "hf_static"]
-                                     for s in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+    assert plan["speed_engines"] == {s: default for s in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
     assert 8 <= plan["estimated_total_minutes"] <= 11
     gpu_check.main(["--out", str(tmp_path / "dry"), "--sections", "speed", "--engines", "all", "--dry-run"])
     printed = json.loads(capsys.readouterr().out)
-    assert printed["sections"] == ["speed"] and len(printed["speed_engines"]["qwen2.5-1.5b"]) == 5
+    assert printed["sections"] == ["speed"] and len(printed["speed_engines"]["qwen2.5-1.5b"]) == 7
     assert not (tmp_path / "dry").exists()  # a dry run runs and writes nothing
     for bad in (["--sections", "speeed"], ["--engines", "vllm"], ["--speed-shapes", "qwen9"]):
         with pytest.raises(SystemExit):
@@ -193,3 +192,78 @@ def test_the_step_sections_mfu_and_summary_by_hand(gpu_check):
     assert summary == {"gpu8gb_x.yaml": {"seconds_per_step": 3.0, "generate_s": 1.0, "logprobs_s": 0.5,
                                          "update_s": 1.5, "update_mfu": 0.2, "peak_reserved_gib": 4.0,
                                          "planned_gib": 4.5}}
+
+
+def test_random_checkpoints_have_peaked_logits_and_the_report_says_which_weights(gpu_check, tmp_path, monkeypatch):
+    """The random checkpoint is the same draw with the final norm's weight x LOGIT_SCALE and q / k projections x
+    QK_SCALE (powers of two: exact in bf16), everything else untouched; the weights entry names what is random."""
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path / "cache")
+    path = gpu_check.checkpoint("qwen2.5-0.5b", True)
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen2", tie_word_embeddings=True, attention_bias=True,
+                                 max_position_embeddings=32768, dtype=torch.bfloat16, **gpu_check.SMOKE_SHAPE)
+    scaled, drawn = load_file(path / "model.safetensors"), load_file(plain / "model.safetensors")
+    factors = {}
+    for name, t in drawn.items():
+        ratio = scaled[name].float() / t.float().where(t != 0, torch.ones_like(t.float()))
+        factors[name] = ratio[t != 0].unique().tolist()
+    assert factors["model.norm.weight"] == [gpu_check.LOGIT_SCALE]
+    assert factors["model.layers.0.self_attn.q_proj.weight"] == [gpu_check.QK_SCALE]
+    assert factors["model.layers.1.self_attn.k_proj.bias"] in ([gpu_check.QK_SCALE], [])
+    assert factors["model.layers.0.self_attn.v_proj.weight"] == [1.0] and factors["model.embed_tokens.weight"] == [1.0]
+    assert gpu_check.weights_note()["random_weights_in"] == ["memory", "parity", "speed"]
+    monkeypatch.setattr(gpu_check, "MODEL", tmp_path / "real")
+    assert gpu_check.checkpoint("qwen2.5-0.5b", True) == tmp_path / "real"
+    assert gpu_check.checkpoint("qwen2.5-0.5b", True, real=False) == path  # the memory presets stay random
+    assert gpu_check.weights_note()["random_weights_in"] == ["memory"]
+
+
+@pytest.fixture
+def graphs_on_the_cpu(monkeypatch):
+    """ours_training's static decode on the CPU with the graph backend faked (tests/rollout/fake_graphs.py), as if
+    on CUDA; `fault` sets what the fake does."""
+    import importlib
+
+    sys.path.insert(0, str(BENCHMARKS.parent / "tests" / "rollout"))
+    from fake_graphs import FakeGraphs
+
+    from grpo_engine.rollout import static_decode
+
+    generate_module = importlib.import_module("grpo_engine.rollout.generate")
+    monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice, compiled=False: choice != "off")
+    monkeypatch.setattr(static_decode, "HEALTH", static_decode.GraphHealth())
+    faults = {"fault": None}
+    monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault=faults["fault"]))
+    yield faults
+    sys.path.remove(str(BENCHMARKS.parent / "tests" / "rollout"))
+
+
+def test_speed_rows_record_graphs_buckets_windows_and_fallbacks(gpu_check, tmp_path, monkeypatch, graphs_on_the_cpu):
+    """At a toy shape on the CPU with faked graphs: the stops row stops rows early (mean length under the cap) and
+    runs several buckets; the top-p row samples with top-p 0.9; each records its timed call's graphs, buckets,
+    windows and bytes read; an out-of-memory capture is recorded with its bucket, the row still measured."""
+    monkeypatch.setattr(gpu_check, "CACHE", tmp_path)
+    sizes = gpu_check.Sizes(prompts=2, group=2, completion=40, prompt_len=40, speed_prompts=4)
+    result = gpu_check.speed(True, sizes, ["qwen2.5-0.5b"], [], ["ours_training", "ours_training_stops",
+                                                                 "ours_training_top_p"])
+    runs = {r["engine"]: r for r in result["runs"]}
+    plain, stops, top_p = runs["ours_training"], runs["ours_training_stops"], runs["ours_training_top_p"]
+    for r in (plain, stops, top_p):
+        assert "error" not in r, r
+        assert r["graph_fallback"] is None and r["out_of_memory_buckets"] == {} and r["read_gb"] > 0
+    assert plain["graphs_captured"] == 0 and plain["graphs_held"] >= 1  # captured in the first call, replayed
+    assert plain["buckets_run"] == [8] and plain["mean_new_tokens"] == 40 and "fraction_of_hbm_bound" in plain
+    assert plain["decode_steps"] == 48 and plain["windows_run"]  # 39 steps after the prefill's: 3 chunks
+    assert stops["stop_tokens"] and stops["mean_new_tokens"] <= 20 and len(stops["buckets_run"]) > 1
+    assert "fraction_of_hbm_bound" not in stops  # rows of other lengths: only the bytes the decode read
+    assert top_p["top_p"] == 0.9 and plain["top_p"] == 1.0
+    md = gpu_check.markdown({"gpu": "x", "torch": "y", "date": "z", "speed": result})
+    assert "| qwen2.5-0.5b | ours_training_stops |" in md and "| none | none |" in md
+    graphs_on_the_cpu["fault"] = "oom_capture"
+    oom = gpu_check.speed(True, sizes, ["qwen2.5-0.5b"], [], ["ours_training"])["runs"][0]
+    assert oom["out_of_memory_buckets"] == {8: "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB"}
+    assert oom["graph_fallback"] is None and oom["tokens_per_s"] > 0 and oom["eager_from_bucket"] == 8

@@ -17,8 +17,8 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice, micro_batch_rows
-from .memory import MemoryPlan, PlanInput, fits, linear_shapes, plan_memory
-from .policy_spec import policy_spec
+from .memory import MemoryPlan, PlanInput, fits, linear_shapes, param_counts, plan_memory
+from .policy_spec import policy_spec, sharding
 from .precision import PrecisionChoice, choose_precision, planned_card_native_bf16
 from .shapes import MODEL_SHAPES, model_shape
 from .suggest import suggest
@@ -81,10 +81,11 @@ def decode_call_knobs(cfg: Config) -> dict:
 
 def static_decode_planned(cfg: Config) -> bool:
     """Whether the run decodes on the static state (rollout/static_decode.py graphs_for) on the planned CUDA card:
-    rollout.cuda_graphs auto or on, single-turn rows, and for auto no FSDP2 units (distributed.strategy=fsdp2 decodes
-    with the dynamic loop's KV cache; `on` is refused there at the first rollout)."""
+    rollout.cuda_graphs auto or on, single-turn rows, and for auto no FSDP2 units (FSDP2, asked for or chosen by
+    distributed.strategy=auto as the run chooses it, policy_spec.sharding, decodes with the dynamic loop's KV cache;
+    `on` is refused there at the first rollout)."""
     r = cfg.rollout
-    fsdp2 = cfg.distributed.strategy == "fsdp2"
+    fsdp2 = sharding(cfg, lambda: param_counts(config_model_shape(cfg))[0]) == "fsdp2"
     return r.cuda_graphs != "off" and not cfg.tools.enabled and not (fsdp2 and r.cuda_graphs == "auto")
 
 

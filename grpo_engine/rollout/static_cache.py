@@ -18,9 +18,17 @@ A batch of b rows (a bucket: 1, 2, 4, ... rows) runs on the views [:b] of every 
 allocation and rows move to a smaller bucket by a copy to the front (`move_rows`).
 
 Why the scratch slot: the model's forward (model/transformer.py) takes one `cache.start` for the whole batch and
-lets the query at slot `start` always see that slot. Here `start` is S for every row: the new key/value goes to the
-scratch slot S (what the query sees of itself) and to the row's own slot `write[r]`, masked during this step and
-unmasked after it, when it becomes history. So each row attends exactly to its own tokens, whatever its length.
+lets the query at slot `start` always see that slot. Here `start` is the chunk's window W for every row: the new
+key/value goes to the scratch slot W (what the query sees of itself) and to the row's own slot `write[r]`, masked
+during this step and unmasked after it, when it becomes history. So each row attends exactly to its own tokens,
+whatever its length.
+
+The window: a chunk attends over slots [0, W] only, W = window_for(the largest write slot at the chunk's start),
+the live length plus the chunk's CHUNK steps rounded up to WINDOW_ROUNDING (at most S, where the scratch slot is the
+state's last): the keys and values a step reads grow with the rows instead of being all S + 1 slots from the first
+step (at 512 prompt + 512 new slots about a third fewer). Slot W is past every slot a row writes in the chunk, so it
+can be the scratch: a later, wider window finds it masked until its row writes it (its stale values are finite).
+One graph per (bucket, window).
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from .kv_cache import KVCache
 from .sampling import Draw
 
 CHUNK = 16  # decode steps between two reads of the sampled tokens by the host (one device-to-host sync)
+WINDOW_ROUNDING = 64  # a chunk's attended slots are rounded up to a multiple of this: one graph per rounding
+
+
+def window_for(frontier: int, slots: int) -> int:
+    """The scratch slot W of a chunk whose rows write at most up to slot `frontier` at its start: past every slot
+    the chunk writes (frontier + CHUNK - 1), rounded up to WINDOW_ROUNDING, at most `slots` (the state's S)."""
+    return min(slots, -(-(frontier + CHUNK) // WINDOW_ROUNDING) * WINDOW_ROUNDING)
 
 
 def bucket_for(rows: int) -> int:
@@ -43,23 +58,25 @@ def bucket_for(rows: int) -> int:
 
 
 class BucketCache:
-    """The KVCacheLike (model/transformer.py) of the first b rows: the model writes each row's new key/value at the
-    row's own slot `write[r]` and at the scratch slot S, and attends over all S + 1 slots under the key mask."""
+    """The KVCacheLike (model/transformer.py) of the first b rows over a window of W + 1 slots: the model writes each
+    row's new key/value at the row's own slot `write[r]` and at the scratch slot W, and attends over slots [0, W]
+    under the key mask."""
 
-    def __init__(self, state: StaticDecodeState, b: int):
-        self.k, self.v = [t[:b] for t in state.k], [t[:b] for t in state.v]  # [b, H_kv, S + 1, D] views
-        self.write, self.scratch = state.write[:b], state.slots
+    def __init__(self, state: StaticDecodeState, b: int, window: int):
+        self.k = [t[:b, :, : window + 1] for t in state.k]  # [b, H_kv, W + 1, D] views
+        self.v = [t[:b, :, : window + 1] for t in state.v]
+        self.write, self.scratch = state.write[:b], window
 
     @property
     def start(self) -> int:
-        return self.scratch  # the query's slot: start + T == S + 1, the key mask's width
+        return self.scratch  # the query's slot: start + T == W + 1, the key mask's width
 
     @start.setter
     def start(self, value: int) -> None:
         pass  # the model advances `start` after a forward; here each row's length is in `write`
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [b, H_kv, 1, D] -> every slot [b, H_kv, S + 1, D], the new key/value at write[r] and at S."""
+        """k, v [b, H_kv, 1, D] -> the window's slots [b, H_kv, W + 1, D], the new key/value at write[r] and at W."""
         index = self.write.view(-1, 1, 1, 1).expand_as(k)  # [b, H_kv, 1, D]
         for buf, new in ((self.k[layer], k), (self.v[layer], v)):
             buf.scatter_(2, index, new)
@@ -86,16 +103,18 @@ class StaticDecodeState:
         self.col = torch.zeros(rows, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(rows, columns, device=device)
         self.hist = torch.zeros(3, rows, 1 + CHUNK, dtype=sample_dtype, device=device)
-        self.views: dict[int, BucketCache] = {}
+        self.views: dict[tuple[int, int], BucketCache] = {}
 
     def fits(self, rows: int, slots: int, columns: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (rows <= self.rows and slots <= self.slots and columns <= self.columns and dtype == self.dtype
                 and device == self.device)
 
-    def view(self, b: int) -> BucketCache:
-        if b not in self.views:
-            self.views[b] = BucketCache(self, b)
-        return self.views[b]
+    def view(self, b: int, window: int | None = None) -> BucketCache:
+        """The cache of rows [:b] over slots [0, window] (None: all S + 1)."""
+        key = (b, self.slots if window is None else window)
+        if key not in self.views:
+            self.views[key] = BucketCache(self, *key)
+        return self.views[key]
 
     def step_buffers(self) -> list[torch.Tensor]:
         """The per-row buffers a step advances (a graph's capture check saves and restores them: static_decode.py)."""

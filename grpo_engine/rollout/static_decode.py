@@ -18,13 +18,18 @@ Per wave (`decode_static`):
 5. when the live rows fit a smaller bucket (static_cache.bucket_for) they move to the front and the next chunks run
    at that bucket.
 
-CUDA graphs (`StaticDecoder.run_chunk`): one per (bucket, sampling parameters), captured the first time that pair
-runs, after one eager warm-up chunk, which is also the reference the capture is checked against: the graph is
+CUDA graphs (`StaticDecoder.run_chunk`): one per (bucket, attended window, sampling parameters; the window is the
+live length rounded up, static_cache.window_for), captured the first time that triple runs, after one eager warm-up
+chunk, which is also the reference the capture is checked against: the graph is
 replayed once from the state the warm-up started from and must give the same tokens and step buffers, and log-probs
 within 1e-5 (fp32) or 1e-3 (bf16). A capture that raises or a replay that differs (a driver's, a torch build's or a
 card's surprise) ends nothing under rollout.cuda_graphs=auto: one warning line, the rest of the process decodes the
 same static state eagerly (still one host read per chunk), and metrics.jsonl's rollout/cuda_graphs_fallback says so;
-`on` raises instead (tests, benchmarks). `auto` is off up front under FSDP2 (graphs_for), and every CUDA call runs
+`on` raises instead (tests, benchmarks). An out-of-memory error in a warm-up or a capture says nothing about the
+graphs' correctness, only about that bucket's size: the failed capture's memory is freed (its graph dropped, the
+allocator's cache emptied), that bucket and the larger ones decode eagerly, and the next smaller bucket the rows step
+down to is captured once more; only its own out-of-memory error makes it eager too (per bucket, never the process).
+`auto` is off up front under FSDP2 (graphs_for), and every CUDA call runs
 under torch.cuda.device(model.device) on streams of that device (CudaGraphs). A graph replays fixed addresses: the
 state's buffers, the LM head's logits buffer, the sampler's work buffer, and the model's parameters. The optimizer
 and LoRA merges write the weights in place, so graphs stay valid across training steps; what a capture bakes in
@@ -43,9 +48,11 @@ samples than rollout.cuda_graphs=off.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,7 +65,7 @@ from .decode_kernels import DecodeHead
 from .engine import prefill_prompts
 from .rows import Row
 from .sampling import NAN_TOKEN, NonFiniteLogits, SamplingParams, TokenSampler, sampling_dtype, work_buffer
-from .static_cache import CHUNK, StaticDecodeState, bucket_for
+from .static_cache import CHUNK, StaticDecodeState, bucket_for, window_for
 from .static_turns import feed_env_turns
 
 SLOT_ROUNDING = 64  # slots are allocated in multiples of this, so prompts a little longer reuse the graphs
@@ -115,10 +122,12 @@ class CaptureCheckFailed(RuntimeError):
 @dataclass
 class GraphHealth:
     """This process's capture checks: how many ran, and the cause once one failed, after which
-    rollout.cuda_graphs=auto decodes every later chunk of the process eagerly, on the same static state."""
+    rollout.cuda_graphs=auto decodes every later chunk of the process eagerly, on the same static state; and the
+    buckets an out-of-memory error left eager (bucket -> cause)."""
 
     checks: int = 0
     cause: str | None = None
+    out_of_memory: dict[int, str] = field(default_factory=dict)
 
 
 HEALTH = GraphHealth()
@@ -131,6 +140,11 @@ def fall_back(cause: str) -> None:
           flush=True)
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether an error is the allocator's (or the driver's) out-of-memory error."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
 def one_line(error: BaseException, limit: int = 200) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}".rstrip(": ")
@@ -140,7 +154,7 @@ def one_line(error: BaseException, limit: int = 200) -> str:
 def cuda_graphs_fallback() -> int | None:
     """metrics.jsonl's rollout/cuda_graphs_fallback: 1 once a failed capture check made this process decode
     eagerly, 0 while every capture check passed, None before any ran (a CPU run, graphs off)."""
-    if HEALTH.cause is not None:
+    if HEALTH.cause is not None or HEALTH.out_of_memory:
         return 1
     return 0 if HEALTH.checks else None
 
@@ -182,6 +196,13 @@ class CudaGraphs:
 
         return replay
 
+    def release_failed(self) -> None:
+        """After a warm-up or capture that ran out of memory (its graph already dropped): what it allocated goes
+        back to the pool, and the allocator's cached blocks back to the card, before the eager chunk runs."""
+        gc.collect()
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
 
 class StaticDecoder:
     """A model's static state, LM-head buffer, token samplers and captured graphs (no reference to the model itself).
@@ -193,9 +214,12 @@ class StaticDecoder:
         self.state = StaticDecodeState(cfg, rows, slots, columns, dtype, sampling_dtype(dtype), device)
         self.work = work_buffer(rows, cfg.vocab_size, sampling_dtype(dtype), device)  # shared by the token samplers
         self.token_samplers: dict[tuple, TokenSampler] = {}
-        self.graphs: dict[tuple, Callable[[], None]] = {}  # (bucket, sampling key) -> its graph's replay
+        self.graphs: dict[tuple, Callable[[], None]] = {}  # (bucket, window, sampling key) -> its graph's replay
         self.backend = CudaGraphs(device)
         self.captures, self.capture_seconds = 0, 0.0
+        self.slots_read = 0  # key/value slots the chunks' attention read, summed over rows, steps (one layer's K)
+        self.chunks: Counter[tuple[int, int]] = Counter()  # (bucket, window) -> chunks run there
+        self.eager_from: int | None = None  # the smallest bucket an out-of-memory error left eager (and all above)
         self.signature: tuple | None = None
         self.renew(model)
 
@@ -212,44 +236,59 @@ class StaticDecoder:
             self.token_samplers[key] = TokenSampler(params, work=self.work)
         return self.token_samplers[key]
 
-    def step(self, model: Transformer, b: int, sample: TokenSampler, j: int) -> None:
-        """Decode step j of a chunk for rows [:b], in place: feed each row its last token, draw the next one."""
+    def step(self, model: Transformer, b: int, sample: TokenSampler, j: int, window: int | None = None) -> None:
+        """Decode step j of a chunk for rows [:b] attending over slots [0, window] (None: all), in place: feed each
+        row its last token, draw the next one."""
         state = self.state
-        hidden = model(state.ids[:b], state.key_mask[:b], cache=state.view(b), positions=state.positions[:b],
-                       return_hidden=True)[:, -1]  # [b, 1] -> [b, hidden]
+        w = state.slots if window is None else window
+        hidden = model(state.ids[:b], state.key_mask[:b, : w + 1], cache=state.view(b, w),
+                       positions=state.positions[:b], return_hidden=True)[:, -1]  # [b, 1] -> [b, hidden]
         u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
         state.advance(b, sample(self.head(hidden), None, u), j)
 
-    def chunk(self, model: Transformer, b: int, sample: TokenSampler) -> None:
-        """CHUNK decode steps of rows [:b], in place (hist columns 1..CHUNK): the code a graph captures."""
+    def chunk(self, model: Transformer, b: int, sample: TokenSampler, window: int | None = None) -> None:
+        """CHUNK decode steps of rows [:b] over slots [0, window], in place (hist columns 1..CHUNK): the code a graph
+        captures."""
         for j in range(1, CHUNK + 1):
-            self.step(model, b, sample, j)
+            self.step(model, b, sample, j, window)
 
-    def run_chunk(self, model: Transformer, b: int, sample: TokenSampler, graphs: str) -> None:
-        """One chunk at bucket b. graphs `off`, or `auto` after a failed capture check in this process: eagerly;
-        else by the pair's graph, captured and checked the first time (`on`: a failed check raises)."""
-        replay = self.graphs.get((b, sample.key))
-        if graphs == "off" or (graphs == "auto" and HEALTH.cause is not None):
-            self.chunk(model, b, sample)
+    def run_chunk(self, model: Transformer, b: int, sample: TokenSampler, graphs: str,
+                  window: int | None = None) -> None:
+        """One chunk at bucket b over slots [0, window] (None: all). graphs `off`, or `auto` after a failed capture
+        check in this process: eagerly; else by the triple's graph, captured and checked the first time (`on`: a
+        failed check raises)."""
+        window = self.state.slots if window is None else window
+        self.slots_read += CHUNK * b * (window + 1)
+        self.chunks[(b, window)] += 1
+        replay = self.graphs.get((b, window, sample.key))
+        too_large = self.eager_from is not None and b >= self.eager_from
+        if graphs == "off" or (graphs == "auto" and (HEALTH.cause is not None or too_large)):
+            self.chunk(model, b, sample, window)
         elif replay is not None:
             replay()
         else:
-            self.capture(model, b, sample, strict=graphs == "on")
+            self.capture(model, b, sample, strict=graphs == "on", window=window)
 
-    def capture(self, model: Transformer, b: int, sample: TokenSampler, strict: bool) -> None:
+    def capture(self, model: Transformer, b: int, sample: TokenSampler, strict: bool, window: int) -> None:
         """Capture the chunk at bucket b and check the graph's first replay against the eager warm-up chunk that a
         capture needs anyway (check_capture). A capture that raises or a replay that differs: `strict` raises
         CaptureCheckFailed; otherwise this process decodes eagerly from now on (fall_back), and this chunk runs
         again eagerly from the state it started from. Either way the chunk has run once when this returns."""
         t0 = time.perf_counter()
         before = [t.clone() for t in self.state.step_buffers()]
+        oom = False
         try:
-            cause = self.check_capture(model, b, sample, before)
+            cause = self.check_capture(model, b, sample, before, window)
         except Exception as e:  # noqa: BLE001 - a driver's, a torch build's or a card's surprise: any of them
-            cause = one_line(e)
+            cause, oom = one_line(e), out_of_memory(e)
         self.capture_seconds += time.perf_counter() - t0
         HEALTH.checks += 1
         if cause is None:
+            return
+        if oom and not strict:
+            self.bucket_out_of_memory(b, cause)
+            self.restore(before)
+            self.chunk(model, b, sample, window)
             return
         self.graphs.clear()  # their pool goes with them
         self.backend = CudaGraphs(self.state.device)
@@ -258,13 +297,22 @@ class StaticDecoder:
                                      "rollout.cuda_graphs=auto to decode eagerly after such a failure (or off)")
         fall_back(cause)
         self.restore(before)
-        self.chunk(model, b, sample)
+        self.chunk(model, b, sample, window)
 
-    def check_capture(self, model: Transformer, b: int, sample: TokenSampler, before: list[torch.Tensor]) -> str | None:
+    def bucket_out_of_memory(self, b: int, cause: str) -> None:
+        """Bucket b (and every larger one) decodes eagerly from now on; the failed capture's memory is freed."""
+        self.backend.release_failed()
+        self.eager_from = b if self.eager_from is None else min(b, self.eager_from)
+        HEALTH.out_of_memory[b] = cause
+        print(f"warning: rollout.cuda_graphs: out of memory capturing the {b}-row bucket ({cause}); it decodes "
+              "eagerly, smaller buckets keep their graphs", file=sys.stderr, flush=True)
+
+    def check_capture(self, model: Transformer, b: int, sample: TokenSampler, before: list[torch.Tensor],
+                      window: int) -> str | None:
         """Warm up eagerly (the reference), capture, replay once from the same state and compare: None when the
         replay equals the reference (the graph is kept), else what differs. A replay that writes nothing (an
         empty graph) leaves the poisoned hist and the restored step buffers, and so differs."""
-        chunk = lambda: self.chunk(model, b, sample)  # noqa: E731
+        chunk = lambda: self.chunk(model, b, sample, window)  # noqa: E731
         self.backend.warm_up(chunk)
         reference = self.outcome(b)
         replay = self.backend.capture(chunk)
@@ -273,7 +321,7 @@ class StaticDecoder:
         replay()
         cause = replay_mismatch(self.outcome(b), reference, logp_tolerance(self.state.dtype))
         if cause is None:
-            self.graphs[(b, sample.key)] = replay
+            self.graphs[(b, window, sample.key)] = replay
             self.captures += 1
         return cause
 
@@ -371,13 +419,18 @@ def release_static_decode(model: Transformer) -> None:
 
 
 def static_decode_stats(model: Transformer) -> dict | None:
-    """Captures so far and their seconds, and the state's size, of the model's decoder (None: it has none)."""
+    """Of the model's decoder (None: it has none): captures so far and their seconds, the state's size, the graphs'
+    buckets and windows, the process's fallback cause and its out-of-memory buckets, the key/value slots the
+    attention read and the chunks run per (bucket, window)."""
     d = _DECODERS.get(model)
     if d is None:
         return None
     s = d.state
     return {"captures": d.captures, "capture_seconds": d.capture_seconds, "graphs": len(d.graphs), "rows": s.rows,
-            "slots": s.slots, "fallback": HEALTH.cause}
+            "slots": s.slots, "fallback": HEALTH.cause, "eager_from_bucket": d.eager_from,
+            "out_of_memory": dict(HEALTH.out_of_memory), "buckets": sorted({b for b, _, _ in d.graphs}),
+            "windows": sorted({w for _, w, _ in d.graphs}), "kv_slots_read": d.slots_read,
+            "chunks": dict(d.chunks)}
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
@@ -395,15 +448,18 @@ def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row
     if uniforms.shape[1] == 1:  # one token a row: the prefill's draw is all there is
         take_tokens(rows, slots, state.read(b, 0)[:, :, :1])
         return
+    frontier = prompt_slots  # the largest write slot of rows [:b] (every row starts writing at the prompts' end)
     while True:
-        decoder.run_chunk(model, b, sample, graphs)
+        decoder.run_chunk(model, b, sample, graphs, window_for(frontier, state.slots))
+        frontier = min(frontier + CHUNK, state.slots - 1)  # each step moves every row's write on (clamped there)
         turned = take_tokens(rows, slots, state.read(b, first))
         first = 1
         live = [s for s, r in enumerate(slots) if not rows[r].finished]
         if not live:
             return
         if turned:  # multi-turn rows whose model turn ended: the environment's tokens go in before the next chunk
-            feed_env_turns(model, state, [rows[slots[s]] for s in turned], turned, prompt_slots)
+            fed = feed_env_turns(model, state, [rows[slots[s]] for s in turned], turned, prompt_slots)
+            frontier = max(frontier, fed)
         if bucket_for(len(live)) < b:
             state.move_rows(live)
             slots, b = [slots[s] for s in live], bucket_for(len(live))

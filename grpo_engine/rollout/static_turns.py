@@ -28,10 +28,10 @@ from .static_cache import StaticDecodeState
 
 
 def feed_env_turns(model: Transformer, state: StaticDecodeState, turned: Sequence[Row], at: list[int],
-                   prompt_slots: int) -> None:
+                   prompt_slots: int) -> int:
     """The rows `turned` (in batch slots `at`) ended a model turn in the last chunk and queued environment tokens:
     set each back to just after its turn's last token, prefill what it must feed, and leave its last pending token
-    for the next step."""
+    for the next step. -> the largest write slot it set (the next chunk's window covers it)."""
     device = state.device
     fed = [len(r.tokens) - r.prompt_len - len(r.pending) for r in turned]  # tokens after its prompt in the cache
     base = [prompt_slots + n for n in fed]  # the slot of its turn's last token, the first to feed
@@ -43,9 +43,11 @@ def feed_env_turns(model: Transformer, state: StaticDecodeState, turned: Sequenc
     index = torch.tensor(at, dtype=torch.long, device=device)
     k = [len(f) for f in feeds]
     state.ids[index, 0] = torch.tensor([r.pending[-1] for r in turned], device=device)
-    state.write[index] = torch.tensor([b + n for b, n in zip(base, k)], device=device)
+    writes = [b + n for b, n in zip(base, k)]
+    state.write[index] = torch.tensor(writes, device=device)
     state.positions[index, 0] = torch.tensor([r.prompt_len + n + m for r, n, m in zip(turned, fed, k)], device=device)
     state.col[index] = torch.tensor([min(r.metrics.model_tokens, state.columns - 1) for r in turned], device=device)
+    return max(writes)
 
 
 def prefill_at(model: Transformer, state: StaticDecodeState, at: list[int], base: list[int],

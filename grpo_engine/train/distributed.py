@@ -28,6 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..plan.from_config import config_model_shape
+from ..plan.memory import param_counts
+from ..plan.policy_spec import sharding
 from ..world import World
 
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of at most this many elements
@@ -64,22 +67,8 @@ def init_world(cfg: Config) -> World:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(minutes=cfg.distributed.timeout_minutes))
-    strategy = cfg.distributed.strategy if cfg.distributed.strategy != "auto" else auto_strategy(cfg)
+    strategy = sharding(cfg, lambda: param_counts(config_model_shape(cfg))[0], dist.get_world_size())
     return World(dist.get_rank(), dist.get_world_size(), local_rank, strategy)
-
-
-def auto_strategy(cfg: Config) -> str:
-    """ddp when the weights, gradients and AdamW state fit in 85% of one GPU (always on CPU, always with LoRA:
-    adapters are small), fsdp2 otherwise."""
-    if cfg.lora.enabled or not torch.cuda.is_available() or cfg.model.device == "cpu":
-        return "ddp"
-    from ..plan.from_config import config_model_shape
-    from ..plan.memory import param_counts
-
-    n = param_counts(config_model_shape(cfg))[0]
-    low_precision = cfg.memory.precision in ("auto", "bf16")
-    per_param = (2 + 2 + 12) if low_precision else (4 + 4 + 8)  # weights + grads + (master +) two moments
-    return "ddp" if n * per_param <= 0.85 * torch.cuda.get_device_properties(0).total_memory else "fsdp2"
 
 
 def close_world(world: World) -> None:

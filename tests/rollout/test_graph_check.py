@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fake_graphs import FAULTS, FakeGraphs
+from fake_graphs import FAULTS, OUT_OF_MEMORY, FakeGraphs
 
 from grpo_engine.config import ConfigError
 from grpo_engine.model.loading import load_model
@@ -251,3 +251,51 @@ def test_the_decode_step_traces_as_one_graph(tiny_ckpt_factory, sampling):
         assert not torch.equal(eager[0], before[0])  # the step did advance the rows
     release_static_decode(model)
     torch._dynamo.reset()
+
+
+OOM_CAUSE = {"oom_warm_up": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+             "oom_capture": "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB"}
+
+
+@pytest.mark.parametrize("fault", OUT_OF_MEMORY)
+def test_out_of_memory_leaves_only_its_bucket_eager_and_the_smaller_ones_captured(model64, prompts, capsys, fault):
+    """The first warm-up or capture (bucket 16) runs out of memory: its memory is freed, bucket 16 decodes eagerly,
+    the rows' next buckets (8, 4, ...) are captured and replayed; outputs equal an all-eager run's; one warning line
+    per failed bucket; the process keeps its graphs (HEALTH.cause stays None) and the metric says a bucket fell
+    back. A second call at bucket 16 stays eager without another attempt."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=STOPS)
+    eager = generate_static(model64, prompts, params, seed=[*range(8)])
+    fake = FakeGraphs.install(fresh_decoder(model64), fault, at=1)
+    capsys.readouterr()
+    assert generate_static(model64, prompts, params, seed=[*range(8)], graphs=True) == eager
+    stats = static_decode_stats(model64)
+    assert fake.released == 1 and stats["eager_from_bucket"] == 16
+    assert stats["out_of_memory"] == {16: OOM_CAUSE[fault]} and stats["fallback"] is None
+    assert stats["captures"] == 1 and stats["buckets"] == [8] and fake.replays >= 2, stats
+    assert static_decode.HEALTH.cause is None and cuda_graphs_fallback() == 1
+    err = capsys.readouterr().err
+    assert err == (f"warning: rollout.cuda_graphs: out of memory capturing the 16-row bucket ({OOM_CAUSE[fault]}); "
+                   "it decodes eagerly, smaller buckets keep their graphs\n")
+    attempts = fake.warm_ups
+    assert generate_static(model64, prompts, params, seed=[*range(8)], graphs=True) == eager
+    assert fake.warm_ups == attempts  # bucket 16 eager, the smaller ones replayed: nothing captured again
+
+
+def test_out_of_memory_again_at_the_smaller_bucket_leaves_that_one_eager_too(model64, prompts, capsys):
+    """Buckets 16 and then 8 (the rows' buckets here) run out of memory in their captures: both decode eagerly, each
+    tried once, each freed; the process-wide fallback stays unset."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=STOPS)
+    eager = generate_static(model64, prompts, params, seed=[*range(8)])
+    fake = FakeGraphs.install(fresh_decoder(model64), "oom_capture", at=(1, 2))
+    assert generate_static(model64, prompts, params, seed=[*range(8)], graphs=True) == eager
+    stats = static_decode_stats(model64)
+    assert stats["eager_from_bucket"] == 8 and sorted(stats["out_of_memory"]) == [8, 16] and fake.released == 2
+    assert stats["buckets"] == [] and fake.captures == 2 and static_decode.HEALTH.cause is None
+    assert capsys.readouterr().err.count("out of memory capturing") == 2
+
+
+def test_on_raises_on_out_of_memory(model64, prompts):
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=STOPS, cuda_graphs="on")
+    FakeGraphs.install(fresh_decoder(model64), "oom_capture")
+    with pytest.raises(CaptureCheckFailed, match="capture check failed \\(OutOfMemoryError: CUDA out of memory"):
+        generate_static(model64, prompts, params, graphs=True)

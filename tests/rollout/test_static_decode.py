@@ -193,7 +193,7 @@ def test_a_chunk_reads_nothing_back_to_the_host(tiny_dir, monkeypatch):
 def test_the_graph_path_with_a_fake_graph_backend(tiny_dir, tiny_tok):
     """generate_static(graphs=True) with the graph backend faked (fake_graphs.FakeGraphs: a capture runs
     nothing, a replay runs the recorded chunk eagerly): the same output as the eager chunks, one checked capture
-    per (bucket, sampling parameters) met, none on the next call."""
+    per (bucket, window, sampling parameters) met (one window here: 64 slots), none on the next call."""
     from fake_graphs import FakeGraphs
 
     model = load_model(tiny_dir, dtype=torch.float64)
@@ -204,7 +204,7 @@ def test_the_graph_path_with_a_fake_graph_backend(tiny_dir, tiny_tok):
     fake = FakeGraphs.install(static_decoder(model, 16, 60, 40))
     graphed = generate_static(model, prompts, params, graphs=True)
     decoder = static_decoder(model, 16, 60, 40)
-    assert graphed == eager and sorted(b for b, _ in decoder.graphs) == [8, 16] and fake.captures == 2
+    assert graphed == eager and sorted(b for b, _, _ in decoder.graphs) == [8, 16] and fake.captures == 2
     assert static_decode_stats(model)["captures"] == 2 and static_decode_stats(model)["fallback"] is None
     sampled = replace(params, temperature=0.8, top_p=0.9)
     assert generate_static(model, prompts, sampled, seed=1, graphs=True) == generate_static(model, prompts, sampled,
