@@ -14,7 +14,9 @@ OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
 BF16_ROUNDINGS = ("stochastic", "nearest")  # optimizer.bf16_rounding (train/optim.py set_from_master)
 PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING = ("auto", "none", "all", "every_k")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the fused projections of Phi-3 (qkv_proj, gate_up_proj) stand for q / k / v and gate / up (model/lora.py)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 LORA_INITS = ("kaiming", "gaussian")
 NF4_BACKENDS = ("torchao", "bitsandbytes")
 ADAPTER_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -158,7 +160,8 @@ class LoRAConfig:
     alpha: float = option(32.0, "scale numerator: the update is (alpha / r) B A x")
     dropout: float = option(0.0, "dropout on the adapter input during training")
     target_modules: list[str] = option(
-        list(LORA_TARGETS), "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj")
+        list(LORA_TARGETS[:7]), "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; a "
+        "model with fused projections (Phi-3) adapts qkv_proj for any of q/k/v, gate_up_proj for gate or up")
     init: str = option("kaiming", "lora_A init: kaiming (uniform) | gaussian")
     adapter_dtype: str = option("float32", "dtype of lora_A / lora_B (fp32 keeps small updates exact)")
     quantize_base: str = option("none", "none | nf4 (QLoRA: 4-bit base, CUDA only)")

@@ -115,7 +115,7 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
         rms_norm_eps=checked_float(a("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps", source),
         rope_theta=checked_float(a("rope.freq_base", 10000.0), "rope_theta", source),
         rope_scaling=_rope_scaling(meta, arch, source), tie_word_embeddings=not meta.get("_has_output_weight", True),
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch], extra=_extra_config(meta))
+        attention_bias=arch == "qwen2", model_type=ARCHES[arch], extra=_extra_config(meta))
 
 
 def _head_dim(meta: dict, arch: str, default: int, source: str) -> int:

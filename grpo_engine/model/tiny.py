@@ -46,7 +46,7 @@ ARCHS = {
     # model_type and the config fields that distinguish each family
     "qwen2": dict(model_type="qwen2", attention_bias=True),
     "qwen2-tied": dict(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
-    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "qwen3": dict(model_type="qwen3"),
     "llama3": dict(
         model_type="llama",
         rope_theta=500000.0,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..model.config import rope_kind
 from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
@@ -113,7 +114,24 @@ def decode(model: Transformer, rows: Sequence[Row], cache: KVCache, key_mask: to
             key_mask, active = key_mask.index_select(0, index), [active[a] for a in keep]
             packs.resize(len(keep), max(rows[r].steps_left() for r in active))
         pending = [[] if rows[r].finished else rows[r].pending for r in active]
+        if passes_rope_switch(model, [rows[r] for r in active], pending):
+            # every layer's keys and values of the row are stale: prefill the rows again, as transformers' Phi-3
+            # generate does, so tokens equal a full forward of the sequence
+            steps = max(rows[r].steps_left() for r in active)
+            cache, key_mask, logits = prefill(model, [rows[r].tokens for r in active], list(range(len(active))),
+                                              steps)
+            continue
         logits, key_mask = feed(head, step, cache, key_mask, pending)
+
+
+def passes_rope_switch(model: Transformer, rows: Sequence[Row], pending: list[list[int]]) -> bool:
+    """Whether feeding `pending` takes a row past longrope's original context: the forward of a sequence longer
+    than original_max_position_embeddings rotates every position by the long factors (model/transformer.py
+    rope_row_inv_freq), so the keys cached with the short ones no longer hold."""
+    if rope_kind(model.config.rope_scaling) != "longrope":
+        return False
+    switch = model.config.rope_scaling["original_max_position_embeddings"]
+    return any(len(r.tokens) - len(p) <= switch < len(r.tokens) for r, p in zip(rows, pending) if p)
 
 
 def feed(head: DecodeHead, step: DecodeStep, cache: KVCache, key_mask: torch.Tensor, pending: list[list[int]]):

@@ -1,0 +1,220 @@
+"""SmolLM3, Granite, OLMo 2 and Phi-3 (and the llama / qwen3 biases they brought): parity with transformers on tiny
+random checkpoints that transformers itself builds and saves, in several variants per family.
+
+Variants cover tied / untied heads, GQA ratios, head_dim != hidden / heads, multipliers != 1, partial rotary and
+longrope factors != 1 (past the original context and inside it), SmolLM3's no_rope_layers and biases."""
+
+import json
+
+import pytest
+import torch
+
+from grpo_engine import load_model, save_model
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 4.0, 5.0]}
+VARIANTS = {
+    # name: (model_type, config fields beyond BASE)
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1], attention_bias=True, mlp_bias=True)),
+    "smollm3-untied-mha": ("smollm3", dict(tie_word_embeddings=False, num_key_value_heads=4,
+                                           no_rope_layer_interval=2)),
+    "granite": ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
+                                logits_scaling=4.0, num_key_value_heads=1, tie_word_embeddings=True)),
+    "granite-bias": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.3,
+                                     logits_scaling=0.5, attention_bias=True, mlp_bias=True)),
+    "olmo2": ("olmo2", dict(head_dim=24)),
+    "olmo2-tied-bias": ("olmo2", dict(tie_word_embeddings=True, num_key_value_heads=1, attention_bias=True)),
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5, original_max_position_embeddings=16, rope_scaling=LONGROPE)),
+    "phi3-tied-full": ("phi3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "phi3-attention-factor": ("phi3", dict(partial_rotary_factor=0.75, original_max_position_embeddings=24,
+                                           rope_scaling={"rope_type": "longrope", "attention_factor": 1.3,
+                                                         "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.0],
+                                                         "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]})),
+    "llama-bias": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=8)),
+    "qwen3-bias": ("qwen3", dict(attention_bias=True, head_dim=24)),
+}
+ONE_PER_FAMILY = ["smollm3", "granite", "olmo2", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """name -> a checkpoint directory written by transformers' save_pretrained (random weights; norms and biases
+    drawn away from 1 and 0 so each is exercised)."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            model_type, fields = VARIANTS[name]
+            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields})
+            torch.manual_seed(sorted(VARIANTS).index(name))
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("norm.weight"):
+                        p.copy_(1 + 0.1 * torch.randn_like(p))
+                    elif n.endswith("bias"):
+                        p.copy_(0.1 * torch.randn_like(p))
+            made[name] = tmp_path_factory.mktemp(name)
+            model.save_pretrained(made[name])
+        return made[name]
+
+    return make
+
+
+def hf_load(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def padded_batch(T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, BASE["vocab_size"], (3, T), generator=g)
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[1, : T // 4] = 0
+    mask[2, : T // 2] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_fp32_logits_match_transformers(hf_dir, name):
+    """Full and left-padded batches, 12 tokens (inside longrope's original context) and 30 (past it). A padded
+    row is compared with transformers on the row alone: longrope's choice of factors is per row here (a row's
+    log-probs must not depend on its batch), per batch in transformers."""
+    path = hf_dir(name)
+    ours, theirs = load_model(path), hf_load(path)
+    for T in (12, 30):
+        ids, mask = padded_batch(T)
+        with torch.no_grad():
+            assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5, T
+            padded = ours(ids, mask)
+            for row in range(len(ids)):
+                real = mask[row].bool()
+                alone = theirs(ids[row, real][None]).logits[0]
+                assert (padded[row, real] - alone).abs().max().item() < 1e-5, (T, row)
+
+
+def test_the_variants_exercise_what_they_claim(hf_dir):
+    """The description each variant loads into: else parity would prove nothing about the feature."""
+    smol = load_model(hf_dir("smollm3")).config
+    assert smol.rope_layers == (True, False, True) and smol.tie_word_embeddings and smol.o_bias and smol.mlp_bias
+    assert load_model(hf_dir("smollm3-untied-mha")).config.rope_layers == (True, False, True)
+    granite = load_model(hf_dir("granite")).config
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_multiplier,
+            granite.logits_scaling) == (3.0, 0.5, 0.05, 4.0)
+    olmo = load_model(hf_dir("olmo2"))
+    assert olmo.config.head_dim == 24 and olmo.layers[0].attn.q_norm.weight.shape == (4 * 24,)
+    phi = load_model(hf_dir("phi3"))
+    assert phi.config.rotary_dim == 8 and phi.config.rope_scaling["original_max_position_embeddings"] == 16
+    assert hasattr(phi.layers[0].attn, "qkv_proj") and hasattr(phi.layers[0].mlp, "gate_up_proj")
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_bf16_logits_within_bf16_rounding(hf_dir, name):
+    """Both in bf16: ours is as far from the fp32 logits as transformers' is, and close to transformers'."""
+    path = hf_dir(name)
+    ids, _ = padded_batch(30, seed=1)
+    with torch.no_grad():
+        exact = hf_load(path)(ids).logits
+        theirs = hf_load(path, torch.bfloat16)(ids).logits.float()
+        ours = load_model(path, dtype=torch.bfloat16)(ids).float()
+    their_err = (theirs - exact).abs().max().item()
+    assert (ours - exact).abs().max().item() < 2 * their_err + 1e-3
+    assert (ours - theirs).abs().max().item() < 2 * their_err + 1e-3
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_greedy_decode_equals_transformers_generate(hf_dir, name):
+    """44 new tokens from two left-padded prompts (Phi-3's past its longrope switch at 16 positions)."""
+    from grpo_engine.rollout.generate import generate
+    from grpo_engine.rollout.sampling import SamplingParams
+
+    path = hf_dir(name)
+    ours, theirs = load_model(path), hf_load(path)
+    prompts = [[5, 17, 33, 101, 7, 250], [9, 44, 12]]
+    out = generate(ours, prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=44))
+    for prompt, completion in zip(prompts, out.completion_ids):
+        ref = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=44, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert completion == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["smollm3", "granite-bias", "olmo2-tied-bias", "phi3"])
+def test_our_save_loads_in_transformers(hf_dir, tmp_path, name):
+    """The family's own names and config.json: transformers reads what we write to the same logits, and so do we."""
+    ours = load_model(hf_dir(name))
+    save_model(ours, tmp_path / "saved")
+    raw = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert raw["model_type"] == VARIANTS[name][0]
+    theirs, back = hf_load(tmp_path / "saved"), load_model(tmp_path / "saved")
+    ids, _ = padded_batch(30, seed=2)
+    with torch.no_grad():
+        want = ours(ids)
+        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
+        assert torch.equal(back(ids), want)
+
+
+def test_granite_grpo_logprobs_equal_a_full_forward_and_transformers(hf_dir):
+    """The logit scale reaches the chunked log-probs of a GRPO step (train/forward.py), which read the final
+    hidden state and the head's weight, never the model's logits."""
+    from grpo_engine.train.batch import build_train_batch
+    from grpo_engine.train.forward import sequence_logprobs
+
+    path = hf_dir("granite")
+    ours, theirs = load_model(path), hf_load(path)
+    prompts, completions = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18, 19, 20]]
+    batch = build_train_batch(prompts, completions, [[0.0] * len(c) for c in completions], torch.zeros(3),
+                              [True] * 3, pad_id=0)
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(ours, batch, temperature=0.7, chunk_size=4)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids = torch.tensor([p + c])
+            for model_logits in (ours(ids), theirs(ids).logits):
+                ref = torch.log_softmax(model_logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
+                got = logp[i, len(p):len(p) + len(c)]
+                assert (got - ref[len(p) - 1:]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_lora_adapter_loads_in_peft_to_the_same_logits(hf_dir, tmp_path, name):
+    """The default targets on each family's own modules (Phi-3: the fused qkv_proj and gate_up_proj); one LoRA
+    training step runs, and PEFT loads the saved adapter onto transformers' model to our logits."""
+    peft = pytest.importorskip("peft")
+    from grpo_engine.model.lora import LoRAConfig, apply_lora, save_adapter
+
+    path = hf_dir(name)
+    model = apply_lora(load_model(path), LoRAConfig(rank=4))
+    fused = VARIANTS[name][0] == "phi3"
+    assert set(model.lora_config.target_modules) == (
+        {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if fused else
+        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+    ids, _ = padded_batch(12, seed=3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    model.train()
+    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    opt.step()  # lora_B moves off zero: the adapter changes the logits
+    model.eval()
+    out = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(path))
+    theirs = peft.PeftModel.from_pretrained(hf_load(path), out).eval()
+    with torch.no_grad():
+        want = model(ids)
+        assert (want - load_model(path)(ids)).abs().max().item() > 1e-4
+        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_full_fine_tuning_step_saves_what_transformers_loads(hf_dir, tmp_path, name):
+    """A full fine-tuning step (every weight, through the block's own autograd functions) changes the model, and
+    the saved checkpoint loads in transformers to the trained logits."""
+    model = load_model(hf_dir(name)).train()
+    ids, _ = padded_batch(12, seed=4)
+    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.eval()
+    save_model(model, tmp_path / "trained")
+    with torch.no_grad():
+        want = model(ids)
+        assert (want - load_model(hf_dir(name))(ids)).abs().max().item() > 1e-4
+        assert (hf_load(tmp_path / "trained")(ids).logits - want).abs().max().item() < 1e-5
