@@ -218,3 +218,36 @@ def test_full_fine_tuning_step_saves_what_transformers_loads(hf_dir, tmp_path, n
         want = model(ids)
         assert (want - load_model(hf_dir(name))(ids)).abs().max().item() > 1e-4
         assert (hf_load(tmp_path / "trained")(ids).logits - want).abs().max().item() < 1e-5
+
+
+def _raw(model_type: str, **fields) -> dict:
+    return {"model_type": model_type, **BASE, **fields}
+
+
+@pytest.mark.parametrize("model_type, fields, needle", [
+    ("granite", dict(router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01"),
+    ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1 (only 0.0)"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
+    ("phi3", dict(sliding_window=8), "sliding_window=8"),
+    ("olmo2", dict(embedding_multiplier=2.0), "embedding_multiplier=2.0 (not a field of olmo2"),
+])
+def test_config_keys_not_implemented_are_refused_by_name(model_type, fields, needle):
+    from grpo_engine.model.config import CheckpointError
+    from grpo_engine.model.hf_io import config_from_hf
+
+    with pytest.raises(CheckpointError, match="unsupported feature") as err:
+        config_from_hf(_raw(model_type, **fields))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_neutral_and_default_keys_load():
+    """Keys known not to change the math (a window as long as the context, Phi-4-mini's remote-code fields,
+    transformers' bookkeeping) and keys left at values that turn nothing on are accepted."""
+    from grpo_engine.model.hf_io import config_from_hf
+
+    cfg = config_from_hf(_raw("phi3", sliding_window=64, full_attn_mod=1, interpolate_factor=1, lm_head_bias=False,
+                              transformers_version="4.45.0", torch_dtype="bfloat16", some_new_flag=None))
+    assert cfg.model_type == "phi3"
+    with pytest.raises(Exception, match="smollm3, granite, olmo2, phi3"):
+        config_from_hf(_raw("gemma3"))
