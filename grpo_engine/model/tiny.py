@@ -58,6 +58,11 @@ ARCHS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, attention_bias=True, o_bias=True),
+    "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=2.0),
+    "olmo2": dict(model_type="olmo2"),
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5),
 }
 
 
