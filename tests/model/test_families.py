@@ -251,3 +251,41 @@ def test_neutral_and_default_keys_load():
     assert cfg.model_type == "phi3"
     with pytest.raises(Exception, match="smollm3, granite, olmo2, phi3"):
         config_from_hf(_raw("gemma3"))
+
+
+TINY_GGUF = {  # tiny.py families, with what llama.cpp's names and keys must carry
+    "smollm3": dict(num_hidden_layers=4, rope_layers=(True, True, True, False)),
+    "granite": dict(num_key_value_heads=1),
+    "olmo2": dict(head_dim=24),
+    "phi3": dict(num_hidden_layers=2, max_position_embeddings=64, rope_scaling=dict(LONGROPE, **{
+        "original_max_position_embeddings": 16})),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_GGUF))
+def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
+    """`grpo export --type f32` writes the family's llama.cpp architecture, its tensor names from the gguf
+    package's constants (Phi-3's longrope factors as rope_factors_long / _short) and reads back to the same
+    weights, description and logits."""
+    gguf = pytest.importorskip("gguf")
+    from grpo_engine.gguf_export import export_gguf
+    from grpo_engine.model.gguf_io import reader
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", arch, **TINY_GGUF[arch])
+    out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    f = reader(out)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
+    assert f.fields["general.architecture"].contents() == arch
+    assert {t.name.rsplit(".", 1)[0].replace(".0.", ".{bid}.").replace(".1.", ".{bid}.").replace(".2.", ".{bid}.")
+            .replace(".3.", ".{bid}.") for t in f.tensors} <= allowed
+    ours, back = load_model(src), load_model(out)
+    for field in ("rope_scaling", "partial_rotary_factor", "rope_layers", "embedding_multiplier",
+                  "residual_multiplier", "logits_scaling", "head_dim", "tie_word_embeddings", "model_type"):
+        assert getattr(back.config, field) == getattr(ours.config, field), field
+    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (back(ids) - ours(ids)).abs().max().item() < 1e-6
