@@ -130,6 +130,7 @@ class Family:
     neutral: tuple[str, ...] = ()  # keys known not to change this family's math beyond NEUTRAL_KEYS
     fixed: tuple[tuple[str, object], ...] = ()  # (key, the only value implemented) beyond COMMON_FIXED
     gguf_arch: str = ""  # llama.cpp's general.architecture ("" = no GGUF support)
+    turn_end: tuple[str, ...] = ()  # tokens that end a turn in the family's chat format, stops beside its eos
 
     def norm_names(self) -> tuple[str, str]:
         """transformers' names of a layer's two norms (attention's, MLP's)."""
@@ -146,16 +147,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), gguf_arch="llama"),
     Family("smollm3", "SmolLM3ForCausalLM", reads=("attention_bias", "mlp_bias", "no_rope_layers",
                                                    "no_rope_layer_interval"),
-           neutral=_WINDOWS, gguf_arch="smollm3"),
+           neutral=_WINDOWS, gguf_arch="smollm3", turn_end=("<|im_end|>",)),
     Family("granite", "GraniteForCausalLM", reads=("attention_bias", "mlp_bias", "embedding_multiplier",
                                                    "residual_multiplier", "attention_multiplier", "logits_scaling"),
-           gguf_arch="granite"),
+           gguf_arch="granite", turn_end=("<|end_of_text|>",)),
     Family("olmo2", "Olmo2ForCausalLM", norm="post", norm_weight_fp32=True, qk_norm="proj", rope_fp32=True,
-           reads=("attention_bias",), gguf_arch="olmo2"),
+           reads=("attention_bias",), gguf_arch="olmo2", turn_end=("<|endoftext|>",)),
     Family("phi3", "Phi3ForCausalLM", fused_qkv=True, fused_gate_up=True,
            reads=("original_max_position_embeddings", "partial_rotary_factor"),
            neutral=("sliding_window", "full_attn_mod", "interpolate_factor"),
-           fixed=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)), gguf_arch="phi3"),
+           fixed=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)), gguf_arch="phi3", turn_end=("<|end|>",)),
 )}
 
 

@@ -289,3 +289,49 @@ def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
     ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert (back(ids) - ours(ids)).abs().max().item() < 1e-6
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 3+4?"}]
+TURN_END = {"smollm3": "<|im_end|>", "granite": "<|end_of_text|>", "olmo2": "<|endoftext|>", "phi3": "<|end|>"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    return {arch: make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch) for arch in TURN_END}
+
+
+@pytest.mark.parametrize("arch", sorted(TURN_END))
+@pytest.mark.parametrize("gen_prompt", [True, False])
+def test_family_chat_templates_render_as_transformers_renders_them(tiny_dir, arch, gen_prompt):
+    from grpo_engine.model.loading import load_tokenizer
+
+    ours, theirs = load_tokenizer(tiny_dir[arch]), transformers.AutoTokenizer.from_pretrained(tiny_dir[arch])
+    a = ours.apply_chat_template(CHAT, add_generation_prompt=gen_prompt)
+    b = theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen_prompt)
+    assert a == b and TURN_END[arch] in a
+    assert ours.encode(a) == theirs.encode(b, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("arch", sorted(TURN_END))
+def test_family_end_of_turn_token_stops_a_completion(tiny_dir, arch):
+    """The family's end-of-turn token is a stop id (Phi-3's <|end|> although its generation_config.json names
+    only <|endoftext|>), and a completion that reaches it ends there."""
+    from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.rollout.generate import generate
+    from grpo_engine.rollout.sampling import SamplingParams
+
+    tok, model = load_tokenizer(tiny_dir[arch]), load_model(tiny_dir[arch])
+    end = tok.token_to_id(TURN_END[arch])
+    assert end in tok.eos_token_ids
+    prompt = tok.encode(tok.apply_chat_template(CHAT[:2]))
+    free = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=12)).completion_ids[0]
+    with torch.no_grad():  # the end token's logit made a hair larger than the third token's wherever it leads
+        model.lm_head.weight[end] = 1.05 * model.lm_head.weight[free[2]]
+    out = generate(model, [prompt], SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                   stop_token_ids=tok.eos_token_ids))
+    stopped = out.completion_ids[0]
+    assert stopped[-1] == end and end not in stopped[:-1] and len(stopped) <= 3
+    assert out.finish_reason[0] == "stop"
