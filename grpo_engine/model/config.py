@@ -94,6 +94,7 @@ NEUTRAL_KEYS = frozenset({
     "add_cross_attention", "pruned_heads", "finetuning_task", "task_specific_params", "tf_legacy_loss",
     "pretraining_tp",  # a 4.x llama option splitting the same products into slices
     "layer_types",  # each layer's attention kind: hf_io refuses any but full_attention
+    "_attn_implementation_autoset", "unsloth_version", "unsloth_fixed", "keys_to_ignore_at_inference",
 })
 # what every family reads into ModelConfig (config_from_hf)
 COMMON_READS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -144,7 +145,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, neutral=_WINDOWS + ("attention_bias",), gguf_arch="qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm="head", reads=("attention_bias",), neutral=_WINDOWS,
            gguf_arch="qwen3"),
-    Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), gguf_arch="llama"),
+    Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), neutral=("is_llama_config",),
+           gguf_arch="llama"),
     Family("smollm3", "SmolLM3ForCausalLM", reads=("attention_bias", "mlp_bias", "no_rope_layers",
                                                    "no_rope_layer_interval"),
            neutral=_WINDOWS, gguf_arch="smollm3", turn_end=("<|im_end|>",)),

@@ -231,6 +231,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         bias = cfg.attention_bias or fam.qkv_bias
+        self.fused = fam.fused_qkv
         if fam.fused_qkv:
             self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=bias)  # [q | k | v] rows
         else:
@@ -249,7 +250,7 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H*D], k, v [B, T, Hkv*D] (views of one product when fused)."""
-        if hasattr(self, "qkv_proj"):
+        if self.fused:
             return self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
@@ -313,7 +314,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        if cfg.family.fused_gate_up:
+        self.fused = cfg.family.fused_gate_up
+        if self.fused:
             self.gate_up_proj = nn.Linear(d, 2 * inter, bias=bias)  # [gate | up] rows
         else:
             self.gate_proj = nn.Linear(d, inter, bias=bias)
@@ -321,7 +323,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):
+        if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., inter] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
