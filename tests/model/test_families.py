@@ -124,6 +124,32 @@ def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     assert (ours - theirs).abs().max().item() < 2 * their_err + 1e-3
 
 
+def test_olmo2_bf16_norm_and_rope_run_in_fp32_as_transformers_does(hf_dir):
+    """OLMo 2 multiplies its RMSNorm weight in fp32 before the cast, and rotates q / k with fp32 cos / sin: its
+    norm is bit-identical to transformers' in bf16 (llama's order is not), and the whole model's bf16 logits
+    equal transformers' in most places (llama's order for both differs in about 80% of them)."""
+    from grpo_engine.model.transformer import RMSNorm
+
+    theirs_norm = transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(64, eps=1e-6)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    weight = 1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
+    ours_norm = RMSNorm(64, 1e-6, weight_fp32=True)
+    with torch.no_grad():
+        for norm in (theirs_norm, ours_norm):
+            norm.weight.copy_(weight)
+        theirs_norm, ours_norm = theirs_norm.bfloat16(), ours_norm.bfloat16()
+        want = theirs_norm(x)
+        assert torch.equal(ours_norm(x), want)
+        ours_norm.weight_fp32 = False
+        assert not torch.equal(ours_norm(x), want)
+    path = hf_dir("olmo2")
+    ids, _ = padded_batch(30, seed=1)
+    with torch.no_grad():
+        theirs = hf_load(path, torch.bfloat16)(ids).logits
+        ours = load_model(path, dtype=torch.bfloat16)(ids)
+    assert (ours != theirs).float().mean().item() < 0.4
+
+
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_greedy_decode_equals_transformers_generate(hf_dir, name):
     """44 new tokens from two left-padded prompts (Phi-3's past its longrope switch at 16 positions)."""
