@@ -264,10 +264,12 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         raw["attention_bias"] = cfg.attention_bias
     if "mlp_bias" in reads:
         raw["mlp_bias"] = cfg.mlp_bias
-    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-                "partial_rotary_factor"):
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
         if key in reads:
             raw[key] = getattr(cfg, key)
+    if "attention_multiplier" in reads:  # None (a GGUF without attention.scale) is 1/sqrt(head_dim) written out
+        m = cfg.attention_multiplier
+        raw["attention_multiplier"] = cfg.head_dim ** -0.5 if m is None else m
     if "no_rope_layers" in reads:
         raw["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_hidden_layers)]
     if rope_kind(cfg.rope_scaling) == "longrope":  # phi3 reads it at the top level

@@ -361,3 +361,30 @@ def test_family_end_of_turn_token_stops_a_completion(tiny_dir, arch):
     stopped = out.completion_ids[0]
     assert stopped[-1] == end and end not in stopped[:-1] and len(stopped) <= 3
     assert out.finish_reason[0] == "stop"
+
+
+def test_granite_logprob_gradients_through_the_logit_scale_equal_transformers(hf_dir):
+    """The chunked log-probs' backward (rl/logprobs.py's own autograd, as a GRPO update takes it) carries the logit
+    scale and the multipliers: the gradients of an advantage-weighted log-prob sum equal transformers'."""
+    from grpo_engine.train.batch import build_train_batch
+    from grpo_engine.train.forward import sequence_logprobs
+
+    path = hf_dir("granite-bias")
+    ours, theirs = load_model(path).train(), hf_load(path).train()
+    prompts, completions = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [16, 17, 18, 19, 20]]
+    adv = torch.tensor([1.0, -0.5])
+    batch = build_train_batch(prompts, completions, [[0.0] * len(c) for c in completions], adv, [True] * 2, pad_id=0)
+    logp, _ = sequence_logprobs(ours, batch, temperature=0.7, chunk_size=3)
+    (logp.sum(-1) * adv).sum().backward()
+    total = 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.tensor([p + c])
+        ref = torch.log_softmax(theirs(ids).logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[len(p) - 1:, 0]
+        total = total + ref.sum() * adv[i]
+    total.backward()
+    theirs_params = dict(theirs.named_parameters())
+    from grpo_engine.model.hf_io import hf_name_table
+
+    for ours_name, hf in hf_name_table(ours.config).items():
+        got, want = dict(ours.named_parameters())[ours_name].grad, theirs_params[hf].grad
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item()), ours_name
