@@ -55,7 +55,7 @@ class KVCacheLike(Protocol):
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None, long: bool = False) -> torch.Tensor:
     """Inverse frequencies [rotary_dim/2] in fp32, with the config's rope scaling applied.
 
-    long: longrope's long factors (else its short ones); `rope_positions` chooses per row."""
+    long: longrope's long factors (else its short ones); `rope_row_inv_freq` chooses per row."""
     d = cfg.rotary_dim
     scaling, kind = cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)
     base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # [d/2]
@@ -91,6 +91,15 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or cfg.max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_switch(cfg: ModelConfig) -> int | None:
+    """The length past which a longrope row takes its long factors (None for other ropes): a row's keys
+    computed before it passes are stale after (the decode loop prefills again, the training forward runs the row
+    whole: rollout/engine.py, train/forward.py)."""
+    if rope_kind(cfg.rope_scaling) != "longrope":
+        return None
+    return int(cfg.rope_scaling["original_max_position_embeddings"])
 
 
 def rope_row_inv_freq(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:

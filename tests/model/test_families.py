@@ -388,3 +388,26 @@ def test_granite_logprob_gradients_through_the_logit_scale_equal_transformers(hf
     for ours_name, hf in hf_name_table(ours.config).items():
         got, want = dict(ours.named_parameters())[ours_name].grad, theirs_params[hf].grad
         assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item()), ours_name
+
+
+def test_phi3_training_logprobs_take_each_row_s_own_longrope_factors(hf_dir):
+    """Rows shorter and longer than the original context (16) in one batch, sharing a prompt: each row's log-probs
+    equal transformers' for that row alone (the sampler's, after its prefill past the switch), not the padded
+    batch's factors, and not a prompt cached with the short factors."""
+    from grpo_engine.train.batch import build_train_batch
+    from grpo_engine.train.forward import sequence_logprobs
+
+    path = hf_dir("phi3")
+    ours, theirs = load_model(path), hf_load(path)
+    prompt = list(range(40, 50))
+    completions = [[51, 52, 53], list(range(60, 80)), [81, 82, 83, 84, 85, 86, 87]]
+    batch = build_train_batch([prompt] * 3, completions, [[0.0] * len(c) for c in completions], torch.zeros(3),
+                              [True] * 3, pad_id=0)
+    assert batch.prompt_index is not None
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(ours, batch, temperature=1.0, chunk_size=8)
+        for i, c in enumerate(completions):
+            ids = torch.tensor([prompt + c])
+            ref = torch.log_softmax(theirs(ids[:, :-1]).logits[0], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            got = logp[i, len(prompt):len(prompt) + len(c)]
+            assert (got - ref[len(prompt) - 1:]).abs().max().item() < 1e-5, i
