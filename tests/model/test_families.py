@@ -5,6 +5,7 @@ Variants cover tied / untied heads, GQA ratios, head_dim != hidden / heads, mult
 longrope factors != 1 (past the original context and inside it), SmolLM3's no_rope_layers and biases."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -299,7 +300,9 @@ def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
     from grpo_engine.model.tiny import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "src", arch, **TINY_GGUF[arch])
-    out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "phi3's partial rotary")  # a note on transformers' reader, not ours
+        out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
     f = reader(out)
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
@@ -411,3 +414,22 @@ def test_phi3_training_logprobs_take_each_row_s_own_longrope_factors(hf_dir):
             ref = torch.log_softmax(theirs(ids[:, :-1]).logits[0], -1).gather(-1, ids[0, 1:, None])[:, 0]
             got = logp[i, len(prompt):len(prompt) + len(c)]
             assert (got - ref[len(prompt) - 1:]).abs().max().item() < 1e-5, i
+
+
+def test_phi3_gguf_export_loads_in_transformers_gguf_reader(tmp_path):
+    """An independent reader of llama.cpp's phi3 names (attn_qkv, the fused ffn_up): transformers' GGUF loader
+    gives our logits. It ignores rope.dimension_count and the longrope factors, so the model rotates whole heads
+    with plain rope here, and the exporter warns for the others."""
+    pytest.importorskip("gguf")
+    from grpo_engine.gguf_export import export_gguf
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "phi3", partial_rotary_factor=1.0)
+    export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    ids = torch.randint(0, 272, (2, 30), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (theirs(ids).logits - load_model(src)(ids)).abs().max().item() < 1e-5
+    partial = make_tiny_checkpoint(tmp_path / "partial", "phi3")
+    with pytest.warns(UserWarning, match="transformers' GGUF loader ignores them"):
+        export_gguf(str(partial), str(tmp_path / "p.gguf"), "f32")
