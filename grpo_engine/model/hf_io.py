@@ -191,10 +191,11 @@ def _numbers(raw: dict, fam: Family, layers: int, source: str) -> dict:
     if "attention_multiplier" in reads:
         out["attention_multiplier"] = checked_float(raw.get("attention_multiplier", 1.0), "attention_multiplier",
                                                     source)
+    factor = checked_float(_rope_param(raw, "partial_rotary_factor", 1.0), "partial_rotary_factor", source)
+    if factor > 1 or (factor != 1 and "partial_rotary_factor" not in reads):
+        why = "over 1" if factor > 1 else f"not a field of {fam.model_type} this engine implements"
+        raise CheckpointError(f"{source}: unsupported feature(s): partial_rotary_factor={factor} ({why})")
     if "partial_rotary_factor" in reads:
-        factor = checked_float(_rope_param(raw, "partial_rotary_factor", 1.0), "partial_rotary_factor", source)
-        if factor > 1:
-            raise CheckpointError(f"{source}: partial_rotary_factor={factor} is over 1")
         out["partial_rotary_factor"] = factor
     if "no_rope_layers" in reads:
         out["rope_layers"] = _rope_layers(raw, layers, source)

@@ -258,6 +258,8 @@ def _raw(model_type: str, **fields) -> dict:
     ("smollm3", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
     ("phi3", dict(sliding_window=8), "sliding_window=8"),
     ("olmo2", dict(embedding_multiplier=2.0), "embedding_multiplier=2.0 (not a field of olmo2"),
+    ("granite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5 (not a field of granite"),
 ])
 def test_config_keys_not_implemented_are_refused_by_name(model_type, fields, needle):
     from grpo_engine.model.config import CheckpointError
