@@ -1,9 +1,12 @@
 """`grpo export MODEL|CHECKPOINT|RUN_DIR OUT.gguf --type f16|q8_0|bf16|f32`: a trained model as one GGUF file
 that llama.cpp and Ollama run, tokenizer and chat template inside.
 
-Written the way llama.cpp's own converter writes a Llama / Qwen2 / Qwen3 checkpoint: its metadata keys, its
-tensor names in the order of the Hugging Face tensor names, Llama's q/k rows permuted (the inverse of
-gguf_io.unpermute_qk), 1-D tensors (norms, biases) in F32 and the matrices in the chosen type. Q8_0 packs each
+Written the way llama.cpp's own converter writes a checkpoint of each family with a GGUF architecture
+(model/config.py FAMILIES: llama, qwen2, qwen3, smollm3, granite, olmo2, phi3): its metadata keys (Granite's
+scales, Phi-3's rotary dims and longrope keys), its tensor names (gguf_io.block_names) in the order of the Hugging
+Face tensor names, the llama-like families' q/k rows permuted (the inverse of gguf_io.unpermute_qk), Phi-3's
+longrope factors as rope_factors_long / rope_factors_short, 1-D tensors (norms, biases) in F32 and the matrices in
+the chosen type. Q8_0 packs each
 row in blocks of 32 values, so a matrix whose rows are not a multiple of 32 long cannot be Q8_0: it is written
 as F16 with a warning, the fallback llama.cpp's converter takes. Checkpoints hold LoRA already merged into
 model/, so an adapter run exports like any other.
@@ -26,7 +29,10 @@ if TYPE_CHECKING:
 TYPES = ("f16", "q8_0", "bf16", "f32")  # f32 and bf16: the files benchmarks/generate_vs_llamacpp.py times
 FILE_TYPES = {"f16": 1, "q8_0": 7, "bf16": 32, "f32": 0}  # llama.cpp's general.file_type: MOSTLY_F16, MOSTLY_Q8_0,
 # MOSTLY_BF16, ALL_F32
-ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+def arch_of(model_type: str) -> str:
+    from .model.config import FAMILIES
+
+    return FAMILIES[model_type].gguf_arch
 Q8_0_BLOCK = 32  # values per Q8_0 block (one scale each); a row must hold a whole number of blocks
 
 
@@ -37,14 +43,15 @@ def permute_qk(w, heads: int):
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
-    from .model.gguf_io import BLOCK_NAMES, GLOBAL_NAMES
+def gguf_name(hf: str, model_type: str = "llama") -> str:
+    from .model.config import FAMILIES
+    from .model.gguf_io import GLOBAL_NAMES, block_names
 
     glob = {v: k for k, v in GLOBAL_NAMES.items()}
     if hf in glob:
         return glob[hf]
     layer, rest = hf.removeprefix("model.layers.").split(".", 1)
-    block = {v: k for k, v in BLOCK_NAMES.items()}
+    block = {v: k for k, v in block_names(FAMILIES[model_type]).items()}
     return f"blk.{layer}.{block[rest]}"
 
 
@@ -65,7 +72,8 @@ def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(FILE_TYPES[kind])
     w.add_vocab_size(c.vocab_size)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim)
+    write_family_metadata(w, c)
     if c.head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -74,6 +82,49 @@ def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
 
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
+
+
+def write_family_metadata(w, c) -> None:
+    """Granite's scales and Phi-3's longrope keys, under llama.cpp's names (gguf_io reads them back)."""
+    if c.model_type == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+        w.add_attention_scale(c.attention_multiplier if c.attention_multiplier is not None else c.head_dim ** -0.5)
+    if rope_kind(c.rope_scaling) == "longrope":
+        from .model.transformer import rope_attention_factor
+
+        w.add_rope_scaling_orig_ctx_len(int(c.rope_scaling["original_max_position_embeddings"]))
+        w.add_rope_scaling_attn_factors(rope_attention_factor(c))
+
+
+def write_rope_factors(w, c) -> None:
+    """Longrope's per-frequency factors as llama.cpp's rope_factors_long / rope_factors_short tensors (F32)."""
+    import numpy as np
+
+    if rope_kind(c.rope_scaling) == "longrope":
+        for name, key in (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor")):
+            w.add_tensor(name, np.asarray(c.rope_scaling[key], dtype=np.float32))
+
+
+def check_exportable(c, src) -> None:
+    """What llama.cpp cannot express for this family: refused by name."""
+    kind = rope_kind(c.rope_scaling)
+    if kind not in ("default", "linear") and not (kind == "longrope" and c.model_type == "phi3"):
+        raise CheckpointError(f"{src}: rope scaling {c.rope_scaling} is not written by this exporter "
+                              f"(only linear, and phi3's longrope; llama.cpp stores llama3's as a rope_freqs tensor); "
+                              f"convert with llama.cpp's converter")
+    if not c.family.gguf_arch:
+        raise CheckpointError(f"{src}: model_type {c.model_type!r} has no GGUF architecture in this exporter")
+    if c.model_type == "smollm3":
+        from .model.gguf_io import SMOLLM3_NO_ROPE_STEP
+
+        fixed = tuple((i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(c.num_hidden_layers))
+        if tuple(c.uses_rope(i) for i in range(c.num_hidden_layers)) != fixed:
+            raise CheckpointError(f"{src}: no_rope_layers is not every {SMOLLM3_NO_ROPE_STEP}th layer, the only "
+                                  f"pattern llama.cpp's smollm3 runs; keep the Hugging Face checkpoint")
+    if c.model_type == "phi3" and c.family.gguf_arch and (c.attention_bias or c.mlp_bias):
+        raise CheckpointError(f"{src}: phi3 with biases has no llama.cpp tensors; keep the Hugging Face checkpoint")
 
 
 # Qwen3Config's default head_dim: transformers' GGUF loader leaves head_dim at it for every qwen3 file
@@ -100,6 +151,15 @@ def warn_transformers_head_dim(c, source) -> None:
                       f"checkpoint directory in transformers instead", stacklevel=3)
 
 
+def warn_transformers_phi3(c, source) -> None:
+    """transformers' GGUF loader reads phi3 files without rope.dimension_count and the rope factor tensors (as of
+    transformers 5.25): llama.cpp runs a partial-rotary or longrope export right, transformers does not."""
+    if c.model_type == "phi3" and (c.rotary_dim != c.head_dim or rope_kind(c.rope_scaling) == "longrope"):
+        warnings.warn(f"{source}: phi3's partial rotary / longrope are written as llama.cpp reads them, but "
+                      f"transformers' GGUF loader ignores them: load the checkpoint directory in transformers "
+                      f"instead of the exported file", stacklevel=3)
+
+
 def _value_type(value):
     from gguf import GGUFValueType
 
@@ -120,21 +180,24 @@ def _write_tensor(w, c, hf: str, tensor, kind: str, kept_f16: list[str]) -> None
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
+    from .model.gguf_io import PERMUTED_QK
+
     t = tensor.float().numpy()  # [out, in] for a matrix: rows of length `in`
-    if c.model_type == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    if c.model_type in PERMUTED_QK and hf.endswith(("q_proj.weight", "k_proj.weight")):
         t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
+    name = gguf_name(hf, c.model_type)
     if t.ndim == 1 or kind == "f32":
-        w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float32))
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
     elif kind == "bf16":
         q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.BF16)
-        w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.BF16)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.BF16)
     elif kind == "f16" or t.shape[-1] % Q8_0_BLOCK:
         if kind != "f16":
-            kept_f16.append(f"{gguf_name(hf)} {list(t.shape)}")
-        w.add_tensor(gguf_name(hf), np.ascontiguousarray(t, dtype=np.float16))
+            kept_f16.append(f"{name} {list(t.shape)}")
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float16))
     else:
         q = quants.quantize(np.ascontiguousarray(t, dtype=np.float32), GGMLQuantizationType.Q8_0)
-        w.add_tensor(gguf_name(hf), q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
 
 
 def write_tensors(w, model: Transformer, kind: str) -> None:
@@ -144,6 +207,7 @@ def write_tensors(w, model: Transformer, kind: str) -> None:
     state = hf_state_dict(model)
     kept_f16 = []  # (name, shape) of the matrices q8_0 cannot hold
     names = sorted(hf_name_table(c).values())
+    write_rope_factors(w, c)
     with Progress(f"GGUF export ({kind})", len(names), stream=sys.stderr) as bar:
         for i, hf in enumerate(names):
             _write_tensor(w, c, hf, state[hf], kind, kept_f16)
@@ -179,15 +243,13 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
         raise CheckpointError(str(e)) from None
     model, tok = load_model(src), load_tokenizer(src)
     refuse_nonfinite(model, src)  # a .gguf of NaNs would load in llama.cpp and print garbage
-    if rope_kind(model.config.rope_scaling) not in ("default", "linear"):
-        raise CheckpointError(f"{src}: rope scaling {model.config.rope_scaling} is not written by this exporter "
-                              f"(only linear; llama.cpp stores llama3's as a rope_freqs tensor); convert with "
-                              f"llama.cpp's converter")
+    check_exportable(model.config, src)
     warn_transformers_head_dim(model.config, src)
+    warn_transformers_phi3(model.config, src)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")  # written whole, then renamed: no half-written .gguf
     try:
-        w = gguf.GGUFWriter(str(tmp), ARCH_OF[model.config.model_type])
+        w = gguf.GGUFWriter(str(tmp), arch_of(model.config.model_type))
         write_metadata(w, model, kind, src.parent.name if src.name == "model" else src.stem)
         write_tokenizer(w, tok, model.config.vocab_size)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)

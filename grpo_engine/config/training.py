@@ -15,6 +15,8 @@ BF16_ROUNDINGS = ("stochastic", "nearest")  # optimizer.bf16_rounding (train/opt
 PRECISIONS = ("auto", "fp32", "bf16")
 CHECKPOINTING = ("auto", "none", "all", "every_k")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused projections: accepted as targets, and what q / k / v and gate / up adapt there (model/lora.py)
+FUSED_LORA_TARGETS = ("qkv_proj", "gate_up_proj")
 LORA_INITS = ("kaiming", "gaussian")
 NF4_BACKENDS = ("torchao", "bitsandbytes")
 ADAPTER_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -158,7 +160,8 @@ class LoRAConfig:
     alpha: float = option(32.0, "scale numerator: the update is (alpha / r) B A x")
     dropout: float = option(0.0, "dropout on the adapter input during training")
     target_modules: list[str] = option(
-        list(LORA_TARGETS), "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj")
+        list(LORA_TARGETS), "projections to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; a "
+        "model with fused projections (Phi-3) adapts qkv_proj for any of q/k/v, gate_up_proj for gate or up")
     init: str = option("kaiming", "lora_A init: kaiming (uniform) | gaussian")
     adapter_dtype: str = option("float32", "dtype of lora_A / lora_B (fp32 keeps small updates exact)")
     quantize_base: str = option("none", "none | nf4 (QLoRA: 4-bit base, CUDA only)")
@@ -168,9 +171,9 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         require(self.rank > 0, f"lora.rank must be > 0, got {self.rank}")
         require(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
-        bad = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        bad = sorted(set(self.target_modules) - set(LORA_TARGETS + FUSED_LORA_TARGETS))
         require(not bad and bool(self.target_modules),
-                f"lora.target_modules {bad or '[]'} invalid; choose from {list(LORA_TARGETS)}")
+                f"lora.target_modules {bad or '[]'} invalid; choose from {list(LORA_TARGETS + FUSED_LORA_TARGETS)}")
         require(self.init in LORA_INITS, f"lora.init={self.init!r}; choose from {sorted(LORA_INITS)}")
         require(self.quantize_base in ("none", "nf4"), f"lora.quantize_base={self.quantize_base!r}; choose none or nf4")
         require(self.quant_backend in ("auto", *NF4_BACKENDS),

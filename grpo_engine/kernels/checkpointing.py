@@ -37,9 +37,10 @@ def apply_activation_checkpointing(model: Transformer, every: int) -> Transforme
 
 def block_holding(block: Block, kind: type[Block]) -> Block:
     """A `kind` block holding `block`'s own submodules (norms, attention, MLP: the same parameters, nothing
-    copied), in its train / eval mode."""
+    copied) and its family's settings (norm placement, residual multiplier), in its train / eval mode."""
     new = kind.__new__(kind)
     nn.Module.__init__(new)
+    new.__dict__.update({k: v for k, v in block.__dict__.items() if not k.startswith("_") and k != "training"})
     for name, child in block.named_children():
         setattr(new, name, child)
     return new.train(block.training)

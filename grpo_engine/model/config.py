@@ -1,5 +1,10 @@
-"""ModelConfig: the architecture hyper-parameters of a checkpoint (no torch, so the planner and CLI can read
-shapes without importing it)."""
+"""ModelConfig: the architecture hyper-parameters of a checkpoint, and `Family`: what a model family's block is
+(no torch, so the planner and CLI can read shapes without importing it).
+
+One transformer (transformer.py) serves every family: a family is a row of FAMILIES (its structure: norm
+placement, q/k norm width, fused projections, which config.json keys it reads) plus the numbers of one
+checkpoint in ModelConfig (sizes, multipliers, rope). Adding a family is adding a row, never a copy of the block
+(docs/architecture.md, "Adding a model family")."""
 
 from __future__ import annotations
 
@@ -76,6 +81,87 @@ def rope_kind(scaling: dict | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
+# config.json keys that never change the math of any family: transformers' bookkeeping, token ids, generation
+# defaults a 4.x config carries, initialisation
+NEUTRAL_KEYS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "id2label", "label2id", "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
+    "is_encoder_decoder", "problem_type", "tokenizer_class", "auto_map", "torchscript", "use_bfloat16",
+    "max_length", "min_length", "num_beams", "num_beam_groups", "num_return_sequences", "temperature", "top_k",
+    "top_p", "typical_p", "length_penalty", "repetition_penalty", "no_repeat_ngram_size", "diversity_penalty",
+    "do_sample", "early_stopping", "output_scores", "return_dict_in_generate", "tie_encoder_decoder", "is_decoder",
+    "add_cross_attention", "pruned_heads", "finetuning_task", "task_specific_params", "tf_legacy_loss",
+    "pretraining_tp",  # a 4.x llama option splitting the same products into slices
+    "layer_types",  # each layer's attention kind: hf_io refuses any but full_attention
+    "_attn_implementation_autoset", "unsloth_version", "unsloth_fixed", "keys_to_ignore_at_inference",
+})
+# what every family reads into ModelConfig (config_from_hf)
+COMMON_READS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                "rope_scaling", "rope_parameters", "tie_word_embeddings")
+# keys whose value must be the one the block implements (the value transformers defaults to): dropout is never
+# applied, the gate's activation is silu
+COMMON_FIXED = (("hidden_act", "silu"), ("attention_dropout", 0.0))
+
+
+@dataclass(frozen=True)
+class Family:
+    """The structure of one model family's transformer, as data (the numbers of a checkpoint are ModelConfig's).
+
+    The block computes, per layer, with norm = RMSNorm and act = `activation`:
+      pre-norm  (norm="pre"):   h = x + m * attn(norm(x));  out = h + m * mlp(norm(h))
+      post-norm (norm="post"):  h = x + m * norm(attn(x));  out = h + m * norm(mlp(h))      (OLMo 2)
+    with m = ModelConfig.residual_multiplier; attn rotates q / k on the layers ModelConfig.rope_layers names
+    (the first rotary_dim dims of each head), scores with ModelConfig.attention_multiplier (1/sqrt(head_dim)
+    when None); the embedding is multiplied by embedding_multiplier and the logits divided by logits_scaling.
+    """
+
+    model_type: str
+    architecture: str  # transformers' class, written into a saved config.json
+    norm: str = "pre"  # "pre" or "post" (above)
+    norm_weight_fp32: bool = False  # RMSNorm's weight multiplied before the cast back to the input dtype (OLMo 2)
+    activation: str = "silu"  # the gated MLP's activation: mlp(x) = down(act(gate(x)) * up(x))
+    qk_norm: str = ""  # "" none; "head": RMSNorm over each head (Qwen3); "proj": over the whole projection (OLMo 2)
+    rope_fp32: bool = False  # q / k rotated in fp32 and cast back (OLMo 2's cos / sin are not cast first)
+    fused_qkv: bool = False  # one qkv_proj [q | k | v] instead of q_proj, k_proj, v_proj (Phi-3)
+    fused_gate_up: bool = False  # one gate_up_proj [gate | up] (Phi-3)
+    qkv_bias: bool = False  # q / k / v always carry a bias, o none, whatever attention_bias says (Qwen2)
+    reads: tuple[str, ...] = ()  # config.json keys this family reads beyond COMMON_READS
+    neutral: tuple[str, ...] = ()  # keys known not to change this family's math beyond NEUTRAL_KEYS
+    fixed: tuple[tuple[str, object], ...] = ()  # (key, the only value implemented) beyond COMMON_FIXED
+    gguf_arch: str = ""  # llama.cpp's general.architecture ("" = no GGUF support)
+    turn_end: tuple[str, ...] = ()  # tokens that end a turn in the family's chat format, stops beside its eos
+
+    def norm_names(self) -> tuple[str, str]:
+        """transformers' names of a layer's two norms (attention's, MLP's)."""
+        if self.norm == "post":
+            return "post_attention_layernorm", "post_feedforward_layernorm"
+        return "input_layernorm", "post_attention_layernorm"
+
+
+_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers")  # checked by hf_io (sliding windows)
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, neutral=_WINDOWS + ("attention_bias",), gguf_arch="qwen2"),
+    Family("qwen3", "Qwen3ForCausalLM", qk_norm="head", reads=("attention_bias",), neutral=_WINDOWS,
+           gguf_arch="qwen3"),
+    Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), neutral=("is_llama_config",),
+           gguf_arch="llama"),
+    Family("smollm3", "SmolLM3ForCausalLM", reads=("attention_bias", "mlp_bias", "no_rope_layers",
+                                                   "no_rope_layer_interval"),
+           neutral=_WINDOWS, gguf_arch="smollm3", turn_end=("<|im_end|>",)),
+    Family("granite", "GraniteForCausalLM", reads=("attention_bias", "mlp_bias", "embedding_multiplier",
+                                                   "residual_multiplier", "attention_multiplier", "logits_scaling"),
+           gguf_arch="granite", turn_end=("<|end_of_text|>",)),
+    Family("olmo2", "Olmo2ForCausalLM", norm="post", norm_weight_fp32=True, qk_norm="proj", rope_fp32=True,
+           reads=("attention_bias",), gguf_arch="olmo2", turn_end=("<|endoftext|>",)),
+    Family("phi3", "Phi3ForCausalLM", fused_qkv=True, fused_gate_up=True,
+           reads=("original_max_position_embeddings", "partial_rotary_factor"),
+           neutral=("sliding_window", "full_attn_mod", "interpolate_factor"),
+           fixed=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)), gguf_arch="phi3", turn_end=("<|end|>",)),
+)}
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters; field names follow HF config.json where one exists."""
@@ -92,16 +178,47 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
-    model_type: str = "qwen2"  # written back into config.json on save
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2: always)
+    o_bias: bool = False  # bias on o_proj (attention_bias of llama-like families)
+    mlp_bias: bool = False  # bias on the MLP's projections
+    embedding_multiplier: float = 1.0  # embeddings x m (Granite)
+    residual_multiplier: float = 1.0  # each block's branch x m before the residual add (Granite)
+    attention_multiplier: float | None = None  # the scores' scale; None = 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits / s (Granite): applied to the final hidden state (Transformer.forward)
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotates (Phi-3 / Phi-4-mini)
+    rope_layers: tuple[bool, ...] | None = None  # per layer, whether it applies rope (SmolLM3); None = every layer
+    model_type: str = "qwen2"  # the FAMILIES row; written back into config.json on save
     extra: dict = field(default_factory=dict)  # other config.json fields, preserved on save
 
     def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_layers is not None:
+            self.rope_layers = tuple(bool(r) for r in self.rope_layers)
+            if len(self.rope_layers) != self.num_hidden_layers:
+                raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for "
+                                 f"num_hidden_layers={self.num_hidden_layers}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def qk_norm(self) -> str:
+        """The family's q/k norm ("" none, "head", "proj")."""
+        return self.family.qk_norm
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotate (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]

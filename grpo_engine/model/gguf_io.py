@@ -5,7 +5,9 @@ llama.cpp; `pip install -e ".[gguf]"`) dequantizes any mix of tensor types (Q4_1
 this module maps llama.cpp's tensor and metadata names onto the engine's (through the same HF name table as
 safetensors checkpoints), checks the dimensions against sane limits and the tensors present before building
 anything, undoes the q/k row permutation llama.cpp's converter applies to Llama models, and rebuilds the
-tokenizer (gguf_tokenizer.py). Supported architectures: llama, qwen2, qwen3.
+tokenizer (gguf_tokenizer.py). Supported architectures: each family of model/config.py's FAMILIES with a
+`gguf_arch` (llama, qwen2, qwen3, smollm3, granite, olmo2, phi3), under llama.cpp's names for it (`block_names`;
+Phi-3's longrope factors are llama.cpp's rope_factors_long / rope_factors_short tensors).
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..progress import Progress
-from .config import REQUIRED_DIMS, ModelConfig, checked_dims, checked_float
+from .config import FAMILIES, REQUIRED_DIMS, Family, ModelConfig, checked_dims, checked_float
 from .gguf_header import gguf_module, parse_gguf
 from .hf_io import CheckpointError, model_from_hf_tensors
 from .tensor_checks import check_tensor_shapes
 from .transformer import Transformer
 
-ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF general.architecture -> model_type
+ARCHES = {f.gguf_arch: f.model_type for f in FAMILIES.values() if f.gguf_arch}  # general.architecture -> model_type
+PERMUTED_QK = ("llama", "smollm3", "granite")  # llama.cpp's converter interleaves these families' q / k rows
+ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # llama.cpp tensor name (per block: "blk.N." prefix) -> HF name (per layer: "model.layers.N." prefix)
@@ -40,7 +44,27 @@ BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
 }
+
+
+def block_names(fam: Family) -> dict[str, str]:
+    """llama.cpp's per-block tensor names -> HF names for a family (gguf.constants.MODEL_TENSORS): OLMo 2's
+    post-norms are post_attention_norm / post_ffw_norm; Phi-3's fused qkv_proj is attn_qkv and its fused
+    gate_up_proj is ffn_up (llama.cpp splits it in two)."""
+    names = dict(BLOCK_NAMES)
+    if fam.norm == "post":
+        del names["attn_norm.weight"], names["ffn_norm.weight"]
+        names.update({"post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
+    if fam.fused_qkv:
+        names = {k: v for k, v in names.items() if not k.startswith(("attn_q.", "attn_k.", "attn_v."))}
+        names.update({"attn_qkv.weight": "self_attn.qkv_proj.weight", "attn_qkv.bias": "self_attn.qkv_proj.bias"})
+    if fam.fused_gate_up:
+        names = {k: v for k, v in names.items() if not k.startswith(("ffn_gate.", "ffn_up."))}
+        names.update({"ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_up.bias": "mlp.gate_up_proj.bias"})
+    return names
 
 
 def reader(path: str | Path):
@@ -83,6 +107,7 @@ def read_gguf(path: str | Path) -> GGUFContents:
 def _read_gguf(path: str, mtime_ns: int, size: int) -> GGUFContents:
     meta, tensors = parse_gguf(path)
     meta["_has_output_weight"] = any(t.name == "output.weight" for t in tensors)
+    meta["_tensor_names"] = [t.name for t in tensors if t.name.startswith("blk.0.")]  # its biases
     return GGUFContents(meta, tensors)
 
 
@@ -110,12 +135,42 @@ def config_from_gguf(meta: dict, source: str) -> ModelConfig:
     dims.update({k: default if dims[k] is None or k == "head_dim" else dims[k] for k, default in absent.items()})
     dims = checked_dims(dims, source, keys)
     dims["head_dim"] = _head_dim(meta, arch, dims["hidden_size"] // dims["num_attention_heads"], source)
+    names = set(meta.get("_tensor_names", ()))
+    bias = "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names
     return ModelConfig(
         **checked_dims(dims, source, keys),
         rms_norm_eps=checked_float(a("attention.layer_norm_rms_epsilon", 1e-6), "rms_norm_eps", source),
         rope_theta=checked_float(a("rope.freq_base", 10000.0), "rope_theta", source),
         rope_scaling=_rope_scaling(meta, arch, source), tie_word_embeddings=not meta.get("_has_output_weight", True),
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3", model_type=ARCHES[arch], extra=_extra_config(meta))
+        attention_bias=bias and arch != "qwen2", o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_down.bias" in names, model_type=ARCHES[arch], extra=_extra_config(meta),
+        **_family_numbers(meta, arch, dims, source))
+
+
+def _family_numbers(meta: dict, arch: str, dims: dict, source: str) -> dict:
+    """Granite's multipliers (llama.cpp: embedding_scale, residual_scale, attention.scale, logit_scale), Phi-3's
+    partial rotary (rope.dimension_count of head_dim), SmolLM3's rope-less layers (every 4th, fixed in llama.cpp)."""
+    out = {}
+    if arch == "granite":
+        for ours, key, default in (("embedding_multiplier", "embedding_scale", 1.0),
+                                   ("residual_multiplier", "residual_scale", 1.0),
+                                   ("logits_scaling", "logit_scale", 1.0)):
+            out[ours] = checked_float(meta.get(f"{arch}.{key}", default), f"{arch}.{key}", source)
+        if f"{arch}.attention.scale" in meta:
+            out["attention_multiplier"] = checked_float(meta[f"{arch}.attention.scale"], f"{arch}.attention.scale",
+                                                        source)
+    if arch == "phi3":
+        rotary = meta.get(f"{arch}.rope.dimension_count", dims["head_dim"])
+        if not isinstance(rotary, int) or not 2 <= rotary <= dims["head_dim"] or rotary % 2:
+            raise CheckpointError(f"{source}: {arch}.rope.dimension_count={rotary!r:.40} is not an even number up to "
+                                  f"head_dim={dims['head_dim']}; the file is corrupt: re-download it")
+        out["partial_rotary_factor"] = rotary / dims["head_dim"]
+    if arch == "smollm3":
+        out["rope_layers"] = tuple((i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(dims["num_hidden_layers"]))
+    return out
+
+
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp's smollm3: every 4th layer goes without rope (no metadata key says so)
 
 
 def _head_dim(meta: dict, arch: str, default: int, source: str) -> int:
@@ -144,8 +199,8 @@ def _rope_scaling(meta: dict, arch: str, source: str) -> dict | None:
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
     if kind == "none" and f"{arch}.rope.scale_linear" in meta:
         kind = "linear"
-    if kind == "none" or (kind == "linear" and (factor or 1.0) == 1.0):  # llama.cpp: absent or 0 = 1
-        return None
+    if kind in ("none", "longrope") or (kind == "linear" and (factor or 1.0) == 1.0):  # llama.cpp: absent or 0 = 1
+        return None  # longrope: its factor tensors (longrope_scaling)
     if kind != "linear":
         raise CheckpointError(f"{source}: rope scaling {kind!r:.80} is not supported from GGUF (only linear); load "
                               f"the Hugging Face checkpoint instead")
@@ -174,12 +229,13 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, fam: Family = FAMILIES["llama"]) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     block, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
-    if block == "blk" and layer.isdigit() and rest in BLOCK_NAMES:
-        return f"model.layers.{layer}.{BLOCK_NAMES[rest]}"
+    names = block_names(fam)
+    if block == "blk" and layer.isdigit() and rest in names:
+        return f"model.layers.{layer}.{names[rest]}"
     return None
 
 
@@ -190,27 +246,55 @@ def read_tensors(records: list, cfg: ModelConfig, dtype: torch.dtype, source: st
     tensors = {}
     with Progress(f"reading {Path(source).name}", len(records), stream=sys.stderr) as bar:
         for i, t in enumerate(records):
-            tensors[_hf_name_of(t, source)] = _dequantized(gguf, t, cfg, dtype, source)
+            if t.name not in ROPE_FACTORS:  # read into the config by longrope_scaling
+                tensors[_hf_name_of(t, cfg, source)] = _dequantized(gguf, t, cfg, dtype, source)
             bar.update(i + 1, "tensors")
     return tensors
 
 
-def _hf_name_of(t, source: str) -> str:
-    name = hf_name(t.name)
+def _hf_name_of(t, cfg: ModelConfig, source: str) -> str:
+    name = hf_name(t.name, cfg.family)
     if t.name == "rope_freqs.weight":
         raise CheckpointError(f"{source}: Llama-3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
                               f"load the Hugging Face checkpoint instead")
     if name is None:
-        raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a llama/qwen2/qwen3 tensor)")
+        raise CheckpointError(f"{source}: unexpected tensor {t.name!r} (not a {cfg.family.gguf_arch} tensor)")
     return name
 
 
+def longrope_scaling(meta: dict, records: list, cfg: ModelConfig, source: str) -> dict | None:
+    """Phi-3's longrope from llama.cpp's rope_factors_long / rope_factors_short tensors and its
+    rope.scaling.original_context_length / attn_factor keys (None without the tensors: plain rope)."""
+    found = {ROPE_FACTORS[t.name]: t for t in records if t.name in ROPE_FACTORS}
+    if not found:
+        return None
+    if len(found) != 2:
+        raise CheckpointError(f"{source}: one of rope_factors_long / rope_factors_short is missing; re-download it")
+    gguf, arch = gguf_module(), cfg.family.gguf_arch
+    factors = {k: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
+               for k, t in found.items()}
+    if any(len(f) != cfg.rotary_dim // 2 for f in factors.values()):
+        raise CheckpointError(f"{source}: the rope factor tensors do not hold rotary_dim / 2 = {cfg.rotary_dim // 2} "
+                              f"values; the file is corrupt: re-download it")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length", cfg.max_position_embeddings)
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+    attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        from .transformer import rope_attention_factor
+
+        probe = replace(cfg, rope_scaling=scaling)
+        derived = rope_attention_factor(probe)  # written as float32: keep the exact derived value when it is that
+        if abs(float(attn) - derived) > 1e-6 * derived:
+            scaling["attention_factor"] = checked_float(attn, f"{arch}.rope.scaling.attn_factor", source)
+    return scaling
+
+
 def _dequantized(gguf, t, cfg: ModelConfig, dtype: torch.dtype, source: str) -> torch.Tensor:
-    """One tensor record dequantized to `dtype` (q/k un-permuted for Llama)."""
-    name = hf_name(t.name)
+    """One tensor record dequantized to `dtype` (q/k un-permuted for the llama-like families)."""
+    name = hf_name(t.name, cfg.family)
     try:
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.model_type in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             w = unpermute_qk(w, heads)
     except (ValueError, TypeError, NotImplementedError) as e:  # a type gguf cannot dequantize, a wrong shape
@@ -223,7 +307,9 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     """A Transformer from a GGUF file, dequantized to `dtype` on `device`."""
     contents = read_gguf(path)
     cfg = config_from_gguf(contents.meta, str(path))
-    shapes = {name: tuple(reversed(t.shape)) for t in contents.tensors if (name := hf_name(t.name))}
+    cfg = replace(cfg, rope_scaling=longrope_scaling(contents.meta, contents.tensors, cfg, str(path))
+                  or cfg.rope_scaling)
+    shapes = {name: tuple(reversed(t.shape)) for t in contents.tensors if (name := hf_name(t.name, cfg.family))}
     check_tensor_shapes(cfg, shapes, str(path))  # before dequantizing or building anything
     tensors = {k: v.to(device) for k, v in read_tensors(contents.tensors, cfg, dtype, str(path)).items()}
     return model_from_hf_tensors(cfg, tensors, str(path))

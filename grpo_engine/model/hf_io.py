@@ -17,11 +17,22 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config.paths import read_regular, regular_path
-from .config import REQUIRED_DIMS, CheckpointError, checked_dims, checked_float, rope_kind
+from .config import (
+    COMMON_FIXED,
+    COMMON_READS,
+    FAMILIES,
+    NEUTRAL_KEYS,
+    REQUIRED_DIMS,
+    CheckpointError,
+    Family,
+    checked_dims,
+    checked_float,
+    rope_kind,
+)
 from .tensor_checks import check_tensor_shapes, safetensors_shapes
 from .transformer import ModelConfig, Transformer
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -72,34 +83,123 @@ def _rope_fields(raw: dict, source: str) -> tuple[float, dict | None]:
         raise CheckpointError(f"{source}: rope_scaling / rope_parameters must be an object with a string "
                               f"rope_type, got {params!r:.80}")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    scaling = None if rope_kind(params) == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    # partial_rotary_factor is read by _numbers; the rest of the dict is the scaling
+    scaling = None if rope_kind(params) == "default" else {
+        k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return checked_float(theta, "rope_theta", source), scaling
 
 
-def _unsupported(raw: dict, model_type: str, scaling: dict | None, source: str) -> list[str]:
-    """What config.json asks for that this engine does not implement (each as the field and why)."""
+def _rope_param(raw: dict, key: str, default):
+    """A rope field a 5.x config keeps in rope_parameters and a 4.x one at the top level."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and key in params:
+        return params[key]
+    return raw.get(key, default)
+
+
+def _check_rope(raw: dict, scaling: dict | None, source: str) -> list[str]:
+    """What the rope scaling asks for that the engine does not implement; fills the defaults transformers uses."""
     unsupported = []
-    if raw.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={raw['hidden_act']!r} (only silu)")
-    if raw.get("use_sliding_window"):
-        unsupported.append("use_sliding_window=true (only full attention)")
-    if raw.get("mlp_bias"):
-        unsupported.append("mlp_bias=true")
-    if model_type != "qwen2" and raw.get("attention_bias"):  # llama and qwen3 then put a bias on o_proj too
-        unsupported.append(f"attention_bias=true for {model_type} (bias on o_proj; only qwen2's q/k/v bias)")
     kind = rope_kind(scaling)
-    if kind not in ("default", "linear", "llama3"):
-        unsupported.append(f"rope type {kind!r} (supported: default, linear, llama3)")
-    elif kind == "llama3":  # transformers' default when absent; rope_inv_freq needs it
-        scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 32768))
-    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(kind, [])
+    if kind not in ("default", "linear", "llama3", "longrope"):
+        return [f"rope type {kind!r} (supported: default, linear, llama3, longrope)"]
+    if kind in ("llama3", "longrope"):  # transformers' default when absent; rope_inv_freq needs it
+        original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or raw.get("max_position_embeddings", 32768)
+    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"],
+              "longrope": ["short_factor", "long_factor"]}.get(kind, [])
     lacking = [k for k in needed if k not in scaling]  # else a KeyError at the first forward, not here
     if lacking:
-        unsupported.append(f"rope type {kind!r} without {', '.join(lacking)}")
-    elif kind in ("linear", "llama3"):  # numbers, not an error at the first forward
+        return [f"rope type {kind!r} without {', '.join(lacking)}"]
+    if kind in ("linear", "llama3"):  # numbers, not an error at the first forward
         for k in needed + (["original_max_position_embeddings"] if kind == "llama3" else []):
             checked_float(scaling[k], f"rope_scaling.{k}", source)
+    if kind == "longrope":
+        checked_float(scaling["original_max_position_embeddings"], "original_max_position_embeddings", source)
+        for k in ("short_factor", "long_factor"):
+            factors = scaling[k]
+            if not isinstance(factors, list) or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+                unsupported.append(f"rope_scaling.{k} (must be a list of positive numbers)")
+        for k in ("factor", "attention_factor"):
+            if scaling.get(k) is not None:
+                checked_float(scaling[k], f"rope_scaling.{k}", source)
     return unsupported
+
+
+def _is_default(value) -> bool:
+    """A value that turns nothing on: what an unknown key may hold without being refused."""
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+def _unaccounted(raw: dict, fam: Family) -> list[str]:
+    """config.json keys the family neither reads nor knows to be neutral, set to something: each as key=value.
+    A key of a fixed value must hold it (the block implements that value only)."""
+    fixed = dict(COMMON_FIXED + fam.fixed)
+    known = set(COMMON_READS) | set(fam.reads) | NEUTRAL_KEYS | set(fam.neutral)
+    out = []
+    for key, value in raw.items():
+        if key in fixed:
+            if value != fixed[key] and not (value is None and key != "hidden_act"):
+                out.append(f"{key}={value!r:.60} (only {fixed[key]!r})")
+        elif key not in known and not _is_default(value):
+            out.append(f"{key}={value!r:.60} (not a field of {fam.model_type} this engine implements)")
+    return out
+
+
+def _sliding_window(raw: dict, fam: Family) -> list[str]:
+    """Sliding-window attention is not implemented: refused where the config turns it on."""
+    if raw.get("use_sliding_window"):
+        return ["use_sliding_window=true (only full attention; sliding windows are not supported yet)"]
+    window = raw.get("sliding_window")
+    if fam.model_type == "phi3" and window is not None and window < raw.get("max_position_embeddings", 4096):
+        # phi3 applies its window whenever it is set; one at least as long as the context never masks anything
+        return [f"sliding_window={window!r} (only full attention; sliding windows are not supported yet)"]
+    types = raw.get("layer_types")
+    if isinstance(types, list) and any(t != "full_attention" for t in types):
+        return ["layer_types other than full_attention (only full attention; sliding windows are not supported yet)"]
+    return []
+
+
+def _unsupported(raw: dict, fam: Family, scaling: dict | None, source: str) -> list[str]:
+    """What config.json asks for that this engine does not implement (each as the field and why)."""
+    return _unaccounted(raw, fam) + _sliding_window(raw, fam) + _check_rope(raw, scaling, source)
+
+
+def _rope_layers(raw: dict, layers: int, source: str) -> tuple[bool, ...] | None:
+    """SmolLM3's no_rope_layers: entry i is 1 where layer i USES rope (transformers' name is inverted); absent,
+    every no_rope_layer_interval-th layer (4 by default) goes without."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or interval < 1:
+            raise CheckpointError(f"{source}: no_rope_layer_interval={interval!r} is not a positive whole number")
+        return tuple((i + 1) % interval != 0 for i in range(layers))
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise CheckpointError(f"{source}: no_rope_layers must list 0 or 1 for each of the {layers} layers, "
+                              f"got {flags!r:.80}")
+    return tuple(bool(f) for f in flags)
+
+
+def _numbers(raw: dict, fam: Family, layers: int, source: str) -> dict:
+    """The ModelConfig fields beyond the dimensions that this family reads (biases, multipliers, rope layers)."""
+    reads = set(fam.reads)
+    bias = bool(raw.get("attention_bias", False)) if "attention_bias" in reads else False
+    out = dict(attention_bias=bias, o_bias=bias, mlp_bias="mlp_bias" in reads and bool(raw.get("mlp_bias", False)))
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if key in reads:
+            out[key] = checked_float(raw.get(key, 1.0), key, source)
+    if "attention_multiplier" in reads:
+        out["attention_multiplier"] = checked_float(raw.get("attention_multiplier", 1.0), "attention_multiplier",
+                                                    source)
+    factor = checked_float(_rope_param(raw, "partial_rotary_factor", 1.0), "partial_rotary_factor", source)
+    if factor > 1 or (factor != 1 and "partial_rotary_factor" not in reads):
+        why = "over 1" if factor > 1 else f"not a field of {fam.model_type} this engine implements"
+        raise CheckpointError(f"{source}: unsupported feature(s): partial_rotary_factor={factor} ({why})")
+    if "partial_rotary_factor" in reads:
+        out["partial_rotary_factor"] = factor
+    if "no_rope_layers" in reads:
+        out["rope_layers"] = _rope_layers(raw, layers, source)
+    return out
 
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -112,8 +212,9 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(
             f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    fam = FAMILIES[model_type]
     theta, scaling = _rope_fields(raw, source)
-    unsupported = _unsupported(raw, model_type, scaling, source)
+    unsupported = _unsupported(raw, fam, scaling, source)
     if unsupported:
         raise CheckpointError(f"{source}: unsupported feature(s): {'; '.join(unsupported)}")
     lacking = [k for k in REQUIRED_DIMS if k not in raw]
@@ -122,31 +223,58 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     dims = {k: raw[k] for k in REQUIRED_DIMS}
     dims.update(num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
                 head_dim=raw.get("head_dim") or 0, max_position_embeddings=raw.get("max_position_embeddings", 32768))
-    return ModelConfig(
-        **checked_dims(dims, source),
+    dims = checked_dims(dims, source)
+    cfg = ModelConfig(
+        **dims,
         rms_norm_eps=checked_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
         model_type=model_type,
         extra=raw,
+        **_numbers(raw, fam, dims["num_hidden_layers"], source),
     )
+    _check_rotary(cfg, source)
+    return cfg
+
+
+def _check_rotary(cfg: ModelConfig, source: str) -> None:
+    """The rotary dims are even and longrope gives a factor per frequency (else a shape error at the first forward)."""
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise CheckpointError(f"{source}: head_dim={cfg.head_dim} x partial_rotary_factor="
+                              f"{cfg.partial_rotary_factor} gives {cfg.rotary_dim} rotary dims, not an even number")
+    if rope_kind(cfg.rope_scaling) == "longrope":
+        for k in ("short_factor", "long_factor"):
+            if len(cfg.rope_scaling[k]) != cfg.rotary_dim // 2:
+                raise CheckpointError(f"{source}: rope_scaling.{k} has {len(cfg.rope_scaling[k])} entries, the "
+                                      f"rotary dims need {cfg.rotary_dim // 2}")
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The config.json we write: the original fields, with ours on top, in the 4.x rope layout
     (transformers 5.x and vLLM read it too)."""
+    fam = cfg.family
     raw = {k: v for k, v in cfg.extra.items() if k not in ("rope_parameters", "rope_scaling", "torch_dtype")}
-    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
     ours = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
             "tie_word_embeddings")  # ModelConfig fields under their config.json names
-    raw.update(architectures=[arch[cfg.model_type]], model_type=cfg.model_type, **{k: getattr(cfg, k) for k in ours},
+    raw.update(architectures=[fam.architecture], model_type=cfg.model_type, **{k: getattr(cfg, k) for k in ours},
                hidden_act="silu", dtype=str(dtype).removeprefix("torch."))
-    if cfg.model_type != "qwen2":
+    reads = set(fam.reads)
+    if "attention_bias" in reads:
         raw["attention_bias"] = cfg.attention_bias
+    if "mlp_bias" in reads:
+        raw["mlp_bias"] = cfg.mlp_bias
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
+        if key in reads:
+            raw[key] = getattr(cfg, key)
+    if "attention_multiplier" in reads:  # None (a GGUF without attention.scale) is 1/sqrt(head_dim) written out
+        m = cfg.attention_multiplier
+        raw["attention_multiplier"] = cfg.head_dim ** -0.5 if m is None else m
+    if "no_rope_layers" in reads:
+        raw["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_hidden_layers)]
+    if rope_kind(cfg.rope_scaling) == "longrope":  # phi3 reads it at the top level
+        raw["original_max_position_embeddings"] = cfg.rope_scaling["original_max_position_embeddings"]
     return raw
 
 
@@ -156,21 +284,21 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
 
 def hf_name_table(cfg: ModelConfig) -> dict[str, str]:
     """Our parameter name -> the tensor name in HF checkpoints. Every load and save goes through this."""
+    fam = cfg.family
     table = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = "lm_head.weight"
-    per_layer = {
-        "attn_norm.weight": "input_layernorm.weight",
-        "mlp_norm.weight": "post_attention_layernorm.weight",
-        "attn.o_proj.weight": "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-        "mlp.up_proj.weight": "mlp.up_proj.weight",
-        "mlp.down_proj.weight": "mlp.down_proj.weight",
-    }
-    for p in ("q", "k", "v"):
-        per_layer[f"attn.{p}_proj.weight"] = f"self_attn.{p}_proj.weight"
-        if cfg.attention_bias:
-            per_layer[f"attn.{p}_proj.bias"] = f"self_attn.{p}_proj.bias"
+    attn_norm, mlp_norm = fam.norm_names()
+    per_layer = {"attn_norm.weight": f"{attn_norm}.weight", "mlp_norm.weight": f"{mlp_norm}.weight"}
+    qkv = ["qkv"] if fam.fused_qkv else ["q", "k", "v"]
+    mlp = ["gate_up", "down"] if fam.fused_gate_up else ["gate", "up", "down"]
+    projections = [(f"attn.{p}_proj", cfg.attention_bias or fam.qkv_bias) for p in qkv]
+    projections += [("attn.o_proj", cfg.o_bias)] + [(f"mlp.{p}_proj", cfg.mlp_bias) for p in mlp]
+    for ours, bias in projections:
+        theirs = ours.replace("attn.", "self_attn.")
+        per_layer[f"{ours}.weight"] = f"{theirs}.weight"
+        if bias:
+            per_layer[f"{ours}.bias"] = f"{theirs}.bias"
     if cfg.qk_norm:
         per_layer["attn.q_norm.weight"] = "self_attn.q_norm.weight"
         per_layer["attn.k_norm.weight"] = "self_attn.k_norm.weight"

@@ -30,7 +30,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -170,6 +170,26 @@ def _require_lora(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return mods
 
 
+FUSED_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}  # the module that holds a projection in a fused family (Phi-3)
+
+
+def family_targets(cfg: LoRAConfig, model: Transformer) -> LoRAConfig:
+    """cfg with its target_modules named as `model`'s family names its modules: with fused projections, one
+    adapter on qkv_proj / gate_up_proj (the module PEFT adapts in that family's checkpoints) for any of its parts."""
+    fam = model.config.family
+    fused = {k: v for k, v in FUSED_TARGETS.items()
+             if (fam.fused_qkv and v == "qkv_proj") or (fam.fused_gate_up and v == "gate_up_proj")}
+    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    targets = []
+    for name in cfg.target_modules:
+        if name in split and name not in fused.values():  # a fused name on a model whose projections are apart
+            targets += split[name]
+        else:
+            targets.append(fused.get(name, name))
+    return replace(cfg, target_modules=sorted(set(targets), key=targets.index))
+
+
 def apply_lora(model: Transformer, cfg: LoRAConfig, device: str | torch.device | None = None) -> Transformer:
     """Freeze every parameter, wrap the targeted projections in LoRALinear (in place), optionally NF4.
 
@@ -180,6 +200,7 @@ def apply_lora(model: Transformer, cfg: LoRAConfig, device: str | torch.device |
     if any(True for _ in lora_modules(model)):
         raise ValueError("model already has LoRA adapters; apply_lora must be called once")
     device = model.device if device is None else torch.device(device)
+    cfg = family_targets(cfg, model)
     backend = _resolve_quantization(model, cfg, device)
     for p in model.parameters():
         p.requires_grad_(False)

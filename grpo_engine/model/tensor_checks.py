@@ -27,7 +27,9 @@ LAYER_TENSORS = frozenset({
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.q_proj.bias",
     "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_feedforward_layernorm.weight",
+    "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", "self_attn.o_proj.bias", "mlp.gate_proj.bias",
+    "mlp.up_proj.bias", "mlp.down_proj.bias",
 })
 _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.(.+)")
 
@@ -48,6 +50,8 @@ def check_tensor_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], so
         first + "self_attn.k_proj.weight": (kv_rows, hidden), first + "self_attn.v_proj.weight": (kv_rows, hidden),
         first + "self_attn.o_proj.weight": (hidden, q_rows), first + "mlp.gate_proj.weight": (inter, hidden),
         first + "mlp.up_proj.weight": (inter, hidden), first + "mlp.down_proj.weight": (hidden, inter),
+        first + "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+        first + "mlp.gate_up_proj.weight": (2 * inter, hidden),
     }
     for name, want in expected.items():
         if name in shapes and tuple(shapes[name]) != want:

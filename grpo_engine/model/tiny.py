@@ -30,6 +30,28 @@ LLAMA3_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
+# the chat formats of the other families, written here in each one's layout (Phi-3 / Phi-4-mini, Granite 3.x,
+# OLMo 2 instruct); SmolLM3 speaks ChatML
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- else %}{{- eos_token }}{%- endif %}"
+)
+GRANITE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+)
+OLMO2_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}{{- '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{%- else %}{{- '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"
+)
 CHAT_STYLES = {
     # style: (special tokens, bos, eos, pad, template)
     "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
@@ -40,13 +62,20 @@ CHAT_STYLES = {
         "<|end_of_text|>",
         LLAMA3_TEMPLATE,
     ),
+    "phi3": (["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], None, "<|endoftext|>",
+             "<|endoftext|>", PHI3_TEMPLATE),
+    "granite": (["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"], None, "<|end_of_text|>",
+                "<|end_of_text|>", GRANITE_TEMPLATE),
+    "olmo2": (["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>"], "<|endoftext|>",
+              "<|endoftext|>", "<|pad|>", OLMO2_TEMPLATE),
 }
+FAMILY_STYLES = {"llama3": "llama3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2"}  # else chatml
 
 ARCHS = {
     # model_type and the config fields that distinguish each family
     "qwen2": dict(model_type="qwen2", attention_bias=True),
     "qwen2-tied": dict(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
-    "qwen3": dict(model_type="qwen3", qk_norm=True),
+    "qwen3": dict(model_type="qwen3"),
     "llama3": dict(
         model_type="llama",
         rope_theta=500000.0,
@@ -58,6 +87,11 @@ ARCHS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    "smollm3": dict(model_type="smollm3", tie_word_embeddings=True, attention_bias=True, o_bias=True),
+    "granite": dict(model_type="granite", embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=2.0),
+    "olmo2": dict(model_type="olmo2"),
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5),
 }
 
 
@@ -145,7 +179,7 @@ def make_tiny_checkpoint(
     dtype / device: the weights' saved dtype and where they are drawn (device="cuda" for real shapes:
     benchmarks/gpu_check.py makes Qwen2.5-3B-shaped checkpoints this way)."""
     out = Path(out_dir)
-    style = chat_style or ("llama3" if arch.startswith("llama") else "chatml")
+    style = chat_style or FAMILY_STYLES.get(arch, "chatml")
     n_tok = write_byte_tokenizer(out, style)
     shape = tiny_config(arch, **overrides)  # the model's own config (config.json), not a run's settings
     if shape.vocab_size < n_tok:

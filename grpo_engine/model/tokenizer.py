@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ..config.paths import read_regular, regular_path
 from .chat_template import compile_template, one_line, render_template
+from .config import FAMILIES
 from .hf_io import MAX_JSON_BYTES, CheckpointError, read_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -55,9 +56,12 @@ class Tokenizer:
     """Wraps a `tokenizers.Tokenizer` with the chat template and special tokens of its directory."""
 
     def __init__(self, tokenizer: HFTokenizer, config: dict, generation_config: dict | None = None, *,
-                 origin: str = "tokenizer.json", template_origin: str = "tokenizer_config.json"):
-        """origin, template_origin: the files the tokenizer and the chat template came from (for errors)."""
+                 origin: str = "tokenizer.json", template_origin: str = "tokenizer_config.json",
+                 turn_end: tuple[str, ...] = ()):
+        """origin, template_origin: the files the tokenizer and the chat template came from (for errors).
+        turn_end: the model family's end-of-turn tokens (model/config.py Family.turn_end), stops where present."""
         self._tok, self._errors, self.template_origin = tokenizer, _RustErrors(origin), template_origin
+        self.turn_end = turn_end
         self.config = config
         self.generation_config = generation_config or {}
         self.special_tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS}
@@ -99,7 +103,9 @@ class Tokenizer:
 
     @cached_property
     def eos_token_ids(self) -> list[int]:
-        """Ids that end a completion: generation_config.json's eos_token_id(s), then tokenizer_config's eos."""
+        """Ids that end a completion: generation_config.json's eos_token_id(s), then tokenizer_config's eos, then
+        the family's end-of-turn tokens (Phi-3's <|end|>: a checkpoint whose generation config omits it still
+        stops at the end of the assistant's turn)."""
         ids: list[int] = []
         gen = self.generation_config.get("eos_token_id")
         for i in gen if isinstance(gen, list) else [gen]:
@@ -109,6 +115,10 @@ class Tokenizer:
         eos_id = self.token_to_id(eos) if eos else None
         if eos_id is not None and eos_id not in ids:
             ids.append(eos_id)
+        for token in self.turn_end:
+            turn_id = self.token_to_id(token)
+            if turn_id is not None and turn_id not in ids:
+                ids.append(turn_id)
         return ids
 
     @property
@@ -180,7 +190,14 @@ def load_hf_tokenizer(path: Path) -> Tokenizer:
     config["chat_template"], origin = _read_template(path, config)
     gen_file = path / "generation_config.json"
     gen = _read_object(gen_file) if gen_file.exists() else None
-    return Tokenizer(tokenizer, config, gen, origin=str(tok_file), template_origin=origin)
+    return Tokenizer(tokenizer, config, gen, origin=str(tok_file), template_origin=origin, turn_end=_turn_end(path))
+
+
+def _turn_end(path: Path) -> tuple[str, ...]:
+    """The end-of-turn tokens of the family config.json names (none for a directory without one)."""
+    config_file = path / "config.json"
+    model_type = _read_object(config_file).get("model_type") if config_file.is_file() else None
+    return FAMILIES[model_type].turn_end if model_type in FAMILIES else ()
 
 
 def _read_object(file: Path) -> dict:

@@ -1,7 +1,9 @@
-"""THE model file: a decoder-only transformer covering Qwen2 / Qwen2.5, Qwen3 and Llama 3.x.
+"""THE model file: one decoder-only transformer for every family of model/config.py's FAMILIES (Qwen2 / Qwen2.5,
+Qwen3, Llama 3.x, SmolLM3, Granite, OLMo 2, Phi-3 / Phi-4-mini).
 
-The architectures differ only by `ModelConfig` fields (q/k/v bias, q/k RMSNorm, explicit head_dim,
-rope scaling, tied embeddings), never by subclasses. Attention goes through
+The families differ only by their `Family` row (norm placement, q/k norm width, fused projections) and
+`ModelConfig` numbers (biases, explicit head_dim, rope scaling and layers, multipliers, tied embeddings), never by
+subclasses or copies of the block. Attention goes through
 `F.scaled_dot_product_attention`. The same `forward` serves three callers:
 
 * training / scoring: no cache, causal attention, optionally `return_hidden=True` so that rl/logprobs.py
@@ -50,11 +52,17 @@ class KVCacheLike(Protocol):
 # RoPE
 
 
-def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """Inverse frequencies [D/2] in fp32, with the config's rope scaling applied."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim/2] in fp32, with the config's rope scaling applied.
+
+    long: longrope's long factors (else its short ones); `rope_row_inv_freq` chooses per row."""
+    d = cfg.rotary_dim
     scaling, kind = cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)
+    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # [d/2]
+    if kind == "longrope":  # per-frequency divisors
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (factors * base)
+    inv_freq = 1.0 / base
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -69,14 +77,53 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, longrope")
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, T, 1, D] (computed in fp32, cast like HF does), with the first half of
-    sin negated: apply_rope folds rotate_half's sign into it."""
-    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: longrope's attention_factor, when not given
+    sqrt(1 + ln(s) / ln(original context)) for s = factor or max_position_embeddings / original (1 when s <= 1)."""
+    scaling = cfg.rope_scaling or {}
+    if rope_kind(scaling) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_switch(cfg: ModelConfig) -> int | None:
+    """The length past which a longrope row takes its long factors (None for other ropes): a row's keys
+    computed before it passes are stale after (the decode loop prefills again, the training forward runs the row
+    whole: rollout/engine.py, train/forward.py)."""
+    if rope_kind(cfg.rope_scaling) != "longrope":
+        return None
+    return int(cfg.rope_scaling["original_max_position_embeddings"])
+
+
+def rope_row_inv_freq(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """The inverse frequencies for positions [B, T]: [R/2], or for longrope [B, 1, R/2], each row's long factors
+    once it runs past the original context (its largest position + 1 over original_max_position_embeddings).
+
+    transformers decides once per forward for the whole batch; per row, a row's log-probs do not depend on the
+    rows batched with it (the sampler's batch and the trainer's differ), and equal transformers' for the row alone.
+    A cache keeps the keys written before a row's switch, as transformers' does."""
+    if rope_kind(cfg.rope_scaling) != "longrope":
+        return rope_inv_freq(cfg, positions.device)
+    long = positions.amax(-1) + 1 > cfg.rope_scaling["original_max_position_embeddings"]  # [B]
+    short_f, long_f = rope_inv_freq(cfg, positions.device), rope_inv_freq(cfg, positions.device, long=True)
+    return torch.where(long[:, None, None], long_f, short_f)  # [B, 1, R/2]
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """positions [B, T] -> cos, sin [B, T, 1, R] (R = rotary dims; computed in fp32, times `scale`, cast like HF
+    does), with the first half of sin negated: apply_rope folds rotate_half's sign into it.
+    inv_freq: [R/2], or [B, 1, R/2] per row."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, R/2]
     c, s = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        c, s = c * scale, s * scale
     cos, sin = torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)  # [B, T, D]
     return cos[:, :, None].to(dtype), sin[:, :, None].to(dtype)
 
@@ -88,18 +135,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     is already in `sin` (rope_cos_sin): one roll and a fused multiply-add instead of a negation, a concatenation
     and two products, in the projections' own contiguous [B, T, H, D] layout (fewer passes forward and backward).
     """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary: the first `rotary` dims turn, the rest pass through
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+    return torch.addcmul(x * cos, x.roll(rotary // 2, -1), sin).to(x.dtype)  # fp32 cos: rotated in fp32 (OLMo 2)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Blocks
 
 
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      weight_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * x / rms(x), 1 / rms(x) [..., 1]) as the HF reference computes it: normalised in (at least) fp32 and
-    cast back before the weight; float64 stays float64, so exactness tests in float64 keep their precision."""
+    cast back before the weight (after it with weight_fp32, OLMo 2's order); float64 stays float64, so exactness
+    tests in float64 keep their precision."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+    if weight_fp32:
+        return (weight * (xf * rstd)).to(x.dtype), rstd
     return weight * (xf * rstd).to(x.dtype), rstd
 
 
@@ -108,8 +162,8 @@ class _RMSNormFn(torch.autograd.Function):
     normalised x, in fp32 for bf16 inputs): one [tokens, d] tensor less per norm."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):  # x [..., d], weight [d]
-        y, rstd = _rms_norm_forward(x, weight, eps)
+    def forward(ctx, x, weight, eps, weight_fp32):  # x [..., d], weight [d]
+        y, rstd = _rms_norm_forward(x, weight, eps, weight_fp32)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -126,24 +180,28 @@ class _RMSNormFn(torch.autograd.Function):
             # d xhat_i / d x_j = rstd (delta_ij - xhat_i xhat_j / d)
             m = (g * xhat).mean(-1, keepdim=True)  # [..., 1]
             grad_x = g.sub_(xhat.mul_(m)).mul_(rstd).to(x.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
     """weight * x / rms(x); through _RMSNormFn only when a gradient is to be taken."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormFn.apply(x, weight, eps)
-    return _rms_norm_forward(x, weight, eps)[0]
+        return _RMSNormFn.apply(x, weight, eps, weight_fp32)
+    return _rms_norm_forward(x, weight, eps, weight_fp32)[0]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_fp32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_fp32 = eps, weight_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.weight_fp32)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.family.norm_weight_fp32)
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -175,29 +233,54 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        fam = cfg.family
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+        bias = cfg.attention_bias or fam.qkv_bias
+        self.fused = fam.fused_qkv
+        if fam.fused_qkv:
+            self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=bias)  # [q | k | v] rows
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=bias)
+            self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+            self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = fam.qk_norm
+        q_width, k_width = (q_dim, kv_dim) if fam.qk_norm == "proj" else (self.head_dim, self.head_dim)
+        self.q_norm = _norm(cfg, q_width) if fam.qk_norm else None
+        self.k_norm = _norm(cfg, k_width) if fam.qk_norm else None
+        self.rope = cfg.uses_rope(layer)
+        # SDPA's and the kernels' scale is 1/sqrt(D): another scale s is folded into q as s * sqrt(D)
+        m = cfg.attention_multiplier
+        self.q_scale = None if m is None or m == self.head_dim ** -0.5 else m * math.sqrt(self.head_dim)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q [B, T, H*D], k, v [B, T, Hkv*D] (views of one product when fused)."""
+        if self.fused:
+            return self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, mask, cache: KVCacheLike | None, layer: int,
                 kernels: Kernels = TORCH_KERNELS) -> torch.Tensor:
         """kernels: the model's; its decode_attention runs a decode step, its train_attention a forward of more
         than one token whose gradient is taken, each instead of SDPA when set."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        if self.q_norm is not None:
+        q, k, v = self._project(x)
+        if self.qk_norm == "proj":  # over the whole projection, before the split into heads
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # [B, H, T, D]
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # [B, Hkv, T, D]
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = k.view(B, T, self.n_kv, self.head_dim)  # [B, T, Hkv, D]
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, Hkv, start + T, D]
         gqa = self.n_kv != self.n_heads
@@ -245,27 +328,51 @@ def cuda_attention_bias(mask: torch.Tensor, dtype: torch.dtype, groups: int = 1)
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with act = the family's activation (silu: SwiGLU)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        d, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.fused = cfg.family.fused_gate_up
+        if self.fused:
+            self.gate_up_proj = nn.Linear(d, 2 * inter, bias=bias)  # [gate | up] rows
+        else:
+            self.gate_proj = nn.Linear(d, inter, bias=bias)
+            self.up_proj = nn.Linear(d, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))  # SwiGLU
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., inter] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One layer, pre- or post-norm by the family (model/config.py Family); each branch times the residual
+    multiplier before its residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.family.norm == "post"
+        self.residual_multiplier = cfg.residual_multiplier
+        self.attn_norm = _norm(cfg, cfg.hidden_size)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = _norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer, kernels=TORCH_KERNELS):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, kernels)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.post_norm:
+            h = self.attn_norm(self.attn(x, cos, sin, mask, cache, layer, kernels))
+        else:
+            h = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, kernels)
+        x = x + self._scaled(h)
+        h = self.mlp_norm(self.mlp(x)) if self.post_norm else self.mlp(self.mlp_norm(x))
+        return x + self._scaled(h)
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,7 +380,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Embedding -> N blocks -> final RMSNorm -> LM head (tied to the embedding when configured).
+    """Embedding (x embedding_multiplier) -> N blocks -> final RMSNorm (/ logits_scaling) -> LM head (tied to the
+    embedding when configured).
+
+    The logit scale is applied to the final hidden state, before the head: every reader of the head (the chunked
+    log-probs, the fused head, the decode loops, SFT) multiplies `return_hidden=True`'s output by the head's
+    weight and so gets the family's logits without knowing the family.
 
     Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/): `kernels` holds
     the products other than torch's that the model and the code running it use (model/kernels_slot.py; torch's
@@ -284,8 +396,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels: Kernels = TORCH_KERNELS
         self.tie_weights()
@@ -325,16 +437,22 @@ class Transformer(nn.Module):
             mask = torch.ones(T, start + T, dtype=torch.bool, device=input_ids.device).tril(start)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        cfg = self.config
         x = self.embed(input_ids)  # [B, T, hidden]
+        if cfg.embedding_multiplier != 1.0:
+            x = x * cfg.embedding_multiplier
         if mask is not None and T > 1 and mask.is_cuda:
-            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            groups = cfg.num_attention_heads // cfg.num_key_value_heads
             mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype, groups)
-        cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
+        rope_dtype = torch.promote_types(x.dtype, torch.float32) if cfg.family.rope_fp32 else x.dtype
+        cos, sin = rope_cos_sin(rope_row_inv_freq(cfg, positions), positions, rope_dtype, rope_attention_factor(cfg))
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, cache, i, self.kernels)
         if cache is not None:
             cache.start = start + T
         x = self.norm(x)
+        if cfg.logits_scaling != 1.0:
+            x = x / cfg.logits_scaling  # logits = head(x) / s, for every reader of the head
         return x if return_hidden else self.lm_head(x)
 
     @staticmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .device_defaults import CPU_LOGPROB_CHUNK, CPU_MICRO_BATCH_TOKENS, MemoryChoice, memory_choice, micro_batch_rows
-from .memory import MemoryPlan, PlanInput, fits, linear_shapes, param_counts, plan_memory
+from .memory import MemoryPlan, PlanInput, fits, lora_target_shapes, param_counts, plan_memory
 from .policy_spec import policy_spec, sharding
 from .precision import PrecisionChoice, choose_precision, planned_card_native_bf16
 from .shapes import MODEL_SHAPES, model_shape
@@ -56,8 +56,7 @@ def check_lora_rank(knobs: PlanInput, model: ModelConfig) -> None:
     bound of the targeted projections adds adapter weights and memory but no expressiveness."""
     if knobs.mode == "full":
         return
-    shapes = linear_shapes(model)
-    bound = max(min(shapes[t]) for t in knobs.lora_targets)
+    bound = max(min(shape) for shape in lora_target_shapes(model, knobs.lora_targets))
     if knobs.lora_rank > bound:
         raise ConfigError(f"lora.rank={shown(knobs.lora_rank)} is above {bound}, the highest rank an update of the "
                           f"targeted projections ({', '.join(knobs.lora_targets)}) can have: set lora.rank <= {bound} "

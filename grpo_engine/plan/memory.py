@@ -151,22 +151,43 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(all parameters, parameters in the 7 projections of all layers)."""
     shapes = linear_shapes(cfg)
     linear = sum(i * o for i, o in shapes.values())
-    bias = (shapes["q_proj"][1] + 2 * shapes["k_proj"][1]) if cfg.attention_bias else 0
-    norms = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
+    bias = ((q + 2 * kv if cfg.attention_bias or cfg.family.qkv_bias else 0) + (cfg.hidden_size if cfg.o_bias else 0)
+            + (2 * cfg.intermediate_size + cfg.hidden_size if cfg.mlp_bias else 0))
+    qk_norm = {"head": 2 * cfg.head_dim, "proj": q + kv}.get(cfg.qk_norm, 0)  # one weight per norm's width
+    norms = 2 * cfg.hidden_size + qk_norm
     embed = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else embed
     total = embed + head + cfg.hidden_size + cfg.num_hidden_layers * (linear + bias + norms)
     return total, cfg.num_hidden_layers * linear
 
 
+def lora_target_shapes(cfg: ModelConfig, targets) -> list[tuple[int, int]]:
+    """(in, out) of each adapted projection of one layer: a family with fused projections (Phi-3) adapts one
+    qkv_proj for any of q / k / v and one gate_up_proj for gate / up (model/lora.py family_targets)."""
+    shapes, fam = linear_shapes(cfg), cfg.family
+    groups = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    fused = {g for g in groups if (fam.fused_qkv if g == "qkv_proj" else fam.fused_gate_up)}
+    out, seen = [], set()
+    for t in targets:
+        group = next((g for g, parts in groups.items() if t == g or t in parts), None)
+        if group in fused:
+            if group not in seen:
+                seen.add(group)
+                parts = [shapes[p] for p in groups[group]]
+                out.append((parts[0][0], sum(o for _, o in parts)))
+        else:
+            out += [shapes[p] for p in groups[group]] if t in groups else [shapes[t]]
+    return out
+
+
 def lora_param_count(cfg: ModelConfig, k: PlanInput) -> int:
-    shapes = linear_shapes(cfg)
-    return cfg.num_hidden_layers * sum(k.lora_rank * (shapes[t][0] + shapes[t][1]) for t in k.lora_targets)
+    shapes = lora_target_shapes(cfg, k.lora_targets)
+    return cfg.num_hidden_layers * sum(k.lora_rank * (i + o) for i, o in shapes)
 
 
 def targeted_linear_count(cfg: ModelConfig, k: PlanInput) -> int:
-    shapes = linear_shapes(cfg)
-    return cfg.num_hidden_layers * sum(shapes[t][0] * shapes[t][1] for t in k.lora_targets)
+    return cfg.num_hidden_layers * sum(i * o for i, o in lora_target_shapes(cfg, k.lora_targets))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,7 +230,7 @@ def optimizer_temp_bytes(cfg: ModelConfig, k: PlanInput) -> float:
     ones work in place or per parameter (largest parameter: the embedding or a projection)."""
     n, s = trainable(cfg, k)
     largest = cfg.vocab_size * cfg.hidden_size if k.mode == "full" else max(
-        k.lora_rank * max(linear_shapes(cfg)[t]) for t in k.lora_targets)
+        k.lora_rank * max(shape) for shape in lora_target_shapes(cfg, k.lora_targets))
     if k.optimizer == "adamw_offload":
         return largest * s  # one parameter's copy-back staging
     if k.optimizer == "adamw_fused" or (k.optimizer == "adamw" and s != 4 and k.master_weights):
@@ -224,14 +245,19 @@ def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
     2 RMSNorms x (input, output) = 4d (the norm's own backward keeps only its input and 1/rms); q, k, v after
     RoPE and the SDPA output (saved by SDPA; o_proj's input is a view of that output, which SDPA lays out like q,
     [B, T, H, D]) = 2 q + 2 kv; MLP: gate out, up out (kept by the SwiGLU function) and their product
-    (down_proj's input) = 3 inter; q/k RMSNorms (Qwen3) keep their inputs, q + kv; LoRA keeps its rank-r
+    (down_proj's input) = 3 inter; q/k RMSNorms (Qwen3 per head, OLMo 2 over the projection) keep their inputs,
+    q + kv. Post-norm blocks (OLMo 2) keep the same 4d: each norm's input, and the block's and the MLP's input
+    (kept by the projections) in place of the pre-norms' outputs. A fused gate_up_proj (Phi-3) keeps its product
+    whole, the same 2 inter; a fused qkv_proj's v is a view of the whole [q | k | v] product, which SDPA keeps:
+    q + kv more. Multipliers keep nothing. LoRA keeps its rank-r
     intermediate per target. Small [T, 1]-like tensors (1/rms, SDPA's log-sum-exp, the RoPE tables) are left
     out. tests/plan/test_plan.py checks the count against what autograd keeps."""
     s = DTYPE_BYTES[k.precision]
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    elements = 4 * d + training_attention_elements(cfg) + 3 * i + (q + kv if cfg.qk_norm else 0)
-    lora = 4 * k.lora_rank * len(k.lora_targets) if k.mode != "full" else 0
+    elements = 4 * d + training_attention_elements(cfg) + 3 * i + (q + kv if cfg.qk_norm else 0) \
+        + (q + kv if cfg.family.fused_qkv else 0)
+    lora = 4 * k.lora_rank * len(lora_target_shapes(cfg, k.lora_targets)) if k.mode != "full" else 0
     return elements * s + lora
 
 

@@ -17,6 +17,22 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 4864),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 8960),
     "qwen2.5-3b": _qwen25(2048, 36, 16, 11008),
+    # from the published config.json of HuggingFaceTB/SmolLM3-3B, ibm-granite/granite-3.3-2b-instruct,
+    # allenai/OLMo-2-0425-1B and microsoft/Phi-4-mini-instruct (shapes only: the planner needs no rope factors)
+    "smollm3-3b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
+                              tie_word_embeddings=True, model_type="smollm3",
+                              rope_layers=tuple((i + 1) % 4 != 0 for i in range(36))),
+    "granite-3.3-2b": ModelConfig(vocab_size=49159, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                  tie_word_embeddings=True, model_type="granite", embedding_multiplier=12.0,
+                                  residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0),
+    "olmo2-1b": ModelConfig(vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                            model_type="olmo2"),
+    "phi4-mini": ModelConfig(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                             num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+                             tie_word_embeddings=True, partial_rotary_factor=0.75, model_type="phi3"),
 }
 
 

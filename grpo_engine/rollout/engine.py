@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..model.transformer import Transformer
+from ..model.transformer import Transformer, rope_switch
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
 from .rows import Row
@@ -113,7 +113,24 @@ def decode(model: Transformer, rows: Sequence[Row], cache: KVCache, key_mask: to
             key_mask, active = key_mask.index_select(0, index), [active[a] for a in keep]
             packs.resize(len(keep), max(rows[r].steps_left() for r in active))
         pending = [[] if rows[r].finished else rows[r].pending for r in active]
+        if passes_rope_switch(model, [rows[r] for r in active], pending):
+            # every layer's keys and values of the row are stale: prefill the rows again, as transformers' Phi-3
+            # generate does, so tokens equal a full forward of the sequence
+            steps = max(rows[r].steps_left() for r in active)
+            cache, key_mask, logits = prefill(model, [rows[r].tokens for r in active], list(range(len(active))),
+                                              steps)
+            continue
         logits, key_mask = feed(head, step, cache, key_mask, pending)
+
+
+def passes_rope_switch(model: Transformer, rows: Sequence[Row], pending: list[list[int]]) -> bool:
+    """Whether feeding `pending` takes a row past longrope's original context: the forward of a sequence longer
+    than original_max_position_embeddings rotates every position by the long factors (model/transformer.py
+    rope_row_inv_freq), so the keys cached with the short ones no longer hold."""
+    switch = rope_switch(model.config)
+    if switch is None:
+        return False
+    return any(len(r.tokens) - len(p) <= switch < len(r.tokens) for r, p in zip(rows, pending) if p)
 
 
 def feed(head: DecodeHead, step: DecodeStep, cache: KVCache, key_mask: torch.Tensor, pending: list[list[int]]):

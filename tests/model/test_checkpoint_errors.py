@@ -165,14 +165,18 @@ def test_llama3_rope_fields_checked_at_load():
         config_from_hf({**base, "rope_parameters": no_low})
 
 
-def test_qwen3_attention_bias_refused_by_name():
-    """Qwen3 with attention_bias also has an o_proj bias, which the model lacks: name the field, not a tensor."""
+def test_qwen3_attention_bias_puts_a_bias_on_all_four_projections():
+    """Qwen3 (like llama) with attention_bias has a bias on q, k, v and o_proj: read as such, not half of it."""
+    from grpo_engine.model.hf_io import hf_name_table
+
     raw = dict(
         model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_bias=True,
     )
-    with pytest.raises(CheckpointError, match="attention_bias=true for qwen3"):
-        config_from_hf(raw)
+    cfg = config_from_hf(raw)
+    assert cfg.attention_bias and cfg.o_bias
+    names = set(hf_name_table(cfg).values())
+    assert {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkvo"} <= names
 
 
 def test_tied_checkpoint_with_distinct_lm_head(tiny_ckpt_factory, tmp_path):

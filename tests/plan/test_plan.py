@@ -48,6 +48,14 @@ def test_param_count_matches_the_model_and_qwen_sizes():
     assert round(param_counts(MODEL_SHAPES["qwen2.5-3b"])[0] / 1e9, 2) == 3.09
 
 
+@pytest.mark.parametrize("name, billions", [("smollm3-3b", 3.08), ("granite-3.3-2b", 2.53), ("olmo2-1b", 1.48),
+                                            ("phi4-mini", 3.84)])
+def test_family_shapes_count_their_published_parameters(name, billions):
+    """The model cards' sizes (SmolLM3-3B 3.08B, Granite 3.3 2B 2.53B, OLMo 2 1B 1.48B, Phi-4-mini 3.84B), from the
+    description: OLMo 2's q/k norms over the whole projection, the heads tied or not."""
+    assert round(param_counts(MODEL_SHAPES[name])[0] / 1e9, 2) == billions
+
+
 def test_kv_cache_hand_computed():
     # 1.5B: 2 (k, v) x 28 layers x 2 kv heads x 128 head_dim x 2 bytes = 28672 B per slot;
     # 64 rows x 768 slots -> 1_409_286_144 B
@@ -212,7 +220,7 @@ def test_predicted_vs_measured_cpu(checkpointing, onednn):
         assert abs(got[key] - want[key]) <= 0.15 * want[key] + 6, (key, got, want)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3", "smollm3", "granite", "olmo2", "phi3"])
 def test_saved_bytes_per_token_equal_what_autograd_keeps(arch):
     """saved_bytes_per_token_layer against the tensors autograd keeps for one block's backward (parameters and the
     shared RoPE tables aside): the per-token tensors sum to the formula exactly; what it leaves out are [T, 1]-like
