@@ -193,9 +193,11 @@ def _read_tsv(p: Path, limits: Limits = Limits()) -> Records:
 
 
 def _check_header(header: list[str], p: Path, line_no: int) -> None:
-    """A CSV header names each field once, none of them empty."""
+    """A CSV header names each field once, none of them empty. The error counts the fields and never shows them: the
+    first line of a file linked in as data (`/etc/shadow`) is not the user's to print."""
     if "" in header or len(set(header)) != len(header):
-        raise DataError(f"{p}: the header (line {line_no}) {header} must name each field once (e.g. prompt,answer)")
+        raise DataError(f"{p}: the header (line {line_no}) must name each field once (e.g. prompt,answer); its "
+                        f"{len(header)} fields include an empty or repeated name")
 
 
 def _parse(text: str, source: Path, line_no: int | None = None):
@@ -308,17 +310,22 @@ def split_source(data_path: str | Path, split: str) -> Path:
 
 
 def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | Path) -> None:
-    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field."""
+    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field, holds null
+    or empty text (a row that can never score). The error says what was expected and how many fields the record
+    has, never their names: a CSV header is the first line of whatever file data_path names, which may be a file
+    the user does not mean to print (`/etc/shadow` through a link)."""
     for i, row in enumerate(rows):
         for name in fields:
-            if name in row and row[name] is None:
+            value = row.get(name)
+            if name in row and value is None:
                 raise DataError(f"{source}: {place(rows, i)} has no field {name!r}: it is null; every record needs "
                                 f"a value for each of {list(fields)}")
+            if isinstance(value, str) and not value.strip():
+                raise DataError(f"{source}: {place(rows, i)} field {name!r} is empty: a row without it can never "
+                                f"score; every record needs a value for each of {list(fields)}")
             if name not in row:
-                raise DataError(
-                    f"{source}: {place(rows, i)} has no field {name!r} (fields present: {sorted(row)}); "
-                    f"every record needs {list(fields)}"
-                )
+                raise DataError(f"{source}: {place(rows, i)} has no field {name!r} (it has {len(row)} field"
+                                f"{'' if len(row) == 1 else 's'}); every record needs {list(fields)}")
 
 
 def field_error(

@@ -1,0 +1,55 @@
+"""Issue 70: files you did not write, round four. Each test is one numbered case of the hostile pass (a run directory,
+a data file or a checkpoint someone handed over) and failed on the tree before its fix."""
+
+import json
+
+import pytest
+
+from grpo_engine.tasks import make_task
+from grpo_engine.tasks.data import DataError
+
+SECRET = "root:$6$saltsalt$hashhashhash:19000:0:99999:7:::"
+
+
+def custom(path, **options):
+    return make_task("custom", data_path=str(path), test_path=str(path), **options)
+
+
+# item 1: an error about a CSV header never echoes the file's content ---------------------------------------------
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_item1_a_csv_linked_to_a_private_file_is_named_never_printed(tmp_path, suffix):
+    private = tmp_path / "shadow"
+    private.write_text(f"{SECRET}\ndaemon:*:19000:0:99999:7:::\n")
+    link = tmp_path / f"data{suffix}"
+    link.symlink_to(private)
+    with pytest.raises(DataError) as e:
+        custom(link).examples("train")
+    message = str(e.value)
+    assert "root:" not in message and "daemon" not in message and "saltsalt" not in message, message
+    assert message == (f"{link}: line 2 has no field 'prompt' (it has 1 field); every record needs "
+                       f"['prompt', 'answer']")
+
+
+def test_item1_a_repeated_header_is_counted_not_shown(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("secret-name,secret-name\nq,1\n")
+    with pytest.raises(DataError) as e:
+        custom(path).examples("train")
+    assert "secret-name" not in str(e.value)
+    assert str(e.value) == (f"{path}: the header (line 1) must name each field once (e.g. prompt,answer); its 2 "
+                            f"fields include an empty or repeated name")
+
+
+# item 6: an empty answer is a row that can never score ----------------------------------------------------------
+@pytest.mark.parametrize("answer", ["", "   "])
+def test_item6_an_empty_answer_is_refused_naming_the_file_and_line(tmp_path, answer):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n\n" + json.dumps({"prompt": "r", "answer": answer}))
+    with pytest.raises(DataError) as e:
+        custom(path).examples("train")
+    assert str(e.value) == (f"{path}: line 3 field 'answer' is empty: a row without it can never score; every "
+                            f"record needs a value for each of ['prompt', 'answer']")
+    csv = tmp_path / "rows.csv"
+    csv.write_text("prompt,answer\nq,1\nr,\n")
+    with pytest.raises(DataError, match=r"rows.csv: line 3 field 'answer' is empty"):
+        custom(csv).examples("train")
