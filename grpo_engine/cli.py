@@ -241,8 +241,29 @@ PARSERS = [add_demo_parser, add_train_parser, add_check_parser, add_eval_parser,
            add_config_parser, add_plan_parser, add_bench_parser, add_export_parser]
 
 
+class AnyOrderParser(argparse.ArgumentParser):
+    """A parser whose options and positionals may come in any order (`grpo config show C --resolved k=v`).
+
+    Why: plain argparse fills `config` and `overrides` from the first run of positionals it meets, so an override
+    after an option was "unrecognized" although the usage line shows `[--resolved] config [overrides ...]`. Every
+    subcommand's parser is of this class (argparse builds subparsers of their parent's class); a parser that
+    chooses a subcommand (its positional is the subcommand's name and the rest) parses as argparse does."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        positionals = self._get_positional_actions()
+        if self._intermixing or any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in positionals):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args parses through this method twice
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training engine (add --debug anywhere to "
+    parser = AnyOrderParser(prog="grpo", description="GRPO training engine (add --debug anywhere to "
                                                                "see tracebacks instead of one-line errors)")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in PARSERS:

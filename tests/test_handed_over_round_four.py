@@ -2,6 +2,7 @@
 a data file or a checkpoint someone handed over) and failed on the tree before its fix."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,39 @@ def test_item6_an_empty_answer_is_refused_naming_the_file_and_line(tmp_path, ans
     csv.write_text("prompt,answer\nq,1\nr,\n")
     with pytest.raises(DataError, match=r"rows.csv: line 3 field 'answer' is empty"):
         custom(csv).examples("train")
+
+
+# item 15: options and overrides in any order, on every command ----------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+ORDERS = {  # the same command written twice: options first, and options among (or after) the positionals
+    "config show": (["config", "show", "--resolved", "C", "a=1", "b=2"], ["config", "show", "C", "a=1", "--resolved",
+                                                                          "b=2"]),
+    "train": (["train", "--overwrite", "--stop-after", "2", "C", "a=1", "b=2"],
+              ["train", "C", "a=1", "--stop-after", "2", "b=2", "--overwrite"]),
+    "check": (["check", "C", "a=1", "b=2"], ["check", "C", "a=1", "b=2"]),
+    "demo": (["demo", "--quick", "--real", "a=1", "b=2"], ["demo", "a=1", "--quick", "b=2", "--real"]),
+    "plan": (["plan", "--card", "24", "C", "a=1", "b=2"], ["plan", "C", "a=1", "--card", "24", "b=2"]),
+    "bench step": (["bench", "step", "--model", "M", "--steps", "2", "a=1", "b=2"],
+                   ["bench", "step", "a=1", "--model", "M", "b=2", "--steps", "2"]),
+    "generate": (["generate", "--n", "2", "M", "what is 2+2?"], ["generate", "M", "--n", "2", "what is 2+2?"]),
+    "eval": (["eval", "--n", "2", "M"], ["eval", "M", "--n", "2"]),
+}
+
+
+@pytest.mark.parametrize("command", sorted(ORDERS))
+def test_item15_options_and_overrides_in_any_order(command):
+    from grpo_engine.cli import build_parser
+
+    first, mixed = ORDERS[command]
+    parsed = [vars(build_parser().parse_args(argv)) for argv in (first, mixed)]
+    assert parsed[0] == parsed[1]
+    assert parsed[0].get("overrides", ["a=1", "b=2"]) == ["a=1", "b=2"]
+
+
+def test_item15_config_show_resolved_after_the_config_takes_the_overrides(capsys):
+    from grpo_engine.cli import main
+
+    config = REPO / "configs/tiny_arithmetic.yaml"
+    assert main(["config", "show", str(config), "--resolved", "seed=3", "rollout.group_size=3"]) == 0
+    out = capsys.readouterr().out
+    assert "  seed: 3\n" in out and "    group_size: 3\n" in out
