@@ -90,3 +90,48 @@ def test_item15_config_show_resolved_after_the_config_takes_the_overrides(capsys
     assert main(["config", "show", str(config), "--resolved", "seed=3", "rollout.group_size=3"]) == 0
     out = capsys.readouterr().out
     assert "  seed: 3\n" in out and "    group_size: 3\n" in out
+
+
+# item 10: every data path is checked, naming its key, before the weights load -----------------------------------
+def tiny_config(tmp_path: Path, model: Path, **task_options) -> Path:
+    """configs/tiny_arithmetic.yaml on the custom task (data.jsonl of 8 rows), run_dir tmp_path/run."""
+    import yaml
+
+    rows = tmp_path / "data.jsonl"
+    if not rows.exists():
+        rows.write_text("".join(json.dumps({"prompt": f"say {i}", "answer": str(i)}) + "\n" for i in range(8)))
+    cfg = yaml.safe_load((REPO / "configs/tiny_arithmetic.yaml").read_text())
+    cfg.update(run_dir=str(tmp_path / "run"), task={"name": "custom", "options": {
+        "data_path": str(rows), "system_prompt": None, **task_options}})
+    cfg["model"]["path"] = str(model)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_item10_a_missing_test_path_is_named_by_its_key_before_the_model_loads(tmp_path, tiny_ckpt, capsys,
+                                                                               monkeypatch, command):
+    import grpo_engine.train.setup as setup
+    from grpo_engine.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the tokenizer was loaded before the data paths were checked")
+
+    monkeypatch.setattr(setup, "load_tokenizer", no_load)
+    missing = tmp_path / "nowhere/test.jsonl"
+    config = tiny_config(tmp_path, tiny_ckpt, test_path=str(missing))
+    assert main([command, str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"grpo: error: task.options.test_path='{missing}' does not exist; set "
+                                            f"task.options.test_path to a local .jsonl / .parquet file or a "
+                                            f"directory of them")
+    assert not (tmp_path / "run").exists()
+
+
+def test_item10_the_task_names_the_option_that_names_a_missing_file(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
+    task = make_task("custom", data_path=str(rows), test_path=str(tmp_path / "gone.jsonl"))
+    with pytest.raises(DataError, match=r"gone.jsonl does not exist; set test_path to a local"):
+        task.examples("test")

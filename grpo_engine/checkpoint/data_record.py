@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config
-from ..config.paths import open_regular, read_regular, regular_path
+from ..config.paths import data_keys, open_regular, read_regular, regular_path
 from ..tasks.data import DataError
 from .stamps import remember, trusted
 
@@ -43,11 +43,8 @@ class DataChangedError(DataError):
 
 
 def named_paths(cfg: Config) -> dict[str, str]:
-    """Config key -> the data path it names, as written (every key that names one)."""
-    named = {"task.data_path": cfg.task.data_path}
-    named.update({f"task.options.{k}": v for k, v in sorted(dict(cfg.task.options).items())
-                  if k.endswith("path") and isinstance(v, str)})
-    return {key: value for key, value in named.items() if value}
+    """Config key -> the data path it names, as written (every key that names one: config/paths.py data_keys)."""
+    return data_keys(cfg)
 
 
 def data_paths(cfg: Config) -> dict[str, Path]:

@@ -106,8 +106,8 @@ def import_reward_fn(spec: str) -> Callable[[Example, str], float | RewardResult
     return fn
 
 
-def load_custom(path: str) -> list[Example]:
-    rows = read_records(path)
+def load_custom(path: str, key: str = "data_path") -> list[Example]:
+    rows = read_records(path, key=key)
     require_fields(rows, ("prompt", "answer"), path)
     ids = [str(r.get("id", f"{path}#{i}")) for i, r in enumerate(rows)]
     return [Example(i, str(r["prompt"]), str(r["answer"])) for i, r in zip(ids, rows)]
@@ -124,7 +124,8 @@ class CustomTask(ChatTask):
     def _load(self, split: str) -> list[Example]:
         o = self.options
         if o.test_path or not o.holdout:
-            return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
+            test = split == "test" and o.test_path
+            return load_custom(o.test_path if test else o.data_path, "test_path" if test else "data_path")
         train, test = self._held_out()
         return test if split == "test" else train
 

@@ -79,14 +79,14 @@ def place(rows: Sequence[Record], i: int) -> str:
     return f"line {lines[i]}" if lines is not None else f"record {i + 1}"
 
 
-def read_records(path: str | Path, limits: Limits | None = None) -> list[Record]:
+def read_records(path: str | Path, limits: Limits | None = None, key: str = "data_path") -> list[Record]:
     """All rows of a .jsonl / .json / .csv / .tsv / .parquet file or of a saved `datasets` directory (one split), read
     under `limits` (default: those data_limits set, else Limits()); anything but a regular file or a directory is
-    refused before it is opened."""
+    refused before it is opened. key: the option that names the file, which an error tells the user to set."""
     p, limits = Path(path), limits or _LIMITS.get() or Limits()
     if not p.exists() and not p.is_symlink():
-        raise DataError(f"data file {p} does not exist; set data_path to a local .jsonl/.parquet file")
-    regular_path(p, "data file", error=DataError, directory=True, fix="set data_path to a local .jsonl/.parquet file")
+        raise DataError(f"data file {p} does not exist; set {key} to a local .jsonl/.parquet file")
+    regular_path(p, "data file", error=DataError, directory=True, fix=f"set {key} to a local .jsonl/.parquet file")
     if p.is_dir():
         return _read_saved_dataset(p, limits)
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".tsv": _read_tsv,
