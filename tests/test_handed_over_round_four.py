@@ -135,3 +135,23 @@ def test_item10_the_task_names_the_option_that_names_a_missing_file(tmp_path):
     task = make_task("custom", data_path=str(rows), test_path=str(tmp_path / "gone.jsonl"))
     with pytest.raises(DataError, match=r"gone.jsonl does not exist; set test_path to a local"):
         task.examples("test")
+
+
+# item 7: `grpo check` goes through the size check `grpo train` makes, before sampling -----------------------------
+@pytest.mark.parametrize("size", ["rollout.group_size=1000000000", "rollout.prompts_per_step=1000000000",
+                                  "rollout.max_new_tokens=100000000000"])
+def test_item7_check_refuses_an_absurd_size_as_train_does(tmp_path, tiny_ckpt, capsys, monkeypatch, size):
+    import grpo_engine.train.setup as setup
+    from grpo_engine.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the tokenizer was loaded: the check would sample at this size")
+
+    monkeypatch.setattr(setup, "load_tokenizer", no_load)
+    config = tiny_config(tmp_path, tiny_ckpt)
+    assert main(["check", str(config), size]) == 2
+    check = capsys.readouterr().err.strip().splitlines()[-1]
+    assert check.startswith("grpo: error: ") and size.split("=")[0] in check and "lower " in check, check
+    assert main(["train", str(config), size]) == 2
+    train = capsys.readouterr().err.strip().splitlines()[-1]
+    assert check == train  # the one size check, one message

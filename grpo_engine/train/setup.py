@@ -327,14 +327,16 @@ def check_config(cfg: Config) -> RolloutFit:
     examples = split_examples(task, cfg, "train_split")
     if not examples:
         raise ConfigError(f"task.train_split={cfg.task.train_split!r} of task {cfg.task.name!r} has no examples")
+    eval_rows = len(split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples]) if cfg.eval.every else 0
+    device = pick_device(cfg.model.device, 0)
+    check_sizes(cfg, eval_rows, device)  # the size check `grpo train` makes, before anything is loaded or sampled
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
-    resolved = resolve_settings(cfg, pick_device(cfg.model.device, 0))
+    resolved = resolve_settings(cfg, device)
     cfg = resolved.config
     policy = build_policy(resolved)
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
-    eval_rows = len(split_examples(task, cfg, "eval_split")[: cfg.eval.max_examples]) if cfg.eval.every else 0
     return checked_rollout(cfg, inputs, eval_rows, resolved.device)
 
 
