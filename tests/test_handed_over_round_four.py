@@ -155,3 +155,68 @@ def test_item7_check_refuses_an_absurd_size_as_train_does(tmp_path, tiny_ckpt, c
     assert main(["train", str(config), size]) == 2
     train = capsys.readouterr().err.strip().splitlines()[-1]
     assert check == train  # the one size check, one message
+
+
+# item 8: the signal check's diagnosis follows the evidence: a constant reward names the reward ------------------
+def figures(**kw):
+    from grpo_engine.collect.signal_check import SignalStats
+
+    base = dict(groups=16, group_size=8, rewards=[1.0] * 128, spread_share=0.0, truncation_rate=1.0,
+                extracted_rate=None, accuracy=None, max_new_tokens=32)
+    return SignalStats(**{**base, **kw})
+
+
+@pytest.mark.parametrize("length", [32, 128, 512])
+def test_item8_a_reward_that_ignores_the_reply_is_named_at_every_length(length):
+    """Every reply scored 1.0 and the hint was `raise rollout.max_new_tokens` at 32, at 128, at 512."""
+    from grpo_engine.collect.signal_check import verdict
+
+    v = verdict(figures(max_new_tokens=length, truncation_rate=0.9 if length < 512 else 0.3))
+    assert v.cause.startswith("every reply scored 1 although ") and f"max_new_tokens={length}" in v.cause
+    assert "task.options.reward_fn" in v.fix and "max_new_tokens" not in v.fix, v.fix
+
+
+def test_item8_evidence_in_order_reward_then_extractor_then_length():
+    from grpo_engine.collect.signal_check import verdict
+
+    graded = dict(accuracy=0.0, rewards=[0.5] * 128)  # a verifier that accepts nothing right yet scores 0.5
+    v = verdict(figures(truncation_rate=0.0, extracted_rate=0.2, **graded))
+    assert "80% had no answer the extractor found" in v.cause and "task.options.verifier" in v.fix
+    v = verdict(figures(truncation_rate=0.0, extracted_rate=0.2, accuracy=0.0, rewards=[0.0] * 128))
+    assert "extractor found an answer in only 20%" in v.cause  # nothing scored: the extractor, not the reward
+    v = verdict(figures(truncation_rate=0.9, extracted_rate=0.1, accuracy=0.0, rewards=[0.0] * 128))
+    assert "cut at rollout.max_new_tokens=32" in v.cause  # nothing scored and most replies cut: the length
+    v = verdict(figures(truncation_rate=0.9, accuracy=0.2, extracted_rate=0.5, rewards=[0.0] * 128,
+                        correct_spread_share=0.5))
+    assert "correctness differs in 50% of groups but the reward does not" in v.cause  # before the length
+
+
+def test_item8_fit_length_stops_when_the_reward_is_the_cause():
+    from grpo_engine.collect.signal_check import SignalReport, fit_length, verdict
+
+    asked = []
+
+    def check_at(n):
+        asked.append(n)
+        s = figures(max_new_tokens=n)
+        return SignalReport(s, verdict(s))
+
+    fit = fit_length(check_at, 32, 1024, lambda n: True)
+    assert asked == [32] and fit.length == 32 and "the reward, not the length" in fit.stopped
+
+
+def test_item8_grpo_check_names_the_reward_and_following_that_hint_passes(tmp_path, tiny_ckpt, capsys, monkeypatch):
+    """The whole command as the user ran it: a reward_fn that ignores the reply; then the hinted fix (a reward that
+    reads the reply) and the check passes."""
+    from grpo_engine.cli import main
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def constant(example, completion):\n    return 1.0\n\n"
+        "def reads_it(example, completion):\n    return float(len(completion) % 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tiny_config(tmp_path, tiny_ckpt, reward_fn="my_rewards:constant")
+    assert main(["check", str(config), "check.groups=4"]) == 2
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "every reply scored 1" in last and "task.options.reward_fn" in last and "raise rollout" not in last, last
+    assert main(["check", str(config), "check.groups=4", "task.options.reward_fn=my_rewards:reads_it"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("signal check: learning signal present")
