@@ -63,6 +63,7 @@ def _train(args) -> int:
     from .config import ConfigError, check_paths
 
     t0 = time.perf_counter()
+    _override_after_resume(args)
     if args.allow_code and args.resume is None:
         raise ConfigError("--allow-code is for a stored config (a checkpoint's, with --resume): CONFIG is yours and "
                           "its code runs without it; drop --allow-code")
@@ -92,6 +93,17 @@ def _train(args) -> int:
         report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control)
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
+
+
+def _override_after_resume(args) -> None:
+    """`--resume key=value`: argparse gives --resume (whose checkpoint is optional) the override as its value; an
+    override it is (a dotted key, `=`, and no such checkpoint), and --resume means the latest checkpoint."""
+    import re
+
+    value = args.resume
+    if value not in (None, "latest") and re.match(r"[A-Za-z_][\w.]*=", value) and not os.path.lexists(value):
+        args.overrides = [*args.overrides, value]
+        args.resume = "latest"
 
 
 def _train_config(args):

@@ -220,3 +220,50 @@ def test_item8_grpo_check_names_the_reward_and_following_that_hint_passes(tmp_pa
     assert "every reply scored 1" in last and "task.options.reward_fn" in last and "raise rollout" not in last, last
     assert main(["check", str(config), "check.groups=4", "task.options.reward_fn=my_rewards:reads_it"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("signal check: learning signal present")
+
+
+# item 11: kill -9 before the first checkpoint: say nothing was saved, and the command that starts over ------------
+def killed_before_the_first_checkpoint(run: Path) -> None:
+    """What `kill -9` during step 1 leaves: the log's first line, a half-written checkpoint, a stale lock."""
+    (run / "checkpoints/.tmp-step-000001/model").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.0}) + "\n")
+    import socket
+
+    (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1}))  # a process gone
+
+
+def hinted(err: str) -> list[str]:
+    """The command between backticks in the error's last line, as argv for main()."""
+    import shlex
+
+    line = err.strip().splitlines()[-1]
+    assert line.count("`") == 2, line
+    return shlex.split(line.split("`")[1])[1:]
+
+
+def test_item11_resume_with_nothing_saved_names_the_command_that_starts_over_and_it_works(tmp_path, tiny_ckpt,
+                                                                                           capsys):
+    from grpo_engine.cli import main
+
+    config = tiny_config(tmp_path, tiny_ckpt)
+    killed_before_the_first_checkpoint(tmp_path / "run")
+    assert main(["train", str(config), "--resume", "schedule.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing was saved" in err and "start over with" in err, err
+    argv = hinted(err)
+    assert "--resume" not in argv and "--overwrite" in argv and "schedule.steps=1" in argv
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "run/checkpoints/step-000001").is_dir()
+    assert [p.name.split(".prev-")[0] for p in tmp_path.glob("run.prev-*")] == ["run"]  # renamed, not deleted
+
+
+def test_item11_a_plain_train_there_names_overwrite_not_resume(tmp_path, tiny_ckpt, capsys):
+    from grpo_engine.cli import main
+
+    config = tiny_config(tmp_path, tiny_ckpt)
+    killed_before_the_first_checkpoint(tmp_path / "run")
+    assert main(["train", str(config), "schedule.steps=1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "saved no checkpoint" in line and "--resume has nothing to continue" in line and "--overwrite" in line
+    assert "continue it with --resume" not in line
+    assert main(["train", str(config), "schedule.steps=1", "--overwrite"]) == 0

@@ -107,6 +107,10 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
     if resume_step is not None:
         later = newest_step is not None and newest_step > resume_step
         return RunDirPlan(run_dir, supersede_after=resume_step if later else None)
+    if holds_run(run_dir) and not overwrite and not list_checkpoints(run_dir / "checkpoints"):
+        raise ConfigError(f"run_dir={str(run_dir)!r} holds a run that saved no checkpoint (it stopped before its "
+                          f"first), so --resume has nothing to continue: start over with --overwrite (the partial run "
+                          f"is renamed, not deleted), or choose another run_dir")
     if holds_run(run_dir) and not overwrite:
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run (checkpoints/ or metrics.jsonl): continue "
                           f"it with --resume, or start over with --overwrite (the old run is renamed, not deleted), "
@@ -124,6 +128,17 @@ def holds_working_dir(run_dir: Path) -> bool:
     """Whether run_dir (resolved: `.` has no name to rename) is the current directory or one above it."""
     here = Path.cwd().resolve()
     return run_dir.resolve() in (here, *here.parents)
+
+
+def nothing_saved(ckpt_root: Path, command: str) -> str:
+    """`--resume` where no checkpoint was completed (a kill -9 before the first): what was saved (nothing) and the
+    command that starts over, which is `command` itself (the user's without --resume) or, when the partial run
+    left its logs, `command --overwrite`."""
+    run_dir = ckpt_root.parent
+    again = f"`{command} --overwrite` (the partial run is renamed, not deleted)" if holds_run(run_dir) else \
+        f"`{command}`"
+    return (f"--resume: nothing was saved: no complete checkpoint under {ckpt_root} (the run stopped before its "
+            f"first); start over with {again}")
 
 
 def after_write_failure(run_dir: str | Path) -> str:
