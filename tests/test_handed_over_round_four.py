@@ -267,3 +267,75 @@ def test_item11_a_plain_train_there_names_overwrite_not_resume(tmp_path, tiny_ck
     assert "saved no checkpoint" in line and "--resume has nothing to continue" in line and "--overwrite" in line
     assert "continue it with --resume" not in line
     assert main(["train", str(config), "schedule.steps=1", "--overwrite"]) == 0
+
+
+# a run trained once (1 step, custom task), copied for each test that damages it as a handed-over run -------------
+@pytest.fixture(scope="module")
+def trained(tiny_ckpt_factory, tmp_path_factory) -> Path:
+    from grpo_engine.cli import main
+
+    work = tmp_path_factory.mktemp("handed_over")
+    config = tiny_config(work, tiny_ckpt_factory("qwen2"))
+    assert main(["train", str(config), "schedule.steps=2", "eval.before_after=true", "eval.max_examples=4"]) == 0
+    return work
+
+
+@pytest.fixture
+def handed(trained, tmp_path, capsys) -> Path:
+    """A copy of the trained folder (its config, data and run/ with checkpoints step-000001 and step-000002)."""
+    import shutil
+
+    copy = Path(shutil.copytree(trained, tmp_path / "w", symlinks=True))
+    text = (copy / "train.yaml").read_text().replace(str(trained), str(copy))
+    (copy / "train.yaml").write_text(text)
+    capsys.readouterr()
+    return copy
+
+
+def returns_within(seconds: float, fn):
+    from tasks.test_untrusted_data import returns_within as within
+
+    return within(seconds, fn)
+
+
+# item 3: a forged data record is checked by size and budget before a byte is hashed ----------------------------
+def forge_data_record(ckpt: Path, data: Path, nbytes: int) -> None:
+    """data.json naming `data` with `nbytes` bytes (and a made-up hash), its manifest rewritten to match."""
+    from grpo_engine.checkpoint.verify import write_manifest
+
+    record = json.loads((ckpt / "data.json").read_text())
+    record["roots"]["task.options.data_path"] = str(data)
+    record["files"]["task.options.data_path"].update(path=str(data), bytes=nbytes, sha256="0" * 64)
+    (ckpt / "data.json").write_text(json.dumps(record))
+    write_manifest(ckpt)
+
+
+def test_item3_a_forged_record_of_a_20GB_sparse_file_is_refused_before_hashing(handed, capsys):
+    from grpo_engine.cli import main
+
+    sparse = handed / "huge.jsonl"
+    with open(sparse, "wb") as f:
+        f.truncate(20 << 30)  # 20 GiB of holes: no disk, and a minute or more to hash
+    forge_data_record(handed / "run/checkpoints/step-000002", sparse, 20 << 30)
+    done, code = returns_within(20, lambda: main(["eval", str(handed / "run"), "--n", "1"]))
+    assert done and code == 2, code
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{sparse} has {20 << 30:,} bytes, over the limit of {1024 << 20:,} (task.options.max_data_file_mib)" \
+        in line and line.endswith("pass --data FILE to evaluate on data you choose"), line
+
+
+def test_item3_a_size_other_than_the_recorded_one_is_a_change_without_hashing(handed, capsys, monkeypatch):
+    import grpo_engine.checkpoint.data_record as data_record
+    from grpo_engine.cli import main
+
+    data = handed / "data.jsonl"
+    forge_data_record(handed / "run/checkpoints/step-000002", data, data.stat().st_size + 1)
+
+    def no_hash(*a, **k):
+        raise AssertionError("hashed although the size differs from the record")
+
+    monkeypatch.setattr(data_record, "fingerprint", no_hash)
+    assert main(["eval", str(handed / "run"), "--n", "1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{data} (task.options.data_path) changed: {data.stat().st_size:,} bytes, the record says " \
+           f"{data.stat().st_size + 1}" in line, line
