@@ -77,20 +77,21 @@ def _train(args) -> int:
         return _relaunch_under_torchrun(args.nproc, args.argv)
     import torch
 
+    from .demo import record_before, report_train
     from .train.loop import train
     from .train.update import NonFiniteError
 
     try:
         result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
                        allow_data_change=args.allow_data_change, command=_train_command(args),
-                       check=not args.no_check, held_out=cfg.eval.before_after)
+                       check=not args.no_check, held_out=cfg.eval.before_after,
+                       on_before=lambda before: record_before(cfg, before, args.control, args.overwrite))
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
     if result.after is not None and int(os.environ.get("RANK", "0")) == 0:
-        from .demo import report_train
-
-        report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control)
+        report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control,
+                     overwrite=args.overwrite)
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
 

@@ -2,6 +2,7 @@
 a data file or a checkpoint someone handed over) and failed on the tree before its fix."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -272,22 +273,33 @@ def test_item11_a_plain_train_there_names_overwrite_not_resume(tmp_path, tiny_ck
 # a run trained once (1 step, custom task), copied for each test that damages it as a handed-over run -------------
 @pytest.fixture(scope="module")
 def trained(tiny_ckpt_factory, tmp_path_factory) -> Path:
+    """A folder with train.yaml (paths relative to it: run_dir run, data data.jsonl) and its run of 2 steps."""
+    import yaml
+
     from grpo_engine.cli import main
 
     work = tmp_path_factory.mktemp("handed_over")
     config = tiny_config(work, tiny_ckpt_factory("qwen2"))
-    assert main(["train", str(config), "schedule.steps=2", "eval.before_after=true", "eval.max_examples=4"]) == 0
+    cfg = yaml.safe_load(config.read_text())
+    cfg["run_dir"], cfg["task"]["options"]["data_path"] = "run", "data.jsonl"
+    config.write_text(yaml.safe_dump(cfg))
+    here = os.getcwd()
+    os.chdir(work)
+    try:
+        assert main(["train", "train.yaml", "schedule.steps=2", "eval.before_after=true", "eval.max_examples=4"]) == 0
+    finally:
+        os.chdir(here)
     return work
 
 
 @pytest.fixture
-def handed(trained, tmp_path, capsys) -> Path:
-    """A copy of the trained folder (its config, data and run/ with checkpoints step-000001 and step-000002)."""
+def handed(trained, tmp_path, capsys, monkeypatch) -> Path:
+    """A copy of the trained folder as the working directory (train.yaml, data.jsonl, run/ with step-000001 and
+    step-000002)."""
     import shutil
 
     copy = Path(shutil.copytree(trained, tmp_path / "w", symlinks=True))
-    text = (copy / "train.yaml").read_text().replace(str(trained), str(copy))
-    (copy / "train.yaml").write_text(text)
+    monkeypatch.chdir(copy)
     capsys.readouterr()
     return copy
 
@@ -339,3 +351,116 @@ def test_item3_a_size_other_than_the_recorded_one_is_a_change_without_hashing(ha
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{data} (task.options.data_path) changed: {data.stat().st_size:,} bytes, the record says " \
            f"{data.stat().st_size + 1}" in line, line
+
+
+# items 2 and 4: the engine writes only its own files, atomically, never through a link ---------------------------
+def test_item2_resume_never_writes_through_a_linked_before_after_json(handed, capsys):
+    from grpo_engine.cli import main
+
+    outside = handed / "outside.json"
+    outside.write_text("mine\n")
+    (handed / "run/before_after.json").unlink()
+    (handed / "run/before_after.json").symlink_to(outside)
+    assert main(["train", str(handed / "train.yaml"), "schedule.steps=3", "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"run/before_after.json (a link to {outside}): not written by grpo-engine" in line, line
+    assert line.endswith("move it out of the run directory")
+    assert outside.read_text() == "mine\n" and not (handed / "run/checkpoints/step-000003").exists()
+    (handed / "run/before_after.json").unlink()  # the fix the line names
+    assert main(["train", str(handed / "train.yaml"), "schedule.steps=3", "--resume"]) == 0
+    assert outside.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("name", ["before_after.json", "kernels.json"])
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_item4_a_new_run_never_replaces_a_file_it_did_not_write(tmp_path, tiny_ckpt, capsys, name, kind):
+    from grpo_engine.cli import main
+
+    config = tiny_config(tmp_path, tiny_ckpt)
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = tmp_path / "notes.json"
+    outside.write_text("my notes\n")
+    (run / name).symlink_to(outside) if kind == "link" else (run / name).write_text("my notes\n")
+    args = ["train", str(config), "schedule.steps=1", "eval.before_after=true", "eval.max_examples=2"]
+    assert main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "not written by grpo-engine" in line and "--overwrite" in line, line
+    assert (run / name).read_text() == "my notes\n" and not (run / "metrics.jsonl").exists()
+    assert main([*args, "--overwrite"]) == 0  # the user's word: the file (or the link itself) is replaced
+    assert outside.read_text() == "my notes\n" and not (run / name).is_symlink()
+    json.loads((run / name).read_text())
+    assert name in (run / ".grpo-files").read_text().split()
+    assert main(["plot", str(run)]) == 0  # its own curves.png: drawn without asking, and again
+    assert main(["plot", str(run)]) == 0
+
+
+def test_item4_plot_never_replaces_a_curves_png_it_did_not_draw(handed, capsys):
+    from grpo_engine.cli import main
+
+    mine = handed / "run/curves.png"
+    mine.write_bytes(b"my own plot")
+    assert main(["plot", str(handed / "run")]) == 2
+    assert "not written by grpo-engine" in capsys.readouterr().err and mine.read_bytes() == b"my own plot"
+    assert main(["plot", str(handed / "run"), "--overwrite"]) == 0 and mine.read_bytes()[:4] == b"\x89PNG"
+
+
+# items 12 and 13: before_after.json is the run's record from step 1 on, written whole at every clean end --------
+def test_item12_a_run_stopped_by_sigterm_keeps_its_start_and_a_resume_compares_with_it(tmp_path, tiny_ckpt, capsys,
+                                                                                       monkeypatch):
+    import os
+    import signal
+
+    import grpo_engine.train.loop as loop
+    from grpo_engine.cli import main
+
+    log = loop.log
+
+    def log_then_sigterm(run, record):
+        log(run, record)
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` during step 1
+
+    monkeypatch.setattr(loop, "log", log_then_sigterm)
+    config = tiny_config(tmp_path, tiny_ckpt)
+    args = ["train", str(config), "schedule.steps=3", "eval.before_after=true", "eval.max_examples=4"]
+    assert main(args) == 0
+    got = json.loads((tmp_path / "run/before_after.json").read_text())
+    assert (tmp_path / "run/checkpoints/step-000001").is_dir() and not (tmp_path / "run/checkpoints/step-000002")\
+        .exists()
+    assert set(got["before"]) == set(got["after"]) == {"accuracy", "format_rate", "mean_length"}
+    monkeypatch.setattr(loop, "log", log)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "no starting figure" not in out and "Held-out greedy results" in out
+    assert json.loads((tmp_path / "run/before_after.json").read_text())["before"] == got["before"]
+
+
+def test_item12_the_start_is_written_before_step_1(tmp_path, tiny_ckpt, monkeypatch):
+    import grpo_engine.train.loop as loop
+    from grpo_engine.cli import main
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # as kill -9 during step 1: nothing after this runs
+
+    monkeypatch.setattr(loop, "grpo_step", killed)
+    config = tiny_config(tmp_path, tiny_ckpt)
+    assert main(["train", str(config), "eval.before_after=true", "eval.max_examples=4"]) == 130
+    got = json.loads((tmp_path / "run/before_after.json").read_text())
+    assert got["after"] is None and got["before"]["accuracy"] >= 0 and got["problems"] == 4
+
+
+def test_item13_a_torn_before_after_json_is_named_moved_aside_and_rewritten(handed, capsys):
+    from grpo_engine.cli import main
+
+    path = handed / "run/before_after.json"
+    whole = path.read_text()
+    path.write_text(whole[: len(whole) // 2])  # torn
+    assert main(["train", str(handed / "train.yaml"), "schedule.steps=3", "--resume"]) == 0
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert "unreadable" in said and "torn or edited" in said and "missing" not in said, said
+    (aside,) = handed.glob("run/superseded-*/before_after.json.unreadable")
+    assert aside.read_text() == whole[: len(whole) // 2]
+    rewritten = json.loads(path.read_text())  # whole again, with the final model's figure
+    assert rewritten["before"] is None and set(rewritten["after"]) == {"accuracy", "format_rate", "mean_length"}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..config import ConfigError
+from .run_files import holds_run, refuse_foreign
 
 LOCK = ".lock"
 STEP_PREFIX = "step-"
@@ -69,16 +70,13 @@ def utc_stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
 
-def holds_run(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()
-
-
 @dataclass
 class RunDirPlan:
     run_dir: Path
     move_aside: bool = False  # --overwrite of an existing run: rename it to RUN_DIR.prev-<stamp>
     supersede_after: int | None = None  # --resume from step N < newest: move later steps aside
     applied: bool = False
+    replace_files: bool = False  # --overwrite: files of the engine's names it did not write are replaced
 
     def apply(self, message=print, lock: RunLock | None = None) -> None:
         """lock: this process's lock of run_dir, held again in the (new) run_dir after a rename."""
@@ -95,8 +93,10 @@ class RunDirPlan:
 
 
 def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: int | None,
-                 overwrite: bool) -> RunDirPlan:
-    """What starting this run does to run_dir; a ConfigError (exit 2) when it would clobber an existing run."""
+                 overwrite: bool, writes: tuple[str, ...] = ()) -> RunDirPlan:
+    """What starting this run does to run_dir; a ConfigError (exit 2) when it would clobber an existing run, or
+    replace a file of one of the names it `writes` (kernels.json, before_after.json) that the engine did not write
+    (checkpoint/run_files.py) without --overwrite."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory: choose another run_dir")
@@ -104,6 +104,10 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
         raise ConfigError("--resume and --overwrite together: --resume continues a run, --overwrite starts a new one "
                           "in place of the old; pass one of them (to continue a checkpoint elsewhere, choose a new "
                           "run_dir)")
+    if not overwrite:
+        refuse_foreign(run_dir, writes, "move it out of the run directory" + (
+            "" if resume_step is not None else ", or pass --overwrite to replace it (a link is replaced, never its "
+                                              "target)"))
     if resume_step is not None:
         later = newest_step is not None and newest_step > resume_step
         return RunDirPlan(run_dir, supersede_after=resume_step if later else None)
@@ -121,7 +125,7 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
                           f"starting over (--overwrite, or grpo demo again) renames the old run away and this "
                           f"process would follow it; run from its parent with run_dir={run_dir.resolve().name}, or "
                           f"choose another run_dir")
-    return RunDirPlan(run_dir, move_aside=move_aside)
+    return RunDirPlan(run_dir, move_aside=move_aside, replace_files=overwrite)
 
 
 def holds_working_dir(run_dir: Path) -> bool:

@@ -22,6 +22,7 @@ from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
 from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_precision, kept_rollout, warm_started
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
+from ..checkpoint.run_files import BEFORE_AFTER, write_run_file
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
@@ -137,7 +138,8 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     if world.is_main:  # the newest step-* folder, complete or not: a later one is moved aside, never replaced
         run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
                                newest_step=checkpoint_step(next(reversed(step_dirs(ckpt_root)), None)),
-                               overwrite=overwrite)
+                               overwrite=overwrite, writes=(PLAN_FILE, *([BEFORE_AFTER] if cfg.eval.before_after
+                                                                         else [])))
     checked = _Checked(world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes, run_dir,
                        data, options)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
@@ -165,7 +167,7 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
-        (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernels.to_json())  # the kernels this run uses
+        write_run_file(cfg.run_dir, PLAN_FILE, policy.kernels.to_json(), overwrite=c.run_dir.replace_files)
         if asked.memory.precision == "auto":  # the engine's choice, said once (stored in resolved.yaml)
             monitor.message(f"memory.precision {resolved.precision} ({resolved.precision_why})")
     prompts = ShuffledPrompts(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
