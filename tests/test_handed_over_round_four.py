@@ -464,3 +464,32 @@ def test_item13_a_torn_before_after_json_is_named_moved_aside_and_rewritten(hand
     assert aside.read_text() == whole[: len(whole) // 2]
     rewritten = json.loads(path.read_text())  # whole again, with the final model's figure
     assert rewritten["before"] is None and set(rewritten["after"]) == {"accuracy", "format_rate", "mean_length"}
+
+
+# item 5: a checkpoint copied in under another step name is refused, and the hint works ---------------------------
+def test_item5_a_checkpoint_of_another_run_under_another_name_is_refused(handed, capsys):
+    import shutil
+
+    from grpo_engine.cli import main
+
+    assert main(["train", "train.yaml", "run_dir=other", "schedule.steps=1"]) == 0
+    copied = handed / "run/checkpoints/step-000005"
+    shutil.copytree(handed / "other/checkpoints/step-000001", copied)
+    capsys.readouterr()
+    assert main(["train", "train.yaml", "schedule.steps=6", "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--resume run/checkpoints/step-000005: it holds step 1 of the run written in run_dir='other'" in line, line
+    assert "not step 5 as its name says" in line and "move it out of" in line
+    assert not (handed / "run/checkpoints/step-000006").exists()
+    shutil.move(copied, handed / "step-000005-of-other")  # the hint, then the same command
+    assert main(["train", "train.yaml", "schedule.steps=3", "--resume"]) == 0
+    assert (handed / "run/checkpoints/step-000003").is_dir()
+
+
+def test_item5_a_moved_run_says_where_its_checkpoint_was_written(handed, capsys):
+    from grpo_engine.cli import main
+
+    (handed / "run").rename(handed / "moved")
+    assert main(["train", "train.yaml", "run_dir=moved", "schedule.steps=3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "holds step 2 of the run written in run_dir='run'; continuing it in run_dir='moved'" in err, err

@@ -20,7 +20,14 @@ from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
-from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_precision, kept_rollout, warm_started
+from ..checkpoint.resume import (
+    apply_learning_rate,
+    check_resume_config,
+    check_where_it_sits,
+    kept_precision,
+    kept_rollout,
+    warm_started,
+)
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
 from ..checkpoint.run_files import BEFORE_AFTER, write_run_file
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
@@ -131,6 +138,8 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     if saved is not None and world.is_main and nonfinite_state(saved):
         raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options.command)
     changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
+    if saved is not None and world.is_main:
+        check_where_it_sits(resume_dir, saved.step, cfg, to_stderr)
     data = data_record(cfg, len(train_examples)) if world.is_main else None
     if saved is not None and world.is_main:  # the data the checkpoint was trained on, or --allow-data-change
         check_data(resume_dir, data, position=saved.data_position, allow=options.allow_data_change, message=to_stderr)
