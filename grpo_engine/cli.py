@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as e:
         if args.debug:
             raise
-        print(f"grpo: error: {e}", file=sys.stderr)
+        raw = isinstance(e, OSError) and e.errno and str(e).startswith("[Errno")  # the OS's words: add path and fix
+        print(f"grpo: error: {error_line(e, _after_write_failure(args)) if raw else e}", file=sys.stderr)
         return 2
     except Exception as e:  # an OSError, or a writer's wrapped one (safetensors): a full disk, a read-only folder
         error = as_os_error(e)

@@ -493,3 +493,37 @@ def test_item5_a_moved_run_says_where_its_checkpoint_was_written(handed, capsys)
     assert main(["train", "train.yaml", "run_dir=moved", "schedule.steps=3", "--resume"]) == 0
     err = capsys.readouterr().err
     assert "holds step 2 of the run written in run_dir='run'; continuing it in run_dir='moved'" in err, err
+
+
+# item 14: an OS error on a path the user named is one line naming the key, the path and the fix, exit 2 ----------
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_item14_a_data_path_linked_to_proc_self_mem_names_the_key(tmp_path, tiny_ckpt, capsys, command):
+    from grpo_engine.cli import main
+
+    link = tmp_path / "rows.jsonl"
+    link.symlink_to("/proc/self/mem")
+    config = tiny_config(tmp_path, tiny_ckpt, data_path=str(link))
+    assert main([command, str(config)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith(f"grpo: error: task.options.data_path='{link}' (-> /proc/"), line
+    assert "cannot be read (Input/output error); set task.options.data_path to a local" in line
+
+
+def test_item14_the_task_reader_names_the_file_of_an_unreadable_path(tmp_path):
+    link = tmp_path / "rows.jsonl"
+    link.symlink_to("/proc/self/mem")
+    with pytest.raises(DataError, match=r"rows.jsonl cannot be read \(Input/output error\); set data_path to a local"):
+        custom(link).examples("train")
+
+
+def test_item14_a_run_dir_under_sys_names_run_dir(tmp_path, tiny_ckpt, capsys):
+    from grpo_engine.cli import main
+
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no /sys on this machine")
+    config = tiny_config(tmp_path, tiny_ckpt)
+    assert main(["train", str(config), "run_dir=/sys/kernel/grpo-engine-test-run"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "[Errno" not in line, line
+    assert line.startswith("grpo: error: run_dir='/sys/kernel/grpo-engine-test-run' cannot be written (") and \
+        line.endswith("choose a run_dir in a folder you can write"), line

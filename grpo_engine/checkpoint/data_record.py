@@ -73,7 +73,7 @@ def fingerprint(path: Path, max_bytes: int = MAX_FILE_MIB << 20) -> dict:
     max_bytes: a larger one is a DataError naming task.options.max_data_file_mib before a byte is read)."""
     h, rows, carry, text = hashlib.sha256(), 0, b"", path.suffix not in (".parquet", ".arrow")
     with open_regular(path, "data file", max_bytes=max_bytes, option=FILE_OPTION, error=DataError) as f:
-        while chunk := f.read(READ_BYTES):
+        while chunk := _read(f, path):
             h.update(chunk)
             if text:
                 lines = (carry + chunk).split(b"\n")
@@ -82,6 +82,13 @@ def fingerprint(path: Path, max_bytes: int = MAX_FILE_MIB << 20) -> dict:
     rows += bool(carry.strip())
     return {"path": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest(),
             "rows": rows if text else _parquet_rows(path)}
+
+
+def _read(f, path: Path) -> bytes:
+    try:
+        return f.read(READ_BYTES)
+    except OSError as e:  # a regular file by its stat that reads as none (/proc/self/mem)
+        raise DataError(f"data file {path} cannot be read ({e.strerror or e})") from None
 
 
 def _parquet_rows(path: Path) -> int | None:

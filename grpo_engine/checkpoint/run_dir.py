@@ -255,14 +255,20 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """The lock, run_dir created first; a run_dir that cannot be created or written (a read-only folder, one
+        under /sys or /proc) is one line naming run_dir (ConfigError, exit 2)."""
         me = {"host": socket.gethostname(), "pid": os.getpid()}
         while True:
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except OSError as e:
+                raise ConfigError(f"run_dir={str(self.path.parent)!r} cannot be written ({e.strerror or e}"
+                                  f"{f': {e.filename}' if e.filename else ''}); choose a run_dir in a folder you "
+                                  f"can write") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True

@@ -98,6 +98,9 @@ def read_records(path: str | Path, limits: Limits | None = None, key: str = "dat
         return reader(p, limits)
     except UnicodeDecodeError as e:
         raise DataError(f"{p}: {_not_utf8(e, 0)}") from None
+    except OSError as e:  # stats as a regular file, reads as none: a link to /proc/self/mem (Input/output error)
+        raise DataError(f"data file {p} cannot be read ({e.strerror or e}); set {key} to a local .jsonl/.parquet "
+                        f"file") from None
 
 
 def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
