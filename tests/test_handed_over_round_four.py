@@ -527,3 +527,59 @@ def test_item14_a_run_dir_under_sys_names_run_dir(tmp_path, tiny_ckpt, capsys):
     assert "\n" not in line and "[Errno" not in line, line
     assert line.startswith("grpo: error: run_dir='/sys/kernel/grpo-engine-test-run' cannot be written (") and \
         line.endswith("choose a run_dir in a folder you can write"), line
+
+
+# item 9: a row whose prompt cannot fit is named (file and line) before step 1 -----------------------------------
+def test_item9_a_3MiB_row_let_through_by_a_raised_line_budget_is_named_while_the_file_is_read(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "q", "answer": "1"}] * 7 + [{"prompt": "x" * (3 << 20), "answer": "1"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as e:
+        custom(path, max_data_line_kib=4096).examples("train")
+    assert str(e.value) == (f"{path}: line 8 field 'prompt' holds {3 << 20:,} characters, more than a chat "
+                            f"template renders (1,048,576): the row can never be sampled; shorten it")
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_item9_a_prompt_over_max_prompt_tokens_is_named_by_file_and_line_before_step_1(tmp_path, tiny_ckpt, capsys,
+                                                                                      monkeypatch, command):
+    import grpo_engine.train.loop as loop
+    from grpo_engine.cli import main
+
+    def no_step(*a, **k):
+        raise AssertionError("step 1 ran before the prompts were checked")
+
+    monkeypatch.setattr(loop, "grpo_step", no_step)
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"say {i}", "answer": str(i)} for i in range(30)]
+    rows[23] = {"prompt": "y" * 500, "answer": "1"}  # a byte-level tokenizer: 500+ tokens
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tiny_config(tmp_path, tiny_ckpt, data_path=str(path), test_path=str(path))
+    assert main([command, str(config), "rollout.max_prompt_tokens=128"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"grpo: error: {path}: line 24: its prompt renders to ") and line.endswith(
+        "tokens, more than rollout.max_prompt_tokens=128; shorten the row, or raise rollout.max_prompt_tokens"), line
+    assert not (tmp_path / "run/metrics.jsonl").exists()  # the run directory untouched
+
+
+def test_item9_the_bound_renders_only_prompts_that_could_exceed_the_cap(tmp_path, tiny_ckpt, monkeypatch):
+    from grpo_engine.collect.groups import check_prompt_lengths
+    from grpo_engine.model.loading import load_tokenizer
+    from grpo_engine.tasks.base import render_prompt
+
+    tok = load_tokenizer(tiny_ckpt)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "z" * n, "answer": "1"}) + "\n" for n in range(1, 200)))
+    task = custom(path)
+    examples = task.examples("train")
+    exact = max(len(tok.encode(render_prompt(task, tok, ex))) for ex in examples)
+    import grpo_engine.collect.groups as groups
+
+    rendered = []
+    monkeypatch.setattr(groups, "render_prompt", lambda *a: rendered.append(a) or render_prompt(*a))
+    check_prompt_lengths(task, tok, examples, 4096)
+    assert rendered == []  # no text long enough to exceed the cap: nothing rendered
+    check_prompt_lengths(task, tok, examples, exact)  # the longest fits exactly
+    assert 0 < len(rendered) < len(examples)
+    with pytest.raises(DataError, match=r"rows.jsonl: line 199: its prompt renders to"):
+        check_prompt_lengths(task, tok, examples, exact - 1)

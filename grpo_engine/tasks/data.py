@@ -32,6 +32,7 @@ from ..config.paths import open_regular, read_regular, regular_path
 Record = dict[str, object]  # one raw row as read from a file; tasks turn rows into typed Examples at once
 MAX_FILE_MIB = 1024  # GSM8K's train split is 4 MiB, MATH's 20 MiB: a gigabyte of rows is a deliberate choice
 MAX_LINE_KIB = 1024  # a row is a problem and its answer; the chat template refuses a prompt over 1 MiB anyway
+MAX_FIELD_CHARS = 1 << 20  # a chat template renders at most this many characters (model/template_budget.py MAX_OUTPUT)
 FILE_OPTION, LINE_OPTION = "task.options.max_data_file_mib", "task.options.max_data_line_kib"
 READ_BYTES = 1 << 20  # one read of a file searched for its first byte that is not UTF-8
 TEXT_ENCODING = "utf-8-sig"  # UTF-8, with a byte-order mark at the start of a file skipped
@@ -314,9 +315,10 @@ def split_source(data_path: str | Path, split: str) -> Path:
 
 def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | Path) -> None:
     """Raise DataError naming the file, the record (place()) and the field when a record lacks a field, holds null
-    or empty text (a row that can never score). The error says what was expected and how many fields the record
-    has, never their names: a CSV header is the first line of whatever file data_path names, which may be a file
-    the user does not mean to print (`/etc/shadow` through a link)."""
+    or empty text (a row that can never score), or more text than a chat template renders (a row that can never be
+    sampled: found here, in the pass that reads the file, not at the step that first draws it). The error says what
+    was expected and how many fields the record has, never their names: a CSV header is the first line of whatever
+    file data_path names, which may be a file the user does not mean to print (`/etc/shadow` through a link)."""
     for i, row in enumerate(rows):
         for name in fields:
             value = row.get(name)
@@ -326,6 +328,10 @@ def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | 
             if isinstance(value, str) and not value.strip():
                 raise DataError(f"{source}: {place(rows, i)} field {name!r} is empty: a row without it can never "
                                 f"score; every record needs a value for each of {list(fields)}")
+            if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+                raise DataError(f"{source}: {place(rows, i)} field {name!r} holds {len(value):,} characters, more "
+                                f"than a chat template renders ({MAX_FIELD_CHARS:,}): the row can never be sampled; "
+                                f"shorten it")
             if name not in row:
                 raise DataError(f"{source}: {place(rows, i)} has no field {name!r} (it has {len(row)} field"
                                 f"{'' if len(row) == 1 else 's'}); every record needs {list(fields)}")

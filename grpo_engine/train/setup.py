@@ -33,7 +33,7 @@ from ..checkpoint.run_files import BEFORE_AFTER, write_run_file
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
-from ..collect.groups import ShuffledPrompts
+from ..collect.groups import ShuffledPrompts, check_prompt_lengths
 from ..collect.signal_check import (
     CheckSettings,
     LengthFit,
@@ -172,6 +172,8 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     policy = build_policy(resolved, c.resume_dir, world)
     if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
         raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options.command)
+    held_out = split_examples(c.task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.before_after else []
+    check_prompts(cfg, c.task, tokenizer, c.train_examples, [*c.eval_examples, *held_out])  # before step 1
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
@@ -192,6 +194,14 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
     return Run(cfg, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
                RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir, resolved)
+
+
+def check_prompts(cfg: Config, task: Task, tokenizer, train: list[Example], held_out: list[Example]) -> None:
+    """Every prompt of the training split and of the held-out examples within rollout.max_prompt_tokens, before step
+    1 and before the run directory changes (collect/groups.py check_prompt_lengths); tools add their declarations
+    to each prompt, which the rollout checks itself."""
+    if not cfg.tools.enabled:
+        check_prompt_lengths(task, tokenizer, [*train, *held_out], cfg.rollout.max_prompt_tokens)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
@@ -346,6 +356,7 @@ def check_config(cfg: Config) -> RolloutFit:
     resolved = resolve_settings(cfg, device)
     cfg = resolved.config
     policy = build_policy(resolved)
+    check_prompts(cfg, task, tokenizer, examples, split_examples(task, cfg, "eval_split")[:eval_rows])
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
     return checked_rollout(cfg, inputs, eval_rows, resolved.device)
