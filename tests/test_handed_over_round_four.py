@@ -583,3 +583,16 @@ def test_item9_the_bound_renders_only_prompts_that_could_exceed_the_cap(tmp_path
     assert 0 < len(rendered) < len(examples)
     with pytest.raises(DataError, match=r"rows.jsonl: line 199: its prompt renders to"):
         check_prompt_lengths(task, tok, examples, exact - 1)
+
+
+def test_item15_an_override_after_resume_is_an_override(tmp_path, monkeypatch):
+    from grpo_engine.cli import _override_after_resume, build_parser
+
+    args = build_parser().parse_args(["train", "C", "a=1", "--resume", "schedule.steps=3"])
+    _override_after_resume(args)
+    assert (args.resume, args.overrides) == ("latest", ["a=1", "schedule.steps=3"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "odd=name").mkdir()  # a checkpoint folder that happens to hold "=" stays the checkpoint
+    args = build_parser().parse_args(["train", "C", "--resume", "odd=name"])
+    _override_after_resume(args)
+    assert (args.resume, args.overrides) == ("odd=name", [])
