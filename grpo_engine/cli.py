@@ -64,6 +64,7 @@ def _train(args) -> int:
     from .config import ConfigError, check_paths
 
     t0 = time.perf_counter()
+    _override_after_resume(args)
     if args.allow_code and args.resume is None:
         raise ConfigError("--allow-code is for a stored config (a checkpoint's, with --resume): CONFIG is yours and "
                           "its code runs without it; drop --allow-code")
@@ -77,22 +78,34 @@ def _train(args) -> int:
         return _relaunch_under_torchrun(args.nproc, args.argv)
     import torch
 
+    from .demo import record_before, report_train
     from .train.loop import train
     from .train.update import NonFiniteError
 
     try:
         result = train(cfg, resume=args.resume, stop_after=args.stop_after, overwrite=args.overwrite,
                        allow_data_change=args.allow_data_change, command=_train_command(args),
-                       check=not args.no_check, held_out=cfg.eval.before_after)
+                       check=not args.no_check, held_out=cfg.eval.before_after,
+                       on_before=lambda before: record_before(cfg, before, args.control, args.overwrite))
     except (NonFiniteError, torch.OutOfMemoryError) as e:  # messages name the knobs and the last checkpoint
         print(f"grpo: training stopped: {e}", file=sys.stderr)
         return 1
     if result.after is not None and int(os.environ.get("RANK", "0")) == 0:
-        from .demo import report_train
-
-        report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control)
+        report_train(cfg, result.before, result.after, time.perf_counter() - t0, args.control,
+                     overwrite=args.overwrite)
     print(f"done: {result.last_step} steps ({result.stopped_by}); checkpoint: {result.checkpoint}")
     return 0
+
+
+def _override_after_resume(args) -> None:
+    """`--resume key=value`: argparse gives --resume (whose checkpoint is optional) the override as its value; an
+    override it is (a dotted key, `=`, and no such checkpoint), and --resume means the latest checkpoint."""
+    import re
+
+    value = args.resume
+    if value not in (None, "latest") and re.match(r"[A-Za-z_][\w.]*=", value) and not os.path.lexists(value):
+        args.overrides = [*args.overrides, value]
+        args.resume = "latest"
 
 
 def _train_config(args):
@@ -246,8 +259,29 @@ PARSERS = [add_demo_parser, add_train_parser, add_check_parser, add_eval_parser,
            add_config_parser, add_plan_parser, add_bench_parser, add_export_parser]
 
 
+class AnyOrderParser(argparse.ArgumentParser):
+    """A parser whose options and positionals may come in any order (`grpo config show C --resolved k=v`).
+
+    Why: plain argparse fills `config` and `overrides` from the first run of positionals it meets, so an override
+    after an option was "unrecognized" although the usage line shows `[--resolved] config [overrides ...]`. Every
+    subcommand's parser is of this class (argparse builds subparsers of their parent's class); a parser that
+    chooses a subcommand (its positional is the subcommand's name and the rest) parses as argparse does."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        positionals = self._get_positional_actions()
+        if self._intermixing or any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in positionals):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args parses through this method twice
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo", description="GRPO training engine (add --debug anywhere to "
+    parser = AnyOrderParser(prog="grpo", description="GRPO training engine (add --debug anywhere to "
                                                                "see tracebacks instead of one-line errors)")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in PARSERS:
@@ -307,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as e:
         if args.debug:
             raise
-        print(f"grpo: error: {e}", file=sys.stderr)
+        raw = isinstance(e, OSError) and e.errno and str(e).startswith("[Errno")  # the OS's words: add path and fix
+        print(f"grpo: error: {error_line(e, _after_write_failure(args)) if raw else e}", file=sys.stderr)
         return 2
     except Exception as e:  # an OSError, or a writer's wrapped one (safetensors): a full disk, a read-only folder
         error = as_os_error(e)

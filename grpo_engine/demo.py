@@ -19,6 +19,7 @@ run); key=value overrides apply to it as to any config.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .checkpoint.run_files import BEFORE_AFTER, write_run_file
 from .config import Config, ConfigError, check_paths, load_config
 from .progress import Progress
 
@@ -171,7 +173,7 @@ def run_demo(overrides: list[str] | tuple[str, ...] = (), console: Console | Non
     plot = _plot(cfg.run_dir, console)
     demo = DemoResult(before, after, Path(cfg.run_dir), plot, time.perf_counter() - t0, cfg.seed, pretrained,
                       control, peak_rss_gib())
-    (Path(cfg.run_dir) / "demo.json").write_text(json.dumps(demo.to_json(), indent=2) + "\n")
+    write_run_file(cfg.run_dir, "demo.json", json.dumps(demo.to_json(), indent=2) + "\n", overwrite=True)
     console.print(_tools_table(demo, cfg.warm_start.sft.steps > 0) if pretrained is not None
                   else _table(before, after, "pretrained" if real else "SFT only"))
     console.print(f"total wall time {demo.seconds:.0f} s · peak RSS {demo.peak_rss_gib:.2f} GiB · metrics "
@@ -274,31 +276,61 @@ def _points(delta: float) -> str:
     return f"{100 * delta:+.1f} pts"
 
 
+def record_before(cfg: Config, before, control: str | None = None, overwrite: bool = False) -> None:
+    """RUN_DIR/before_after.json with the starting model's row (eval/in_loop.EvalResult) as soon as it is measured,
+    before step 1, and no `after` yet: a run stopped by a signal or killed keeps its start for the resumed run."""
+    start = _row(before)
+    data = {**DemoResult(start, start, Path(cfg.run_dir), None, 0.0, cfg.seed, control=control).to_json(),
+            "after": None, "seconds": None}
+    write_run_file(cfg.run_dir, BEFORE_AFTER, json.dumps(data, indent=2) + "\n", overwrite=overwrite)
+
+
+def _row(e) -> HeldOut:
+    return HeldOut(e.accuracy, e.format_rate, e.length_mean, e.num_examples)
+
+
 def report_train(cfg: Config, before, after, seconds: float, control: str | None = None,
-                 console: Console | None = None) -> DemoResult:
+                 console: Console | None = None, overwrite: bool = False) -> DemoResult:
     """`grpo train`'s before and after (eval/in_loop.EvalResults; `before` None on --resume: then the `before` of
-    RUN_DIR/before_after.json, the run's true start): RUN_DIR/before_after.json in demo.json's form, and the demo's
-    table. seconds: from the command's start (the load) to the table."""
-    path = Path(cfg.run_dir) / "before_after.json"
-    row = lambda e: HeldOut(e.accuracy, e.format_rate, e.length_mean, e.num_examples)  # noqa: E731
-    start = row(before) if before is not None else stored_before(path)
-    result = DemoResult(start or row(after), row(after), Path(cfg.run_dir), None, seconds, cfg.seed, control=control)
-    if start is not None:
-        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    (console or Console()).print(_table(result.before, result.after, "start") if start is not None else
-                                 f"held-out accuracy of the final model {result.after.accuracy:.1%} (no {path} "
-                                 f"from the run's start to compare with)")
+    RUN_DIR/before_after.json, the run's true start): RUN_DIR/before_after.json in demo.json's form, written at every
+    clean end, and the demo's table. seconds: from the command's start (the load) to the table. A before_after.json
+    that cannot be read (torn, edited) is said so, moved to RUN_DIR/superseded-<UTC time>/, and written anew."""
+    console = console or Console()
+    path = Path(cfg.run_dir) / BEFORE_AFTER
+    start, lost = (_row(before), "") if before is not None else stored_before(path, console)
+    result = DemoResult(start or _row(after), _row(after), Path(cfg.run_dir), None, seconds, cfg.seed,
+                        control=control)
+    data = result.to_json() if start is not None else {**result.to_json(), "before": None}
+    write_run_file(cfg.run_dir, BEFORE_AFTER, json.dumps(data, indent=2) + "\n", overwrite=overwrite)
+    console.print(_table(result.before, result.after, "start") if start is not None else
+                  f"held-out accuracy of the final model {result.after.accuracy:.1%} (no starting figure in {path} "
+                  f"to compare with{lost})")
     return result
 
 
-def stored_before(path: Path) -> HeldOut | None:
-    """The `before` row a run's first call wrote into before_after.json (None when there is none)."""
+def stored_before(path: Path, console: Console | None = None) -> tuple[HeldOut | None, str]:
+    """(the `before` row a run's first step wrote into before_after.json, or None; why it is missing: "" when the
+    file or the row is absent). A file that is not JSON (torn, edited) is moved to RUN_DIR/superseded-<UTC time>/
+    before_after.json.unreadable with one warning: it is reported as what it is and not left torn."""
+    from .checkpoint.run_dir import utc_stamp
+
+    if not path.is_file():
+        return None, ""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes()[: 1 << 20])
+    except (OSError, ValueError) as e:
+        aside = path.parent / f"superseded-{utc_stamp()}"
+        aside.mkdir(exist_ok=True)
+        os.replace(path, aside / f"{path.name}.unreadable")
+        why = f"; it was unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}: torn or edited) and " \
+              f"is now {aside / (path.name + '.unreadable')}"
+        (console or Console(stderr=True)).print(f"warning: {path}{why.removeprefix(';')}", markup=False)
+        return None, why
+    try:
         b = data["before"]
-        return HeldOut(b["accuracy"], b["format_rate"], b["mean_length"], data["problems"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return HeldOut(b["accuracy"], b["format_rate"], b["mean_length"], data["problems"]), ""
+    except (KeyError, TypeError):
+        return None, ""
 
 
 def add_control_arg(p, more: str = "") -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .checkpoint.disk import removed_on_failure
 from .checkpoint.run_dir import parse_line
+from .checkpoint.run_files import run_file
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,21 @@ def plot_path(run_dir: Path, out: str | Path | None, overwrite: bool) -> Path:
     return path
 
 
+def _save(fig, run_dir: Path, out: Path, overwrite: bool) -> None:
+    """The PNG whole or not at all: a full disk or a signal midway leaves the old PNG, no half-written one.
+    RUN_DIR/curves.png is the engine's own file (checkpoint/run_files.py): a curves.png it did not draw (yours, or
+    a link) is replaced only with --overwrite, and a link is replaced, never written through."""
+    if out == run_dir / "curves.png":
+        with run_file(run_dir, out.name, overwrite=overwrite) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with removed_on_failure(tmp):
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None, overwrite: bool = False) -> Path:
     """Draw the panels that have data into one PNG; returns its path. The PNG is written whole or not at all."""
     import matplotlib
@@ -117,10 +133,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, overwrite: bool
         ax.set_visible(False)
     fig.suptitle(f"grpo-engine run: {run_dir.name}")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with removed_on_failure(tmp):  # a full disk or a signal midway leaves the old PNG, no half-written one
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, out)
-    plt.close(fig)
+    try:
+        _save(fig, run_dir, out, overwrite)
+    finally:
+        plt.close(fig)
     return out

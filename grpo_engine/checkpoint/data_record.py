@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config
-from ..config.paths import open_regular, read_regular, regular_path
-from ..tasks.data import DataError
+from ..config.paths import data_keys, open_regular, read_regular, regular_path
+from ..tasks.data import FILE_OPTION, MAX_FILE_MIB, DataError
 from .stamps import remember, trusted
 
 DATA_FILE = "data.json"
@@ -43,11 +43,8 @@ class DataChangedError(DataError):
 
 
 def named_paths(cfg: Config) -> dict[str, str]:
-    """Config key -> the data path it names, as written (every key that names one)."""
-    named = {"task.data_path": cfg.task.data_path}
-    named.update({f"task.options.{k}": v for k, v in sorted(dict(cfg.task.options).items())
-                  if k.endswith("path") and isinstance(v, str)})
-    return {key: value for key, value in named.items() if value}
+    """Config key -> the data path it names, as written (every key that names one: config/paths.py data_keys)."""
+    return data_keys(cfg)
 
 
 def data_paths(cfg: Config) -> dict[str, Path]:
@@ -65,11 +62,18 @@ def _files(key: str, path: Path) -> dict[str, Path]:
     return {f"{key}:{p.relative_to(path).as_posix()}": p for p in found}  # (datasets' cache-*.arrow: rewritten)
 
 
-def fingerprint(path: Path) -> dict:
-    """{"path", "bytes", "sha256", "rows"} of one data file, in one pass over it (a regular file only)."""
+def data_budget(cfg: Config) -> int:
+    """The bytes a data file of cfg's task may hold (task.options.max_data_file_mib), checked before it is hashed."""
+    mib = dict(cfg.task.options).get("max_data_file_mib", MAX_FILE_MIB)
+    return (mib if isinstance(mib, int) and not isinstance(mib, bool) and mib > 0 else MAX_FILE_MIB) << 20
+
+
+def fingerprint(path: Path, max_bytes: int = MAX_FILE_MIB << 20) -> dict:
+    """{"path", "bytes", "sha256", "rows"} of one data file, in one pass over it (a regular file of at most
+    max_bytes: a larger one is a DataError naming task.options.max_data_file_mib before a byte is read)."""
     h, rows, carry, text = hashlib.sha256(), 0, b"", path.suffix not in (".parquet", ".arrow")
-    with open_regular(path, "data file", max_bytes=1 << 62, option="", error=DataError) as f:
-        while chunk := f.read(READ_BYTES):
+    with open_regular(path, "data file", max_bytes=max_bytes, option=FILE_OPTION, error=DataError) as f:
+        while chunk := _read(f, path):
             h.update(chunk)
             if text:
                 lines = (carry + chunk).split(b"\n")
@@ -78,6 +82,13 @@ def fingerprint(path: Path) -> dict:
     rows += bool(carry.strip())
     return {"path": str(path), "bytes": path.stat().st_size, "sha256": h.hexdigest(),
             "rows": rows if text else _parquet_rows(path)}
+
+
+def _read(f, path: Path) -> bytes:
+    try:
+        return f.read(READ_BYTES)
+    except OSError as e:  # a regular file by its stat that reads as none (/proc/self/mem)
+        raise DataError(f"data file {path} cannot be read ({e.strerror or e})") from None
 
 
 def _parquet_rows(path: Path) -> int | None:
@@ -93,7 +104,7 @@ def data_record(cfg: Config, train_examples: int) -> dict:
     """What data.json holds for this run: every data file it reads, and the size of its training split."""
     files, roots = {}, {}
     for key, path in data_paths(cfg).items():
-        files.update({label: fingerprint(p) for label, p in _files(key, path).items()})
+        files.update({label: fingerprint(p, data_budget(cfg)) for label, p in _files(key, path).items()})
         roots[key] = os.path.abspath(path)
     return {"version": VERSION, "train_examples": train_examples, "files": files, "roots": roots}
 
@@ -107,6 +118,8 @@ def _describe(label: str, old: dict | None, new: dict | None) -> str:
         return f"{old.get('path', label)} ({label}) is no longer read"
     if old is None:
         return f"{new['path']} ({label}) was not read before"
+    if new.get("sha256") is None:  # its size differs from the record: not hashed (_fingerprint_once)
+        return f"{new['path']} ({label}) changed: {new['bytes']:,} bytes, the record says {old.get('bytes')}"
     rows = (f"{old['rows']} -> {new['rows']} rows" if old.get("rows") != new.get("rows") else
             f"same {new['rows']} rows, other content") if new.get("rows") is not None else "other content"
     before = str(old.get("sha256"))[:12]
@@ -160,11 +173,13 @@ def stored_record(ckpt: Path, command: str, fix: str) -> dict | None:
     return stored
 
 
-def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str]) -> dict[str, str]:
+def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str], max_bytes: int = MAX_FILE_MIB << 20) -> dict[str, str]:
     """Config key (of `keys`) -> the path `grpo eval` reads the run's data from: where the run saw it (data.json's
     `roots`: an absolute path, never resolved against the directory eval runs in), used only when every file there
     has its recorded sha256. Else DataChangedError in one line naming --data. A checkpoint without data.json: a
-    stored absolute path as it is, a relative one refused (nothing says what it was relative to)."""
+    stored absolute path as it is, a relative one refused (nothing says what it was relative to). max_bytes: the
+    data budget of the user's options (a stored config is data: its own budget is not taken), checked with the
+    recorded size before a byte is hashed."""
     fix = f"pass {EVAL_DATA_FLAG} FILE to evaluate on data you choose"
     record = stored_record(ckpt, "grpo eval", fix)
     out, seen = {}, {}  # seen: a file named by two keys (data_path and test_path) is hashed once
@@ -179,21 +194,22 @@ def eval_data_paths(ckpt: Path, cfg: Config, keys: set[str]) -> dict[str, str]:
             continue
         root = record.get("roots", {}).get(key) if isinstance(record.get("roots"), dict) else None
         where = Path(root) if isinstance(root, str) else Path(value)  # data.json before roots: the path as stored
-        problem = _not_as_recorded(key, where, record["files"], seen)
+        problem = _not_as_recorded(key, where, record["files"], seen, max_bytes)
         if problem:
             raise DataChangedError(f"grpo eval {ckpt}: the run's data {problem}; {fix}")
         out[key] = str(where)
     return out
 
 
-def _not_as_recorded(key: str, where: Path, files: dict, seen: dict[str, dict]) -> str | None:
+def _not_as_recorded(key: str, where: Path, files: dict, seen: dict[str, dict], max_bytes: int) -> str | None:
     """What differs between the data at `where` (config key `key`) and its record, or None; seen: real path ->
     fingerprint of the files hashed so far."""
     stored = {k: v for k, v in files.items() if (k == key or k.startswith(key + ":")) and isinstance(v, dict)}
     if not os.path.lexists(where):
         return f"{where} ({key}) is not there any more"
     try:
-        current = {label: _fingerprint_once(p, stored.get(label), seen) for label, p in _files(key, where).items()}
+        current = {label: _fingerprint_once(p, stored.get(label), seen, max_bytes)
+                   for label, p in _files(key, where).items()}
     except DataError as e:
         return f"cannot be read ({e})"
     if not stored:
@@ -203,15 +219,21 @@ def _not_as_recorded(key: str, where: Path, files: dict, seen: dict[str, dict]) 
     return "; ".join(changed) or None
 
 
-def _fingerprint_once(path: Path, recorded: dict | None, seen: dict[str, dict]) -> dict:
+def _fingerprint_once(path: Path, recorded: dict | None, seen: dict[str, dict], max_bytes: int) -> dict:
     """fingerprint(path), hashed once per process (seen) and not at all when this machine found the file as
-    `recorded` before and it has not changed since (checkpoint/stamps.py, keyed by the file itself)."""
+    `recorded` before and it has not changed since (checkpoint/stamps.py, keyed by the file itself). Sizes come
+    first: a file whose size is not the recorded one has changed, and is not hashed (sha256 None); one over
+    max_bytes is refused (fingerprint) before a byte is read, whatever a forged record says."""
     real = os.path.realpath(path)
+    size = os.stat(real).st_size
+    wanted = recorded.get("bytes") if isinstance(recorded, dict) else None
+    if isinstance(wanted, int) and wanted != size:
+        return {"path": str(path), "bytes": size, "sha256": None, "rows": None}
     sha = recorded.get("sha256") if isinstance(recorded, dict) else None
     if real not in seen and isinstance(sha, str) and trusted(Path(real), [""], sha):
         seen[real] = recorded
     if real not in seen:
-        seen[real] = fingerprint(path)
+        seen[real] = fingerprint(path, max_bytes)
         if seen[real]["sha256"] == sha:
             remember(Path(real), [""], sha)  # name "": the stamp's root is the file itself
     return {**seen[real], "path": str(path)}

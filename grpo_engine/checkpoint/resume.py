@@ -14,6 +14,8 @@ stored one is the warm start's own RUN_DIR/base or RUN_DIR/sft, derived from the
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -205,6 +207,26 @@ def check_resume_config(ckpt_dir: Path, cfg: Config, message=print) -> list[tupl
         if key != "run_dir":
             message(f"resume: {key} {old!r} -> {new!r} (takes effect from the next step)")
     return changes
+
+
+def check_where_it_sits(ckpt_dir: Path, step: int, cfg: Config, message=print) -> None:
+    """A checkpoint is resumed as what it says it is. One in run_dir/checkpoints whose trainer state holds another
+    step than its name (`step` against step-N: a checkpoint of another run, or another step, copied in under that
+    name) is refused: it would continue as this run's step N. One written in another run_dir (the whole run moved
+    or handed over) is said so once, with the step it holds."""
+    stored = stored_run_config(ckpt_dir)
+    written_in = stored.run_dir if stored is not None else None
+    named = re.fullmatch(r"step-(\d+)", ckpt_dir.name)
+    sits_in_run = ckpt_dir.resolve().parent == (Path(cfg.run_dir) / "checkpoints").resolve()
+    if sits_in_run and named and int(named.group(1)) != step:
+        raise ConfigError(f"--resume {ckpt_dir}: it holds step {step} of the run written in run_dir={written_in!r} "
+                          f"(its trainer_state.json and config.yaml), not step {int(named.group(1))} as its name "
+                          f"says: a checkpoint copied in under another name; move it out of {ckpt_dir.parent}, then "
+                          f"run the same command (--resume takes the newest left), or resume it in a run_dir of its "
+                          f"own")
+    if written_in is not None and os.path.abspath(written_in) != os.path.abspath(cfg.run_dir):
+        message(f"resume: {ckpt_dir} holds step {step} of the run written in run_dir={written_in!r}; continuing it "
+                f"in run_dir={cfg.run_dir!r}")
 
 
 def apply_learning_rate(policy, cfg: Config, changes: list[tuple[str, object, object]]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..config import ConfigError
+from .run_files import holds_run, refuse_foreign
 
 LOCK = ".lock"
 STEP_PREFIX = "step-"
@@ -69,16 +70,13 @@ def utc_stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
 
-def holds_run(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints").is_dir() or (run_dir / "metrics.jsonl").is_file()
-
-
 @dataclass
 class RunDirPlan:
     run_dir: Path
     move_aside: bool = False  # --overwrite of an existing run: rename it to RUN_DIR.prev-<stamp>
     supersede_after: int | None = None  # --resume from step N < newest: move later steps aside
     applied: bool = False
+    replace_files: bool = False  # --overwrite: files of the engine's names it did not write are replaced
 
     def apply(self, message=print, lock: RunLock | None = None) -> None:
         """lock: this process's lock of run_dir, held again in the (new) run_dir after a rename."""
@@ -95,8 +93,10 @@ class RunDirPlan:
 
 
 def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: int | None,
-                 overwrite: bool) -> RunDirPlan:
-    """What starting this run does to run_dir; a ConfigError (exit 2) when it would clobber an existing run."""
+                 overwrite: bool, writes: tuple[str, ...] = ()) -> RunDirPlan:
+    """What starting this run does to run_dir; a ConfigError (exit 2) when it would clobber an existing run, or
+    replace a file of one of the names it `writes` (kernels.json, before_after.json) that the engine did not write
+    (checkpoint/run_files.py) without --overwrite."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir={str(run_dir)!r} is a file, not a directory: choose another run_dir")
@@ -104,9 +104,17 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
         raise ConfigError("--resume and --overwrite together: --resume continues a run, --overwrite starts a new one "
                           "in place of the old; pass one of them (to continue a checkpoint elsewhere, choose a new "
                           "run_dir)")
+    if not overwrite:
+        refuse_foreign(run_dir, writes, "move it out of the run directory" + (
+            "" if resume_step is not None else ", or pass --overwrite to replace it (a link is replaced, never its "
+                                              "target)"))
     if resume_step is not None:
         later = newest_step is not None and newest_step > resume_step
         return RunDirPlan(run_dir, supersede_after=resume_step if later else None)
+    if holds_run(run_dir) and not overwrite and not list_checkpoints(run_dir / "checkpoints"):
+        raise ConfigError(f"run_dir={str(run_dir)!r} holds a run that saved no checkpoint (it stopped before its "
+                          f"first), so --resume has nothing to continue: start over with --overwrite (the partial run "
+                          f"is renamed, not deleted), or choose another run_dir")
     if holds_run(run_dir) and not overwrite:
         raise ConfigError(f"run_dir={str(run_dir)!r} already holds a run (checkpoints/ or metrics.jsonl): continue "
                           f"it with --resume, or start over with --overwrite (the old run is renamed, not deleted), "
@@ -117,13 +125,24 @@ def plan_run_dir(run_dir: str | Path, *, resume_step: int | None, newest_step: i
                           f"starting over (--overwrite, or grpo demo again) renames the old run away and this "
                           f"process would follow it; run from its parent with run_dir={run_dir.resolve().name}, or "
                           f"choose another run_dir")
-    return RunDirPlan(run_dir, move_aside=move_aside)
+    return RunDirPlan(run_dir, move_aside=move_aside, replace_files=overwrite)
 
 
 def holds_working_dir(run_dir: Path) -> bool:
     """Whether run_dir (resolved: `.` has no name to rename) is the current directory or one above it."""
     here = Path.cwd().resolve()
     return run_dir.resolve() in (here, *here.parents)
+
+
+def nothing_saved(ckpt_root: Path, command: str) -> str:
+    """`--resume` where no checkpoint was completed (a kill -9 before the first): what was saved (nothing) and the
+    command that starts over, which is `command` itself (the user's without --resume) or, when the partial run
+    left its logs, `command --overwrite`."""
+    run_dir = ckpt_root.parent
+    again = f"`{command} --overwrite` (the partial run is renamed, not deleted)" if holds_run(run_dir) else \
+        f"`{command}`"
+    return (f"--resume: nothing was saved: no complete checkpoint under {ckpt_root} (the run stopped before its "
+            f"first); start over with {again}")
 
 
 def after_write_failure(run_dir: str | Path) -> str:
@@ -236,14 +255,20 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """The lock, run_dir created first; a run_dir that cannot be created or written (a read-only folder, one
+        under /sys or /proc) is one line naming run_dir (ConfigError, exit 2)."""
         me = {"host": socket.gethostname(), "pid": os.getpid()}
         while True:
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except OSError as e:
+                raise ConfigError(f"run_dir={str(self.path.parent)!r} cannot be written ({e.strerror or e}"
+                                  f"{f': {e.filename}' if e.filename else ''}); choose a run_dir in a folder you "
+                                  f"can write") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True

@@ -50,6 +50,7 @@ from .run_dir import (
     has_trainer_state,
     holds_run,
     list_checkpoints,
+    nothing_saved,
     step_dir_name,
     step_dirs,
     tmp_dir_for,
@@ -220,7 +221,7 @@ def resolve_resume(resume: str | None, ckpt_root: str | Path, message: Callable[
     if resume == "latest":
         found = step_dirs(ckpt_root)
         if not found:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}")
+            raise FileNotFoundError(nothing_saved(Path(ckpt_root), command))
         path = found[-1]
     else:
         path = Path(resume)

@@ -20,6 +20,7 @@ from ..rl.advantages import select_groups
 from ..rollout import GenerationOutput, SamplingParams, generate
 from ..rollout.multiturn import TrajectoryMetrics
 from ..tasks.base import Example, RewardResult, render_prompt, safe_reward
+from ..tasks.data import DataError
 from ..world import World, fail_together
 
 
@@ -95,6 +96,36 @@ class GroupSampler(Protocol):
 
 
 REWARD_TIMEOUT_S = 5.0  # a reward that runs longer scores 0 and is counted as a timeout
+
+
+def check_prompt_lengths(task, tokenizer, examples: list[Example], max_prompt_tokens: int) -> None:
+    """Refuse, before step 1, a prompt of `examples` longer than rollout.max_prompt_tokens (or than the chat
+    template renders), naming its row (file and line where the task read one: `task.places`), instead of the step
+    that first draws it failing.
+
+    Cheap: a prompt's tokens are at most its scaffolding's tokens (the chat template rendered around empty
+    messages) plus one per byte of its text (every token covers at least one byte; two per message spare), so a
+    prompt is rendered and counted only when its text is long enough to possibly exceed the cap (none in typical
+    data). Cost on a 10,000-row file: docs/benchmarks.md."""
+    scaffolds: dict[tuple, int] = {}
+    for ex in examples:
+        prompt = task.prompt(ex)
+        shape = tuple(m["role"] for m in prompt.messages)
+        if shape not in scaffolds:
+            empty = [{**m, "content": ""} for m in prompt.messages]
+            scaffolds[shape] = len(tokenizer.encode(tokenizer.apply_chat_template(empty, add_generation_prompt=True)))
+        text = sum(len(m["content"].encode("utf-8")) for m in prompt.messages) + len(prompt.prefill.encode("utf-8"))
+        if scaffolds[shape] + text + 2 * len(shape) + 2 <= max_prompt_tokens:
+            continue
+        where = getattr(task, "places", {}).get(ex.id, f"example {ex.id}")
+        try:
+            n = len(tokenizer.encode(render_prompt(task, tokenizer, ex)))
+        except ValueError as e:  # the chat template's budget (CheckpointError): the row, not the template
+            raise DataError(f"{where}: its prompt cannot be rendered ({str(e).split(': ', 1)[-1]}); shorten the "
+                            f"row") from None
+        if n > max_prompt_tokens:
+            raise DataError(f"{where}: its prompt renders to {n:,} tokens, more than rollout.max_prompt_tokens="
+                            f"{max_prompt_tokens}; shorten the row, or raise rollout.max_prompt_tokens")
 
 
 def generate_groups(model, tokenizer, task, examples: list[Example], params: SamplingParams,

@@ -139,9 +139,10 @@ def signal_stats(groups: list[Group], max_new_tokens: int, tol: float = 0.0, sec
 def verdict(s: SignalStats, min_spread: float = 0.05) -> Verdict:
     """The verdict on `s`: ok when at least `min_spread` of the groups, and at least MIN_SPREAD_GROUPS of them
     (or every group, if fewer were sampled), have a reward spread, else weak (some spread) or none, with the first
-    cause that fits, in the order a person should look: rewards that fail, replies cut at the length cap, answers
-    the extractor cannot find, groups all correct, a reward that ignores correctness, replies never correct, right
-    (or wrong) replies too rare for the group size, a reward that is constant."""
+    cause that fits, in the order the evidence points: rewards that fail, a reward that ignores the reply (it
+    scores replies the same that differ in correctness, or gives a cut or answerless reply a positive score),
+    replies cut at the length cap, answers the extractor cannot find, groups all correct, replies never correct,
+    right (or wrong) replies too rare for the group size, a reward that is constant."""
     notes = []
     if s.truncation_rate >= TRUNCATION_CAUSE:
         notes.append(f"{s.truncation_rate:.0%} of replies cut at rollout.max_new_tokens={s.max_new_tokens}")
@@ -158,6 +159,13 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
     if s.error_rate >= ERROR_CAUSE:
         return (f"{s.error_rate:.0%} of rewards failed ({s.first_error})",
                 "fix the reward function (task.options.reward_fn) or the task's data")
+    if s.correct_spread_share > s.spread_share:
+        return (f"correctness differs in {s.correct_spread_share:.0%} of groups but the reward does not",
+                "check the reward's weights (task.options.answer_weight) or reward function")
+    if reward_ignores_replies(s):
+        return (f"every reply scored {s.rewards[0]:g} although {ignored_evidence(s)}",
+                "check the reward function (task.options.reward_fn) or the verifier (task.options.verifier): it "
+                "gives every reply the same score whatever it says, so no length or extractor setting changes it")
     if s.truncation_rate >= TRUNCATION_CAUSE and not extractor_misses_finished_replies(s):
         return (f"{s.truncation_rate:.0%} of replies were cut at rollout.max_new_tokens={s.max_new_tokens}",
                 f"raise rollout.max_new_tokens (e.g. {4 * s.max_new_tokens})")
@@ -167,9 +175,6 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
     if s.accuracy is not None and s.all_correct_share >= 0.5:
         return (f"{s.all_correct_share:.0%} of groups are all correct ({s.accuracy:.0%} of replies)",
                 "use harder data: the model already solves it")
-    if s.correct_spread_share > s.spread_share:
-        return (f"correctness differs in {s.correct_spread_share:.0%} of groups but the reward does not",
-                "check the reward's weights (task.options.answer_weight) or reward function")
     if s.accuracy is not None and s.accuracy == 0:
         return (f"no reply was correct (answers found in {s.extracted_rate:.0%})",
                 "use easier data or a warm start, or raise rollout.group_size / rollout.temperature")
@@ -180,6 +185,25 @@ def likely_cause(s: SignalStats) -> tuple[str, str]:
                 "model gets right more often")
     return (f"every group's rewards are equal ({s.distribution()})",
             "check the reward function: it gives the same score to different replies")
+
+
+def reward_ignores_replies(s: SignalStats) -> bool:
+    """True when every reply scored the same positive value although some were cut at the length cap or had no
+    answer the extractor found: a reward that reads the reply gives such a reply nothing, so the reward (a function
+    that ignores the reply, a verifier that accepts anything) is the cause, and a longer cap or another extractor
+    would only be a hint followed in vain. A constant 0 says nothing of the kind: cut replies score 0 anyway."""
+    if len(s.rewards) < 2 or min(s.rewards) != max(s.rewards) or s.rewards[0] <= 0:
+        return False
+    return s.truncation_rate > 0 or (s.extracted_rate is not None and s.extracted_rate < 1)
+
+
+def ignored_evidence(s: SignalStats) -> str:
+    """Why reward_ignores_replies holds, in words."""
+    said = [f"{s.truncation_rate:.0%} were cut at rollout.max_new_tokens={s.max_new_tokens}"] if s.truncation_rate \
+        else []
+    if s.extracted_rate is not None and s.extracted_rate < 1:
+        said.append(f"{1 - s.extracted_rate:.0%} had no answer the extractor found")
+    return " and ".join(said)
 
 
 def extractor_misses_finished_replies(s: SignalStats) -> bool:
@@ -317,6 +341,9 @@ def fit_length(check_at: Callable[[int], SignalReport], start: int, limit: int,
     check_at(n): the signal check with replies capped at n."""
     length, reports, stopped = start, [check_at(start)], ""
     while reports[-1].stats.truncation_rate >= FIT_TRUNCATION:
+        if reward_ignores_replies(reports[-1].stats):
+            stopped = "every reply scored the same, cut or not: the reward, not the length, is the cause"
+            break
         longer = min(2 * length, limit)
         if longer <= length:
             stopped = f"check.max_new_tokens_limit={limit}"
@@ -360,8 +387,9 @@ class GroupFit:
 
 def chance_limited(s: SignalStats) -> bool:
     """True when few groups have a spread because right (or wrong) replies are rare, which more replies per prompt
-    help, and not because of a setting they do not (rewards that fail, replies cut, answers the extractor misses)."""
-    return (s.error_rate < ERROR_CAUSE and s.truncation_rate < TRUNCATION_CAUSE
+    help, and not because of a setting they do not (rewards that fail or ignore the reply, replies cut, answers the
+    extractor misses)."""
+    return (s.error_rate < ERROR_CAUSE and s.truncation_rate < TRUNCATION_CAUSE and not reward_ignores_replies(s)
             and (s.extracted_rate is None or s.extracted_rate >= EXTRACTION_CAUSE))
 
 

@@ -85,11 +85,31 @@ def read_regular(path: str | Path, what: str, *, max_bytes: int, option: str,
     return data
 
 
+def readable(path: str | Path, what: str, fix: str) -> None:
+    """Read the first byte of the regular file `path`: a file that stats as regular but cannot be read (a link to
+    /proc/self/mem: Input/output error) is one line naming `what`, the path and `fix` here, before anything loads."""
+    try:
+        with open_regular(path, what, max_bytes=1 << 62, option="") as f:
+            f.read(1)
+    except OSError as e:
+        raise ConfigError(f"{_named(what, Path(path))} cannot be read ({e.strerror or e}); {fix}") from None
+
+
+def data_keys(cfg: Config) -> dict[str, str]:
+    """Config key -> the data path it names, as written: task.data_path and each task option ending in `path`
+    (data_path, test_path) that is set."""
+    named = {"task.data_path": cfg.task.data_path}
+    named.update({f"task.options.{k}": v for k, v in sorted(dict(cfg.task.options).items())
+                  if k.endswith("path") and isinstance(v, str)})
+    return {key: value for key, value in named.items() if value}
+
+
 def check_paths(cfg: Config) -> None:
     """Model, tokenizer and data paths exist and look right; run before any weights are read."""
-    if cfg.task.data_path is not None:
-        regular_path(cfg.task.data_path, "task.data_path=", directory=True,
-                     fix="set it to a local .jsonl / .parquet file or a directory of them")
+    for key, value in data_keys(cfg).items():  # every split's data, also one read only after training (test_path)
+        fix = f"set {key} to a local .jsonl / .parquet file or a directory of them"
+        if regular_path(value, f"{key}=", directory=True, fix=fix).is_file():
+            readable(value, f"{key}=", fix)
     if cfg.warm_start.tiny.arch:
         return  # the warm start builds the model and its tokenizer (sft/warm_start.py)
     if not cfg.model.path:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..config.fields import option
 from ..config.trust import check_code
 from .base import ChatTask, ChatTaskOptions, Example, RewardResult, weighted_reward
-from .data import read_records, require_fields
+from .data import place, read_records, require_fields
 from .parsing import DEFAULT_CASCADE, choice_equal, extract_answer, numeric_equal, word_equal
 
 
@@ -170,10 +170,14 @@ def import_reward_fn(spec: str, key: str = "task.options.reward_fn") -> RewardFn
     return fn
 
 
-def load_custom(path: str) -> list[Example]:
-    rows = read_records(path)
+def load_custom(path: str, key: str = "data_path", places: dict[str, str] | None = None) -> list[Example]:
+    """The rows of `path` as Examples; places: filled with each example id's file and line (an error about its
+    prompt names the row as the user finds it in an editor)."""
+    rows = read_records(path, key=key)
     require_fields(rows, ("prompt", "answer"), path)
     ids = [str(r.get("id", f"{path}#{i}")) for i, r in enumerate(rows)]
+    if places is not None:
+        places.update({example_id: f"{path}: {place(rows, i)}" for i, example_id in enumerate(ids)})
     return [Example(i, str(r["prompt"]), str(r["answer"]), row=r) for i, r in zip(ids, rows)]
 
 
@@ -186,11 +190,14 @@ class CustomTask(ChatTask):
         self._reward_fn = import_reward_fn(options.reward_fn) if options.reward_fn else None
         self._weighted = [(item["fn"], import_reward_fn(item["fn"], "task.options.reward_fns"), item["weight"])
                           for item in options.reward_fns or ()]
+        self.places: dict[str, str] = {}  # example id -> "FILE: line N" (load_custom)
 
     def _load(self, split: str) -> list[Example]:
         o = self.options
         if o.test_path or not o.holdout:
-            return load_custom(o.test_path if split == "test" and o.test_path else o.data_path)
+            test = split == "test" and o.test_path
+            return load_custom(o.test_path if test else o.data_path, "test_path" if test else "data_path",
+                               self.places)
         train, test = self._held_out()
         return test if split == "test" else train
 
@@ -199,7 +206,7 @@ class CustomTask(ChatTask):
         is left out of training, so the test split measures what the model learned, not what it saw. Said once."""
         if getattr(self, "_split", None) is None:
             o = self.options
-            self._split = holdout_split(load_custom(o.data_path), o.holdout, o.holdout_seed)
+            self._split = holdout_split(load_custom(o.data_path, places=self.places), o.holdout, o.holdout_seed)
             train, test = self._split
             if train is not test:  # a file too small to split (docs/tasks.md) is both splits, unannounced
                 print(f"task custom: no test_path: {len(test)} of {len(train) + len(test)} rows of {o.data_path} "

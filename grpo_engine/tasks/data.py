@@ -32,6 +32,7 @@ from ..config.paths import open_regular, read_regular, regular_path
 Record = dict[str, object]  # one raw row as read from a file; tasks turn rows into typed Examples at once
 MAX_FILE_MIB = 1024  # GSM8K's train split is 4 MiB, MATH's 20 MiB: a gigabyte of rows is a deliberate choice
 MAX_LINE_KIB = 1024  # a row is a problem and its answer; the chat template refuses a prompt over 1 MiB anyway
+MAX_FIELD_CHARS = 1 << 20  # a chat template renders at most this many characters (model/template_budget.py MAX_OUTPUT)
 FILE_OPTION, LINE_OPTION = "task.options.max_data_file_mib", "task.options.max_data_line_kib"
 READ_BYTES = 1 << 20  # one read of a file searched for its first byte that is not UTF-8
 TEXT_ENCODING = "utf-8-sig"  # UTF-8, with a byte-order mark at the start of a file skipped
@@ -79,14 +80,14 @@ def place(rows: Sequence[Record], i: int) -> str:
     return f"line {lines[i]}" if lines is not None else f"record {i + 1}"
 
 
-def read_records(path: str | Path, limits: Limits | None = None) -> list[Record]:
+def read_records(path: str | Path, limits: Limits | None = None, key: str = "data_path") -> list[Record]:
     """All rows of a .jsonl / .json / .csv / .tsv / .parquet file or of a saved `datasets` directory (one split), read
     under `limits` (default: those data_limits set, else Limits()); anything but a regular file or a directory is
-    refused before it is opened."""
+    refused before it is opened. key: the option that names the file, which an error tells the user to set."""
     p, limits = Path(path), limits or _LIMITS.get() or Limits()
     if not p.exists() and not p.is_symlink():
-        raise DataError(f"data file {p} does not exist; set data_path to a local .jsonl/.parquet file")
-    regular_path(p, "data file", error=DataError, directory=True, fix="set data_path to a local .jsonl/.parquet file")
+        raise DataError(f"data file {p} does not exist; set {key} to a local .jsonl/.parquet file")
+    regular_path(p, "data file", error=DataError, directory=True, fix=f"set {key} to a local .jsonl/.parquet file")
     if p.is_dir():
         return _read_saved_dataset(p, limits)
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv, ".tsv": _read_tsv,
@@ -98,6 +99,9 @@ def read_records(path: str | Path, limits: Limits | None = None) -> list[Record]
         return reader(p, limits)
     except UnicodeDecodeError as e:
         raise DataError(f"{p}: {_not_utf8(e, 0)}") from None
+    except OSError as e:  # stats as a regular file, reads as none: a link to /proc/self/mem (Input/output error)
+        raise DataError(f"data file {p} cannot be read ({e.strerror or e}); set {key} to a local .jsonl/.parquet "
+                        f"file") from None
 
 
 def _not_utf8(e: UnicodeDecodeError, offset: int) -> str:
@@ -193,9 +197,11 @@ def _read_tsv(p: Path, limits: Limits = Limits()) -> Records:
 
 
 def _check_header(header: list[str], p: Path, line_no: int) -> None:
-    """A CSV header names each field once, none of them empty."""
+    """A CSV header names each field once, none of them empty. The error counts the fields and never shows them: the
+    first line of a file linked in as data (`/etc/shadow`) is not the user's to print."""
     if "" in header or len(set(header)) != len(header):
-        raise DataError(f"{p}: the header (line {line_no}) {header} must name each field once (e.g. prompt,answer)")
+        raise DataError(f"{p}: the header (line {line_no}) must name each field once (e.g. prompt,answer); its "
+                        f"{len(header)} fields include an empty or repeated name")
 
 
 def _parse(text: str, source: Path, line_no: int | None = None):
@@ -308,17 +314,27 @@ def split_source(data_path: str | Path, split: str) -> Path:
 
 
 def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | Path) -> None:
-    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field."""
+    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field, holds null
+    or empty text (a row that can never score), or more text than a chat template renders (a row that can never be
+    sampled: found here, in the pass that reads the file, not at the step that first draws it). The error says what
+    was expected and how many fields the record has, never their names: a CSV header is the first line of whatever
+    file data_path names, which may be a file the user does not mean to print (`/etc/shadow` through a link)."""
     for i, row in enumerate(rows):
         for name in fields:
-            if name in row and row[name] is None:
+            value = row.get(name)
+            if name in row and value is None:
                 raise DataError(f"{source}: {place(rows, i)} has no field {name!r}: it is null; every record needs "
                                 f"a value for each of {list(fields)}")
+            if isinstance(value, str) and not value.strip():
+                raise DataError(f"{source}: {place(rows, i)} field {name!r} is empty: a row without it can never "
+                                f"score; every record needs a value for each of {list(fields)}")
+            if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+                raise DataError(f"{source}: {place(rows, i)} field {name!r} holds {len(value):,} characters, more "
+                                f"than a chat template renders ({MAX_FIELD_CHARS:,}): the row can never be sampled; "
+                                f"shorten it")
             if name not in row:
-                raise DataError(
-                    f"{source}: {place(rows, i)} has no field {name!r} (fields present: {sorted(row)}); "
-                    f"every record needs {list(fields)}"
-                )
+                raise DataError(f"{source}: {place(rows, i)} has no field {name!r} (it has {len(row)} field"
+                                f"{'' if len(row) == 1 else 's'}); every record needs {list(fields)}")
 
 
 def field_error(

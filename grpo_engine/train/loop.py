@@ -8,6 +8,7 @@ holds the state after N steps.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class RunResult:
     checkpoint: Path | None  # the checkpoint written last
     stopped_by: str  # "completed" | "signal" | "stop_after"
     before: EvalResult | None = None  # held_out: the starting model on the held-out examples (not on --resume)
-    after: EvalResult | None = None  # held_out: the final model on them (not after a Ctrl-C / SIGTERM)
+    after: EvalResult | None = None  # held_out: the final model on them (at every clean end)
 
 
 class GracefulStop:
@@ -60,19 +61,23 @@ class GracefulStop:
 
 def train(cfg, *, resume: str | None = None, stop_after: int | None = None, overwrite: bool = False,
           allow_data_change: bool = False, command: str | None = None, check: bool = False,
-          held_out: bool = False) -> RunResult:
+          held_out: bool = False, on_before: Callable[[EvalResult], None] | None = None) -> RunResult:
     """Run (or resume) training. resume: None, "latest" or a checkpoint dir; stop_after: steps this call;
     overwrite: start over in a run_dir that holds a run, renaming the old run (checkpoint/run_dir.py);
     allow_data_change: resume on task data other than the checkpoint's; command: the user's `grpo train ...`
     (without --resume), for the command an error about a damaged checkpoint names. check: the signal check before
     step 1 (with check.enabled; not on resume): SignalCheckError when it finds no signal and check.stop is set.
-    held_out: the starting and the final model on the held-out examples (RunResult.before / .after). Neither moves
+    held_out: the starting and the final model on the held-out examples (RunResult.before / .after), the final one at
+    every clean end (completed, --stop-after, Ctrl-C / SIGTERM); on_before: called (rank 0) with the starting figure
+    as soon as it is measured, before step 1, so that the run's record holds it whatever ends the run. Neither moves
     the run's random states or prompt stream: the steps are the same with or without them."""
     run = setup_run(cfg, resume, overwrite, StartOptions(allow_data_change, command or "grpo train CONFIG"))
     stopped_by, done, before, after = "completed", run.done_steps, None, None
     with GracefulStop() as stop:
         try:
             run, before = before_first_step(run, check, held_out)
+            if before is not None and on_before is not None and run.inputs.world.is_main:
+                on_before(before)
             for step in range(run.done_steps + 1, cfg.schedule.steps + 1):
                 try:
                     record = grpo_step(run.inputs, run.state, step, run.monitor.message)
@@ -97,7 +102,7 @@ def train(cfg, *, resume: str | None = None, stop_after: int | None = None, over
                     run.monitor.message(f"stopped after step {step} ({why}); "
                                         f"checkpoint: {run.last_checkpoint}")
                     break
-            if held_out and stopped_by != "signal":
+            if held_out:
                 after = held_out_result(run, "the final model")
         finally:
             run.monitor.close()

@@ -19,12 +19,20 @@ from omegaconf import OmegaConf
 
 from ..checkpoint.data_record import check_data, data_record
 from ..checkpoint.rank_state import load_rank_state
-from ..checkpoint.resume import apply_learning_rate, check_resume_config, kept_precision, kept_rollout, warm_started
+from ..checkpoint.resume import (
+    apply_learning_rate,
+    check_resume_config,
+    check_where_it_sits,
+    kept_precision,
+    kept_rollout,
+    warm_started,
+)
 from ..checkpoint.run_dir import RunDirPlan, RunLock, checkpoint_step, plan_run_dir, step_dirs
+from ..checkpoint.run_files import BEFORE_AFTER, write_run_file
 from ..checkpoint.store import TrainerState, load_trainer_state, nonfinite_state, resolve_resume, restore_rng
 from ..checkpoint.verify import resume_refused
 from ..collect.curriculum import build_curriculum
-from ..collect.groups import ShuffledPrompts
+from ..collect.groups import ShuffledPrompts, check_prompt_lengths
 from ..collect.signal_check import (
     CheckSettings,
     LengthFit,
@@ -131,6 +139,8 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     if saved is not None and world.is_main and nonfinite_state(saved):
         raise resume_refused(resume_dir, f"its {nonfinite_state(saved)} holds NaN/inf", options.command)
     changes = check_resume_config(resume_dir, cfg, to_stderr) if resume_dir and world.is_main else []
+    if saved is not None and world.is_main:
+        check_where_it_sits(resume_dir, saved.step, cfg, to_stderr)
     data = data_record(cfg, len(train_examples)) if world.is_main else None
     if saved is not None and world.is_main:  # the data the checkpoint was trained on, or --allow-data-change
         check_data(resume_dir, data, position=saved.data_position, allow=options.allow_data_change, message=to_stderr)
@@ -138,7 +148,8 @@ def setup_run(cfg: Config, resume: str | None = None, overwrite: bool = False,
     if world.is_main:  # the newest step-* folder, complete or not: a later one is moved aside, never replaced
         run_dir = plan_run_dir(cfg.run_dir, resume_step=saved.step if saved else None,
                                newest_step=checkpoint_step(next(reversed(step_dirs(ckpt_root)), None)),
-                               overwrite=overwrite)
+                               overwrite=overwrite, writes=(PLAN_FILE, *([BEFORE_AFTER] if cfg.eval.before_after
+                                                                         else [])))
     checked = _Checked(world, task, train_examples, eval_examples, ckpt_root, resume_dir, saved, changes, run_dir,
                        data, options)
     lock = RunLock(cfg.run_dir).acquire() if world.is_main else None
@@ -172,11 +183,13 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     policy = build_policy(resolved, c.resume_dir, world)
     if saved is not None and not weights_finite(policy.model, world):  # a damaged checkpoint: never "the last good"
         raise resume_refused(c.resume_dir, "its weights hold NaN/inf", c.options.command)
+    held_out = split_examples(c.task, cfg, "eval_split")[: cfg.eval.max_examples] if cfg.eval.before_after else []
+    check_prompts(cfg, c.task, tokenizer, c.train_examples, [*c.eval_examples, *held_out])  # before step 1
     take_run_dir(c.run_dir, lock)  # the model and data loaded: now the run directory may change
     done = saved.step if saved else 0
     monitor = make_monitor(cfg, world, done)
     if world.is_main:
-        (Path(cfg.run_dir) / PLAN_FILE).write_text(policy.kernel_plan.to_json())  # the kernels this run uses
+        write_run_file(cfg.run_dir, PLAN_FILE, policy.kernel_plan.to_json(), overwrite=c.run_dir.replace_files)
         if asked.memory.precision == "auto":  # the engine's choice, said once (stored in resolved.yaml)
             monitor.message(f"memory.precision {resolved.precision} ({resolved.precision_why})")
     prompts = ShuffledPrompts(len(c.train_examples), cfg.seed, saved.data_position if saved else 0)
@@ -192,6 +205,14 @@ def _load_run(asked: Config, resolved: Resolved, c: _Checked, lock: RunLock | No
     inputs = StepInputs(cfg, policy, tokenizer, c.task, c.train_examples, prompts, params, world, curriculum)
     return Run(resolved, inputs, state, monitor, c.eval_examples, c.ckpt_root, done, c.resume_dir,
                RewardWatch(monitor.message, cfg.logging.no_signal_warn_steps), lock, c.data, c.resume_dir)
+
+
+def check_prompts(cfg: Config, task: Task, tokenizer, train: list[Example], held_out: list[Example]) -> None:
+    """Every prompt of the training split and of the held-out examples within rollout.max_prompt_tokens, before step
+    1 and before the run directory changes (collect/groups.py check_prompt_lengths); tools add their declarations
+    to each prompt, which the rollout checks itself."""
+    if not cfg.tools.enabled:
+        check_prompt_lengths(task, tokenizer, [*train, *held_out], cfg.rollout.max_prompt_tokens)
 
 
 def take_run_dir(plan: RunDirPlan, lock: RunLock | None) -> None:
@@ -342,6 +363,7 @@ def check_config(cfg: Config) -> RolloutFit:
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     cfg = resolved.config
     policy = build_policy(resolved)
+    check_prompts(cfg, task, tokenizer, examples, split_examples(task, cfg, "eval_split")[:eval_rows])
     inputs = StepInputs(cfg, policy, tokenizer, task, examples, ShuffledPrompts(len(examples), cfg.seed),
                         sampling_params(cfg, tokenizer))
     return checked_rollout(cfg, inputs, eval_rows, resolved.device)

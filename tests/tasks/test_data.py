@@ -88,7 +88,8 @@ def test_csv_and_tsv_rows_are_the_jsonl_rows_as_text(tmp_path):
 def test_a_csv_header_names_each_field_once(tmp_path):
     path = tmp_path / "dup.csv"
     path.write_text("prompt,prompt\nq,a\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"dup.csv: the header \(line 1\) \['prompt', 'prompt'\] must name each"):
+    with pytest.raises(DataError, match=r"dup.csv: the header \(line 1\) must name each field once .*its 2 fields "
+                                        r"include an empty or repeated name$"):  # counted, never shown (#70 item 1)
         read_records(path)
     path.write_text("\n\nprompt,answer\nq,\nq,a,b\n", encoding="utf-8")  # the header after blank lines
     with pytest.raises(DataError, match=r"dup.csv: line 5 has 3 fields, the header \(line 3\) names 2"):
