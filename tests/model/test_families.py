@@ -228,8 +228,10 @@ def _raw(model_type: str, **fields) -> dict:
     ("granite", dict(router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01"),
     ("phi3", dict(resid_pdrop=0.1), "resid_pdrop=0.1 (only 0.0)"),
     ("olmo2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("smollm3", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
-    ("phi3", dict(sliding_window=8), "sliding_window=8"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
+    ("olmo2", dict(layer_types=["sliding_attention"] * 3, sliding_window=8), "layer_types other than full"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("olmo2", dict(embedding_multiplier=2.0), "embedding_multiplier=2.0 (not a field of olmo2"),
 ])
 def test_config_keys_not_implemented_are_refused_by_name(model_type, fields, needle):
