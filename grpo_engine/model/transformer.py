@@ -492,7 +492,12 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if cfg.logits_scaling != 1.0:
             x = x / cfg.logits_scaling  # logits = head(x) / s, for every reader of the head
-        return x if return_hidden else soft_cap(self.lm_head(x), cfg.final_logit_softcapping)
+        return x if return_hidden else self.logits(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states (`return_hidden=True`'s): [..., D] -> [..., V], soft-capped when
+        the family caps its logits (the chunked heads of rl/logprobs.py and the decode head cap their own)."""
+        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """cos, sin [B, T, 1, R] of the full-attention layers (key False) and, when they have their own rope
