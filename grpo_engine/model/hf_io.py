@@ -264,7 +264,7 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        why = f" ({REFUSED_TYPES[model_type]})" if model_type in REFUSED_TYPES else ""
+        why = f" ({REFUSED_TYPES[model_type]})" if isinstance(model_type, str) and model_type in REFUSED_TYPES else ""
         raise CheckpointError(f"{source}: model_type {model_type!r} is not supported{why}; supported: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     fam = FAMILIES[model_type]
@@ -341,7 +341,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if "no_rope_layers" in reads:
         raw["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_hidden_layers)]
     if "query_pre_attn_scalar" in reads:
-        raw.setdefault("query_pre_attn_scalar", cfg.attention_multiplier ** -2)
+        scalar = cfg.attention_multiplier ** -2  # transformers 5 takes a whole number
+        raw.setdefault("query_pre_attn_scalar", round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar)
     if "final_logit_softcapping" in reads:
         raw["final_logit_softcapping"] = cfg.final_logit_softcapping
     if "rope_local_base_freq" in reads and cfg.rope_local_theta is not None:
