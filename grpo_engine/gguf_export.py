@@ -151,6 +151,15 @@ def warn_transformers_head_dim(c, source) -> None:
                       f"checkpoint directory in transformers instead", stacklevel=3)
 
 
+def warn_transformers_phi3(c, source) -> None:
+    """transformers' GGUF loader reads phi3 files without rope.dimension_count and the rope factor tensors (as of
+    transformers 5.25): llama.cpp runs a partial-rotary or longrope export right, transformers does not."""
+    if c.model_type == "phi3" and (c.rotary_dim != c.head_dim or rope_kind(c.rope_scaling) == "longrope"):
+        warnings.warn(f"{source}: phi3's partial rotary / longrope are written as llama.cpp reads them, but "
+                      f"transformers' GGUF loader ignores them: load the checkpoint directory in transformers "
+                      f"instead of the exported file", stacklevel=3)
+
+
 def _value_type(value):
     from gguf import GGUFValueType
 
@@ -236,6 +245,7 @@ def export_gguf(source: str, out: str, kind: str = "f16", *, overwrite: bool = F
     refuse_nonfinite(model, src)  # a .gguf of NaNs would load in llama.cpp and print garbage
     check_exportable(model.config, src)
     warn_transformers_head_dim(model.config, src)
+    warn_transformers_phi3(model.config, src)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")  # written whole, then renamed: no half-written .gguf
     try:

@@ -94,6 +94,7 @@ NEUTRAL_KEYS = frozenset({
     "add_cross_attention", "pruned_heads", "finetuning_task", "task_specific_params", "tf_legacy_loss",
     "pretraining_tp",  # a 4.x llama option splitting the same products into slices
     "layer_types",  # each layer's attention kind: read by the families with windows (Family.window_rule)
+    "_attn_implementation_autoset", "unsloth_version", "unsloth_fixed", "keys_to_ignore_at_inference",
 })
 # what every family reads into ModelConfig (config_from_hf)
 COMMON_READS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -161,7 +162,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, neutral=_WINDOWS + ("attention_bias",), gguf_arch="qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm="head", reads=("attention_bias",), neutral=_WINDOWS,
            gguf_arch="qwen3"),
-    Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), gguf_arch="llama"),
+    Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), neutral=("is_llama_config",),
+           gguf_arch="llama"),
     Family("smollm3", "SmolLM3ForCausalLM", reads=("attention_bias", "mlp_bias", "no_rope_layers",
                                                    "no_rope_layer_interval", "use_sliding_window") + _WINDOW_READS,
            neutral=("max_window_layers",), gguf_arch="smollm3", turn_end=("<|im_end|>",), window_rule="no_rope"),

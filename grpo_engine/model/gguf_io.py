@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -282,7 +282,7 @@ def longrope_scaling(meta: dict, records: list, cfg: ModelConfig, source: str) -
     if attn is not None:
         from .transformer import rope_attention_factor
 
-        probe = ModelConfig(**{**cfg.__dict__, "rope_scaling": scaling})
+        probe = replace(cfg, rope_scaling=scaling)
         derived = rope_attention_factor(probe)  # written as float32: keep the exact derived value when it is that
         if abs(float(attn) - derived) > 1e-6 * derived:
             scaling["attention_factor"] = checked_float(attn, f"{arch}.rope.scaling.attn_factor", source)
@@ -307,7 +307,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     """A Transformer from a GGUF file, dequantized to `dtype` on `device`."""
     contents = read_gguf(path)
     cfg = config_from_gguf(contents.meta, str(path))
-    cfg.rope_scaling = longrope_scaling(contents.meta, contents.tensors, cfg, str(path)) or cfg.rope_scaling
+    cfg = replace(cfg, rope_scaling=longrope_scaling(contents.meta, contents.tensors, cfg, str(path))
+                  or cfg.rope_scaling)
     shapes = {name: tuple(reversed(t.shape)) for t in contents.tensors if (name := hf_name(t.name, cfg.family))}
     check_tensor_shapes(cfg, shapes, str(path))  # before dequantizing or building anything
     tensors = {k: v.to(device) for k, v in read_tensors(contents.tensors, cfg, dtype, str(path)).items()}

@@ -241,10 +241,11 @@ def _numbers(raw: dict, fam: Family, layers: int, source: str) -> dict:
     if "attention_multiplier" in reads:
         out["attention_multiplier"] = checked_float(raw.get("attention_multiplier", 1.0), "attention_multiplier",
                                                     source)
+    factor = checked_float(_rope_param(raw, "partial_rotary_factor", 1.0), "partial_rotary_factor", source)
+    if factor > 1 or (factor != 1 and "partial_rotary_factor" not in reads):
+        why = "over 1" if factor > 1 else f"not a field of {fam.model_type} this engine implements"
+        raise CheckpointError(f"{source}: unsupported feature(s): partial_rotary_factor={factor} ({why})")
     if "partial_rotary_factor" in reads:
-        factor = checked_float(_rope_param(raw, "partial_rotary_factor", 1.0), "partial_rotary_factor", source)
-        if factor > 1:
-            raise CheckpointError(f"{source}: partial_rotary_factor={factor} is over 1")
         out["partial_rotary_factor"] = factor
     if "no_rope_layers" in reads:
         out["rope_layers"] = _rope_layers(raw, layers, source)
@@ -334,10 +335,12 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         raw["attention_bias"] = cfg.attention_bias
     if "mlp_bias" in reads:
         raw["mlp_bias"] = cfg.mlp_bias
-    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-                "partial_rotary_factor"):
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "partial_rotary_factor"):
         if key in reads:
             raw[key] = getattr(cfg, key)
+    if "attention_multiplier" in reads:  # None (a GGUF without attention.scale) is 1/sqrt(head_dim) written out
+        m = cfg.attention_multiplier
+        raw["attention_multiplier"] = cfg.head_dim ** -0.5 if m is None else m
     if "no_rope_layers" in reads:
         raw["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_hidden_layers)]
     if "query_pre_attn_scalar" in reads:

@@ -56,7 +56,7 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None, long: bo
                   theta: float | None = None, scaled: bool = True) -> torch.Tensor:
     """Inverse frequencies [rotary_dim/2] in fp32, with the config's rope scaling applied (scaled=False: none).
 
-    long: longrope's long factors (else its short ones); `rope_positions` chooses per row.
+    long: longrope's long factors (else its short ones); `rope_row_inv_freq` chooses per row.
     theta: another base than cfg.rope_theta (Gemma 3's sliding layers)."""
     d = cfg.rotary_dim
     scaling, kind = (cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)) if scaled else ({}, "default")
@@ -94,6 +94,15 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or cfg.max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_switch(cfg: ModelConfig) -> int | None:
+    """The length past which a longrope row takes its long factors (None for other ropes): a row's keys
+    computed before it passes are stale after (the decode loop prefills again, the training forward runs the row
+    whole: rollout/engine.py, train/forward.py)."""
+    if rope_kind(cfg.rope_scaling) != "longrope":
+        return None
+    return int(cfg.rope_scaling["original_max_position_embeddings"])
 
 
 def rope_row_inv_freq(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
@@ -249,6 +258,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         bias = cfg.attention_bias or fam.qkv_bias
+        self.fused = fam.fused_qkv
         if fam.fused_qkv:
             self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=bias)  # [q | k | v] rows
         else:
@@ -267,7 +277,7 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H*D], k, v [B, T, Hkv*D] (views of one product when fused)."""
-        if hasattr(self, "qkv_proj"):
+        if self.fused:
             return self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
@@ -355,7 +365,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        if cfg.family.fused_gate_up:
+        self.fused = cfg.family.fused_gate_up
+        if self.fused:
             self.gate_up_proj = nn.Linear(d, 2 * inter, bias=bias)  # [gate | up] rows
         else:
             self.gate_proj = nn.Linear(d, inter, bias=bias)
@@ -364,7 +375,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.family.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):
+        if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., inter] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..model.config import rope_kind
-from ..model.transformer import Transformer, soft_cap
+from ..model.transformer import Transformer, rope_switch, soft_cap
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
 from .rows import Row
@@ -128,9 +127,9 @@ def passes_rope_switch(model: Transformer, rows: Sequence[Row], pending: list[li
     """Whether feeding `pending` takes a row past longrope's original context: the forward of a sequence longer
     than original_max_position_embeddings rotates every position by the long factors (model/transformer.py
     rope_row_inv_freq), so the keys cached with the short ones no longer hold."""
-    if rope_kind(model.config.rope_scaling) != "longrope":
+    switch = rope_switch(model.config)
+    if switch is None:
         return False
-    switch = model.config.rope_scaling["original_max_position_embeddings"]
     return any(len(r.tokens) - len(p) <= switch < len(r.tokens) for r, p in zip(rows, pending) if p)
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.config import rope_kind
 from ..model.transformer import Transformer
 from .decode_kernels import packed_for_decode
 from .engine import Draws, as_seed, decode, eager_step, prefill
@@ -169,8 +168,6 @@ def choose_loop(model: Transformer, params: SamplingParams, compile: bool | str,
     take the graphs under `on` only: the planner plans no static state for a tool rollout (plan/from_config.py
     static_decode_planned; docs/architecture.md), so under `auto` they keep the dynamic loop's transient cache."""
     graphs = graphs_for(model, params.cuda_graphs, bool(compile))
-    if rope_kind(model.config.rope_scaling) == "longrope":
-        return "dynamic"  # its rows are prefilled again past longrope's switch (engine.passes_rope_switch)
     return "graphs" if graphs and not (multi_turn and params.cuda_graphs == "auto") else "dynamic"
 
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError
+from ..model.config import rope_kind
 from ..model.transformer import Transformer
 from .decode_kernels import DecodeHead
 from .engine import prefill_prompts
@@ -80,8 +81,15 @@ def cuda_graphs_on(choice: str, device: torch.device | str, compiled: bool = Fal
 def graphs_for(model: Transformer, choice: str, compiled: bool = False) -> bool:
     """cuda_graphs_on for this model: `auto` is also off for a model with FSDP units (FSDP2 unshards into new
     storage every phase, so every graph would be captured again every step, and its pre-forward wait forks a side
-    stream inside the capture that is never joined, so the capture cannot end); `on` refuses one."""
+    stream inside the capture that is never joined, so the capture cannot end); `on` refuses one. Likewise for a
+    longrope model (Phi-3 / Phi-4-mini): its rows are prefilled again when they pass the original context
+    (engine.passes_rope_switch), which the static state's fixed slots do not do."""
     if not cuda_graphs_on(choice, model.device, compiled):
+        return False
+    if rope_kind(model.config.rope_scaling) == "longrope":
+        if choice == "on":
+            raise ConfigError("rollout.cuda_graphs=on cannot decode a longrope model (Phi-3 / Phi-4-mini): its rows "
+                              "are prefilled again past the original context; set rollout.cuda_graphs=auto (or off)")
         return False
     if fsdp_sharded(model):
         if choice == "on":

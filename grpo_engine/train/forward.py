@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.transformer import rope_switch
 from ..rl.logprobs import token_logprobs
 from .batch import TrainBatch, plan_micro_batches
 
@@ -125,14 +126,22 @@ def completion_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Ten
     the completion token input_ids[i, t + 1], in the row-major order of hidden / targets. Rows that share a
     prompt (batch.prompt_index) run it once (train/forward.py); otherwise every row runs whole.
     """
-    if batch.prompt_index is not None:
+    switch = rope_switch(model.config)
+    passes = switch is not None and int(batch.lengths.max()) - 1 > switch
+    if batch.prompt_index is not None and not passes:  # a prompt's keys cached before longrope's switch are stale
         return shared_prompt_hidden(model, batch)
     return plain_completion_hidden(model, batch)
 
 
 def plain_completion_hidden(model, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """completion_hidden with every row's prompt + completion through the model (no sharing)."""
-    hidden = model(batch.input_ids[:, :-1], return_hidden=True)  # [b, T-1, D]
+    """completion_hidden with every row's prompt + completion through the model (no sharing). A longrope model
+    gets the rows' key mask, so that each row's factors follow its own length, not the padded batch's
+    (model/transformer.py rope_row_inv_freq)."""
+    ids = batch.input_ids[:, :-1]  # [b, T-1]
+    key_mask = None
+    if rope_switch(model.config) is not None:  # right padding: a row's real tokens are its first lengths - 1
+        key_mask = torch.arange(ids.shape[1], device=ids.device) < (batch.lengths.to(ids.device) - 1)[:, None]
+    hidden = model(ids, key_mask, return_hidden=True)  # [b, T-1, D]
     mask = batch.completion_mask[:, 1:].bool()  # [b, T-1]
     return hidden[mask], batch.input_ids[:, 1:][mask], mask
 

@@ -5,6 +5,7 @@ Variants cover tied / untied heads, GQA ratios, head_dim != hidden / heads, mult
 longrope factors != 1 (past the original context and inside it), SmolLM3's no_rope_layers and biases."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -124,6 +125,32 @@ def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     assert (ours - theirs).abs().max().item() < 2 * their_err + 1e-3
 
 
+def test_olmo2_bf16_norm_and_rope_run_in_fp32_as_transformers_does(hf_dir):
+    """OLMo 2 multiplies its RMSNorm weight in fp32 before the cast, and rotates q / k with fp32 cos / sin: its
+    norm is bit-identical to transformers' in bf16 (llama's order is not), and the whole model's bf16 logits
+    equal transformers' in most places (llama's order for both differs in about 80% of them)."""
+    from grpo_engine.model.transformer import RMSNorm
+
+    theirs_norm = transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(64, eps=1e-6)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    weight = 1 + 0.1 * torch.randn(64, generator=torch.Generator().manual_seed(1))
+    ours_norm = RMSNorm(64, 1e-6, weight_fp32=True)
+    with torch.no_grad():
+        for norm in (theirs_norm, ours_norm):
+            norm.weight.copy_(weight)
+        theirs_norm, ours_norm = theirs_norm.bfloat16(), ours_norm.bfloat16()
+        want = theirs_norm(x)
+        assert torch.equal(ours_norm(x), want)
+        ours_norm.weight_fp32 = False
+        assert not torch.equal(ours_norm(x), want)
+    path = hf_dir("olmo2")
+    ids, _ = padded_batch(30, seed=1)
+    with torch.no_grad():
+        theirs = hf_load(path, torch.bfloat16)(ids).logits
+        ours = load_model(path, dtype=torch.bfloat16)(ids)
+    assert (ours != theirs).float().mean().item() < 0.4
+
+
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_greedy_decode_equals_transformers_generate(hf_dir, name):
     """44 new tokens from two left-padded prompts (Phi-3's past its longrope switch at 16 positions)."""
@@ -233,6 +260,8 @@ def _raw(model_type: str, **fields) -> dict:
     ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
     ("olmo2", dict(embedding_multiplier=2.0), "embedding_multiplier=2.0 (not a field of olmo2"),
+    ("granite", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5 (not a field of granite"),
 ])
 def test_config_keys_not_implemented_are_refused_by_name(model_type, fields, needle):
     from grpo_engine.model.config import CheckpointError
@@ -275,7 +304,9 @@ def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
     from grpo_engine.model.tiny import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "src", arch, **TINY_GGUF[arch])
-    out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*phi3's partial rotary")  # a note on transformers' reader, not ours
+        out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
     f = reader(out)
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
@@ -340,3 +371,72 @@ def test_family_end_of_turn_token_stops_a_completion(tiny_dir, arch):
     stopped = out.completion_ids[0]
     assert stopped[-1] == end and end not in stopped[:-1] and len(stopped) <= 3
     assert out.finish_reason[0] == "stop"
+
+
+def test_granite_logprob_gradients_through_the_logit_scale_equal_transformers(hf_dir):
+    """The chunked log-probs' backward (rl/logprobs.py's own autograd, as a GRPO update takes it) carries the logit
+    scale and the multipliers: the gradients of an advantage-weighted log-prob sum equal transformers'."""
+    from grpo_engine.train.batch import build_train_batch
+    from grpo_engine.train.forward import sequence_logprobs
+
+    path = hf_dir("granite-bias")
+    ours, theirs = load_model(path).train(), hf_load(path).train()
+    prompts, completions = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [16, 17, 18, 19, 20]]
+    adv = torch.tensor([1.0, -0.5])
+    batch = build_train_batch(prompts, completions, [[0.0] * len(c) for c in completions], adv, [True] * 2, pad_id=0)
+    logp, _ = sequence_logprobs(ours, batch, temperature=0.7, chunk_size=3)
+    (logp.sum(-1) * adv).sum().backward()
+    total = 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.tensor([p + c])
+        ref = torch.log_softmax(theirs(ids).logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[len(p) - 1:, 0]
+        total = total + ref.sum() * adv[i]
+    total.backward()
+    theirs_params = dict(theirs.named_parameters())
+    from grpo_engine.model.hf_io import hf_name_table
+
+    for ours_name, hf in hf_name_table(ours.config).items():
+        got, want = dict(ours.named_parameters())[ours_name].grad, theirs_params[hf].grad
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item()), ours_name
+
+
+def test_phi3_training_logprobs_take_each_row_s_own_longrope_factors(hf_dir):
+    """Rows shorter and longer than the original context (16) in one batch, sharing a prompt: each row's log-probs
+    equal transformers' for that row alone (the sampler's, after its prefill past the switch), not the padded
+    batch's factors, and not a prompt cached with the short factors."""
+    from grpo_engine.train.batch import build_train_batch
+    from grpo_engine.train.forward import sequence_logprobs
+
+    path = hf_dir("phi3")
+    ours, theirs = load_model(path), hf_load(path)
+    prompt = list(range(40, 50))
+    completions = [[51, 52, 53], list(range(60, 80)), [81, 82, 83, 84, 85, 86, 87]]
+    batch = build_train_batch([prompt] * 3, completions, [[0.0] * len(c) for c in completions], torch.zeros(3),
+                              [True] * 3, pad_id=0)
+    assert batch.prompt_index is not None
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(ours, batch, temperature=1.0, chunk_size=8)
+        for i, c in enumerate(completions):
+            ids = torch.tensor([prompt + c])
+            ref = torch.log_softmax(theirs(ids[:, :-1]).logits[0], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            got = logp[i, len(prompt):len(prompt) + len(c)]
+            assert (got - ref[len(prompt) - 1:]).abs().max().item() < 1e-5, i
+
+
+def test_phi3_gguf_export_loads_in_transformers_gguf_reader(tmp_path):
+    """An independent reader of llama.cpp's phi3 names (attn_qkv, the fused ffn_up): transformers' GGUF loader
+    gives our logits. It ignores rope.dimension_count and the longrope factors, so the model rotates whole heads
+    with plain rope here, and the exporter warns for the others."""
+    pytest.importorskip("gguf")
+    from grpo_engine.gguf_export import export_gguf
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "phi3", partial_rotary_factor=1.0)
+    export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    ids = torch.randint(0, 272, (2, 30), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (theirs(ids).logits - load_model(src)(ids)).abs().max().item() < 1e-5
+    partial = make_tiny_checkpoint(tmp_path / "partial", "phi3")
+    with pytest.warns(UserWarning, match="transformers' GGUF loader ignores them"):
+        export_gguf(str(partial), str(tmp_path / "p.gguf"), "f32")
