@@ -186,9 +186,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                   ("attn_logit_softcapping", None), ("use_bidirectional_attention", False)),
            gguf_arch="gemma3", turn_end=("<end_of_turn>",), window_rule="types", default_window=4096,
            window_pattern=6, default_rope_theta=1_000_000.0),
-    Family("mistral", "MistralForCausalLM", reads=("sliding_window",), window_rule="every",
+    Family("mistral", "MistralForCausalLM", reads=("sliding_window",), gguf_arch="llama", window_rule="every",
            default_window=4096),
-    Family("ministral", "MinistralForCausalLM", reads=_WINDOW_READS, window_rule="types",
+    Family("ministral", "MinistralForCausalLM", reads=_WINDOW_READS, gguf_arch="llama", window_rule="types",
            default_window=4096),
 )}
 # model types refused with their reason (a near relative of a supported family)

@@ -422,3 +422,76 @@ def test_defaults_follow_transformers():
         "full_attention", "sliding_attention")
     assert (gemma.rope_theta, gemma.rope_local_theta) == (1_000_000.0, 10_000.0)
     assert config_from_hf(_raw("smollm3", sliding_window=8)).layer_types is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# GGUF
+
+
+def _gguf_names_allowed(gguf, arch: str) -> set[str]:
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    return {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
+
+
+def _templated(name: str) -> str:
+    parts = name.rsplit(".", 1)[0].split(".")
+    return ".".join("{bid}" if p.isdigit() else p for p in parts)
+
+
+def test_gemma3_gguf_round_trip_under_llama_cpps_names_and_norms(tmp_path):
+    """`grpo export` writes llama.cpp's gemma3: its tensor names (the gguf package's constants), the norms as 1 + w,
+    the window and its layers, the local rope base; the file reads back to the same description and logits (the
+    norms to fp32 rounding of 1 + w)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from grpo_engine.gguf_export import export_gguf
+    from grpo_engine.model.gguf_io import reader
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    six = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6))
+    src = make_tiny_checkpoint(tmp_path / "src", "gemma3", num_hidden_layers=6, layer_types=six,
+                               attention_multiplier=32**-0.5)
+    out = export_gguf(str(src), str(tmp_path / "g.gguf"), "f32")
+    f = reader(out)
+    assert f.fields["general.architecture"].contents() == "gemma3"
+    assert {_templated(t.name) for t in f.tensors} <= _gguf_names_allowed(gguf, "gemma3")
+    assert f.fields["gemma3.attention.sliding_window"].contents() == 8
+    ours, back = load_model(src), load_model(out)
+    stored = next(t for t in f.tensors if t.name == "blk.0.post_attention_norm.weight")
+    want = ours.layers[0].attn_out_norm.weight.detach().numpy() + np.float32(1)
+    assert np.array_equal(np.asarray(stored.data, dtype=np.float32).reshape(-1), want)
+    for field in ("sliding_window", "layer_types", "rope_local_theta", "rope_theta", "attention_multiplier",
+                  "head_dim", "tie_word_embeddings", "model_type"):
+        assert getattr(back.config, field) == getattr(ours.config, field), field
+    for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items()):
+        tol = 2**-23 if name.endswith("norm.weight") else 0.0
+        assert (a - b).abs().max().item() <= tol, name
+    ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (back(ids) - ours(ids)).abs().max().item() < 1e-5
+
+
+def test_mistral_gguf_is_llama_and_windows_llama_cpp_cannot_run_are_refused(tmp_path):
+    """Mistral without a window below its context exports as llama.cpp's llama (q / k permuted as its converter
+    does) and reads back to the same logits; a window below the context, or Gemma layers off llama.cpp's pattern,
+    are refused in one line."""
+    pytest.importorskip("gguf")
+    from grpo_engine.gguf_export import export_gguf
+    from grpo_engine.model.config import CheckpointError
+    from grpo_engine.model.gguf_io import reader
+    from grpo_engine.model.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "m", "mistral", sliding_window=None, layer_types=None)
+    out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
+    assert reader(out).fields["general.architecture"].contents() == "llama"
+    ours, back = load_model(src), load_model(out)
+    assert back.config.model_type == "llama" and back.config.head_dim == 24
+    ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(back(ids), ours(ids))
+    for arch, fields, needle in [("mistral", {}, "sliding_window=8 below the context"),
+                                 ("gemma3", {}, "not every 6th layer full")]:
+        with pytest.raises(CheckpointError, match=needle) as err:
+            export_gguf(str(make_tiny_checkpoint(tmp_path / arch, arch, **fields)), str(tmp_path / "x.gguf"), "f32")
+        assert "\n" not in str(err.value)
