@@ -339,8 +339,8 @@ def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, key_pos: tor
                 window: int) -> torch.Tensor | None:
     """The mask of a sliding layer: `mask` (bool [B or 1, 1, T, S], [T, S], or None: causal over T = S slots)
     with each query at position p seeing only keys at positions q with p - window < q (transformers' sliding
-    window). positions [B, T] are the queries'; key_pos [B, S] the keys' (None: slot j is position j). None when
-    no key can be `window` positions away (S <= window): the full mask is the same."""
+    window). positions [B, T] are the queries'; key_pos [B, S] the keys' (None: slot j is position j). `mask`
+    itself when no key can be `window` positions away (S <= window: positions count valid slots)."""
     if window >= S:
         return mask
     T = positions.shape[1]
