@@ -199,10 +199,11 @@ def test_sampled_logprobs_equal_a_full_forward(hf_dir, name):
             torch.testing.assert_close(torch.tensor(out.logprobs[i], dtype=torch.float64), ref, atol=1e-10, rtol=0)
 
 
-def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path):
+@pytest.mark.parametrize("loop", ["dynamic", "static"])
+def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path, loop):
     """Tool turns of row-specific lengths (holes in the decode loop's batch, the static turns' feeds), on a tiny
     Gemma 3 with a window of 8 much shorter than the trajectories: every policy token's log-prob equals one full
-    forward's over the trajectory (float64)."""
+    forward's over the trajectory (float64), in both decode loops."""
     from dataclasses import dataclass
 
     from grpo_engine.model.loading import load_tokenizer
@@ -230,7 +231,7 @@ def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path):
     assert model.config.sliding_window == 8 and model.config.layer_types[0] == "sliding_attention"
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
     params = SamplingParams(max_new_tokens=10, stop_token_ids=[101, 111, 32], compact_fraction=0.0)
-    out = run_multiturn(model, tok, [Chatter(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7])
+    out = run_multiturn(model, tok, [Chatter(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
     assert all(t.metrics.env_tokens > 0 and len(t.token_ids) > 30 for t in out)
     for t in out:
         with torch.no_grad():
