@@ -12,6 +12,7 @@ from torch import nn
 
 from grpo_engine.config import ConfigError
 from grpo_engine.model.loading import load_model
+from grpo_engine.model.tiny import tiny_config
 from grpo_engine.rollout import SamplingParams, generate
 from grpo_engine.rollout.chat_turns import render_first_prompt
 from grpo_engine.rollout.generate import choose_loop, generate_rows
@@ -122,9 +123,14 @@ def test_trajectories_on_cuda_graphs_equal_the_eager_static_decode(tiny_dir, tin
 
 
 class _OnCuda(nn.Module):
-    """What choose_loop reads of a model: its device (here claimed to be CUDA) and its modules (no FSDP unit)."""
+    """What choose_loop reads of a model: its device (here claimed to be CUDA), its modules (no FSDP unit) and its
+    config's rope (longrope decodes on the dynamic loop)."""
 
     device = torch.device("cuda")
+
+    def __init__(self, rope_scaling: dict | None = None):
+        super().__init__()
+        self.config = tiny_config("phi3", rope_scaling=rope_scaling)
 
 
 def test_the_loop_choice(tiny_model, tiny_tok):
@@ -137,6 +143,11 @@ def test_the_loop_choice(tiny_model, tiny_tok):
     assert choose_loop(_OnCuda(), on, False, multi_turn=True) == "graphs"
     assert choose_loop(_OnCuda(), auto, True) == "dynamic"
     assert choose_loop(tiny_model, auto, False, multi_turn=True) == "dynamic"
+    longrope = _OnCuda({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                        "original_max_position_embeddings": 16})
+    assert choose_loop(longrope, auto, False) == "dynamic"  # rows are prefilled again past the switch
+    with pytest.raises(ConfigError, match="rollout.cuda_graphs=on cannot decode a longrope model"):
+        choose_loop(longrope, on, False)
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=on needs a CUDA device"):
         run_multiturn(tiny_model, tiny_tok, [EchoEnv(1)], [Example("0", "Hi!", "")], on)
     ids = tiny_tok.encode("Hi!")

@@ -15,6 +15,7 @@ from fake_graphs import FAULTS, FakeGraphs
 
 from grpo_engine.config import ConfigError
 from grpo_engine.model.loading import load_model
+from grpo_engine.model.tiny import tiny_config
 from grpo_engine.rollout import SamplingParams, static_decode
 from grpo_engine.rollout.generate import generate_static
 from grpo_engine.rollout.static_decode import (
@@ -110,13 +111,14 @@ def test_on_raises_and_drops_the_state(model64, prompts, capsys):
 
 
 class Shell(torch.nn.Module):
-    """What graphs_for reads of a model: its device (here cuda:1, never touched) and its modules."""
+    """What graphs_for reads of a model: its device (here cuda:1, never touched), its modules and its config's rope."""
 
     device = torch.device("cuda", 1)
 
     def __init__(self):
         super().__init__()
         self.block = torch.nn.Linear(2, 2)
+        self.config = tiny_config("qwen2")
 
 
 def test_no_graphs_under_fsdp2():
