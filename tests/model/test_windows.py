@@ -277,6 +277,26 @@ def test_grpo_logprobs_equal_a_full_forward_and_transformers(hf_dir, name):
                 assert (logp[i, len(p):len(p) + len(c)] - ref[len(p) - 1:]).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["gemma3-softcap-rope", "ministral"])
+def test_sft_loss_with_a_shared_prefix_equals_transformers(hf_dir, name):
+    """SFT's shared prefix runs once and every row attends to its keys under the window (the cache's slots are
+    positions there): the loss equals transformers' cross-entropy over the completion tokens, soft cap included."""
+    from grpo_engine.sft.trainer import make_sft_batch, sft_loss
+
+    path = hf_dir(name)
+    ours, theirs = load_model(path), hf_load(path)
+    prefix = list(range(10, 22))  # 12 shared tokens, past every window here
+    pairs = [(prefix + [30, 31], [40, 41, 42, 43, 44, 45]), (prefix + [50], [60, 61, 62, 63, 64, 65, 66, 67, 68])]
+    batch = make_sft_batch(pairs, pad_id=0, device="cpu")
+    with torch.no_grad():
+        got = sft_loss(ours, batch)
+        losses = []
+        for p, c in pairs:
+            logits = theirs(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]  # [C, V] predicting c
+            losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(c), reduction="sum"))
+    assert abs(got.item() - sum(losses).item() / sum(len(c) for _, c in pairs)) < 1e-5
+
+
 def test_softcapped_head_gradients_equal_autograd():
     """The chunked head's backward through the soft cap (its fused pass too) equals autograd's through
     c * tanh(logits / c)."""
@@ -496,3 +516,28 @@ def test_mistral_gguf_is_llama_and_windows_llama_cpp_cannot_run_are_refused(tmp_
         with pytest.raises(CheckpointError, match=needle) as err:
             export_gguf(str(make_tiny_checkpoint(tmp_path / arch, arch, **fields)), str(tmp_path / "x.gguf"), "f32")
         assert "\n" not in str(err.value)
+
+
+def test_a_gemma3_270m_config_in_the_published_layout_loads_as_the_planners_shape():
+    """google/gemma-3-270m's config.json layout (transformers 4.x keys: rope_local_base_freq, rope_scaling null,
+    hidden_activation, the null soft-caps, cache_implementation): accepted, and the description equals the
+    planner's `gemma3-270m`."""
+    from grpo_engine.model.hf_io import config_from_hf
+    from grpo_engine.plan.shapes import MODEL_SHAPES
+
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]
+    raw = {"_sliding_window_pattern": 6, "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+           "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1,
+           "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+           "hidden_size": 640, "initializer_range": 0.02, "intermediate_size": 2048, "layer_types": types,
+           "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+           "num_hidden_layers": 18, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+           "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0,
+           "sliding_window": 512, "torch_dtype": "bfloat16", "transformers_version": "4.55.0.dev0",
+           "use_bidirectional_attention": False, "use_cache": True, "vocab_size": 262144,
+           "cache_implementation": "hybrid", "tie_word_embeddings": True}
+    cfg, shape = config_from_hf(raw), MODEL_SHAPES["gemma3-270m"]
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "sliding_window", "layer_types", "rope_theta",
+                  "rope_local_theta", "attention_multiplier", "tie_word_embeddings", "final_logit_softcapping"):
+        assert getattr(cfg, field) == getattr(shape, field), field
