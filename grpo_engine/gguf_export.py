@@ -91,6 +91,11 @@ def write_family_metadata(w, c) -> None:
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
         w.add_attention_scale(c.attention_multiplier if c.attention_multiplier is not None else c.head_dim ** -0.5)
+    if c.model_type == "gemma3_text":  # llama.cpp's keys; its gemma3 assumes the pattern and local base written
+        if c.sliding_window is not None:
+            w.add_sliding_window(c.sliding_window)
+            w.add_sliding_window_pattern([c.window(i) is not None for i in range(c.num_hidden_layers)])
+        w.add_rope_freq_base_swa(c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta)
     if rope_kind(c.rope_scaling) == "longrope":
         from .model.transformer import rope_attention_factor
 
@@ -123,8 +128,32 @@ def check_exportable(c, src) -> None:
         if tuple(c.uses_rope(i) for i in range(c.num_hidden_layers)) != fixed:
             raise CheckpointError(f"{src}: no_rope_layers is not every {SMOLLM3_NO_ROPE_STEP}th layer, the only "
                                   f"pattern llama.cpp's smollm3 runs; keep the Hugging Face checkpoint")
+    check_windows_exportable(c, src)
     if c.model_type == "phi3" and c.family.gguf_arch and (c.attention_bias or c.mlp_bias):
         raise CheckpointError(f"{src}: phi3 with biases has no llama.cpp tensors; keep the Hugging Face checkpoint")
+
+
+def check_windows_exportable(c, src) -> None:
+    """Windows and Gemma 3's numbers as llama.cpp runs them: its llama architecture (Mistral's, Ministral's) has no
+    window, its gemma3 takes every 6th layer full, a local rope base of 10,000, scores scaled by 1/sqrt(head_dim)
+    and no final soft-cap; anything else would run differently there, so it is refused by name."""
+    from .model.gguf_io import GEMMA_LOCAL_THETA, GEMMA_PATTERN
+
+    keep = "keep the Hugging Face checkpoint"
+    if c.family.gguf_arch == "llama" and c.windowed and c.sliding_window < c.max_position_embeddings:
+        raise CheckpointError(f"{src}: sliding_window={c.sliding_window} below the context; llama.cpp's llama "
+                              f"architecture (which {c.model_type} exports as) attends in full; {keep}")
+    if c.model_type != "gemma3_text":
+        return
+    pattern = tuple((i + 1) % GEMMA_PATTERN != 0 for i in range(c.num_hidden_layers))
+    if c.windowed and tuple(c.window(i) is not None for i in range(c.num_hidden_layers)) != pattern:
+        raise CheckpointError(f"{src}: layer_types is not every {GEMMA_PATTERN}th layer full, the pattern llama.cpp's "
+                              f"gemma3 runs; {keep}")
+    if c.rope_local_theta not in (None, GEMMA_LOCAL_THETA) or c.final_logit_softcapping is not None \
+            or abs(c.attention_multiplier * c.head_dim ** 0.5 - 1) > 1e-6:
+        raise CheckpointError(f"{src}: rope_local_base_freq={c.rope_local_theta}, final_logit_softcapping="
+                              f"{c.final_logit_softcapping} or query_pre_attn_scalar != head_dim: llama.cpp's gemma3 "
+                              f"runs 10000, none and head_dim; {keep}")
 
 
 # Qwen3Config's default head_dim: transformers' GGUF loader leaves head_dim at it for every qwen3 file
@@ -183,6 +212,8 @@ def _write_tensor(w, c, hf: str, tensor, kind: str, kept_f16: list[str]) -> None
     from .model.gguf_io import PERMUTED_QK
 
     t = tensor.float().numpy()  # [out, in] for a matrix: rows of length `in`
+    if c.family.norm_offset and hf.endswith("norm.weight"):  # llama.cpp's Gemma norms hold the scale 1 + w
+        t = t + np.float32(c.family.norm_offset)
     if c.model_type in PERMUTED_QK and hf.endswith(("q_proj.weight", "k_proj.weight")):
         t = permute_qk(t, c.num_attention_heads if "q_proj" in hf else c.num_key_value_heads)
     name = gguf_name(hf, c.model_type)

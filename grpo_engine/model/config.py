@@ -93,7 +93,7 @@ NEUTRAL_KEYS = frozenset({
     "do_sample", "early_stopping", "output_scores", "return_dict_in_generate", "tie_encoder_decoder", "is_decoder",
     "add_cross_attention", "pruned_heads", "finetuning_task", "task_specific_params", "tf_legacy_loss",
     "pretraining_tp",  # a 4.x llama option splitting the same products into slices
-    "layer_types",  # each layer's attention kind: hf_io refuses any but full_attention
+    "layer_types",  # each layer's attention kind: read by the families with windows (Family.window_rule)
     "_attn_implementation_autoset", "unsloth_version", "unsloth_fixed", "keys_to_ignore_at_inference",
 })
 # what every family reads into ModelConfig (config_from_hf)
@@ -110,8 +110,10 @@ class Family:
     """The structure of one model family's transformer, as data (the numbers of a checkpoint are ModelConfig's).
 
     The block computes, per layer, with norm = RMSNorm and act = `activation`:
-      pre-norm  (norm="pre"):   h = x + m * attn(norm(x));  out = h + m * mlp(norm(h))
-      post-norm (norm="post"):  h = x + m * norm(attn(x));  out = h + m * norm(mlp(h))      (OLMo 2)
+      pre-norm  (norm="pre"):      h = x + m * attn(norm(x));        out = h + m * mlp(norm(h))
+      post-norm (norm="post"):     h = x + m * norm(attn(x));        out = h + m * norm(mlp(h))   (OLMo 2)
+      sandwich  (norm="sandwich"): h = x + m * norm(attn(norm(x)));  out = h + m * norm(mlp(norm(h)))  (Gemma 3)
+    RMSNorm multiplies by (norm_offset + w) (Gemma: 1 + w, its weights stored as offsets from one).
     with m = ModelConfig.residual_multiplier; attn rotates q / k on the layers ModelConfig.rope_layers names
     (the first rotary_dim dims of each head), scores with ModelConfig.attention_multiplier (1/sqrt(head_dim)
     when None); the embedding is multiplied by embedding_multiplier and the logits divided by logits_scaling.
@@ -119,9 +121,11 @@ class Family:
 
     model_type: str
     architecture: str  # transformers' class, written into a saved config.json
-    norm: str = "pre"  # "pre" or "post" (above)
+    norm: str = "pre"  # "pre", "post" or "sandwich" (above)
     norm_weight_fp32: bool = False  # RMSNorm's weight multiplied before the cast back to the input dtype (OLMo 2)
-    activation: str = "silu"  # the gated MLP's activation: mlp(x) = down(act(gate(x)) * up(x))
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w), the sum in fp32 (Gemma: 1)
+    activation: str = "silu"  # the gated MLP's activation: mlp(x) = down(act(gate(x)) * up(x)); or "gelu_tanh"
+    embed_scale_sqrt: bool = False  # embeddings x sqrt(hidden), the factor rounded to the model's dtype (Gemma)
     qk_norm: str = ""  # "" none; "head": RMSNorm over each head (Qwen3); "proj": over the whole projection (OLMo 2)
     rope_fp32: bool = False  # q / k rotated in fp32 and cast back (OLMo 2's cos / sin are not cast first)
     fused_qkv: bool = False  # one qkv_proj [q | k | v] instead of q_proj, k_proj, v_proj (Phi-3)
@@ -131,16 +135,29 @@ class Family:
     neutral: tuple[str, ...] = ()  # keys known not to change this family's math beyond NEUTRAL_KEYS
     fixed: tuple[tuple[str, object], ...] = ()  # (key, the only value implemented) beyond COMMON_FIXED
     gguf_arch: str = ""  # llama.cpp's general.architecture ("" = no GGUF support)
+    # which layers attend over a sliding window (hf_io._windows): "" none (a window in config.json is refused),
+    # "every": all layers when sliding_window is set (Mistral, Phi-3); "types": config.json's layer_types, else
+    # every window_pattern-th layer full (Gemma 3) or all sliding (Ministral); "no_rope": the layers without rope
+    # when use_sliding_window (SmolLM3)
+    window_rule: str = ""
+    default_window: int | None = None  # transformers' sliding_window when config.json has none
+    window_pattern: int = 0  # Gemma 3's sliding_window_pattern default: layer i full when (i + 1) % pattern == 0
+    default_rope_theta: float = 10000.0  # transformers' rope_theta of full-attention layers when none is given
     turn_end: tuple[str, ...] = ()  # tokens that end a turn in the family's chat format, stops beside its eos
 
-    def norm_names(self) -> tuple[str, str]:
-        """transformers' names of a layer's two norms (attention's, MLP's)."""
+    def norm_names(self) -> dict[str, str]:
+        """A layer's norms: our module name -> transformers' (attn_norm / mlp_norm before or after their branch,
+        attn_out_norm / mlp_out_norm after it in the sandwich)."""
         if self.norm == "post":
-            return "post_attention_layernorm", "post_feedforward_layernorm"
-        return "input_layernorm", "post_attention_layernorm"
+            return {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
+        if self.norm == "sandwich":
+            return {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                    "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+        return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
 _WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers")  # checked by hf_io (sliding windows)
+_WINDOW_READS = ("sliding_window", "layer_types")
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, neutral=_WINDOWS + ("attention_bias",), gguf_arch="qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm="head", reads=("attention_bias",), neutral=_WINDOWS,
@@ -148,18 +165,37 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", reads=("attention_bias", "mlp_bias"), neutral=("is_llama_config",),
            gguf_arch="llama"),
     Family("smollm3", "SmolLM3ForCausalLM", reads=("attention_bias", "mlp_bias", "no_rope_layers",
-                                                   "no_rope_layer_interval"),
-           neutral=_WINDOWS, gguf_arch="smollm3", turn_end=("<|im_end|>",)),
+                                                   "no_rope_layer_interval", "use_sliding_window") + _WINDOW_READS,
+           neutral=("max_window_layers",), gguf_arch="smollm3", turn_end=("<|im_end|>",), window_rule="no_rope"),
     Family("granite", "GraniteForCausalLM", reads=("attention_bias", "mlp_bias", "embedding_multiplier",
                                                    "residual_multiplier", "attention_multiplier", "logits_scaling"),
            gguf_arch="granite", turn_end=("<|end_of_text|>",)),
     Family("olmo2", "Olmo2ForCausalLM", norm="post", norm_weight_fp32=True, qk_norm="proj", rope_fp32=True,
            reads=("attention_bias",), gguf_arch="olmo2", turn_end=("<|endoftext|>",)),
     Family("phi3", "Phi3ForCausalLM", fused_qkv=True, fused_gate_up=True,
-           reads=("original_max_position_embeddings", "partial_rotary_factor"),
-           neutral=("sliding_window", "full_attn_mod", "interpolate_factor"),
-           fixed=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)), gguf_arch="phi3", turn_end=("<|end|>",)),
+           reads=("original_max_position_embeddings", "partial_rotary_factor", "sliding_window"),
+           neutral=("full_attn_mod", "interpolate_factor"),
+           fixed=(("resid_pdrop", 0.0), ("embd_pdrop", 0.0)), gguf_arch="phi3", turn_end=("<|end|>",),
+           window_rule="every"),
+    Family("gemma3_text", "Gemma3ForCausalLM", norm="sandwich", norm_weight_fp32=True, norm_offset=1.0,
+           activation="gelu_tanh", embed_scale_sqrt=True, qk_norm="head",
+           reads=("attention_bias", "query_pre_attn_scalar", "final_logit_softcapping", "rope_local_base_freq",
+                  "sliding_window_pattern") + _WINDOW_READS,
+           neutral=("cache_implementation", "_sliding_window_pattern"),
+           fixed=(("hidden_activation", "gelu_pytorch_tanh"), ("hidden_act", "gelu_pytorch_tanh"),
+                  ("attn_logit_softcapping", None), ("use_bidirectional_attention", False)),
+           gguf_arch="gemma3", turn_end=("<end_of_turn>",), window_rule="types", default_window=4096,
+           window_pattern=6, default_rope_theta=1_000_000.0),
+    Family("mistral", "MistralForCausalLM", reads=("sliding_window",), gguf_arch="llama", window_rule="every",
+           default_window=4096),
+    Family("ministral", "MinistralForCausalLM", reads=_WINDOW_READS, gguf_arch="llama", window_rule="types",
+           default_window=4096),
 )}
+# model types refused with their reason (a near relative of a supported family)
+REFUSED_TYPES = {
+    "ministral3": "its YaRN rope and query scale are not implemented (ministral, mistral are)",
+    "gemma3": "a multimodal Gemma 3 checkpoint; its text model (gemma3_text) loads",
+}
 
 
 @dataclass
@@ -187,6 +223,10 @@ class ModelConfig:
     logits_scaling: float = 1.0  # logits / s (Granite): applied to the final hidden state (Transformer.forward)
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotates (Phi-3 / Phi-4-mini)
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it applies rope (SmolLM3); None = every layer
+    sliding_window: int | None = None  # a sliding layer's query at position i sees keys at i - window < j <= i
+    layer_types: tuple[str, ...] | None = None  # "sliding_attention" / "full_attention" per layer; None = all full
+    rope_local_theta: float | None = None  # sliding layers' rope theta, unscaled (Gemma 3); None = the full layers'
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) (Gemma 3)
     model_type: str = "qwen2"  # the FAMILIES row; written back into config.json on save
     extra: dict = field(default_factory=dict)  # other config.json fields, preserved on save
 
@@ -200,6 +240,13 @@ class ModelConfig:
             if len(self.rope_layers) != self.num_hidden_layers:
                 raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for "
                                  f"num_hidden_layers={self.num_hidden_layers}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"num_hidden_layers={self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -222,3 +269,14 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full attention)."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends over a sliding window."""
+        return any(self.window(i) is not None for i in range(self.num_hidden_layers))

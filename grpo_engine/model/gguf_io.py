@@ -28,8 +28,13 @@ from .hf_io import CheckpointError, model_from_hf_tensors
 from .tensor_checks import check_tensor_shapes
 from .transformer import Transformer
 
-ARCHES = {f.gguf_arch: f.model_type for f in FAMILIES.values() if f.gguf_arch}  # general.architecture -> model_type
-PERMUTED_QK = ("llama", "smollm3", "granite")  # llama.cpp's converter interleaves these families' q / k rows
+ARCHES: dict[str, str] = {}  # general.architecture -> model_type: the first family written so (mistral is llama)
+for _fam in FAMILIES.values():
+    if _fam.gguf_arch:
+        ARCHES.setdefault(_fam.gguf_arch, _fam.model_type)
+# llama.cpp's converter interleaves these families' q / k rows
+PERMUTED_QK = ("llama", "smollm3", "granite", "mistral", "ministral")
+GEMMA_LOCAL_THETA, GEMMA_PATTERN = 10_000.0, 6  # llama.cpp's gemma3 when the file has no key for them
 ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -54,6 +59,10 @@ def block_names(fam: Family) -> dict[str, str]:
     post-norms are post_attention_norm / post_ffw_norm; Phi-3's fused qkv_proj is attn_qkv and its fused
     gate_up_proj is ffn_up (llama.cpp splits it in two)."""
     names = dict(BLOCK_NAMES)
+    if fam.norm == "sandwich":  # Gemma 3: ffn_norm is the pre-feedforward norm
+        names.update({"post_attention_norm.weight": "post_attention_layernorm.weight",
+                      "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
     if fam.norm == "post":
         del names["attn_norm.weight"], names["ffn_norm.weight"]
         names.update({"post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -167,6 +176,27 @@ def _family_numbers(meta: dict, arch: str, dims: dict, source: str) -> dict:
         out["partial_rotary_factor"] = rotary / dims["head_dim"]
     if arch == "smollm3":
         out["rope_layers"] = tuple((i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(dims["num_hidden_layers"]))
+    if arch == "gemma3":
+        out.update(_gemma3_numbers(meta, dims, source))
+    return out
+
+
+def _gemma3_numbers(meta: dict, dims: dict, source: str) -> dict:
+    """Gemma 3's window (attention.sliding_window), its sliding layers (attention.sliding_window_pattern, one flag
+    per layer, else every 6th layer full as llama.cpp assumes), the sliding layers' rope base (rope.freq_base_swa,
+    else llama.cpp's 10,000) and the scores' scale (llama.cpp's 1/sqrt(head_dim))."""
+    layers, window = dims["num_hidden_layers"], meta.get("gemma3.attention.sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"{source}: gemma3.attention.sliding_window={window!r:.40} is not a positive number")
+    flags = meta.get("gemma3.attention.sliding_window_pattern")
+    if not (isinstance(flags, list) and len(flags) == layers and all(isinstance(f, bool) for f in flags)):
+        flags = [(i + 1) % GEMMA_PATTERN != 0 for i in range(layers)]
+    types = tuple("sliding_attention" if f else "full_attention" for f in flags)
+    out = dict(attention_multiplier=dims["head_dim"] ** -0.5,
+               rope_local_theta=checked_float(meta.get("gemma3.rope.freq_base_swa", GEMMA_LOCAL_THETA),
+                                              "gemma3.rope.freq_base_swa", source))
+    if window is not None and "sliding_attention" in types:
+        out.update(sliding_window=window, layer_types=types)
     return out
 
 
@@ -297,6 +327,8 @@ def _dequantized(gguf, t, cfg: ModelConfig, dtype: torch.dtype, source: str) -> 
         if cfg.model_type in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             w = unpermute_qk(w, heads)
+        if cfg.family.norm_offset and name.endswith("norm.weight"):  # Gemma's files store the scale 1 + w
+            w = w - np.float32(cfg.family.norm_offset)
     except (ValueError, TypeError, NotImplementedError) as e:  # a type gguf cannot dequantize, a wrong shape
         raise CheckpointError(f"{source}: tensor {t.name!r} cannot be read ({e}); re-download the file") from None
     return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # a writable copy

@@ -22,6 +22,7 @@ from .config import (
     COMMON_READS,
     FAMILIES,
     NEUTRAL_KEYS,
+    REFUSED_TYPES,
     REQUIRED_DIMS,
     CheckpointError,
     Family,
@@ -67,8 +68,9 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} cannot be read ({e.strerror}); fix the path or its permissions") from None
 
 
-def _rope_fields(raw: dict, source: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either the 4.x or the 5.x layout of config.json.
+def _rope_fields(raw: dict, source: str, fam: Family) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of the full-attention layers from either the 4.x or the 5.x layout of
+    config.json (the sliding layers' own rope: _local_rope_theta).
 
     A non-empty `rope_scaling` wins over `rope_parameters`, as in transformers 5: a 5.x-saved config that
     someone then gave a `rope_scaling` (Qwen's recipe for YaRN) runs with that scaling there, so reading
@@ -82,11 +84,28 @@ def _rope_fields(raw: dict, source: str) -> tuple[float, dict | None]:
     if not isinstance(params, dict) or not isinstance(rope_kind(params), str):
         raise CheckpointError(f"{source}: rope_scaling / rope_parameters must be an object with a string "
                               f"rope_type, got {params!r:.80}")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", raw.get("rope_theta", fam.default_rope_theta))
     # partial_rotary_factor is read by _numbers; the rest of the dict is the scaling
     scaling = None if rope_kind(params) == "default" else {
         k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     return checked_float(theta, "rope_theta", source), scaling
+
+
+def _local_rope_theta(raw: dict, fam: Family, theta: float, source: str) -> tuple[float | None, list[str]]:
+    """The rope theta of the sliding layers when they have their own (5.x: rope_parameters["sliding_attention"];
+    4.x: Gemma 3's rope_local_base_freq) and what of it is not implemented: a scaled sliding rope."""
+    params = raw.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if isinstance(local, dict):
+        if rope_kind(local) != "default":
+            return None, [f"rope_parameters.sliding_attention rope_type={rope_kind(local)!r} (only default)"]
+        local_theta = checked_float(local.get("rope_theta", theta), "rope_parameters.sliding_attention.rope_theta",
+                                    source)
+    elif "rope_local_base_freq" in fam.reads:
+        local_theta = checked_float(raw.get("rope_local_base_freq", 10000.0), "rope_local_base_freq", source)
+    else:
+        return None, []
+    return local_theta, []
 
 
 def _rope_param(raw: dict, key: str, default):
@@ -146,23 +165,54 @@ def _unaccounted(raw: dict, fam: Family) -> list[str]:
     return out
 
 
-def _sliding_window(raw: dict, fam: Family) -> list[str]:
-    """Sliding-window attention is not implemented: refused where the config turns it on."""
-    if raw.get("use_sliding_window"):
-        return ["use_sliding_window=true (only full attention; sliding windows are not supported yet)"]
-    window = raw.get("sliding_window")
-    if fam.model_type == "phi3" and window is not None and window < raw.get("max_position_embeddings", 4096):
-        # phi3 applies its window whenever it is set; one at least as long as the context never masks anything
-        return [f"sliding_window={window!r} (only full attention; sliding windows are not supported yet)"]
-    types = raw.get("layer_types")
-    if isinstance(types, list) and any(t != "full_attention" for t in types):
-        return ["layer_types other than full_attention (only full attention; sliding windows are not supported yet)"]
-    return []
+_NO_WINDOW = "(only full attention for this family: its transformers model has no sliding window)"
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def _windows(raw: dict, fam: Family, layers: int, rope_layers: tuple[bool, ...] | None,
+             source: str) -> tuple[int | None, tuple[str, ...] | None, list[str]]:
+    """(sliding_window, layer_types, what is not implemented) as transformers' model of the family reads them
+    (Family.window_rule); layer_types None when every layer attends in full."""
+    rule = fam.window_rule
+    if not rule:  # qwen2 / qwen3 / llama / granite / olmo2: no window is implemented
+        types = raw.get("layer_types")
+        if raw.get("use_sliding_window"):
+            return None, None, [f"use_sliding_window=true {_NO_WINDOW}"]
+        if isinstance(types, list) and any(t != "full_attention" for t in types):
+            return None, None, [f"layer_types other than full_attention {_NO_WINDOW}"]
+        return None, None, []
+    window = raw.get("sliding_window", fam.default_window)
+    if rule == "no_rope" and not raw.get("use_sliding_window"):
+        window = None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"{source}: sliding_window={window!r:.40} is not a positive whole number or null")
+    types = raw.get("layer_types") if rule in ("types", "no_rope") else None
+    if types is None:
+        if rule == "types" and fam.window_pattern:
+            pattern = raw.get("sliding_window_pattern", fam.window_pattern)
+            if not isinstance(pattern, int) or pattern < 1:
+                raise CheckpointError(f"{source}: sliding_window_pattern={pattern!r:.40} is not a positive number")
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        elif rule == "no_rope":
+            types = ["sliding_attention" if window is not None and not (rope_layers or (True,) * layers)[i]
+                     else "full_attention" for i in range(layers)]
+        else:
+            types = ["sliding_attention" if window is not None else "full_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_KINDS for t in types):
+        raise CheckpointError(f"{source}: layer_types must name full_attention or sliding_attention for each of "
+                              f"the {layers} layers, got {types!r:.80}")
+    if rule == "no_rope" and window is None:  # SmolLM3 windows only under use_sliding_window
+        types = ["full_attention"] * layers
+    if window is None and "sliding_attention" in types:
+        return None, None, ["layer_types with sliding_attention layers but sliding_window=null"]
+    if window is None or "sliding_attention" not in types:
+        return None, None, []
+    return window, tuple(types), []
 
 
 def _unsupported(raw: dict, fam: Family, scaling: dict | None, source: str) -> list[str]:
     """What config.json asks for that this engine does not implement (each as the field and why)."""
-    return _unaccounted(raw, fam) + _sliding_window(raw, fam) + _check_rope(raw, scaling, source)
+    return _unaccounted(raw, fam) + _check_rope(raw, scaling, source)
 
 
 def _rope_layers(raw: dict, layers: int, source: str) -> tuple[bool, ...] | None:
@@ -199,6 +249,12 @@ def _numbers(raw: dict, fam: Family, layers: int, source: str) -> dict:
         out["partial_rotary_factor"] = factor
     if "no_rope_layers" in reads:
         out["rope_layers"] = _rope_layers(raw, layers, source)
+    if "query_pre_attn_scalar" in reads:  # Gemma: scores x query_pre_attn_scalar ** -0.5
+        out["attention_multiplier"] = checked_float(raw.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar",
+                                                    source) ** -0.5
+    if raw.get("final_logit_softcapping") is not None and "final_logit_softcapping" in reads:
+        out["final_logit_softcapping"] = checked_float(raw["final_logit_softcapping"], "final_logit_softcapping",
+                                                       source)
     return out
 
 
@@ -209,12 +265,17 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(f"{source}: the top level must be a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        why = f" ({REFUSED_TYPES[model_type]})" if isinstance(model_type, str) and model_type in REFUSED_TYPES else ""
+        raise CheckpointError(f"{source}: model_type {model_type!r} is not supported{why}; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     fam = FAMILIES[model_type]
-    theta, scaling = _rope_fields(raw, source)
-    unsupported = _unsupported(raw, fam, scaling, source)
+    theta, scaling = _rope_fields(raw, source, fam)
+    local_theta, local_unsupported = _local_rope_theta(raw, fam, theta, source)
+    layers = raw.get("num_hidden_layers")
+    numbers = _numbers(raw, fam, layers, source) if isinstance(layers, int) and 0 < layers <= 512 else {}
+    window, layer_types, window_unsupported = (
+        _windows(raw, fam, layers, numbers.get("rope_layers"), source) if numbers else (None, None, []))
+    unsupported = _unsupported(raw, fam, scaling, source) + local_unsupported + window_unsupported
     if unsupported:
         raise CheckpointError(f"{source}: unsupported feature(s): {'; '.join(unsupported)}")
     lacking = [k for k in REQUIRED_DIMS if k not in raw]
@@ -232,7 +293,10 @@ def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         model_type=model_type,
         extra=raw,
-        **_numbers(raw, fam, dims["num_hidden_layers"], source),
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        **numbers,
     )
     _check_rotary(cfg, source)
     return cfg
@@ -259,7 +323,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
             "tie_word_embeddings")  # ModelConfig fields under their config.json names
     raw.update(architectures=[fam.architecture], model_type=cfg.model_type, **{k: getattr(cfg, k) for k in ours},
-               hidden_act="silu", dtype=str(dtype).removeprefix("torch."))
+               dtype=str(dtype).removeprefix("torch."))
+    if fam.activation == "silu":
+        raw["hidden_act"] = "silu"
+    else:  # Gemma's key
+        raw.pop("hidden_act", None)
+        raw["hidden_activation"] = "gelu_pytorch_tanh"
+    raw.update(_window_fields(cfg))
     reads = set(fam.reads)
     if "attention_bias" in reads:
         raw["attention_bias"] = cfg.attention_bias
@@ -273,9 +343,30 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         raw["attention_multiplier"] = cfg.head_dim ** -0.5 if m is None else m
     if "no_rope_layers" in reads:
         raw["no_rope_layers"] = [int(cfg.uses_rope(i)) for i in range(cfg.num_hidden_layers)]
+    if "query_pre_attn_scalar" in reads:
+        scalar = cfg.attention_multiplier ** -2  # transformers 5 takes a whole number
+        raw.setdefault("query_pre_attn_scalar", round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar)
+    if "final_logit_softcapping" in reads:
+        raw["final_logit_softcapping"] = cfg.final_logit_softcapping
+    if "rope_local_base_freq" in reads and cfg.rope_local_theta is not None:
+        raw["rope_local_base_freq"] = cfg.rope_local_theta
     if rope_kind(cfg.rope_scaling) == "longrope":  # phi3 reads it at the top level
         raw["original_max_position_embeddings"] = cfg.rope_scaling["original_max_position_embeddings"]
     return raw
+
+
+def _window_fields(cfg: ModelConfig) -> dict:
+    """The config.json keys that give transformers our windows (Family.window_rule); sliding_window written null
+    when absent (Mistral's and Gemma's default is 4096)."""
+    rule = cfg.family.window_rule
+    if not rule:
+        return {}
+    out = {"sliding_window": cfg.sliding_window}
+    if rule in ("types", "no_rope"):
+        out["layer_types"] = list(cfg.layer_types or ["full_attention"] * cfg.num_hidden_layers)
+    if rule == "no_rope":
+        out["use_sliding_window"] = cfg.sliding_window is not None
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,8 +379,7 @@ def hf_name_table(cfg: ModelConfig) -> dict[str, str]:
     table = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = "lm_head.weight"
-    attn_norm, mlp_norm = fam.norm_names()
-    per_layer = {"attn_norm.weight": f"{attn_norm}.weight", "mlp_norm.weight": f"{mlp_norm}.weight"}
+    per_layer = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in fam.norm_names().items()}
     qkv = ["qkv"] if fam.fused_qkv else ["q", "k", "v"]
     mlp = ["gate_up", "down"] if fam.fused_gate_up else ["gate", "up", "down"]
     projections = [(f"attn.{p}_proj", cfg.attention_bias or fam.qkv_bias) for p in qkv]

@@ -52,6 +52,19 @@ OLMO2_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"
 )
+GEMMA_TEMPLATE = (  # Gemma's turns: the assistant is "model", a system message opens the first user turn
+    "{{- bos_token }}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{%- set ns.system = message['content'] + '\n\n' %}"
+    "{%- else %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + ns.system + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- set ns.system = '' %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
 CHAT_STYLES = {
     # style: (special tokens, bos, eos, pad, template)
     "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
@@ -68,8 +81,11 @@ CHAT_STYLES = {
                 "<|end_of_text|>", GRANITE_TEMPLATE),
     "olmo2": (["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|pad|>"], "<|endoftext|>",
               "<|endoftext|>", "<|pad|>", OLMO2_TEMPLATE),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", "<pad>",
+              GEMMA_TEMPLATE),
 }
-FAMILY_STYLES = {"llama3": "llama3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2"}  # else chatml
+FAMILY_STYLES = {"llama3": "llama3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2", "gemma3": "gemma",
+                 "mistral": "llama3", "ministral": "llama3"}  # else chatml
 
 ARCHS = {
     # model_type and the config fields that distinguish each family
@@ -92,6 +108,13 @@ ARCHS = {
                     logits_scaling=2.0),
     "olmo2": dict(model_type="olmo2"),
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5),
+    # sliding windows shorter than the tests' sequences: sliding and full layers mixed
+    "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=True, head_dim=32, attention_multiplier=24**-0.5,
+                   sliding_window=8, layer_types=("sliding_attention", "full_attention"), rope_theta=1_000_000.0,
+                   rope_local_theta=10_000.0),
+    "mistral": dict(model_type="mistral", head_dim=24, sliding_window=8,
+                    layer_types=("sliding_attention", "sliding_attention")),
+    "ministral": dict(model_type="ministral", sliding_window=6, layer_types=("full_attention", "sliding_attention")),
 }
 
 
@@ -159,11 +182,12 @@ def init_weights(model: Transformer, seed: int, std: float = 0.02) -> None:
     one the tests and CPU checkpoints have always used)."""
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
+    offset = model.config.family.norm_offset  # Gemma's norms store w - 1
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * noise)
+                p.copy_(1 - offset + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
             else:

@@ -52,13 +52,16 @@ class KVCacheLike(Protocol):
 # RoPE
 
 
-def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim/2] in fp32, with the config's rope scaling applied.
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None, long: bool = False,
+                  theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim/2] in fp32, with the config's rope scaling applied (scaled=False: none).
 
-    long: longrope's long factors (else its short ones); `rope_row_inv_freq` chooses per row."""
+    long: longrope's long factors (else its short ones); `rope_row_inv_freq` chooses per row.
+    theta: another base than cfg.rope_theta (Gemma 3's sliding layers)."""
     d = cfg.rotary_dim
-    scaling, kind = cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)
-    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # [d/2]
+    scaling, kind = (cfg.rope_scaling or {}, rope_kind(cfg.rope_scaling)) if scaled else ({}, "default")
+    theta = cfg.rope_theta if theta is None else theta
+    base = theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # [d/2]
     if kind == "longrope":  # per-frequency divisors
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
         return 1.0 / (factors * base)
@@ -145,16 +148,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Blocks
 
 
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      weight_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * x / rms(x), 1 / rms(x) [..., 1]) as the HF reference computes it: normalised in (at least) fp32 and
-    cast back before the weight (after it with weight_fp32, OLMo 2's order); float64 stays float64, so exactness
-    tests in float64 keep their precision."""
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False,
+                      offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """((offset + weight) * x / rms(x), 1 / rms(x) [..., 1]) as the HF reference computes it: normalised in (at
+    least) fp32 and cast back before the weight (after it with weight_fp32, OLMo 2's and Gemma's order, where
+    Gemma's offset + weight is summed in fp32); float64 stays float64, so exactness tests keep their precision."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
     if weight_fp32:
-        return (weight * (xf * rstd)).to(x.dtype), rstd
-    return weight * (xf * rstd).to(x.dtype), rstd
+        w = weight.to(xf.dtype) + offset if offset else weight
+        return (w * (xf * rstd)).to(x.dtype), rstd
+    return (weight + offset if offset else weight) * (xf * rstd).to(x.dtype), rstd
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -162,9 +166,10 @@ class _RMSNormFn(torch.autograd.Function):
     normalised x, in fp32 for bf16 inputs): one [tokens, d] tensor less per norm."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, weight_fp32):  # x [..., d], weight [d]
-        y, rstd = _rms_norm_forward(x, weight, eps, weight_fp32)
+    def forward(ctx, x, weight, eps, weight_fp32, offset):  # x [..., d], weight [d]
+        y, rstd = _rms_norm_forward(x, weight, eps, weight_fp32, offset)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return y
 
     @staticmethod
@@ -172,36 +177,41 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.to(rstd.dtype) * rstd  # [..., d], recomputed
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:  # d (offset + w) / dw = 1
             grad_w = (grad_y * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            g = (grad_y * weight).to(rstd.dtype)  # d loss / d xhat
+            w = weight.to(rstd.dtype) + ctx.offset if ctx.offset else weight
+            g = (grad_y * w).to(rstd.dtype)  # d loss / d xhat
             # d xhat_i / d x_j = rstd (delta_ij - xhat_i xhat_j / d)
             m = (g * xhat).mean(-1, keepdim=True)  # [..., 1]
             grad_x = g.sub_(xhat.mul_(m)).mul_(rstd).to(x.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
-    """weight * x / rms(x); through _RMSNormFn only when a gradient is to be taken."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False,
+             offset: float = 0.0) -> torch.Tensor:
+    """(offset + weight) * x / rms(x); through _RMSNormFn only when a gradient is to be taken."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormFn.apply(x, weight, eps, weight_fp32)
-    return _rms_norm_forward(x, weight, eps, weight_fp32)[0]
+        return _RMSNormFn.apply(x, weight, eps, weight_fp32, offset)
+    return _rms_norm_forward(x, weight, eps, weight_fp32, offset)[0]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, weight_fp32: bool = False):
+    """RMSNorm whose weight w scales as (offset + w): offset 1 for Gemma, whose checkpoints store w - 1 (its
+    weights start at zero); the stored value is the parameter, so checkpoints and adapters keep their numbers."""
+
+    def __init__(self, dim: int, eps: float, weight_fp32: bool = False, offset: float = 0.0):
         super().__init__()
-        self.eps, self.weight_fp32 = eps, weight_fp32
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight_fp32, self.offset = eps, weight_fp32, offset
+        self.weight = nn.Parameter(torch.ones(dim) - offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.weight_fp32)
+        return rms_norm(x, self.weight, self.eps, self.weight_fp32, self.offset)
 
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
-    return RMSNorm(dim, cfg.rms_norm_eps, cfg.family.norm_weight_fp32)
+    return RMSNorm(dim, cfg.rms_norm_eps, cfg.family.norm_weight_fp32, cfg.family.norm_offset)
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -230,6 +240,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SwiGLUFn.apply(gate, up)
     return F.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh), through autograd's graph."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu}  # Family.activation -> the gated product
 
 
 class Attention(nn.Module):
@@ -327,6 +345,30 @@ def cuda_attention_bias(mask: torch.Tensor, dtype: torch.dtype, groups: int = 1)
     return bias.masked_fill_(~mask.repeat(1, 1, groups, 1), float("-inf"))
 
 
+def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, key_pos: torch.Tensor | None, S: int,
+                window: int) -> torch.Tensor | None:
+    """The mask of a sliding layer: `mask` (bool [B or 1, 1, T, S], [T, S], or None: causal over T = S slots)
+    with each query at position p seeing only keys at positions q with p - window < q (transformers' sliding
+    window). positions [B, T] are the queries'; key_pos [B, S] the keys' (None: slot j is position j). `mask`
+    itself when no key can be `window` positions away (S <= window: positions count valid slots)."""
+    if window >= S:
+        return mask
+    T = positions.shape[1]
+    if key_pos is None:
+        key_pos = torch.arange(S, device=positions.device).expand(positions.shape[0], S)
+    near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [B, T, S]
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=positions.device).tril(S - T)
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    return mask & near[:, None]
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping), logits unchanged for None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)) with act = the family's activation (silu: SwiGLU)."""
 
@@ -340,26 +382,32 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(d, inter, bias=bias)
             self.up_proj = nn.Linear(d, inter, bias=bias)
         self.down_proj = nn.Linear(inter, d, bias=bias)
+        self.act = ACTIVATIONS[cfg.family.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [..., inter] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(self.act(gate, up))
 
 
 class Block(nn.Module):
-    """One layer, pre- or post-norm by the family (model/config.py Family); each branch times the residual
-    multiplier before its residual add."""
+    """One layer, pre-, post- or sandwich-normed by the family (model/config.py Family); each branch times the
+    residual multiplier before its residual add. `window`: the layer's sliding window (None: full attention), which
+    picks its mask and rope in Transformer.forward."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.post_norm = cfg.family.norm == "post"
+        norm = cfg.family.norm
+        self.post_norm = norm == "post"
+        self.window = cfg.window(layer)
         self.residual_multiplier = cfg.residual_multiplier
         self.attn_norm = _norm(cfg, cfg.hidden_size)
+        self.attn_out_norm = _norm(cfg, cfg.hidden_size) if norm == "sandwich" else None
         self.attn = Attention(cfg, layer)
         self.mlp_norm = _norm(cfg, cfg.hidden_size)
+        self.mlp_out_norm = _norm(cfg, cfg.hidden_size) if norm == "sandwich" else None
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, cache, layer, kernels=TORCH_KERNELS):
@@ -367,8 +415,15 @@ class Block(nn.Module):
             h = self.attn_norm(self.attn(x, cos, sin, mask, cache, layer, kernels))
         else:
             h = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, kernels)
+            if self.attn_out_norm is not None:
+                h = self.attn_out_norm(h)
         x = x + self._scaled(h)
-        h = self.mlp_norm(self.mlp(x)) if self.post_norm else self.mlp(self.mlp_norm(x))
+        if self.post_norm:
+            h = self.mlp_norm(self.mlp(x))
+        else:
+            h = self.mlp(self.mlp_norm(x))
+            if self.mlp_out_norm is not None:
+                h = self.mlp_out_norm(h)
         return x + self._scaled(h)
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
@@ -429,9 +484,9 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         start = cache.start if cache is not None else 0
-        mask = None
+        mask = key_pos = None
         if attention_mask is not None:
-            mask, derived = self._attention_mask(attention_mask.bool(), start, T)
+            mask, derived, key_pos = self._attention_mask(attention_mask.bool(), start, T)
             positions = derived if positions is None else positions
         elif cache is not None and start > 0:
             mask = torch.ones(T, start + T, dtype=torch.bool, device=input_ids.device).tril(start)
@@ -439,25 +494,49 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         cfg = self.config
         x = self.embed(input_ids)  # [B, T, hidden]
+        if cfg.family.embed_scale_sqrt:  # the factor rounded to the model's dtype first, as Gemma's reference
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier
-        if mask is not None and T > 1 and mask.is_cuda:
+        masks = {None: mask}  # window -> the mask of its layers (one per layer kind)
+        for window in {block.window for block in self.layers} - {None}:
+            masks[window] = window_mask(mask, positions, key_pos, start + T, window)
+        if T > 1 and any(m is not None and m.is_cuda for m in masks.values()):
             groups = cfg.num_attention_heads // cfg.num_key_value_heads
-            mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype, groups)
-        rope_dtype = torch.promote_types(x.dtype, torch.float32) if cfg.family.rope_fp32 else x.dtype
-        cos, sin = rope_cos_sin(rope_row_inv_freq(cfg, positions), positions, rope_dtype, rope_attention_factor(cfg))
+            masks = {w: m if m is None else cuda_attention_bias(m.expand(B, 1, T, start + T), x.dtype, groups)
+                     for w, m in masks.items()}
+        ropes = self._rope(positions, x.dtype)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, mask, cache, i, self.kernels)
+            cos, sin = ropes[block.window is not None and cfg.rope_local_theta is not None]
+            x = block(x, cos, sin, masks[block.window], cache, i, self.kernels)
         if cache is not None:
             cache.start = start + T
         x = self.norm(x)
         if cfg.logits_scaling != 1.0:
             x = x / cfg.logits_scaling  # logits = head(x) / s, for every reader of the head
-        return x if return_hidden else self.lm_head(x)
+        return x if return_hidden else self.logits(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states (`return_hidden=True`'s): [..., D] -> [..., V], soft-capped when
+        the family caps its logits (the chunked heads of rl/logprobs.py and the decode head cap their own)."""
+        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [B, T, 1, R] of the full-attention layers (key False) and, when they have their own rope
+        (Gemma 3's rope_local_base_freq, unscaled), of the sliding ones (key True)."""
+        cfg = self.config
+        rope_dtype = torch.promote_types(dtype, torch.float32) if cfg.family.rope_fp32 else dtype
+        full = rope_cos_sin(rope_row_inv_freq(cfg, positions), positions, rope_dtype, rope_attention_factor(cfg))
+        if cfg.rope_local_theta is None:
+            return {False: full}
+        local = rope_cos_sin(rope_inv_freq(cfg, positions.device, theta=cfg.rope_local_theta, scaled=False),
+                             positions, rope_dtype)
+        return {False: full, True: local}
 
     @staticmethod
     def _attention_mask(key_mask: torch.Tensor, start: int, T: int):
-        """key_mask [B, S] (S = start + T) -> SDPA bool mask [B, 1, T, S] and positions [B, T].
+        """key_mask [B, S] (S = start + T) -> SDPA bool mask [B, 1, T, S], positions [B, T] and the position of
+        every slot [B, S] (a window counts positions, not slots: left padding and holes are not distance).
 
         Query i sits in slot start + i and sees valid slots j <= start + i. It always sees its own slot,
         so a padding query still has one finite score (its output is garbage and ignored).
@@ -469,8 +548,8 @@ class Transformer(nn.Module):
         q_slots = slots[start:, None]  # [T, 1]
         causal = slots[None, :] <= q_slots  # [T, S]
         mask = (key_mask[:, None, :] & causal) | (slots[None, :] == q_slots)  # [B, T, S]
-        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
-        return mask[:, None], positions
+        key_pos = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]: valid slots before each
+        return mask[:, None], key_pos[:, start:], key_pos
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -155,7 +155,7 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     bias = ((q + 2 * kv if cfg.attention_bias or cfg.family.qkv_bias else 0) + (cfg.hidden_size if cfg.o_bias else 0)
             + (2 * cfg.intermediate_size + cfg.hidden_size if cfg.mlp_bias else 0))
     qk_norm = {"head": 2 * cfg.head_dim, "proj": q + kv}.get(cfg.qk_norm, 0)  # one weight per norm's width
-    norms = 2 * cfg.hidden_size + qk_norm
+    norms = (4 if cfg.family.norm == "sandwich" else 2) * cfg.hidden_size + qk_norm
     embed = cfg.vocab_size * cfg.hidden_size
     head = 0 if cfg.tie_word_embeddings else embed
     total = embed + head + cfg.hidden_size + cfg.num_hidden_layers * (linear + bias + norms)
@@ -249,14 +249,16 @@ def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
     q + kv. Post-norm blocks (OLMo 2) keep the same 4d: each norm's input, and the block's and the MLP's input
     (kept by the projections) in place of the pre-norms' outputs. A fused gate_up_proj (Phi-3) keeps its product
     whole, the same 2 inter; a fused qkv_proj's v is a view of the whole [q | k | v] product, which SDPA keeps:
-    q + kv more. Multipliers keep nothing. LoRA keeps its rank-r
+    q + kv more. Sandwich blocks (Gemma 3) keep 2d more, the inputs of the norms after each branch; GeGLU runs on
+    autograd's graph, which keeps gelu(gate) too: one inter more. Multipliers keep nothing. LoRA keeps its rank-r
     intermediate per target. Small [T, 1]-like tensors (1/rms, SDPA's log-sum-exp, the RoPE tables) are left
     out. tests/plan/test_plan.py checks the count against what autograd keeps."""
     s = DTYPE_BYTES[k.precision]
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     elements = 4 * d + training_attention_elements(cfg) + 3 * i + (q + kv if cfg.qk_norm else 0) \
-        + (q + kv if cfg.family.fused_qkv else 0)
+        + (q + kv if cfg.family.fused_qkv else 0) + (2 * d if cfg.family.norm == "sandwich" else 0) \
+        + (i if cfg.family.activation != "silu" else 0)
     lora = 4 * k.lora_rank * len(lora_target_shapes(cfg, k.lora_targets)) if k.mode != "full" else 0
     return elements * s + lora
 
@@ -347,8 +349,18 @@ def backward_working_set(cfg: ModelConfig, k: PlanInput, tokens: int, recompute:
     return {"backward working set (block recompute)": blocks}
 
 
-def kv_cache_bytes(cfg: ModelConfig, k: PlanInput) -> float:
-    return rollout_rows(k) * (k.prompt_len + k.completion_len) * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
+def kv_cache_bytes(cfg: ModelConfig, k: PlanInput, sliding: bool = False) -> float:
+    """The rollout rows' keys and values, every slot of every layer (the decode caches hold them all; sliding=True:
+    what a cache holding at most `window` slots in each sliding layer would, kv_slots)."""
+    slots = k.prompt_len + k.completion_len
+    every_slot = rollout_rows(k) * slots * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
+    return every_slot * kv_slots(cfg, slots, sliding) / (slots * cfg.num_hidden_layers)
+
+
+def kv_slots(cfg: ModelConfig, slots: int, sliding: bool = True) -> int:
+    """A row's cached slots summed over the layers: `slots` in each, or (sliding) at most the window in a sliding
+    layer, all a query there can see."""
+    return sum(min(slots, cfg.window(i) or slots) if sliding else slots for i in range(cfg.num_hidden_layers))
 
 
 def decode_calls(k: PlanInput) -> list[DecodeCall]:

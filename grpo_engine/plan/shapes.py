@@ -13,6 +13,17 @@ def _qwen25(hidden, layers, heads, inter) -> ModelConfig:
                        tie_word_embeddings=True, attention_bias=True, model_type="qwen2")
 
 
+def _gemma3(hidden, layers, inter) -> ModelConfig:
+    """google/gemma-3-270m and gemma-3-1b's published config.json: 4 query heads and one KV head of 256, a window
+    of 512 on five layers of every six (the sixth full), a 262,144-token tied vocabulary."""
+    return ModelConfig(vocab_size=262144, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                       tie_word_embeddings=True, attention_multiplier=256**-0.5, sliding_window=512,
+                       layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                         for i in range(layers)),
+                       rope_theta=1_000_000.0, rope_local_theta=10_000.0, model_type="gemma3_text")
+
+
 MODEL_SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 4864),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 8960),
@@ -33,6 +44,15 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
     "phi4-mini": ModelConfig(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                              num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
                              tie_word_embeddings=True, partial_rotary_factor=0.75, model_type="phi3"),
+    "gemma3-270m": _gemma3(640, 18, 2048),
+    "gemma3-1b": _gemma3(1152, 26, 6912),
+    # mistralai/Ministral-8B-Instruct-2410: one full layer then three with a window of 32,768 (transformers'
+    # Ministral), a window as long as its configured context
+    "ministral-8b": ModelConfig(vocab_size=131072, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                max_position_embeddings=32768, rope_theta=100_000_000.0, sliding_window=32768,
+                                layer_types=tuple("sliding_attention" if i % 4 else "full_attention"
+                                                  for i in range(36)), model_type="ministral"),
 }
 
 

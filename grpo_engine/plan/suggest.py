@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .decode_state import holds
-from .memory import GIB, MemoryPlan, PlanInput, fits, plan_memory, resolve_checkpointing, rollout_rows
+from .memory import (
+    GIB,
+    MemoryPlan,
+    PlanInput,
+    fits,
+    kv_cache_bytes,
+    plan_memory,
+    resolve_checkpointing,
+    rollout_rows,
+)
 
 
 def _halve_micro_batch(k: PlanInput) -> PlanInput | None:
@@ -101,6 +110,20 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
     return lines
 
 
+def window_lines(plan: MemoryPlan) -> list[str]:
+    """A windowed model's KV: the sliding layers, and what a cache keeping only the window in them would hold
+    against the full cache the decode loops keep."""
+    cfg, k = plan.model, plan.knobs
+    if not cfg.windowed:
+        return []
+    sliding = sum(cfg.window(i) is not None for i in range(cfg.num_hidden_layers))
+    full, windowed = kv_cache_bytes(cfg, k), kv_cache_bytes(cfg, k, sliding=True)
+    return [f"  sliding window: {sliding} of {cfg.num_hidden_layers} layers see the last {cfg.sliding_window} "
+            f"positions; the rollout's KV cache holds every slot, {full / GIB:.2f} GiB; a sliding cache (at most "
+            f"{cfg.sliding_window} slots in those layers) would hold {windowed / GIB:.2f} GiB, "
+            f"{(full - windowed) / GIB:.2f} GiB less (not implemented: the decode loops keep the full cache)"]
+
+
 def decode_lines(plan: MemoryPlan) -> list[str]:
     """The static decode's kept state: its size and the calls it runs; and the state of an evaluation it cannot hold,
     alive during eval only (docs/memory.md)."""
@@ -131,7 +154,7 @@ def format_plan(plan: MemoryPlan, card_gib: float | None = None) -> str:
         mark = "  <- peak" if ph.name == plan.peak_phase else ""
         lines.append(f"  {ph.name:<10} {ph.total / GIB:7.2f} GiB{mark}")
         lines += [f"      {name:<32} {b / GIB:7.2f} GiB" for name, b in ph.components.items() if b > 0]
-    lines += decode_lines(plan)
+    lines += decode_lines(plan) + window_lines(plan)
     lines.append(f"  predicted peak: {plan.peak_bytes / GIB:.2f} GiB + {k.fragmentation:.0%} fragmentation + "
                  f"{k.cuda_context_gib:g} GiB CUDA context = {plan.total_gib:.2f} GiB")
     if card_gib is not None:

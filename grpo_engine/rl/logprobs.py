@@ -22,6 +22,10 @@ The chunk buffers are allocated once per call and written with `out=`: a fresh 1
 page faults on every first touch, which made the forward matmul about 2x slower than the same matmul into a
 reused buffer on the 2-core CPU machine (see docs/benchmarks.md).
 
+Soft-capping (Gemma 3's final_logit_softcapping c): the logits are c * tanh(logits / c) before the temperature,
+as the model's and the sampler's are; the chunk keeps their derivative 1 - tanh^2 in one more [chunk, V] buffer
+for the backward (only when c is set).
+
 Temperature: the sampler draws from softmax(logits / T); the importance ratio needs log-probs of the SAME
 distribution, so we divide the logits by T here exactly as the sampler does (temperature=1 is a no-op).
 
@@ -73,8 +77,10 @@ class _ChunkBuffers:
     """
 
     def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, n_tok: int,
-                 gemm: HeadGemm | None = None):
+                 gemm: HeadGemm | None = None, softcap: float | None = None):
         rows = max(1, min(chunk, n_tok))
+        self.softcap = softcap
+        self.dcap = torch.empty(rows, vocab, dtype=dtype, device=device) if softcap else None  # [chunk, V]
         on_cpu = torch.device(device).type == "cpu"
         self.logits = gemm.logits if gemm is not None else None
         self.grad_input = gemm.grad_input if gemm is not None else None
@@ -94,6 +100,7 @@ class _Chunk:
     logp: torch.Tensor  # [n] log-prob of the target token
     ent: torch.Tensor | None  # [n] entropy H = -sum_j q_j log q_j
     bufs: _ChunkBuffers
+    dcap: torch.Tensor | None = None  # [n, V] d capped / d raw logits = 1 - tanh^2 (soft-capping only)
 
 
 def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_entropy: bool) -> _Chunk:
@@ -111,6 +118,11 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
             torch.mm(h, weight.t(), out=z)
         else:
             z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
+    dcap = None
+    if bufs.softcap:  # z = c * tanh(z / c); its derivative 1 - tanh^2 kept for the backward
+        z.div_(bufs.softcap).tanh_()
+        dcap = torch.mul(z, z, out=bufs.dcap[:n]).neg_().add_(1)  # [n, V]
+        z.mul_(bufs.softcap)
     if temperature != 1.0:
         z.div_(temperature)
     logq = torch.log_softmax(z, dim=-1, out=z if bufs.logq is None else bufs.logq[:n])  # [n, V]
@@ -121,7 +133,7 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
         for r0, r1 in _chunks(n, bufs.block):
             q = torch.exp(logq[r0:r1], out=bufs.q[: r1 - r0])  # [r, V]
             ent[r0:r1] = -_row_dot(q, logq[r0:r1])
-    return _Chunk(logq, logp, ent, bufs)
+    return _Chunk(logq, logp, ent, bufs, dcap)
 
 
 def _row_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -155,6 +167,8 @@ def _logit_grad(c: _Chunk, t, g_lp, g_ent, temperature: float) -> torch.Tensor:
     gz.scatter_add_(1, t[:, None], g_lp)
     if temperature != 1.0:
         gz.div_(temperature)
+    if c.dcap is not None:  # through the soft cap
+        gz.mul_(c.dcap)
     return gz
 
 
@@ -189,11 +203,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, gemm):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, gemm, softcap):
         n_tok, cdt = hidden.shape[0], _compute_dtype(hidden.dtype)
         logp = torch.empty(n_tok, dtype=cdt, device=hidden.device)  # [N]
         ent = torch.empty(n_tok, dtype=cdt, device=hidden.device) if with_entropy else None  # [N]
-        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, gemm)
+        bufs = _ChunkBuffers(chunk_size, weight.shape[0], cdt, hidden.device, n_tok, gemm, softcap)
         for s, e in _chunks(n_tok, chunk_size):
             c = _softmax_chunk(hidden[s:e], weight, targets[s:e], temperature, bufs, with_entropy)
             logp[s:e] = c.logp
@@ -201,6 +215,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 ent[s:e] = c.ent
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.gemm = temperature, chunk_size, with_entropy, gemm
+        ctx.softcap = softcap
         # An output the loss never used (entropy logged as a metric only) then arrives in backward as None
         # rather than zeros, so backward skips the entropy-gradient passes over every [chunk, V] buffer.
         ctx.set_materialize_grads(False)
@@ -218,7 +233,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_logp = torch.zeros(n_tok, dtype=cdt, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, D]
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, D]
-        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok, ctx.gemm)
+        bufs = _ChunkBuffers(chunk, weight.shape[0], cdt, hidden.device, n_tok, ctx.gemm, ctx.softcap)
         for s, e in _chunks(n_tok, chunk):
             h, t = hidden[s:e], targets[s:e]
             c = _softmax_chunk(h, weight, t, temp, bufs, use_ent)
@@ -227,7 +242,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                               bufs.grad_weight)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature, chunk_size):
@@ -265,6 +280,7 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
     gemm: HeadGemm | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token under softmax(hidden @ weight^T / temperature), chunked over tokens.
 
@@ -273,11 +289,12 @@ def token_logprobs(
     max(fp32, input dtype). Both outputs are differentiable w.r.t. hidden and weight; the full [N, V] logits
     tensor never exists -- peak extra memory is one (CPU) or two (CUDA) [chunk_size, V] buffers.
     gemm: the head's GEMMs (`model.kernels.head`), None for torch's.
+    softcap: the model's final_logit_softcapping (logits c * tanh(logits / c) before the temperature), or None.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     logp, ent = _ChunkedTokenLogprobs.apply(
         hidden, weight, targets.long(), float(temperature), int(chunk_size), bool(with_entropy),
-        _usable(gemm, hidden, weight)
+        _usable(gemm, hidden, weight), softcap
     )
     return logp, ent
 
@@ -305,6 +322,7 @@ def token_logprobs_with_grads(
     weight_grad: bool = True,
     grad_weight_out: torch.Tensor | None = None,
     gemm: HeadGemm | None = None,
+    softcap: float | None = None,
 ) -> HeadGrads:
     """Log-probs (and entropies) of the targets AND the gradients of a per-token loss, in one chunked pass.
 
@@ -320,7 +338,8 @@ def token_logprobs_with_grads(
     """
     out = head_grads(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
                      with_entropy=with_entropy, weight_grad=weight_grad, grad_weight_out=grad_weight_out)
-    for c in head_chunks(hidden, weight, targets, out, temperature=temperature, chunk_size=chunk_size, gemm=gemm):
+    for c in head_chunks(hidden, weight, targets, out, temperature=temperature, chunk_size=chunk_size, gemm=gemm,
+                         softcap=softcap):
         c.backward(*token_grad(c.start, c.end, c.logp, c.entropy))
     if out.grad_weight is not None and grad_weight_out is None:
         out.grad_weight = out.grad_weight.to(weight.dtype)
@@ -364,14 +383,14 @@ class HeadChunk:
 
 
 def head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, out: HeadGrads, *,
-                temperature: float, chunk_size: int, gemm: HeadGemm | None = None):
+                temperature: float, chunk_size: int, gemm: HeadGemm | None = None, softcap: float | None = None):
     """The pass of `token_logprobs_with_grads` with the loop handed to the caller, who evaluates the loss of each
     yielded chunk itself and calls chunk.backward with its gradients before asking for the next chunk (which
     reuses the buffers). Fills `out` (from `head_grads`). hidden and weight must hold no autograd graph (detach
     them): the pass records none and does not change the grad mode, which would leak out of a generator."""
     with_entropy, t_all = out.entropy is not None, targets.long()
     bufs = _ChunkBuffers(chunk_size, weight.shape[0], out.logp.dtype, hidden.device, hidden.shape[0],
-                         _usable(gemm, hidden, weight))
+                         _usable(gemm, hidden, weight), softcap)
     for s, e in _chunks(hidden.shape[0], chunk_size):
         h, t = hidden[s:e], t_all[s:e]
         c = _softmax_chunk(h, weight, t, temperature, bufs, with_entropy)

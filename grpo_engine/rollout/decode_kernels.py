@@ -56,10 +56,18 @@ class DecodeHead:
     def __init__(self, model: nn.Module, rows: int, packs: PackedWeights | None = None):
         self.weight, self.packs, self.rows = model.lm_head.weight, packs, rows  # [V, hidden]
         self.product = model.kernels.decode.head
+        self.softcap = model.config.final_logit_softcapping  # the model's final-logit soft-capping, or None
         self.buf: torch.Tensor | None = None  # [rows, V], made at the first product that needs it
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call)."""
+        """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call), soft-capped in
+        place when the model caps its logits."""
+        logits = self._product(hidden)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def _product(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packs is not None and self.packs.head is not None:
             return self.packs.head(hidden)
         if self.product is not None:

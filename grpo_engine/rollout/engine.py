@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..model.transformer import Transformer, rope_switch
+from ..model.transformer import Transformer, rope_switch, soft_cap
 from .decode_kernels import DecodeHead, PackedWeights
 from .kv_cache import KVCache
 from .rows import Row
@@ -207,7 +207,8 @@ def prefill_prompts(model: Transformer, prompts: list[list[int]]) -> tuple[KVCac
         cache.copy_prefix_from(shared, torch.zeros(P, dtype=torch.long, device=device))  # slots [0, c), start = c
         mask = torch.cat([torch.ones(P, c, dtype=torch.bool, device=device), mask], dim=1)  # [P, L]
     hidden = model(ids, mask, cache=cache, return_hidden=True)  # [P, L - c, hidden]
-    return cache, mask, model.lm_head(hidden[:, -1])  # the LM head at the last position only
+    logits = soft_cap(model.lm_head(hidden[:, -1]), model.config.final_logit_softcapping)  # [P, V]
+    return cache, mask, logits  # the LM head at the last position only
 
 
 def prefill(model: Transformer, prompts: list[list[int]], share: list[int], slots: int):

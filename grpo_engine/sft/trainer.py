@@ -111,7 +111,7 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> torch.Tensor:
         prefix.recording = False
         hidden, mask = model(ids[:, L:], cache=prefix, return_hidden=True), mask[:, L:]  # [B, T-1-L, D]
     targets = batch.input_ids[:, 1:][batch.loss_mask]  # [N], row-major: mask[:, :L] holds no target
-    logits = model.lm_head(hidden[mask])  # [N, V]
+    logits = model.logits(hidden[mask])  # [N, V]
     return F.cross_entropy(logits.float(), targets)
 
 

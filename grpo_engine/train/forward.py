@@ -161,8 +161,8 @@ def sequence_logprobs(model, batch: TrainBatch, *, temperature: float, chunk_siz
     """
     hidden, targets, mask = completion_hidden(model, batch)  # [N, D], [N], [b, T-1]
     logp, ent = token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
-                               chunk_size=chunk_size, with_entropy=with_entropy,
-                               gemm=model.kernels.head)  # [N], [N] | None
+                               chunk_size=chunk_size, with_entropy=with_entropy, gemm=model.kernels.head,
+                               softcap=model.config.final_logit_softcapping)  # [N], [N] | None
     return scatter_completion(logp, mask), None if ent is None else scatter_completion(ent, mask)
 
 

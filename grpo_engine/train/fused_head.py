@@ -42,7 +42,8 @@ class FusedHead:
                               chunk_size=chunk_size, with_entropy=True, weight_grad=weight.requires_grad,
                               grad_weight_out=into)
         self._chunks = head_chunks(self.hidden.detach(), weight.detach(), targets, self.out, temperature=temperature,
-                                   chunk_size=chunk_size, gemm=model.kernels.head)
+                                   chunk_size=chunk_size, gemm=model.kernels.head,
+                                   softcap=model.config.final_logit_softcapping)
         rows, cols = self.mask.nonzero(as_tuple=True)  # [N] each, row-major like the head's tokens
         self.rows, self.cols = rows, cols + 1  # mask[:, t] marks the token at position t + 1
         self.placeholder = sub.old_logp if sub.old_logp is not None else torch.zeros(sub.input_ids.shape)  # [b, T]

@@ -48,8 +48,11 @@ def test_malformed_config(ckpt):
 
 
 def test_unsupported_model_type(ckpt):
-    edit_config(ckpt, model_type="mistral")
-    with pytest.raises(CheckpointError, match="model_type 'mistral' is not supported.*qwen2, qwen3, llama"):
+    edit_config(ckpt, model_type="falcon")
+    with pytest.raises(CheckpointError, match="model_type 'falcon' is not supported.*qwen2, qwen3, llama"):
+        load_model(ckpt)
+    edit_config(ckpt, model_type="ministral3")  # a relative of a supported family: refused with its reason
+    with pytest.raises(CheckpointError, match="'ministral3' is not supported .*YaRN.*; supported: .*ministral"):
         load_model(ckpt)
 
 

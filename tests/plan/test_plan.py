@@ -220,7 +220,8 @@ def test_predicted_vs_measured_cpu(checkpointing, onednn):
         assert abs(got[key] - want[key]) <= 0.15 * want[key] + 6, (key, got, want)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3", "smollm3", "granite", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3", "smollm3", "granite", "olmo2", "phi3", "gemma3",
+                                  "mistral"])
 def test_saved_bytes_per_token_equal_what_autograd_keeps(arch):
     """saved_bytes_per_token_layer against the tensors autograd keeps for one block's backward (parameters and the
     shared RoPE tables aside): the per-token tensors sum to the formula exactly; what it leaves out are [T, 1]-like
@@ -248,7 +249,8 @@ def test_saved_bytes_per_token_equal_what_autograd_keeps(arch):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[0](x, cos, sin, None, None, 0)
-    tokens, small = B * T, 4 * (2 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
+    norms = 4 if cfg.family.norm == "sandwich" else 2  # a 1/rms per token for each (Gemma's sandwich: four)
+    tokens, small = B * T, 4 * (norms + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
     per_token = [n for n in kept.values() if n > small * tokens]
     assert sum(per_token) == saved_bytes_per_token_layer(cfg, PlanInput(precision="fp32")) * tokens
     assert sum(kept.values()) - sum(per_token) <= small * tokens

@@ -145,9 +145,12 @@ def _grouped_batch(vocab: int, share: bool):
                                keep, pad_id=0, share_prompts=share)
 
 
-def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_factory):
-    """Both fast paths together (shared-prompt forward + in-forward head gradients) == the plain autograd path."""
-    model = load_model(tiny_ckpt_factory("qwen2-tied"), dtype=torch.float64)
+@pytest.mark.parametrize("arch, fields", [("qwen2-tied", {}),
+                                          ("gemma3", dict(sliding_window=4, final_logit_softcapping=3.0))])
+def test_fused_head_with_shared_prompts_equals_plain_autograd_float64(tiny_ckpt_factory, arch, fields):
+    """Both fast paths together (shared-prompt forward + in-forward head gradients) == the plain autograd path;
+    Gemma 3's: a window shorter than the rows and the soft cap through the fused head's backward."""
+    model = load_model(tiny_ckpt_factory(arch, **fields), dtype=torch.float64)
     cfg = resolve(LossConfig(loss="dapo", beta=0.05, entropy_coef=0.02))
     grads = {}
     for fast in (True, False):
