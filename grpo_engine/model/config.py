@@ -95,6 +95,7 @@ NEUTRAL_KEYS = frozenset({
     "pretraining_tp",  # a 4.x llama option splitting the same products into slices
     "layer_types",  # each layer's attention kind: read by the families with windows (Family.window_rule)
     "_attn_implementation_autoset", "unsloth_version", "unsloth_fixed", "keys_to_ignore_at_inference",
+    "gguf_general",  # a GGUF file's general.* metadata this engine carries on to an export (model/gguf_io.py)
 })
 # what every family reads into ModelConfig (config_from_hf)
 COMMON_READS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -283,3 +283,16 @@ def test_export_names_a_byte_level_pre_tokenizer_as_llama_cpp_does(tmp_path, tin
     text, want = "What is 38 + 45? ok", load_tokenizer(tiny_ckpt).encode("What is 38 + 45? ok")
     assert build_tokenizer(meta, "m.gguf").encode(text) == want
     assert build_tokenizer({**meta, "tokenizer.ggml.pre": "gpt2"}, "old.gguf").encode(text) == want
+
+
+def test_a_gguf_import_saved_as_a_directory_loads_again(tmp_path, tiny_ckpt):
+    """The general.* metadata a GGUF import carries on (config.json's gguf_general) is a key this engine wrote:
+    the saved directory loads, with the same weights."""
+    from grpo_engine.model.loading import save_model
+
+    imported = load_model(export_gguf(str(tiny_ckpt), str(tmp_path / "m.gguf"), "f32"))
+    assert "gguf_general" in imported.config.extra
+    save_model(imported, tmp_path / "saved")
+    back = load_model(tmp_path / "saved")
+    for (name, a), b in zip(back.state_dict().items(), imported.state_dict().values()):
+        assert torch.equal(a, b), name
