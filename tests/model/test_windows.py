@@ -204,34 +204,20 @@ def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path, loop):
     """Tool turns of row-specific lengths (holes in the decode loop's batch, the static turns' feeds), on a tiny
     Gemma 3 with a window of 8 much shorter than the trajectories: every policy token's log-prob equals one full
     forward's over the trajectory (float64), in both decode loops."""
-    from dataclasses import dataclass
+    from echo_env import EchoEnv
 
     from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.model.tiny import make_tiny_checkpoint
     from grpo_engine.rollout import SamplingParams
     from grpo_engine.rollout.multiturn import run_multiturn
-    from grpo_engine.tasks.base import Example, Prompt
-    from grpo_engine.tasks.environment import StepResult, TrajectoryLimits
-
-    @dataclass
-    class Chatter:
-        size: int
-        limits: TrajectoryLimits = TrajectoryLimits(max_turns=3, max_tokens=120)
-        tools: tuple = ()
-        stop_strings: tuple = ()
-
-        def reset(self, example):
-            return Prompt([{"role": "user", "content": example.question}])
-
-        def step(self, completion):
-            return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
+    from grpo_engine.tasks.base import Example
 
     path = make_tiny_checkpoint(tmp_path / "gemma", "gemma3")
     model, tok = load_model(path, dtype=torch.float64), load_tokenizer(path)
     assert model.config.sliding_window == 8 and model.config.layer_types[0] == "sliding_attention"
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
     params = SamplingParams(max_new_tokens=10, stop_token_ids=[101, 111, 32], compact_fraction=0.0)
-    out = run_multiturn(model, tok, [Chatter(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
+    out = run_multiturn(model, tok, [EchoEnv(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
     assert all(t.metrics.env_tokens > 0 and len(t.token_ids) > 30 for t in out)
     for t in out:
         with torch.no_grad():
