@@ -151,3 +151,15 @@ def assert_refused_in_one_line(raw: dict, needle: str) -> None:
     with pytest.raises(CheckpointError, match="unsupported feature") as err:
         config_from_hf(raw)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def gguf_names_allowed(gguf, arch: str) -> set[str]:
+    """llama.cpp's tensor names for `arch` (the gguf package's constants), with {bid} for the block number."""
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    return {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
+
+
+def gguf_template(name: str) -> str:
+    """A GGUF tensor's name as gguf_names_allowed lists it: no .weight / .bias, {bid} for the block number."""
+    parts = name.rsplit(".", 1)[0].split(".")
+    return ".".join("{bid}" if p.isdigit() else p for p in parts)

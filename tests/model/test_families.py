@@ -15,6 +15,8 @@ from families_helpers import (
     assert_lora_step_loads_in_peft,
     assert_refused_in_one_line,
     assert_save_loads_in_transformers,
+    gguf_names_allowed,
+    gguf_template,
     hf_dir_maker,
     hf_load,
     padded_batch,
@@ -230,11 +232,8 @@ def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
         warnings.filterwarnings("ignore", ".*phi3's partial rotary")  # a note on transformers' reader, not ours
         out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
     f = reader(out)
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
     assert f.fields["general.architecture"].contents() == arch
-    assert {t.name.rsplit(".", 1)[0].replace(".0.", ".{bid}.").replace(".1.", ".{bid}.").replace(".2.", ".{bid}.")
-            .replace(".3.", ".{bid}.") for t in f.tensors} <= allowed
+    assert {gguf_template(t.name) for t in f.tensors} <= gguf_names_allowed(gguf, arch)
     ours, back = load_model(src), load_model(out)
     for field in ("rope_scaling", "partial_rotary_factor", "rope_layers", "embedding_multiplier",
                   "residual_multiplier", "logits_scaling", "head_dim", "tie_word_embeddings", "model_type"):

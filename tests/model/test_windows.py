@@ -15,6 +15,8 @@ from families_helpers import (
     assert_lora_step_loads_in_peft,
     assert_refused_in_one_line,
     assert_save_loads_in_transformers,
+    gguf_names_allowed,
+    gguf_template,
     hf_dir_maker,
     hf_load,
     padded_batch,
@@ -359,16 +361,6 @@ def test_defaults_follow_transformers():
 # GGUF
 
 
-def _gguf_names_allowed(gguf, arch: str) -> set[str]:
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    return {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
-
-
-def _templated(name: str) -> str:
-    parts = name.rsplit(".", 1)[0].split(".")
-    return ".".join("{bid}" if p.isdigit() else p for p in parts)
-
-
 def test_gemma3_gguf_round_trip_under_llama_cpps_names_and_norms(tmp_path):
     """`grpo export` writes llama.cpp's gemma3: its tensor names (the gguf package's constants), the norms as 1 + w,
     the window and its layers, the local rope base; the file reads back to the same description and logits (the
@@ -386,7 +378,7 @@ def test_gemma3_gguf_round_trip_under_llama_cpps_names_and_norms(tmp_path):
     out = export_gguf(str(src), str(tmp_path / "g.gguf"), "f32")
     f = reader(out)
     assert f.fields["general.architecture"].contents() == "gemma3"
-    assert {_templated(t.name) for t in f.tensors} <= _gguf_names_allowed(gguf, "gemma3")
+    assert {gguf_template(t.name) for t in f.tensors} <= gguf_names_allowed(gguf, "gemma3")
     assert f.fields["gemma3.attention.sliding_window"].contents() == 8
     ours, back = load_model(src), load_model(out)
     stored = next(t for t in f.tensors if t.name == "blk.0.post_attention_norm.weight")
