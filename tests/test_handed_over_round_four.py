@@ -17,6 +17,15 @@ def custom(path, **options):
     return make_task("custom", data_path=str(path), test_path=str(path), **options)
 
 
+def must_not_run(monkeypatch, module, name: str, why: str) -> None:
+    """Replace module.name by a function that fails the test with `why`: the refusal must come before it runs."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError(why)
+
+    monkeypatch.setattr(module, name, refused)
+
+
 # item 1: an error about a CSV header never echoes the file's content ---------------------------------------------
 @pytest.mark.parametrize("suffix", [".csv", ".tsv"])
 def test_item1_a_csv_linked_to_a_private_file_is_named_never_printed(tmp_path, suffix):
@@ -116,10 +125,7 @@ def test_item10_a_missing_test_path_is_named_by_its_key_before_the_model_loads(t
     import grpo_engine.train.setup as setup
     from grpo_engine.cli import main
 
-    def no_load(*a, **k):
-        raise AssertionError("the tokenizer was loaded before the data paths were checked")
-
-    monkeypatch.setattr(setup, "load_tokenizer", no_load)
+    must_not_run(monkeypatch, setup, "load_tokenizer", "the tokenizer was loaded before the data paths were checked")
     missing = tmp_path / "nowhere/test.jsonl"
     config = tiny_config(tmp_path, tiny_ckpt, test_path=str(missing))
     assert main([command, str(config)]) == 2
@@ -145,10 +151,7 @@ def test_item7_check_refuses_an_absurd_size_as_train_does(tmp_path, tiny_ckpt, c
     import grpo_engine.train.setup as setup
     from grpo_engine.cli import main
 
-    def no_load(*a, **k):
-        raise AssertionError("the tokenizer was loaded: the check would sample at this size")
-
-    monkeypatch.setattr(setup, "load_tokenizer", no_load)
+    must_not_run(monkeypatch, setup, "load_tokenizer", "the tokenizer was loaded: the check would sample at this size")
     config = tiny_config(tmp_path, tiny_ckpt)
     assert main(["check", str(config), size]) == 2
     check = capsys.readouterr().err.strip().splitlines()[-1]
@@ -343,10 +346,7 @@ def test_item3_a_size_other_than_the_recorded_one_is_a_change_without_hashing(ha
     data = handed / "data.jsonl"
     forge_data_record(handed / "run/checkpoints/step-000002", data, data.stat().st_size + 1)
 
-    def no_hash(*a, **k):
-        raise AssertionError("hashed although the size differs from the record")
-
-    monkeypatch.setattr(data_record, "fingerprint", no_hash)
+    must_not_run(monkeypatch, data_record, "fingerprint", "hashed although the size differs from the record")
     assert main(["eval", str(handed / "run"), "--n", "1"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{data} (task.options.data_path) changed: {data.stat().st_size:,} bytes, the record says " \
@@ -546,10 +546,7 @@ def test_item9_a_prompt_over_max_prompt_tokens_is_named_by_file_and_line_before_
     import grpo_engine.train.loop as loop
     from grpo_engine.cli import main
 
-    def no_step(*a, **k):
-        raise AssertionError("step 1 ran before the prompts were checked")
-
-    monkeypatch.setattr(loop, "grpo_step", no_step)
+    must_not_run(monkeypatch, loop, "grpo_step", "step 1 ran before the prompts were checked")
     path = tmp_path / "rows.jsonl"
     rows = [{"prompt": f"say {i}", "answer": str(i)} for i in range(30)]
     rows[23] = {"prompt": "y" * 500, "answer": "1"}  # a byte-level tokenizer: 500+ tokens

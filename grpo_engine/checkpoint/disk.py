@@ -66,3 +66,12 @@ def removed_on_failure(path: Path) -> Iterator[Path]:
         if translated is e:
             raise
         raise translated from e
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename publishes only what has reached the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

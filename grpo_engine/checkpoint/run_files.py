@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import ConfigError
-from .disk import removed_on_failure
+from .disk import fsync_path, removed_on_failure
 
 RECORD = ".grpo-files"
 BEFORE_AFTER = "before_after.json"  # grpo train's held-out accuracy before and after (eval.before_after)
@@ -99,7 +99,7 @@ def run_file(run_dir: str | Path, name: str, *, overwrite: bool = False) -> Iter
     tmp = run_dir / f".{name}.tmp-{os.getpid()}"
     with removed_on_failure(tmp):
         yield tmp
-        _sync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, run_dir / name)
     _remember(run_dir, name)
 
@@ -118,14 +118,6 @@ def _write_new(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-
-
-def _sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remember(run_dir: Path, name: str) -> None:

@@ -42,7 +42,7 @@ from ..model.hf_io import hf_name_table
 from ..model.loading import save_model
 from ..model.lora import lora_modules, merged_model_state, save_adapter
 from ..plan.resolved import RESOLVED_FILE
-from .disk import removed_on_failure
+from .disk import fsync_path, removed_on_failure
 from .run_dir import (
     LEGACY_STATE,
     STATE,
@@ -103,17 +103,8 @@ def _fsync_tree(path: Path) -> None:
     """fsync every file, then every directory bottom-up, so the rename publishes durable data."""
     for dirpath, _, files in os.walk(path, topdown=False):
         for name in files:
-            _fsync(Path(dirpath, name))
-        _fsync(Path(dirpath))
-
-
-def _fsync(path: Path) -> None:
-    """fsync a file or a directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_path(Path(dirpath, name))
+        fsync_path(Path(dirpath))
 
 
 def save_weights(model: torch.nn.Module, out: Path, *, tokenizer_dir: str | Path | None,
@@ -168,7 +159,7 @@ def save_checkpoint(
     if final.exists():  # re-saving the same step (e.g. end of run right after an interval save)
         _delete_checkpoint(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     for old in list_checkpoints(root)[:-keep_last]:
         if old != final:  # never the checkpoint just written (a stray later step must not push it out)
             _delete_checkpoint(old)

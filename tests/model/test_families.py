@@ -4,13 +4,26 @@ random checkpoints that transformers itself builds and saves, in several variant
 Variants cover tied / untied heads, GQA ratios, head_dim != hidden / heads, multipliers != 1, partial rotary and
 longrope factors != 1 (past the original context and inside it), SmolLM3's no_rope_layers and biases."""
 
-import json
 import warnings
 
 import pytest
 import torch
+from families_helpers import (
+    assert_bf16_within_bf16_rounding,
+    assert_full_step_loads_in_transformers,
+    assert_grpo_logprobs_equal_full_forwards,
+    assert_lora_step_loads_in_peft,
+    assert_refused_in_one_line,
+    assert_save_loads_in_transformers,
+    gguf_names_allowed,
+    gguf_template,
+    hf_dir_maker,
+    hf_load,
+    padded_batch,
+    raw_config,
+)
 
-from grpo_engine import load_model, save_model
+from grpo_engine import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,40 +55,8 @@ ONE_PER_FAMILY = ["smollm3", "granite", "olmo2", "phi3"]
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """name -> a checkpoint directory written by transformers' save_pretrained (random weights; norms and biases
-    drawn away from 1 and 0 so each is exercised)."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            model_type, fields = VARIANTS[name]
-            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields})
-            torch.manual_seed(sorted(VARIANTS).index(name))
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("norm.weight"):
-                        p.copy_(1 + 0.1 * torch.randn_like(p))
-                    elif n.endswith("bias"):
-                        p.copy_(0.1 * torch.randn_like(p))
-            made[name] = tmp_path_factory.mktemp(name)
-            model.save_pretrained(made[name])
-        return made[name]
-
-    return make
-
-
-def hf_load(path, dtype=torch.float32):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-
-
-def padded_batch(T: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, BASE["vocab_size"], (3, T), generator=g)
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, : T // 4] = 0
-    mask[2, : T // 2] = 0
-    return ids, mask
+    """name -> a checkpoint directory written by transformers (norms drawn around 1, biases around 0)."""
+    return hf_dir_maker(tmp_path_factory, BASE, VARIANTS, lambda model_type: (1.0, 0.1))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -114,15 +95,7 @@ def test_the_variants_exercise_what_they_claim(hf_dir):
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     """Both in bf16: ours is as far from the fp32 logits as transformers' is, and close to transformers'."""
-    path = hf_dir(name)
-    ids, _ = padded_batch(30, seed=1)
-    with torch.no_grad():
-        exact = hf_load(path)(ids).logits
-        theirs = hf_load(path, torch.bfloat16)(ids).logits.float()
-        ours = load_model(path, dtype=torch.bfloat16)(ids).float()
-    their_err = (theirs - exact).abs().max().item()
-    assert (ours - exact).abs().max().item() < 2 * their_err + 1e-3
-    assert (ours - theirs).abs().max().item() < 2 * their_err + 1e-3
+    assert_bf16_within_bf16_rounding(hf_dir(name))
 
 
 def test_olmo2_bf16_norm_and_rope_run_in_fp32_as_transformers_does(hf_dir):
@@ -170,85 +143,41 @@ def test_greedy_decode_equals_transformers_generate(hf_dir, name):
 @pytest.mark.parametrize("name", ["smollm3", "granite-bias", "olmo2-tied-bias", "phi3"])
 def test_our_save_loads_in_transformers(hf_dir, tmp_path, name):
     """The family's own names and config.json: transformers reads what we write to the same logits, and so do we."""
-    ours = load_model(hf_dir(name))
-    save_model(ours, tmp_path / "saved")
-    raw = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert raw["model_type"] == VARIANTS[name][0]
-    theirs, back = hf_load(tmp_path / "saved"), load_model(tmp_path / "saved")
-    ids, _ = padded_batch(30, seed=2)
-    with torch.no_grad():
-        want = ours(ids)
-        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
-        assert torch.equal(back(ids), want)
+    assert_save_loads_in_transformers(hf_dir(name), tmp_path / "saved", VARIANTS[name][0])
 
 
 def test_granite_grpo_logprobs_equal_a_full_forward_and_transformers(hf_dir):
     """The logit scale reaches the chunked log-probs of a GRPO step (train/forward.py), which read the final
     hidden state and the head's weight, never the model's logits."""
     from grpo_engine.train.batch import build_train_batch
-    from grpo_engine.train.forward import sequence_logprobs
 
     path = hf_dir("granite")
-    ours, theirs = load_model(path), hf_load(path)
     prompts, completions = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15], [16, 17, 18, 19, 20]]
     batch = build_train_batch(prompts, completions, [[0.0] * len(c) for c in completions], torch.zeros(3),
                               [True] * 3, pad_id=0)
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(ours, batch, temperature=0.7, chunk_size=4)
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            ids = torch.tensor([p + c])
-            for model_logits in (ours(ids), theirs(ids).logits):
-                ref = torch.log_softmax(model_logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
-                got = logp[i, len(p):len(p) + len(c)]
-                assert (got - ref[len(p) - 1:]).abs().max().item() < 1e-5
+    assert_grpo_logprobs_equal_full_forwards(load_model(path), hf_load(path), batch, prompts, completions)
 
 
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_lora_adapter_loads_in_peft_to_the_same_logits(hf_dir, tmp_path, name):
     """The default targets on each family's own modules (Phi-3: the fused qkv_proj and gate_up_proj); one LoRA
     training step runs, and PEFT loads the saved adapter onto transformers' model to our logits."""
-    peft = pytest.importorskip("peft")
-    from grpo_engine.model.lora import LoRAConfig, apply_lora, save_adapter
-
-    path = hf_dir(name)
-    model = apply_lora(load_model(path), LoRAConfig(rank=4))
+    model = assert_lora_step_loads_in_peft(hf_dir(name), tmp_path / "adapter", T=12)
     fused = VARIANTS[name][0] == "phi3"
     assert set(model.lora_config.target_modules) == (
         {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} if fused else
         {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-    ids, _ = padded_batch(12, seed=3)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    model.train()
-    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt.step()  # lora_B moves off zero: the adapter changes the logits
-    model.eval()
-    out = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(path))
-    theirs = peft.PeftModel.from_pretrained(hf_load(path), out).eval()
-    with torch.no_grad():
-        want = model(ids)
-        assert (want - load_model(path)(ids)).abs().max().item() > 1e-4
-        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("name", ONE_PER_FAMILY)
 def test_full_fine_tuning_step_saves_what_transformers_loads(hf_dir, tmp_path, name):
     """A full fine-tuning step (every weight, through the block's own autograd functions) changes the model, and
     the saved checkpoint loads in transformers to the trained logits."""
-    model = load_model(hf_dir(name)).train()
-    ids, _ = padded_batch(12, seed=4)
-    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
-    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    model.eval()
-    save_model(model, tmp_path / "trained")
-    with torch.no_grad():
-        want = model(ids)
-        assert (want - load_model(hf_dir(name))(ids)).abs().max().item() > 1e-4
-        assert (hf_load(tmp_path / "trained")(ids).logits - want).abs().max().item() < 1e-5
+    assert_full_step_loads_in_transformers(hf_dir(name), tmp_path / "trained", T=12)
 
 
 def _raw(model_type: str, **fields) -> dict:
-    return {"model_type": model_type, **BASE, **fields}
+    return raw_config(BASE, model_type, **fields)
 
 
 @pytest.mark.parametrize("model_type, fields, needle", [
@@ -264,12 +193,7 @@ def _raw(model_type: str, **fields) -> dict:
      "partial_rotary_factor=0.5 (not a field of granite"),
 ])
 def test_config_keys_not_implemented_are_refused_by_name(model_type, fields, needle):
-    from grpo_engine.model.config import CheckpointError
-    from grpo_engine.model.hf_io import config_from_hf
-
-    with pytest.raises(CheckpointError, match="unsupported feature") as err:
-        config_from_hf(_raw(model_type, **fields))
-    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert_refused_in_one_line(_raw(model_type, **fields), needle)
 
 
 def test_neutral_and_default_keys_load():
@@ -308,11 +232,8 @@ def test_gguf_export_uses_llama_cpp_names_and_reads_back_equal(tmp_path, arch):
         warnings.filterwarnings("ignore", ".*phi3's partial rotary")  # a note on transformers' reader, not ours
         out = export_gguf(str(src), str(tmp_path / "m.gguf"), "f32")
     f = reader(out)
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
     assert f.fields["general.architecture"].contents() == arch
-    assert {t.name.rsplit(".", 1)[0].replace(".0.", ".{bid}.").replace(".1.", ".{bid}.").replace(".2.", ".{bid}.")
-            .replace(".3.", ".{bid}.") for t in f.tensors} <= allowed
+    assert {gguf_template(t.name) for t in f.tensors} <= gguf_names_allowed(gguf, arch)
     ours, back = load_model(src), load_model(out)
     for field in ("rope_scaling", "partial_rotary_factor", "rope_layers", "embedding_multiplier",
                   "residual_multiplier", "logits_scaling", "head_dim", "tie_word_embeddings", "model_type"):

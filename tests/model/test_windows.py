@@ -6,12 +6,24 @@ eagerly, the shared-prompt training forward, the grouped attention kernels, mult
 A window counts positions (valid slots), not slot indices: a query at position i sees keys at positions j with
 i - window < j <= i, as transformers' sliding-window mask for the row alone."""
 
-import json
-
 import pytest
 import torch
+from families_helpers import (
+    assert_bf16_within_bf16_rounding,
+    assert_full_step_loads_in_transformers,
+    assert_grpo_logprobs_equal_full_forwards,
+    assert_lora_step_loads_in_peft,
+    assert_refused_in_one_line,
+    assert_save_loads_in_transformers,
+    gguf_names_allowed,
+    gguf_template,
+    hf_dir_maker,
+    hf_load,
+    padded_batch,
+    raw_config,
+)
 
-from grpo_engine import load_model, save_model
+from grpo_engine import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,41 +52,10 @@ ONE_EACH = ["gemma3", "gemma3-softcap-rope", "mistral", "ministral", "smollm3-wi
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """name -> a checkpoint directory written by transformers' save_pretrained (random weights; norms and biases
-    drawn away from their neutral values so each is exercised)."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            model_type, fields = VARIANTS[name]
-            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields})
-            torch.manual_seed(sorted(VARIANTS).index(name))
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            neutral = 0.0 if model_type == "gemma3_text" else 1.0  # Gemma's norms scale by 1 + w
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("norm.weight"):
-                        p.copy_(neutral + 0.2 * torch.randn_like(p))
-                    elif n.endswith("bias"):
-                        p.copy_(0.1 * torch.randn_like(p))
-            made[name] = tmp_path_factory.mktemp(name)
-            model.save_pretrained(made[name])
-        return made[name]
-
-    return make
-
-
-def hf_load(path, dtype=torch.float32):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-
-
-def padded_batch(T: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, BASE["vocab_size"], (3, T), generator=g)
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, : T // 4] = 0
-    mask[2, : T // 2] = 0
-    return ids, mask
+    """name -> a checkpoint directory written by transformers (norms drawn away from their neutral values: Gemma's
+    scale by 1 + w; biases around 0)."""
+    return hf_dir_maker(tmp_path_factory, BASE, VARIANTS,
+                        lambda model_type: (0.0 if model_type == "gemma3_text" else 1.0, 0.2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -148,15 +129,7 @@ def test_the_variants_exercise_what_they_claim(hf_dir):
 def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     """Both in bf16: ours is as far from the fp32 logits as transformers' is (Gemma's norms and the embedding
     scale in their reference dtypes), and close to transformers'."""
-    path = hf_dir(name)
-    ids, _ = padded_batch(30, seed=1)
-    with torch.no_grad():
-        exact = hf_load(path)(ids).logits
-        theirs = hf_load(path, torch.bfloat16)(ids).logits.float()
-        ours = load_model(path, dtype=torch.bfloat16)(ids).float()
-    their_err = (theirs - exact).abs().max().item()
-    assert (ours - exact).abs().max().item() < 2 * their_err + 1e-3
-    assert (ours - theirs).abs().max().item() < 2 * their_err + 1e-3
+    assert_bf16_within_bf16_rounding(hf_dir(name))
 
 
 @pytest.mark.parametrize("name", ONE_EACH)
@@ -204,34 +177,20 @@ def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path, loop):
     """Tool turns of row-specific lengths (holes in the decode loop's batch, the static turns' feeds), on a tiny
     Gemma 3 with a window of 8 much shorter than the trajectories: every policy token's log-prob equals one full
     forward's over the trajectory (float64), in both decode loops."""
-    from dataclasses import dataclass
+    from echo_env import EchoEnv
 
     from grpo_engine.model.loading import load_tokenizer
     from grpo_engine.model.tiny import make_tiny_checkpoint
     from grpo_engine.rollout import SamplingParams
     from grpo_engine.rollout.multiturn import run_multiturn
-    from grpo_engine.tasks.base import Example, Prompt
-    from grpo_engine.tasks.environment import StepResult, TrajectoryLimits
-
-    @dataclass
-    class Chatter:
-        size: int
-        limits: TrajectoryLimits = TrajectoryLimits(max_turns=3, max_tokens=120)
-        tools: tuple = ()
-        stop_strings: tuple = ()
-
-        def reset(self, example):
-            return Prompt([{"role": "user", "content": example.question}])
-
-        def step(self, completion):
-            return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
+    from grpo_engine.tasks.base import Example
 
     path = make_tiny_checkpoint(tmp_path / "gemma", "gemma3")
     model, tok = load_model(path, dtype=torch.float64), load_tokenizer(path)
     assert model.config.sliding_window == 8 and model.config.layer_types[0] == "sliding_attention"
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
     params = SamplingParams(max_new_tokens=10, stop_token_ids=[101, 111, 32], compact_fraction=0.0)
-    out = run_multiturn(model, tok, [Chatter(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
+    out = run_multiturn(model, tok, [EchoEnv(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
     assert all(t.metrics.env_tokens > 0 and len(t.token_ids) > 30 for t in out)
     for t in out:
         with torch.no_grad():
@@ -261,20 +220,12 @@ def test_grpo_logprobs_equal_a_full_forward_and_transformers(hf_dir, name):
     """The chunked log-probs of a GRPO step (soft-capped in the chunk), through the shared-prompt forward (the
     prompt's keys run once, each completion attends to them under its window) and the plain one: equal to a full
     forward's and transformers' on each row alone."""
-    from grpo_engine.train.forward import sequence_logprobs
-
     path = hf_dir(name)
     ours, theirs = load_model(path), hf_load(path)
     prompts, completions, (batch, shared) = _grpo_batch()
     assert shared.prompt_index is not None and batch.prompt_index is None
     for b in (batch, shared):
-        with torch.no_grad():
-            logp, _ = sequence_logprobs(ours, b, temperature=0.7, chunk_size=4)
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            ids = torch.tensor([p + c])
-            for model_logits in (ours(ids), theirs(ids).logits):
-                ref = torch.log_softmax(model_logits[0, :-1] / 0.7, -1).gather(-1, ids[0, 1:, None])[:, 0]
-                assert (logp[i, len(p):len(p) + len(c)] - ref[len(p) - 1:]).abs().max().item() < 1e-5
+        assert_grpo_logprobs_equal_full_forwards(ours, theirs, b, prompts, completions)
 
 
 @pytest.mark.parametrize("name", ["gemma3-softcap-rope", "ministral"])
@@ -355,55 +306,21 @@ def test_grouped_attention_kernels_take_the_window(hf_dir, name):
 def test_our_save_loads_in_transformers(hf_dir, tmp_path, name):
     """The family's names and config.json (windows, layer types, the per-type rope written in the 4.x layout,
     Gemma's hidden_activation): transformers reads what we write to the same logits, and so do we."""
-    ours = load_model(hf_dir(name))
-    save_model(ours, tmp_path / "saved")
-    raw = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert raw["model_type"] == VARIANTS[name][0] and raw["sliding_window"] == ours.config.sliding_window
-    theirs, back = hf_load(tmp_path / "saved"), load_model(tmp_path / "saved")
-    ids, _ = padded_batch(30, seed=2)
-    with torch.no_grad():
-        want = ours(ids)
-        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
-        assert torch.equal(back(ids), want)
+    ours, raw = assert_save_loads_in_transformers(hf_dir(name), tmp_path / "saved", VARIANTS[name][0])
+    assert raw["sliding_window"] == ours.config.sliding_window
 
 
 @pytest.mark.parametrize("name", ["gemma3", "ministral"])
 def test_lora_adapter_loads_in_peft_to_the_same_logits(hf_dir, tmp_path, name):
     """A LoRA step on a windowed model; PEFT loads the adapter onto transformers' model to our logits."""
-    peft = pytest.importorskip("peft")
-    from grpo_engine.model.lora import LoRAConfig, apply_lora, save_adapter
-
-    path = hf_dir(name)
-    model = apply_lora(load_model(path), LoRAConfig(rank=4))
-    ids, _ = padded_batch(24, seed=3)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    model.train()
-    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
-    opt.step()
-    model.eval()
-    out = save_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(path))
-    theirs = peft.PeftModel.from_pretrained(hf_load(path), out).eval()
-    with torch.no_grad():
-        want = model(ids)
-        assert (want - load_model(path)(ids)).abs().max().item() > 1e-4
-        assert (theirs(ids).logits - want).abs().max().item() < 1e-5
+    assert_lora_step_loads_in_peft(hf_dir(name), tmp_path / "adapter", T=24)
 
 
 @pytest.mark.parametrize("name", ["gemma3-softcap-rope", "mistral"])
 def test_full_fine_tuning_step_saves_what_transformers_loads(hf_dir, tmp_path, name):
     """A full step through Gemma's (1 + w) norms, GeGLU and the soft cap: every weight gets a finite gradient, and
     the saved checkpoint loads in transformers to the trained logits."""
-    model = load_model(hf_dir(name)).train()
-    ids, _ = padded_batch(24, seed=4)
-    torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
-    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    model.eval()
-    save_model(model, tmp_path / "trained")
-    with torch.no_grad():
-        want = model(ids)
-        assert (want - load_model(hf_dir(name))(ids)).abs().max().item() > 1e-4
-        assert (hf_load(tmp_path / "trained")(ids).logits - want).abs().max().item() < 1e-5
+    assert_full_step_loads_in_transformers(hf_dir(name), tmp_path / "trained", T=24)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -411,7 +328,7 @@ def test_full_fine_tuning_step_saves_what_transformers_loads(hf_dir, tmp_path, n
 
 
 def _raw(model_type: str, **fields) -> dict:
-    return {"model_type": model_type, **BASE, **fields}
+    return raw_config(BASE, model_type, **fields)
 
 
 @pytest.mark.parametrize("model_type, fields, needle", [
@@ -424,12 +341,7 @@ def _raw(model_type: str, **fields) -> dict:
      "sliding_attention rope_type='linear'"),
 ])
 def test_what_is_not_implemented_is_refused_in_one_line(model_type, fields, needle):
-    from grpo_engine.model.config import CheckpointError
-    from grpo_engine.model.hf_io import config_from_hf
-
-    with pytest.raises(CheckpointError, match="unsupported feature") as err:
-        config_from_hf(_raw(model_type, **fields))
-    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert_refused_in_one_line(_raw(model_type, **fields), needle)
 
 
 def test_defaults_follow_transformers():
@@ -449,16 +361,6 @@ def test_defaults_follow_transformers():
 # GGUF
 
 
-def _gguf_names_allowed(gguf, arch: str) -> set[str]:
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    return {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_id]}
-
-
-def _templated(name: str) -> str:
-    parts = name.rsplit(".", 1)[0].split(".")
-    return ".".join("{bid}" if p.isdigit() else p for p in parts)
-
-
 def test_gemma3_gguf_round_trip_under_llama_cpps_names_and_norms(tmp_path):
     """`grpo export` writes llama.cpp's gemma3: its tensor names (the gguf package's constants), the norms as 1 + w,
     the window and its layers, the local rope base; the file reads back to the same description and logits (the
@@ -476,7 +378,7 @@ def test_gemma3_gguf_round_trip_under_llama_cpps_names_and_norms(tmp_path):
     out = export_gguf(str(src), str(tmp_path / "g.gguf"), "f32")
     f = reader(out)
     assert f.fields["general.architecture"].contents() == "gemma3"
-    assert {_templated(t.name) for t in f.tensors} <= _gguf_names_allowed(gguf, "gemma3")
+    assert {gguf_template(t.name) for t in f.tensors} <= gguf_names_allowed(gguf, "gemma3")
     assert f.fields["gemma3.attention.sliding_window"].contents() == 8
     ours, back = load_model(src), load_model(out)
     stored = next(t for t in f.tensors if t.name == "blk.0.post_attention_norm.weight")

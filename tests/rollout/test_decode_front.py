@@ -4,10 +4,10 @@ type, validated once, decoded in one call by the loop choose_loop picks; multi-t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
+from echo_env import EchoEnv
 from torch import nn
 
 from grpo_engine.config import ConfigError
@@ -19,24 +19,10 @@ from grpo_engine.rollout.generate import choose_loop, generate_rows
 from grpo_engine.rollout.multiturn import run_multiturn
 from grpo_engine.rollout.rows import Row, validate_rows
 from grpo_engine.rollout.stop_strings import StopStrings
-from grpo_engine.tasks.base import Example, Prompt
-from grpo_engine.tasks.environment import StepResult, TrajectoryLimits
+from grpo_engine.tasks.base import Example
+from grpo_engine.tasks.environment import TrajectoryLimits
 
-
-@dataclass
-class EchoEnv:
-    """Answers every turn with a tool message of `size` words, for 3 turns."""
-
-    size: int
-    limits: TrajectoryLimits = TrajectoryLimits(max_turns=3, max_tokens=200)
-    tools: tuple = ()
-    stop_strings: tuple = ()
-
-    def reset(self, example):
-        return Prompt([{"role": "user", "content": example.question}])
-
-    def step(self, completion):
-        return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
+LIMITS = TrajectoryLimits(max_turns=3, max_tokens=200)  # the echo environments' turns, unless a test says
 
 
 @pytest.mark.parametrize("loop", ["dynamic", "static"])
@@ -50,7 +36,7 @@ def test_completions_and_trajectories_decode_together_as_alone(model64, tiny_tok
     params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0,
                             temperature=1.0 if loop == "dynamic" else 0.0)
     prompts = [tiny_tok.encode(q) for q in ("What is 2", "Hi!")]
-    examples, envs = [Example("0", "Solve x", ""), Example("1", "Hi!", "")], [EchoEnv(2), EchoEnv(7)]
+    examples, envs = [Example("0", "Solve x", ""), Example("1", "Hi!", "")], [EchoEnv(2, LIMITS), EchoEnv(7, LIMITS)]
     alone_completions = generate(model, prompts, params, seed=[5, 6], loop=loop)
     alone_trajectories = run_multiturn(model, tiny_tok, envs, examples, params, seed=[7, 8], loop=loop)
 
@@ -149,9 +135,9 @@ def test_the_loop_choice(tiny_model, tiny_tok):
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=on cannot decode a longrope model"):
         choose_loop(longrope, on, False)
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=on needs a CUDA device"):
-        run_multiturn(tiny_model, tiny_tok, [EchoEnv(1)], [Example("0", "Hi!", "")], on)
+        run_multiturn(tiny_model, tiny_tok, [EchoEnv(1, LIMITS)], [Example("0", "Hi!", "")], on)
     ids = tiny_tok.encode("Hi!")
-    row = Row(0, 0, ids, StopStrings([], tiny_tok), auto, len(ids) + 10, EchoEnv(1), tiny_tok)
+    row = Row(0, 0, ids, StopStrings([], tiny_tok), auto, len(ids) + 10, EchoEnv(1, LIMITS), tiny_tok)
     with pytest.raises(ValueError, match=r"^loop='fast' is not a decode loop: pick one of dynamic, static, graphs$"):
         generate_rows(tiny_model, [row], auto, loop="fast")
     assert row.tokens == ids  # nothing decoded
@@ -160,7 +146,7 @@ def test_the_loop_choice(tiny_model, tiny_tok):
 def test_one_validation_names_the_row_and_the_fix(tiny_model, tiny_tok):
     params, stops, limit = SamplingParams(max_new_tokens=4), StopStrings([], tiny_tok), 8192
     completion = Row(3, 3, [], stops, params, 4)
-    trajectory = Row(2, 0, [1, 2], stops, params, 2 + limit, EchoEnv(1), tiny_tok)
+    trajectory = Row(2, 0, [1, 2], stops, params, 2 + limit, EchoEnv(1, LIMITS), tiny_tok)
     with pytest.raises(ValueError, match=r"^prompt 3 is empty; every prompt needs at least one token"):
         validate_rows(tiny_model, [completion], params, None)
     with pytest.raises(ValueError, match=r"^trajectory 2: the first prompt \(2 tokens\) \+ the environment's "

@@ -5,18 +5,19 @@ write slot on between chunks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from echo_env import EchoEnv
 
 from grpo_engine.rollout import SamplingParams, generate, static_cache
 from grpo_engine.rollout.generate import generate_static
 from grpo_engine.rollout.multiturn import run_multiturn
 from grpo_engine.rollout.static_decode import release_static_decode, static_decode_stats
-from grpo_engine.tasks.base import Example, Prompt
-from grpo_engine.tasks.environment import StepResult, TrajectoryLimits
+from grpo_engine.tasks.base import Example
+from grpo_engine.tasks.environment import TrajectoryLimits
 
 ROUNDING = 16
 
@@ -69,29 +70,13 @@ def test_window_for():
     assert static_cache.window_for(990, 1000) == 1000  # never past S: the state's scratch slot
 
 
-@dataclass
-class EchoEnv:
-    """Answers every turn with a tool message of `size` words."""
-
-    size: int
-    limits: TrajectoryLimits = TrajectoryLimits(max_turns=4, max_tokens=400)
-    tools: tuple = ()
-    stop_strings: tuple = ()
-
-    def reset(self, example):
-        return Prompt([{"role": "user", "content": example.question}])
-
-    def step(self, completion):
-        return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
-
-
 def test_environment_turns_widen_the_window_and_trajectories_equal_the_dynamic_loop(model64, tiny_tok, attended):
     """Environment tokens fed between chunks move rows' writes past what the chunks alone would: the windows cover
     them (a row never writes past its chunk's scratch slot), and every trajectory equals the dynamic loop's."""
     params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
     questions = ["What is 2", "Hi!", "Solve x for me", "Go"]
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
-    envs = lambda: [EchoEnv(s) for s in (1, 9, 3, 12)]  # noqa: E731
+    envs = lambda: [EchoEnv(s, TrajectoryLimits(max_turns=4, max_tokens=400)) for s in (1, 9, 3, 12)]  # noqa: E731
     static = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=[1, 2, 3, 4], loop="static")
     assert any(t.metrics.env_tokens for t in static)
     assert len(set(attended)) > 2  # the window grew with the rows

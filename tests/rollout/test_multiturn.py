@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
+from echo_env import EchoEnv
 from torch import nn
 
 from grpo_engine.model.config import ModelConfig
@@ -211,22 +211,6 @@ def test_turn_ended_by_the_end_of_turn_token_is_not_closed_twice(tiny_tok):
                                                                                          "done")
 
 
-@dataclass
-class ChatterEnv:
-    """Appends a tool message of row-specific length after every turn, for max_turns turns."""
-
-    size: int
-    limits: TrajectoryLimits = TrajectoryLimits(max_turns=3, max_tokens=120)
-    tools: tuple = ()
-    stop_strings: tuple = ()
-
-    def reset(self, example):
-        return Prompt([{"role": "user", "content": example.question}])
-
-    def step(self, completion):
-        return StepResult([{"role": "tool", "content": "ok " * self.size}], {"turn": 1.0}, 0.5)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_logprobs_equal_one_full_forward_over_the_trajectory(tiny_dir, tiny_tok, dtype):
     """fp32: to 1e-4; float64: to 1e-10 (the engine is exact up to rounding: pad holes, grown cache, compaction)."""
@@ -238,7 +222,7 @@ def test_logprobs_equal_one_full_forward_over_the_trajectory(tiny_dir, tiny_tok,
     pilot = generate(tiny_model, [tiny_tok.encode(q) for q in questions], SamplingParams(max_new_tokens=30))
     stops = torch.bincount(torch.tensor(sum(pilot.completion_ids, []))).topk(3).indices.tolist()
     params = SamplingParams(max_new_tokens=12, stop_token_ids=stops, compact_fraction=0.0)
-    out = run_multiturn(tiny_model, tiny_tok, [ChatterEnv(s) for s in (1, 7, 3, 12)], examples, params,
+    out = run_multiturn(tiny_model, tiny_tok, [EchoEnv(s) for s in (1, 7, 3, 12)], examples, params,
                         seed=[5, 6, 7, 8])
     assert all(t.metrics.env_tokens > 0 for t in out)
     ends = {tuple(i for i, m in enumerate(t.loss_mask[1:], 1) if m != t.loss_mask[i - 1]) for t in out}
@@ -276,9 +260,9 @@ def test_single_turn_task_is_generate(tiny_model, tiny_tok):
 def test_rejects_group_sampling_and_too_long_budgets(tiny_model, tiny_tok):
     ex = [Example("0", "hi", "")]
     with pytest.raises(ValueError, match="one trajectory per environment"):
-        run_multiturn(tiny_model, tiny_tok, [ChatterEnv(1)], ex, SamplingParams(n=2))
+        run_multiturn(tiny_model, tiny_tok, [EchoEnv(1)], ex, SamplingParams(n=2))
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        run_multiturn(tiny_model, tiny_tok, [ChatterEnv(1, TrajectoryLimits(2, 5000))], ex, SamplingParams())
+        run_multiturn(tiny_model, tiny_tok, [EchoEnv(1, TrajectoryLimits(2, 5000))], ex, SamplingParams())
 
 
 def test_per_trajectory_seeds_make_a_row_independent_of_the_batch(tiny_dir, tiny_tok):
@@ -291,7 +275,7 @@ def test_per_trajectory_seeds_make_a_row_independent_of_the_batch(tiny_dir, tiny
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
     params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
     sizes, seeds = (2, 9, 4), [11, 22, 33]
-    envs = [ChatterEnv(s, TrajectoryLimits(3, 300)) for s in sizes]
+    envs = [EchoEnv(s, TrajectoryLimits(3, 300)) for s in sizes]
     together = run_multiturn(model, tiny_tok, envs, examples, params, seed=seeds)
     model_turn_lengths = [[len(list(g)) for m, g in itertools.groupby(t.loss_mask) if m] for t in together]
     assert [len(t) for t in model_turn_lengths] == [3, 3, 3] and len({tuple(t) for t in model_turn_lengths}) == 3
