@@ -155,7 +155,7 @@ def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, s
         return
     draws = Draws(_seeds(seed, rows), model.device)
     batches = [[rows[i] for i in w] for w in (waves if waves is not None else [range(len(rows))])]
-    _decode(model, batches, params, draws, graphs=loop == "graphs")
+    _decode_waves(model, batches, params, draws, graphs=loop == "graphs")
 
 
 def choose_loop(model: Transformer, params: SamplingParams) -> str:
@@ -183,7 +183,8 @@ def wave_prompts(rows: list[Row]) -> tuple[list[list[int]], list[int]]:
     return prompts, share
 
 
-def _decode(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws, graphs: bool) -> None:
+def _decode_waves(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
+                  graphs: bool) -> None:
     """static_decode.decode_static, wave by wave: with graphs on the model's kept decoder (a failure frees it: a state
     left mid-step, or NaN-poisoned, is not reused); eagerly on a decoder of the call's own, with the weights packed
     for it, freed when the call ends (static_decode.py, "Eager or kept")."""

@@ -249,7 +249,7 @@ def test_fsdp2_plans_no_static_decode_state_under_auto():
 def test_a_tool_run_is_planned_with_its_kept_state():
     """With tools the rollout decodes on the kept static state too (CUDA graphs under auto, rollout/generate.py
     choose_loop): the plan counts its P x G rows x (prompt + tools.max_tokens) slots and tools.max_tokens uniforms
-    (the decoder's rows x (longest prompt + budget), rollout/generate.py _decode), kept through training; the
+    (the decoder's rows x (longest prompt + budget), rollout/generate.py _decode_waves), kept through training; the
     evaluation's trajectories run at the same budget."""
     tools = plan_of("tools.enabled=true", "tools.max_tokens=300")
     assert [(c.name, c.rows, c.prompt_len, c.new_tokens) for c in tools.decode.calls] == [
