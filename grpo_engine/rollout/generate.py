@@ -199,7 +199,7 @@ def _decode_waves(model: Transformer, waves: list[list[Row]], params: SamplingPa
             for wave in waves:
                 prompts, share = wave_prompts(wave)
                 uniforms = draws.table([r.generator for r in wave], T)  # [R, T]
-                decode_static(model, decoder, wave, prompts, share, sample, uniforms, mode, None if graphs else packs)
+                decode_static(model, decoder, wave, prompts, share, sample, uniforms, mode)
     except BaseException:
         if graphs:
             release_static_decode(model)

@@ -445,12 +445,11 @@ def static_decode_stats(model: Transformer) -> dict | None:
 
 
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
-                  share: list[int], sample: TokenSampler, uniforms: torch.Tensor, graphs: str,
-                  packs: PackedWeights | None = None) -> None:
+                  share: list[int], sample: TokenSampler, uniforms: torch.Tensor, graphs: str) -> None:
     """Run rows (row i from prompt share[i], uniforms [R, T]) to their ends; the rows record their tokens. graphs:
-    `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises).
-    packs: the weights an eager decode packed, resized as the batch steps down."""
-    state = decoder.state
+    `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises). An
+    eager decoder's packed weights follow the batch as it steps down."""
+    state, packs = decoder.state, decoder.packs
     mask, logits = prefill_prompts(model, state, prompts)  # key mask [P, L], logits [P, V]
     index = torch.tensor(share, dtype=torch.long, device=model.device)  # [R]
     state.start_rows(mask, share, uniforms)
