@@ -226,14 +226,16 @@ class StaticDecoder:
         self.eager_from: int | None = None  # the smallest bucket an out-of-memory error left eager (and all above)
         self.signature: tuple | None = None
         self.packs = packs  # an eager decode's packed weights (the LM head's among them), for the call it lasts
-        self.renew(model)
+        self.head = DecodeHead(model, rows, packs)
+        if packs is None:  # a kept decoder: what its graphs bake in of the model (renew; an eager one has none)
+            self.renew(model)
 
     def renew(self, model: Transformer) -> None:
         """Take the model as it is now: drop the graphs if what they baked in changed (model_signature)."""
         signature = model_signature(model)
         if self.signature != signature:
             self.graphs.clear()
-            self.signature, self.head = signature, DecodeHead(model, self.state.rows, self.packs)
+            self.signature, self.head = signature, DecodeHead(model, self.state.rows)
 
     def token_sampler(self, params: SamplingParams) -> TokenSampler:
         key = (params.temperature, params.top_k, params.top_p, params.min_p)
