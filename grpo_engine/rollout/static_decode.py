@@ -493,8 +493,8 @@ def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor) -> li
             if row.finished or row.turn_start != turn:
                 break
             if token == NAN_TOKEN:
-                raise NonFiniteLogits(f"NaN or +inf logits at decode step {row.metrics.model_tokens} of a row: the "
-                                      "model's weights or activations blew up")
+                raise NonFiniteLogits(f"NaN or +inf logits at decode step {row.metrics.model_tokens}: the model's "
+                                      "weights or activations blew up")
             row.take(token, logps[s][j], filtered[s][j])
         if not row.finished and row.turn_start != turn:
             turned.append(s)
