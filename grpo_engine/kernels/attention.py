@@ -16,7 +16,9 @@ engine supports (flash attention takes no mask; the memory-efficient kernel has 
 math kernel, which upcasts K and V and repeats them to every query head, in every layer at every step (about 0.45 GB
 each per layer at 1.5B, 128 rows, 577 slots), slower than reading the weights and held in the CUDA graph's pool.
 The grouped kernel reads each KV head once, in the model's dtype, in two batched GEMMs with no host sync (it is
-captured in the static decode's graphs). Without grouping, SDPA's memory-efficient kernel takes the mask.
+captured in the static decode's graphs); the first writes its scores in fp32 where the torch build has a bf16 GEMM
+with an fp32 output (torch.bmm's out_dtype), else q and K are upcast. Its scores are fp32 on every device, as SDPA's
+(grouped_attention). Without grouping, SDPA's memory-efficient kernel takes the mask.
 
 The same grouped matmuls serve a forward whose gradient is taken (training, scoring with a gradient): on the CPU,
 SDPA's backward in bf16 runs far below its FLOPs (an Intel Xeon with AMX, 2 threads, 9 / 3 heads of 64, 8 rows of

@@ -208,31 +208,41 @@ class Attention(nn.Module):
             out = kernels.train_attention(q, k, v, mask)
         elif mask is None:  # plain causal self-attention over the T tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        elif gqa and T > 1 and q.is_cuda:  # the bias stacks each KV head's query heads (cuda_attention_bias)
+            out = grouped_sdpa(q, k, v, mask)
         else:
-            if gqa and T > 1 and q.is_cuda:  # CUDA's fused kernels take no mask with GQA: SDPA falls back to math
-                k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)  # [B, H, S, D]
-                gqa = False
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype) if mask.is_floating_point()
                                                  else mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
 
 
-def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, Hkv, S, D] -> [B, heads, S, D], query head h reading key/value head h // (heads / Hkv) (as enable_gqa)."""
-    B, Hkv, S, D = x.shape
-    return x[:, :, None].expand(B, Hkv, heads // Hkv, S, D).reshape(B, heads, S, D)
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Masked attention with grouped KV heads on a fused kernel, without copying K and V per query head.
+
+    q [B, H, T, D], k and v [B, H_kv, S, D], bias [B or 1, 1, G T, S] additive (cuda_attention_bias with
+    groups=G = H / H_kv: the T-row mask once per query head of a KV head) -> [B, H, T, D]. Query head h reads KV
+    head h // G (as enable_gqa): a KV head's G query heads go one after another along the queries, [B, H_kv, G T, D],
+    so SDPA sees as many query heads as KV heads. Why: CUDA's fused kernels take no mask with enable_gqa (SDPA then
+    runs its math kernel), and copying K and V to every query head ([B, H, S, D] each) keeps G copies per block for
+    the backward; here autograd keeps the stacked q (q's size), K and V once, and the output
+    (plan/memory.py training_attention_elements)."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, n_kv, H // n_kv * T, D), k, v, attn_mask=bias)
+    return out.view(B, H, T, D)
 
 
-def cuda_attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask [B, 1, T, S] -> additive bias [B, 1, T, S] (0 / -inf) in dtype, rows 16-element aligned.
+def cuda_attention_bias(mask: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+    """bool mask [B, 1, T, S] -> additive bias [B, 1, groups x T, S] (0 / -inf) in dtype, the T rows once per group
+    (grouped_sdpa's stacked query heads), rows 16-element aligned.
 
     SDPA's memory-efficient CUDA kernel takes a float bias with aligned rows; given a bool or unaligned mask it
     converts and pads it in every layer, and autograd keeps each layer's copy for backward. Built once per
     forward, every layer reads (and saves) this one tensor.
     """
     B, _, T, S = mask.shape
-    bias = torch.zeros(B, 1, T, -(-S // 16) * 16, dtype=dtype, device=mask.device)[..., :S]
-    return bias.masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros(B, 1, groups * T, -(-S // 16) * 16, dtype=dtype, device=mask.device)[..., :S]
+    return bias.masked_fill_(~mask.repeat(1, 1, groups, 1), float("-inf"))
 
 
 class MLP(nn.Module):
@@ -318,7 +328,8 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.embed(input_ids)  # [B, T, hidden]
         if mask is not None and T > 1 and mask.is_cuda:
-            mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype)
+            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            mask = cuda_attention_bias(mask.expand(B, 1, T, start + T), x.dtype, groups)
         cos, sin = rope_cos_sin(rope_inv_freq(self.config, x.device), positions, x.dtype)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, mask, cache, i, self.kernels)

@@ -230,9 +230,26 @@ def saved_bytes_per_token_layer(cfg: ModelConfig, k: PlanInput) -> float:
     s = DTYPE_BYTES[k.precision]
     d, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    elements = 4 * d + 2 * q + 2 * kv + 3 * i + (q + kv if cfg.qk_norm else 0)
+    elements = 4 * d + training_attention_elements(cfg) + 3 * i + (q + kv if cfg.qk_norm else 0)
     lora = 4 * k.lora_rank * len(k.lora_targets) if k.mode != "full" else 0
     return elements * s + lora
+
+
+def training_attention_elements(cfg: ModelConfig) -> int:
+    """Elements per token and block the training attention keeps for its backward: q, K and V after RoPE and the
+    output, 2 q + 2 kv. On CUDA with grouped KV heads q is kept as its stacked copy (model/transformer.py
+    grouped_sdpa; q's size, the RoPE output then freed) and K and V once per KV head, never copied per query head;
+    on the CPU SDPA's enable_gqa or the grouped kernel keep the same. The masked batch's additive bias is built once
+    per forward: attention_bias_bytes."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return 2 * q + 2 * kv
+
+
+def attention_bias_bytes(cfg: ModelConfig, rows: int, seq: int, itemsize: int) -> float:
+    """The additive bias a CUDA forward of `rows` rows of `seq` tokens builds once and every block keeps
+    (model/transformer.py cuda_attention_bias): [rows, 1, G x seq, seq rounded up to 16], G = H / H_kv."""
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    return rows * groups * seq * (-(-seq // 16) * 16) * itemsize
 
 
 def layer_transient_bytes(cfg: ModelConfig, k: PlanInput, tokens: int) -> float:
@@ -394,6 +411,7 @@ def plan_memory(model_cfg: ModelConfig, knobs: PlanInput) -> MemoryPlan:
         **resident,
         "gradients": n_train * grad_s,
         "saved activations": saved,
+        "attention bias": attention_bias_bytes(c, k.micro_batch_rows, k.prompt_len + k.completion_len, s),
         **backward_working_set(c, k, tokens, recompute),
     })
     optimizer = Phase("optimizer", {

@@ -63,10 +63,11 @@ def test_heads_must_group():
                     num_attention_heads=6, num_key_value_heads=4)
 
 
-def test_repeated_kv_heads_attend_like_sdpa_gqa():
-    """repeat_kv (taken on CUDA when a mask rules out the fused GQA kernels) gives query head h the key/value
-    head h // (H / Hkv), as enable_gqa does: the same attention output."""
-    from grpo_engine.model.transformer import repeat_kv
+def test_grouped_sdpa_attends_like_sdpa_gqa():
+    """grouped_sdpa (taken on CUDA when a mask rules out the fused GQA kernels: each KV head's query heads stacked
+    along the queries, the bias repeated per group) gives query head h the key/value head h // (H / Hkv), as
+    enable_gqa does: the same attention output; changing KV head 1 changes query heads 3, 4, 5 only."""
+    from grpo_engine.model.transformer import cuda_attention_bias, grouped_sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 5, 8, generator=g)  # [B, H, T, D]
@@ -75,9 +76,13 @@ def test_repeated_kv_heads_attend_like_sdpa_gqa():
     mask[..., 0] = True
     F = torch.nn.functional
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    got = F.scaled_dot_product_attention(q, repeat_kv(k, 6), repeat_kv(v, 6), attn_mask=mask)
+    bias = cuda_attention_bias(mask, torch.float32, groups=3)
+    got = grouped_sdpa(q, k, v, bias)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    torch.testing.assert_close(repeat_kv(k, 6)[:, 3], k[:, 1], rtol=0, atol=0)  # heads 3, 4, 5 read kv head 1
+    k2 = k.clone()
+    k2[:, 1] += 1.0
+    changed = (grouped_sdpa(q, k2, v, bias) - got).abs().amax(dim=(0, 2, 3)) > 0  # [H]
+    assert changed.tolist() == [False, False, False, True, True, True]  # heads 3, 4, 5 read kv head 1
 
 
 def test_cuda_attention_bias_is_the_bool_mask_with_aligned_rows():
@@ -90,6 +95,9 @@ def test_cuda_attention_bias_is_the_bool_mask_with_aligned_rows():
     assert bias.shape == (3, 1, 4, 21) and bias.dtype == torch.bfloat16
     assert all(s % 16 == 0 for s in bias.stride()[:-1]) and bias.stride(-1) == 1
     assert torch.equal(bias == 0, mask) and torch.equal(torch.isneginf(bias), ~mask)
+    stacked = cuda_attention_bias(mask, torch.bfloat16, groups=3)  # the T rows once per query head of a KV head
+    assert stacked.shape == (3, 1, 12, 21) and all(s % 16 == 0 for s in stacked.stride()[:-1])
+    assert all(torch.equal(stacked[:, :, 4 * g : 4 * g + 4], bias) for g in range(3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
