@@ -8,8 +8,9 @@ subclasses or copies of the block. Attention goes through
 
 * training / scoring: no cache, causal attention, optionally `return_hidden=True` so that rl/logprobs.py
   can compute log-probs chunk by chunk without materialising [tokens, vocab] logits;
-* rollout prefill and decode: a `KVCacheLike` object (see rollout/kv_cache.py) holding preallocated
-  key/value tensors; new keys/values are written at `cache.start`, and a key-padding mask covers all slots;
+* rollout prefill and decode: a `KVCacheLike` view of the decode cache (rollout/static_cache.py) over
+  preallocated key/value tensors; new keys/values are written at `cache.start` (a decode step: each row at its
+  own slot and at `start`, the query's scratch slot), and a key-padding mask covers all slots;
 * training with shared prompts (train/forward.py): a cache-like object that records a prompt pass's
   keys/values, then lets each completion attend to its prompt's (autograd sums the gradients back);
 * parity tests: HF-style `attention_mask` [B, T] for left- or right-padded batches.
@@ -38,7 +39,7 @@ class KVCacheLike(Protocol):
 
     `update(layer, k, v)` receives this forward's keys/values [B, H_kv, T, D] (after RoPE) and returns the
     keys/values the queries attend to, [B, H_kv, start + T, D]: the earlier slots followed by the new ones.
-    The rollout cache (rollout/kv_cache.py) writes into preallocated buffers; the training-time prompt
+    The rollout's decode cache (rollout/static_cache.py) writes into preallocated buffers; the training-time prompt
     sharing (train/forward.py) concatenates a prompt pass's keys/values so gradients flow into it.
     The model sets `start = start + T` after the forward.
     """
