@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..model.transformer import Transformer, rope_switch
+from ..model.transformer import Transformer, rope_switch, soft_cap
 from .static_cache import StaticDecodeState
 
 
@@ -98,4 +98,5 @@ def prefill_prompts(model: Transformer, state: StaticDecodeState, prompts: list[
         state.share_prefix(P, c)
         mask = torch.cat([torch.ones(P, c, dtype=torch.bool, device=device), mask], dim=1)  # [P, L]
     hidden = model(ids, mask, cache=state.prompts(P, start=c), return_hidden=True)  # [P, L - c, hidden]
-    return mask, model.logits(hidden[:, -1])  # [P, V]: the LM head (soft-capped) at the last position only
+    logits = soft_cap(model.lm_head(hidden[:, -1]), model.config.final_logit_softcapping)  # [P, V]
+    return mask, logits  # the LM head at the last position only
