@@ -212,9 +212,10 @@ class StaticDecodeState:
         self.ids[:b, 0] = draw.tokens.clamp(min=0)
         self.col[:b].add_(1).clamp_(max=self.columns - 1)
 
-    def read(self, b: int, first: int) -> torch.Tensor:
-        """hist [3, b, columns first..CHUNK] on the host: the one device-to-host copy of a chunk."""
-        return self.hist[:, :b, first:].cpu()
+    def read(self, b: int, first: int, last: int = CHUNK) -> torch.Tensor:
+        """hist [3, b, columns first..last] on the host (last: the chunk's steps): the one device-to-host copy of a
+        chunk."""
+        return self.hist[:, :b, first : last + 1].cpu()
 
     def move_rows(self, slots: list[int]) -> None:
         """Rows at `slots` (live, in order) move to the front, rows 0..len(slots)-1: the batch steps down a bucket."""

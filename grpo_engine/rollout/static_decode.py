@@ -6,7 +6,8 @@ Per wave (`decode_static`):
 
 1. prefill: each distinct prompt once (engine.prefill_prompts: a prefix all prompts share runs once), written into
    the cache and copied to its rows; the first tokens are drawn from the prefill's logits;
-2. a chunk: CHUNK decode steps back to back on the device. A step feeds every row its last token, draws the next
+2. a chunk: CHUNK decode steps back to back on the device (an eager chunk no more than the live rows may still
+   take). A step feeds every row its last token, draws the next
    one with the row's own pre-drawn uniform (TokenSampler: temperature, top-k / top-p / min-p, the full-softmax and the
    filtered log-prob) and writes it into `hist`: no host sync, no generator call, nothing allocated outside the
    graph's pool;
@@ -261,28 +262,33 @@ class StaticDecoder:
         u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
         state.advance(b, sample(self.head(hidden), None, u), j)
 
-    def chunk(self, model: Transformer, b: int, sample: TokenSampler, window: int | None = None) -> None:
-        """CHUNK decode steps of rows [:b] over slots [0, window], in place (hist columns 1..CHUNK): the code a graph
-        captures."""
-        for j in range(1, CHUNK + 1):
+    def chunk(self, model: Transformer, b: int, sample: TokenSampler, window: int | None = None,
+              steps: int = CHUNK) -> None:
+        """`steps` decode steps (CHUNK: the code a graph captures) of rows [:b] over slots [0, window], in place
+        (hist columns 1..steps)."""
+        for j in range(1, steps + 1):
             self.step(model, b, sample, j, window)
 
     def run_chunk(self, model: Transformer, b: int, sample: TokenSampler, graphs: str,
-                  window: int | None = None) -> None:
+                  window: int | None = None, steps: int = CHUNK) -> int:
         """One chunk at bucket b over slots [0, window] (None: all). graphs `off`, or `auto` after a failed capture
-        check in this process: eagerly; else by the triple's graph, captured and checked the first time (`on`: a
-        failed check raises)."""
+        check in this process: eagerly, `steps` steps (no more than the rows can still take: a graph's fixed CHUNK
+        would only step finished rows); else CHUNK steps by the triple's graph, captured and checked the first time
+        (`on`: a failed check raises). -> the steps it ran (hist columns 1..steps)."""
         window = self.state.slots if window is None else window
-        self.slots_read += CHUNK * b * (window + 1)
         self.chunks[(b, window)] += 1
         replay = self.graphs.get((b, window, sample.key))
         too_large = self.eager_from is not None and b >= self.eager_from
         if graphs == "off" or (graphs == "auto" and (HEALTH.cause is not None or too_large)):
-            self.chunk(model, b, sample, window)
-        elif replay is not None:
-            replay()
+            self.chunk(model, b, sample, window, steps)
         else:
-            self.capture(model, b, sample, strict=graphs == "on", window=window)
+            steps = CHUNK
+            if replay is not None:
+                replay()
+            else:
+                self.capture(model, b, sample, strict=graphs == "on", window=window)
+        self.slots_read += steps * b * (window + 1)
+        return steps
 
     def capture(self, model: Transformer, b: int, sample: TokenSampler, strict: bool, window: int) -> None:
         """Capture the chunk at bucket b and check the graph's first replay against the eager warm-up chunk that a
@@ -474,9 +480,11 @@ def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row
         return
     frontier = prompt_slots  # the largest write slot of rows [:b] (every row starts writing at the prompts' end)
     while True:
-        decoder.run_chunk(model, b, sample, graphs, window_for(frontier, state.slots))
-        frontier = min(frontier + CHUNK, state.slots - 1)  # each step moves every row's write on (clamped there)
-        turned = take_tokens(rows, slots, state.read(b, first), switch)
+        # the most steps a live row may still take (a bound; before the first chunk its first token is drawn)
+        left = max(rows[r].steps_left() for r in slots if not rows[r].finished) - (first == 0)
+        ran = decoder.run_chunk(model, b, sample, graphs, window_for(frontier, state.slots), min(CHUNK, max(1, left)))
+        frontier = min(frontier + ran, state.slots - 1)  # each step moves every row's write on (clamped there)
+        turned = take_tokens(rows, slots, state.read(b, first, ran), switch)
         first = 1
         live = [s for s, r in enumerate(slots) if not rows[r].finished]
         if not live:

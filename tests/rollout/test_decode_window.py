@@ -45,7 +45,8 @@ def attended(model64, monkeypatch):
 def test_a_chunk_attends_over_the_live_length_rounded_up(model64, prompts, attended, eager_decoders):
     """Prompts of up to 13 tokens (L = 13 slots), 60 new tokens (S = 128 slots: 73 rounded up to 64s): chunk i reads
     min(S, roundup(13 + 16 i + 16, 16)) + 1 slots in every step and layer (33, 49, 65, 81, ..., not 129 from the
-    first step); the tokens and log-probs are the reference decode's, and the decoder counts the slots read."""
+    first step), each eager chunk 16 steps but the last, whose 11 are the steps the rows have left (59 after the
+    prefill's token); the tokens and log-probs are the reference decode's, and the decoder counts the slots read."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=60)
     static = generate_static(model64, prompts, params)
     (decoder,) = eager_decoders
@@ -57,8 +58,9 @@ def test_a_chunk_attends_over_the_live_length_rounded_up(model64, prompts, atten
     want = [min(decoder_slots, -(-(L + 16 * i + 16) // ROUNDING) * ROUNDING) + 1 for i in range(len(chunks))]
     assert [set(c) for c in chunks] == [{w} for w in want]
     assert want[:4] == [33, 49, 65, 81] and want[-1] <= decoder_slots + 1
-    rows = 16  # every row runs max_new_tokens: the bucket stays 16
-    assert decoder.slots_read == sum(static_cache.CHUNK * rows * w for w in want)
+    rows, steps = 16, [16, 16, 16, 11]  # every row runs max_new_tokens: the bucket stays 16
+    assert [len(c) // layers for c in chunks] == steps
+    assert decoder.slots_read == sum(n * rows * w for n, w in zip(steps, want))
     reference = reference_generate(model64, prompts, params, [0] * len(prompts))
     assert static.completion_ids == [r.tokens[r.prompt_len :] for r in reference]
     for a, b in zip(static.logprobs, [r.logps[r.prompt_len :] for r in reference]):

@@ -179,7 +179,8 @@ def test_the_host_reads_the_tokens_once_per_chunk(tiny_model, mixed_prompts, mon
     """T new tokens: the first from the prefill, then ceil((T - 1) / CHUNK) chunks, one host read each."""
     reads = []
     real = StaticDecodeState.read
-    monkeypatch.setattr(StaticDecodeState, "read", lambda self, b, first: reads.append(b) or real(self, b, first))
+    monkeypatch.setattr(StaticDecodeState, "read", lambda self, b, first, *last: reads.append(b) or real(self, b, first,
+                                                                                                      *last))
     out = generate_static(tiny_model, mixed_prompts, SamplingParams(n=2, max_new_tokens=50), seed=0)
     assert [len(c) for c in out.completion_ids] == [50] * 6
     assert reads == [6] * -(-49 // CHUNK)  # an eager decode's state holds its 6 rows exactly (no bucket of 8)
