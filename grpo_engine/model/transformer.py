@@ -99,8 +99,8 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 def rope_switch(cfg: ModelConfig) -> int | None:
     """The length past which a longrope row takes its long factors (None for other ropes): a row's keys
-    computed before it passes are stale after (the decode loop prefills again, the training forward runs the row
-    whole: rollout/engine.py, train/forward.py)."""
+    computed before it passes are stale after (the decode loop prefills the row again, the training forward runs
+    it whole: rollout/static_decode.py passes_rope_switch, train/forward.py)."""
     if rope_kind(cfg.rope_scaling) != "longrope":
         return None
     return int(cfg.rope_scaling["original_max_position_embeddings"])
@@ -440,7 +440,7 @@ class Transformer(nn.Module):
     embedding when configured).
 
     The logit scale is applied to the final hidden state, before the head: every reader of the head (the chunked
-    log-probs, the fused head, the decode loops, SFT) multiplies `return_hidden=True`'s output by the head's
+    log-probs, the fused head, the decode loop, SFT) multiplies `return_hidden=True`'s output by the head's
     weight and so gets the family's logits without knowing the family.
 
     Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/): `kernels` holds

@@ -1,5 +1,5 @@
 """The decode step's grouped attention: what CUDA runs for grouped KV heads (kernels/attention.py
-decode_attention_for), equal to SDPA through both decode loops in float64, reading K and V once in the model's dtype
+decode_attention_for), equal to SDPA through the one decode loop in float64, reading K and V once in the model's dtype
 with no host sync; on CUDA with SDPA's math kernel switched off."""
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class _OnCuda(nn.Module):
 def test_the_loop_choice(tiny_model, tiny_tok):
     """On CUDA `auto` and `on` run completions and trajectories on CUDA graphs, a longrope model eager chunks under
     `auto` (its rows are prefilled again past the switch between chunks) and `on` refused for it; on a CPU eager
-    chunks, and `on` fails in one line; a loop that is neither is refused (the dynamic loop's name among them)."""
+    chunks, and `on` fails in one line; a loop that is neither is refused (`dynamic`, a removed loop's name, too)."""
     auto, on, off = SamplingParams(), SamplingParams(cuda_graphs="on"), SamplingParams(cuda_graphs="off")
     assert choose_loop(_OnCuda(), auto) == "graphs" and choose_loop(_OnCuda(), on) == "graphs"
     assert choose_loop(_OnCuda(), off) == "static" and choose_loop(tiny_model, auto) == "static"
