@@ -46,6 +46,11 @@ VARIANTS = {
                                     head_dim=16)),
     "smollm3-window": ("smollm3", dict(use_sliding_window=True, sliding_window=5, no_rope_layers=[1, 0, 1, 0])),
     "phi3-window": ("phi3", dict(sliding_window=9, partial_rotary_factor=0.5)),
+    "phi3-window-longrope": ("phi3", dict(sliding_window=9, partial_rotary_factor=0.5,
+                                          original_max_position_embeddings=16,
+                                          rope_scaling={"rope_type": "longrope",
+                                                        "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                        "long_factor": [2.0, 3.0, 4.0, 5.0]})),
 }
 ONE_EACH = ["gemma3", "gemma3-softcap-rope", "mistral", "ministral", "smollm3-window", "phi3-window"]
 
@@ -132,7 +137,7 @@ def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     assert_bf16_within_bf16_rounding(hf_dir(name))
 
 
-@pytest.mark.parametrize("name", ONE_EACH)
+@pytest.mark.parametrize("name", [*ONE_EACH, "phi3-window-longrope"])  # a window and longrope's switch at 16
 def test_greedy_decode_equals_transformers_generate_past_the_window(hf_dir, name, monkeypatch):
     """40 new tokens (more than any window) from two left-padded prompts, by the one decode loop run eagerly (the
     code its CUDA graphs capture), with the live-length window rounded to 64 slots and to 8 (so that it grows
