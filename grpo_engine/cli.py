@@ -263,7 +263,7 @@ class AnyOrderParser(argparse.ArgumentParser):
     """A parser whose options and positionals may come in any order (`grpo config show C --resolved k=v`).
 
     Why: plain argparse fills `config` and `overrides` from the first run of positionals it meets, so an override
-    after an option was "unrecognized" although the usage line shows `[--resolved] config [overrides ...]`. Every
+    after an option would be "unrecognized" although the usage line shows `[--resolved] config [overrides ...]`. Every
     subcommand's parser is of this class (argparse builds subparsers of their parent's class); a parser that
     chooses a subcommand (its positional is the subcommand's name and the rest) parses as argparse does."""
 

@@ -317,7 +317,8 @@ def stored_before(path: Path, console: Console | None = None) -> tuple[HeldOut |
     if not path.is_file():
         return None, ""
     try:
-        data = json.loads(path.read_bytes()[: 1 << 20])
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))  # at most 1 MiB read: a larger file is not one the engine wrote
     except (OSError, ValueError) as e:
         aside = path.parent / f"superseded-{utc_stamp()}"
         aside.mkdir(exist_ok=True)

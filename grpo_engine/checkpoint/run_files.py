@@ -128,4 +128,6 @@ def _remember(run_dir: Path, name: str) -> None:
     tmp = run_dir / f".{RECORD}.tmp-{os.getpid()}"
     with removed_on_failure(tmp):
         _write_new(tmp, "".join(f"{n}\n" for n in sorted(names)).encode("utf-8"))
+        fsync_path(tmp)  # the record outlives a crash as surely as the file it names
         os.replace(tmp, run_dir / RECORD)
+        fsync_path(run_dir)

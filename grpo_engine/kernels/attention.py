@@ -16,7 +16,9 @@ each per layer at 1.5B, 128 rows, 577 slots), slower than reading the weights an
 The grouped kernel reads each KV head once, in the model's dtype, in two batched GEMMs with no host sync (it is
 captured in the static decode's graphs); the first writes its scores in fp32 where the torch build has a bf16 GEMM
 with an fp32 output (torch.bmm's out_dtype), else q and K are upcast. Its scores are fp32 on every device, as SDPA's
-(grouped_attention). Without grouping, SDPA's memory-efficient kernel takes the mask.
+(grouped_attention). Without grouping, SDPA's memory-efficient kernel takes the mask. The CUDA side (the mixed
+GEMM and the fused kernels' choice) has not run on a GPU yet: tests/model/test_decode_attention.py's CUDA tests
+settle it.
 
 The same grouped matmuls serve a forward whose gradient is taken (training, scoring with a gradient): on the CPU,
 SDPA's backward in bf16 can run far below its FLOPs, while the grouped matmuls' autograd graph runs on the GEMMs.

@@ -109,7 +109,6 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
     """The planner's knobs for one step of `cfg`. Lengths are the caps (rollout.max_prompt_tokens,
     rollout.max_new_tokens), so the plan is the worst step, not the average one; a training micro-batch
     holds memory.micro_batch_tokens // (prompt + completion) rows of that worst length (at least one)."""
-    from ..rollout.generate import rows_in_flight
 
     check_sizes_plannable(cfg)
     r, m = cfg.rollout, cfg.memory
@@ -125,11 +124,18 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
         activation_checkpointing=m.activation_checkpointing, checkpoint_every=m.checkpoint_every,
         micro_batch_rows=micro_batch_rows(m.micro_batch_tokens or CPU_MICRO_BATCH_TOKENS, slots),
         logprob_chunk=m.logprob_chunk_size or CPU_LOGPROB_CHUNK,
-        rollout_rows_in_flight=rows_in_flight(r.prompts_per_step, r.group_size, slots, r.max_tokens_in_flight)
-        if r.max_tokens_in_flight else 0, reference=spec.reference,
+        rollout_rows_in_flight=in_flight(cfg, r.prompts_per_step, r.group_size, slots) if r.max_tokens_in_flight
+        else 0, reference=spec.reference,  # 0: every row at once
         static_decode=static_decode_planned(cfg),
         **decode_call_knobs(cfg),
     )
+
+
+def in_flight(cfg: Config, prompts: int, group: int, slots: int) -> int:
+    """Rows decoded at once (rollout/generate.py rows_in_flight); trajectories with tools decode all rows together."""
+    from ..rollout.generate import rows_in_flight
+
+    return rows_in_flight(prompts, group, slots, 0 if cfg.tools.enabled else cfg.rollout.max_tokens_in_flight)
 
 
 def config_model_shape(cfg: Config, shape: str | None = None) -> ModelConfig:

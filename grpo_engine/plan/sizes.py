@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
 from .decode_state import kv_bytes_per_token
-from .from_config import plan_config, precision_choice, shape_or_none, shown
+from .from_config import in_flight, plan_config, precision_choice, shape_or_none, shown
 from .memory import DTYPE_BYTES, GIB
 from .precision import planned_card_native_bf16
 
@@ -146,13 +146,6 @@ def completion_cap(cfg: Config) -> int:
 
 def probe_cap(cfg: Config) -> int:
     return cfg.tools.max_tokens if cfg.tools.enabled else cfg.eval.max_new_tokens
-
-
-def in_flight(cfg: Config, prompts: int, group: int, slots: int) -> int:
-    """Rows decoded at once (rollout/generate.py rows_in_flight); trajectories with tools decode all rows together."""
-    from ..rollout.generate import rows_in_flight
-
-    return rows_in_flight(prompts, group, slots, 0 if cfg.tools.enabled else cfg.rollout.max_tokens_in_flight)
 
 
 def rollout_settings(cfg: Config) -> dict[str, int]:
