@@ -2,9 +2,9 @@
 that llama.cpp and Ollama run, tokenizer and chat template inside.
 
 Written the way llama.cpp's own converter writes a checkpoint of each family with a GGUF architecture
-(model/config.py FAMILIES: llama, qwen2, qwen3, smollm3, granite, olmo2, phi3): its metadata keys (Granite's
-scales, Phi-3's rotary dims and longrope keys), its tensor names (gguf_io.block_names) in the order of the Hugging
-Face tensor names, the llama-like families' q/k rows permuted (the inverse of gguf_io.unpermute_qk), Phi-3's
+(model/config.py FAMILIES with a `gguf_arch`; Mistral and Ministral as llama): its metadata keys (Granite's
+scales, Phi-3's rotary dims and longrope keys, Gemma 3's), its tensor names (gguf_io.block_names) in the order of
+the Hugging Face tensor names, the llama-like families' q/k rows permuted (the inverse of gguf_io.unpermute_qk), Phi-3's
 longrope factors as rope_factors_long / rope_factors_short, 1-D tensors (norms, biases) in F32 and the matrices in
 the chosen type. Q8_0 packs each
 row in blocks of 32 values, so a matrix whose rows are not a multiple of 32 long cannot be Q8_0: it is written
@@ -85,7 +85,8 @@ def write_metadata(w, model: Transformer, kind: str, name: str) -> None:
 
 
 def write_family_metadata(w, c) -> None:
-    """Granite's scales and Phi-3's longrope keys, under llama.cpp's names (gguf_io reads them back)."""
+    """Each family's own keys (Granite's scales, Phi-3's longrope, Gemma 3's), under llama.cpp's names (gguf_io reads
+    them back)."""
     if c.model_type == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)

@@ -1,5 +1,5 @@
 """THE model file: one decoder-only transformer for every family of model/config.py's FAMILIES (Qwen2 / Qwen2.5,
-Qwen3, Llama 3.x, SmolLM3, Granite, OLMo 2, Phi-3 / Phi-4-mini).
+Qwen3, Llama 3.x, SmolLM3, Granite, OLMo 2, Phi-3 / Phi-4-mini, Gemma 3, Mistral, Ministral).
 
 The families differ only by their `Family` row (norm placement, q/k norm width, fused projections) and
 `ModelConfig` numbers (biases, explicit head_dim, rope scaling and layers, multipliers, tied embeddings), never by
@@ -325,7 +325,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     so SDPA sees as many query heads as KV heads. Why: CUDA's fused kernels take no mask with enable_gqa (SDPA then
     runs its math kernel), and copying K and V to every query head ([B, H, S, D] each) keeps G copies per block for
     the backward; here autograd keeps the stacked q (q's size), K and V once, and the output
-    (plan/memory.py training_attention_elements)."""
+    (plan/memory.py training_attention_elements). Counted on CPU tensors; which kernel SDPA runs on CUDA is untested
+    on a GPU (tests/model/test_grouped_sdpa.py's CUDA test settles it)."""
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(B, n_kv, H // n_kv * T, D), k, v, attn_mask=bias)
@@ -452,6 +453,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.windows = sorted({cfg.window(i) for i in range(cfg.num_hidden_layers)} - {None})  # one mask each
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels: Kernels = TORCH_KERNELS
@@ -495,11 +497,11 @@ class Transformer(nn.Module):
         cfg = self.config
         x = self.embed(input_ids)  # [B, T, hidden]
         if cfg.family.embed_scale_sqrt:  # the factor rounded to the model's dtype first, as Gemma's reference
-            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype, device=x.device)
+            x = x * float(torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype))  # a host scalar: no copy per step
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier
         masks = {None: mask}  # window -> the mask of its layers (one per layer kind)
-        for window in {block.window for block in self.layers} - {None}:
+        for window in self.windows:
             masks[window] = window_mask(mask, positions, key_pos, start + T, window)
         if T > 1 and any(m is not None and m.is_cuda for m in masks.values()):
             groups = cfg.num_attention_heads // cfg.num_key_value_heads
