@@ -73,7 +73,6 @@ ORDERS = {  # the same command written twice: options first, and options among (
                                                                           "b=2"]),
     "train": (["train", "--overwrite", "--stop-after", "2", "C", "a=1", "b=2"],
               ["train", "C", "a=1", "--stop-after", "2", "b=2", "--overwrite"]),
-    "check": (["check", "C", "a=1", "b=2"], ["check", "C", "a=1", "b=2"]),
     "demo": (["demo", "--quick", "--real", "a=1", "b=2"], ["demo", "a=1", "--quick", "b=2", "--real"]),
     "plan": (["plan", "--card", "24", "C", "a=1", "b=2"], ["plan", "C", "a=1", "--card", "24", "b=2"]),
     "bench step": (["bench", "step", "--model", "M", "--steps", "2", "a=1", "b=2"],
@@ -90,7 +89,8 @@ def test_item15_options_and_overrides_in_any_order(command):
     first, mixed = ORDERS[command]
     parsed = [vars(build_parser().parse_args(argv)) for argv in (first, mixed)]
     assert parsed[0] == parsed[1]
-    assert parsed[0].get("overrides", ["a=1", "b=2"]) == ["a=1", "b=2"]
+    if command not in ("generate", "eval"):  # the two commands without overrides
+        assert parsed[0]["overrides"] == ["a=1", "b=2"]
 
 
 def test_item15_config_show_resolved_after_the_config_takes_the_overrides(capsys):
@@ -447,7 +447,7 @@ def test_item12_the_start_is_written_before_step_1(tmp_path, tiny_ckpt, monkeypa
     config = tiny_config(tmp_path, tiny_ckpt)
     assert main(["train", str(config), "eval.before_after=true", "eval.max_examples=4"]) == 130
     got = json.loads((tmp_path / "run/before_after.json").read_text())
-    assert got["after"] is None and got["before"]["accuracy"] >= 0 and got["problems"] == 4
+    assert got["after"] is None and 0.0 <= got["before"]["accuracy"] <= 1.0 and got["problems"] == 4
 
 
 def test_item13_a_torn_before_after_json_is_named_moved_aside_and_rewritten(handed, capsys):

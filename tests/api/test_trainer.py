@@ -216,7 +216,9 @@ def test_after_training_generate_evaluate_save_and_history(tmp_path, tiny_ckpt, 
     assert "step 2/2" in out and "\x1b" not in out and "\r" not in out  # plain lines in a log: no escape sequences
     assert trainer.current_model() == tmp_path / "py/checkpoints/step-000002/model"
     reply = trainer.generate("say 3", max_new_tokens=4)
-    assert isinstance(reply, str) and len(trainer.generate(["a", "b"], max_new_tokens=2, n=2, temperature=1.0)) == 2
+    assert isinstance(reply, str)
+    replies = trainer.generate(["a", "b"], max_new_tokens=2, n=2, temperature=1.0)
+    assert len(replies) == 2 and all(len(g) == 2 and all(isinstance(r, str) for r in g) for g in replies), replies
     report = trainer.evaluate(data=ROWS[:3], max_new_tokens=4)
     assert report.summary.num_problems == 3
     # by_level adds the row's level (0, 1, 2) to a share in [0, 1]: its mean reward is above the mean level
