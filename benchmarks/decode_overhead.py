@@ -42,22 +42,24 @@ def measure(model_dir: str, rows: int, slots: int, reps: int) -> dict:
     from grpo_engine.kernels import apply_kernels, cpu_model, onednn
     from grpo_engine.model.loading import load_model
     from grpo_engine.rollout.decode_kernels import packed_for_decode
-    from grpo_engine.rollout.kv_cache import KVCache
+    from grpo_engine.rollout.static_cache import StaticDecodeState
 
     model = apply_kernels(load_model(model_dir).requires_grad_(True))  # trainable: packed as in a GRPO rollout
     cfg, g = model.config, torch.Generator().manual_seed(0)
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {n: torch.randn(rows, n, generator=g) for n in {m.in_features for m in linears}}  # [R, in]
     with torch.inference_mode(), packed_for_decode(model, rows, steps=10**6) as packs:
-        cache = KVCache.allocate(cfg, rows, slots + 1, torch.float32, "cpu")
-        for k, v in zip(cache.k, cache.v):
+        state = StaticDecodeState(cfg, rows, slots, 1, torch.float32, torch.float32, torch.device("cpu"))
+        for k, v in zip(state.k, state.v):
             k.normal_(generator=g), v.normal_(generator=g)
-        mask = torch.ones(rows, slots + 1, dtype=torch.bool)
+        state.key_mask.fill_(True)
+        state.write.fill_(slots - 1)
+        state.positions.fill_(slots)
         tokens = torch.randint(0, cfg.vocab_size, (rows, 1), generator=g)
+        cache = state.view(rows)  # the decode step's view: all `slots` cached tokens and the scratch slot
 
-        def step():
-            cache.start = slots  # the same slot each time: one decode step after `slots` cached tokens
-            return model(tokens, mask, cache=cache, return_hidden=True)
+        def step():  # the same slots each time: one decode step after `slots` cached tokens
+            return model(tokens, state.key_mask, cache=cache, positions=state.positions, return_hidden=True)
 
         def gemms():
             for m in linears:

@@ -184,7 +184,7 @@ def time_ours(gguf: Path, dtype: str, prompts: list[list[int]], group: int, new:
     from grpo_engine.bench.generate import bench_generate
 
     args = argparse.Namespace(model=str(gguf), prompts=len(prompts), group=group, max_new=new, ignore_eos=True,
-                              temperature=1.0, device="cpu", dtype=dtype, compile=False, cuda_graphs="off", seed=0)
+                              temperature=1.0, device="cpu", dtype=dtype, cuda_graphs="off", seed=0)
     r = bench_generate(args, prompts=prompts)
     return r["seconds"], r["new_tokens"]
 

@@ -29,8 +29,8 @@ Sections
   `ours_training`, the exact path training's rollouts take with the default config (rollout.generate with
   train.setup.sampling_params, so rollout.cuda_graphs=auto: the static decode in CUDA graphs on CUDA; per-prompt
   seeds as collect_groups draws them); tokens/s from a second call, the first call's capture seconds apart. Beside
-  it transformers' generate with the dynamic and the static cache, and on request (--engines all) our eager
-  dynamic loop and its torch.compile'd step. Tokens/s, the fraction of the HBM bound (weight + KV-cache bytes read
+  it transformers' generate with the dynamic and the static cache, and on request (--engines all) our decode with
+  eager chunks (rollout.cuda_graphs=off). Tokens/s, the fraction of the HBM bound (weight + KV-cache bytes read
   per decode step over the measured copy bandwidth), and per shape ours_training over the faster transformers
   engine against the issue's 15x target. Each row records the peak memory of that row alone (the counter is reset
   before it) and, for ours, the CUDA graphs captured, the buckets and attention windows run, and any fallback with
@@ -39,7 +39,7 @@ Sections
 Time on an H100 / H200 (estimated from the recorded H200 figures, not yet measured with this version): parity ~1
 min, memory ~4-5 min (four presets, one process each), speed ~5 min (per shape ~45 s for each transformers engine,
 ~20 s for ours_training's two calls and captures, ~20 s for the checkpoint and loads): all three ~10-11 min; the
-issue's figures alone: `--sections speed`, ~5 min. `--engines all` adds ~2.5 min (eager + compiled, two shapes).
+issue's figures alone: `--sections speed`, ~5 min. `--engines all` adds ~1.5 min (eager chunks, two shapes).
 
 `--smoke` (CPU, toy shapes, seconds) and `--dry-run` (print the plan, run nothing) check the plumbing without a GPU.
 """
@@ -631,8 +631,8 @@ def read_bytes(cfg, decode_steps: int, kv_slots_read: int) -> float:
     return step_weight_bytes(cfg) * decode_steps + kv_slot_bytes(cfg) * kv_slots_read
 
 
-def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
-    """Our dynamic decode loop, eager or with its step torch.compile'd (`grpo bench generate --cuda-graphs off`)."""
+def ours_speed(path: Path, sizes: Sizes) -> dict:
+    """Our decode with eager chunks, no CUDA graphs (`grpo bench generate --cuda-graphs off`)."""
     from grpo_engine.bench.generate import bench_generate
 
     args = argparse.Namespace(
@@ -644,7 +644,6 @@ def ours_speed(path: Path, sizes: Sizes, compile: bool) -> dict:
         temperature=1.0,
         device=None,
         dtype=None,
-        compile=compile,
         cuda_graphs="off",
         seed=0,
     )
@@ -769,11 +768,10 @@ def hf_speed(path: Path, sizes: Sizes, cache: str | None) -> dict:
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "new_tokens": tokens}
 
 
-ENGINES = ("ours_training", "ours_training_stops", "ours_training_top_p", "hf_dynamic", "hf_static", "ours_eager",
-           "ours_compiled")
+ENGINES = ("ours_training", "ours_training_stops", "ours_training_top_p", "hf_dynamic", "hf_static", "ours_eager")
 DEFAULT_ENGINES = ENGINES[:5]
 ESTIMATE_ENGINE_S = {"ours_training": 20, "ours_training_stops": 30, "ours_training_top_p": 20, "hf_dynamic": 45,
-                     "hf_static": 45, "ours_eager": 45, "ours_compiled": 75}  # an H100 / H200, per shape
+                     "hf_static": 45, "ours_eager": 45}  # an H100 / H200, per shape
 SPEED_TARGET = 15.0  # issue 42: ours_training >= 15x the faster transformers engine, same run, same shape
 
 
@@ -785,8 +783,7 @@ def speed_runs(path: Path, sizes: Sizes, shape: str, engines: list[str], hf_stat
         "ours_training_top_p": partial(training_speed, path, sizes, "top_p"),
         "hf_dynamic": partial(hf_speed, path, sizes, None),
         "hf_static": partial(hf_speed, path, sizes, "static"),
-        "ours_eager": partial(ours_speed, path, sizes, False),
-        "ours_compiled": partial(ours_speed, path, sizes, True),
+        "ours_eager": partial(ours_speed, path, sizes),
     }
     if not transformers_installed():
         runs["hf_dynamic"] = runs["hf_static"] = lambda: dict(SKIP_NO_TRANSFORMERS)

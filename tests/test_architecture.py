@@ -455,3 +455,86 @@ def test_the_precision_is_decided_in_one_function():
         "_on_card", "_on_cpu", "card_name", "native_bf16", "planned_card_native_bf16"))
     assert [c for c in _functions_matching(chooses) if not c.startswith("plan/precision.py:")] == [
         "plan/from_config.py:precision_choice"]
+
+
+# One decode loop over one decode cache (issue 69 item 3; docs/architecture.md, the rollout/ row): the cache is
+# rollout/static_cache.py StaticDecodeState, and every object the model's forward writes a decode's keys/values
+# through is a view of it; the loop is rollout/static_decode.py decode_static, the one caller of the one function
+# that hands sampled tokens to rows. The training-time prompt caches (train/forward.py, sft/trainer.py) hold a
+# prompt pass's keys/values for the gradient: no decode runs on them.
+
+TRAINING_TIME_CACHES = ["sft/trainer.py:PrefixKV", "train/forward.py:PromptKV", "train/forward.py:SharedPromptKV"]
+
+
+def _decode_classes() -> dict[str, ast.ClassDef]:
+    """'path:Class' -> its node, for every class of the package."""
+    return {f"{path.relative_to(PACKAGE).as_posix()}:{node.name}": node for path in _sources()
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _is_cache(cls: ast.ClassDef) -> bool:
+    """A KVCacheLike (model/transformer.py): a class with update(self, layer, k, v) that is not the protocol."""
+    update = _method(cls, "update")
+    return update is not None and [a.arg for a in update.args.args][:2] == ["self", "layer"] and \
+        "Protocol" not in {ast.unparse(b) for b in cls.bases}
+
+
+ALLOCATIONS = ("torch.zeros", "torch.empty", "torch.ones", "torch.full")
+
+
+def _allocates_kv(cls: ast.ClassDef) -> bool:
+    """Whether the class makes key/value storage: self.k / self.v assigned (or a k= / v= argument given) a value in
+    which it allocates a tensor, in any of its methods."""
+    def allocates(value: ast.AST) -> bool:
+        return any(isinstance(c, ast.Call) and ast.unparse(c.func) in ALLOCATIONS for c in ast.walk(value))
+
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign) and any(ast.unparse(t) in ("self.k", "self.v") for t in node.targets) \
+                and allocates(node.value):
+            return True
+        if isinstance(node, ast.Call) and any(kw.arg in ("k", "v") and allocates(kw.value) for kw in node.keywords):
+            return True
+    return False
+
+
+def _callers(name: str, method: bool) -> list[str]:
+    """'path:function' of the package's functions that call `name` (as an attribute: x.name(...), with three
+    arguments, when method; else by its plain name)."""
+    hits = set()
+    for path in _sources():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for c in ast.walk(fn):
+                if not isinstance(c, ast.Call):
+                    continue
+                if method and isinstance(c.func, ast.Attribute) and c.func.attr == name and len(c.args) == 3 or \
+                        not method and isinstance(c.func, ast.Name) and c.func.id == name:
+                    hits.add(f"{path.relative_to(PACKAGE).as_posix()}:{fn.name}")
+    return sorted(hits)
+
+
+def test_one_decode_cache_class():
+    classes = _decode_classes()
+    assert [c for c, node in classes.items() if _allocates_kv(node)] == ["rollout/static_cache.py:StaticDecodeState"]
+    caches = {c: node for c, node in classes.items() if _is_cache(node)}
+    views = {c: node for c, node in caches.items() if c not in TRAINING_TIME_CACHES}
+    assert sorted(views) == ["rollout/static_cache.py:BucketCache", "rollout/static_cache.py:FeedCache",
+                             "rollout/static_cache.py:PromptCache"]
+    for name, node in views.items():  # each is built over the state: storage of its own it has none
+        init = _method(node, "__init__")
+        assert init is not None and "StaticDecodeState" in {ast.unparse(a.annotation) for a in init.args.args
+                                                            if a.annotation is not None}, name
+    assert sorted(c for c in caches if c in TRAINING_TIME_CACHES) == TRAINING_TIME_CACHES
+    assert not any(c.endswith(":KVCache") for c in classes)
+
+
+def test_one_decode_loop():
+    assert _callers("take", method=True) == ["rollout/static_decode.py:take_tokens"]  # Row.take(token, logp, ...)
+    assert _callers("take_tokens", method=False) == ["rollout/static_decode.py:decode_static"]
+    assert _callers("decode_static", method=False) == ["rollout/generate.py:_decode_waves"]
+    assert _callers("_decode_waves", method=False) == ["rollout/generate.py:generate_rows"]

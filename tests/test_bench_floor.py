@@ -38,6 +38,11 @@ def test_body_and_attention_counts_by_hand(tiny_ckpt):
 
 
 def test_generate_flops_equal_torch_flop_counter(tiny_ckpt):
+    """The floor's products, and the attention over the slots the decode's live-length window pads each step to
+    (rollout/static_cache.py window_for: the query at the scratch slot W sees W + 1 slots, L + t + 1 of them real)."""
+    from grpo_engine.rollout.static_cache import window_for
+    from grpo_engine.rollout.static_decode import SLOT_ROUNDING
+
     model = load_model(tiny_ckpt).eval()
     prompts = [[5 + j for j in range(L)], [40 + j for j in range(L)]]
     params = SamplingParams(n=G, temperature=1.0, max_new_tokens=T, stop_token_ids=[])
@@ -45,7 +50,9 @@ def test_generate_flops_equal_torch_flop_counter(tiny_ckpt):
     with kernel, counter:
         out = generate(model, prompts, params, seed=0)
     assert all(len(c) == T for c in out.completion_ids)
-    expected = generate_flops(model.config, StepSizes(P, G, L, T))
+    cfg, W = model.config, window_for(L, -(-(L + T) // SLOT_ROUNDING) * SLOT_ROUNDING)
+    padding = P * G * sum(attention_flops(cfg, 1, W) - attention_flops(cfg, 1, L + t) for t in range(T - 1))
+    expected = generate_flops(cfg, StepSizes(P, G, L, T)) + padding
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-3)  # + RoPE's tiny outer products
 
 

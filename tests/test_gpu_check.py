@@ -35,7 +35,7 @@ def test_arguments_and_the_dry_run_plan(gpu_check, tmp_path, capsys):
     assert 8 <= plan["estimated_total_minutes"] <= 11
     gpu_check.main(["--out", str(tmp_path / "dry"), "--sections", "speed", "--engines", "all", "--dry-run"])
     printed = json.loads(capsys.readouterr().out)
-    assert printed["sections"] == ["speed"] and len(printed["speed_engines"]["qwen2.5-1.5b"]) == 7
+    assert printed["sections"] == ["speed"] and len(printed["speed_engines"]["qwen2.5-1.5b"]) == 6  # ours_eager too
     assert not (tmp_path / "dry").exists()  # a dry run runs and writes nothing
     for bad in (["--sections", "speeed"], ["--engines", "vllm"], ["--speed-shapes", "qwen9"]):
         with pytest.raises(SystemExit):
@@ -62,7 +62,7 @@ def test_speed_targets_and_their_table(gpu_check):
 
 
 def test_speed_section_runs_at_a_toy_shape_on_the_cpu(gpu_check, tmp_path, monkeypatch):
-    """--smoke: every engine's code path at toy sizes (ours_training takes the CPU default, the dynamic loop)."""
+    """--smoke: every engine's code path at toy sizes (ours_training takes the CPU default, eager chunks)."""
     monkeypatch.setattr(gpu_check, "CACHE", tmp_path)
     sizes = gpu_check.SMOKE
     result = gpu_check.speed(True, sizes, ["qwen2.5-0.5b"], ["qwen2.5-0.5b"], ["ours_training", "hf_dynamic"])
@@ -234,7 +234,7 @@ def graphs_on_the_cpu(monkeypatch):
     from grpo_engine.rollout import static_decode
 
     generate_module = importlib.import_module("grpo_engine.rollout.generate")
-    monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice, compiled=False: choice != "off")
+    monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice: choice != "off")
     monkeypatch.setattr(static_decode, "HEALTH", static_decode.GraphHealth())
     faults = {"fault": None}
     monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault=faults["fault"]))

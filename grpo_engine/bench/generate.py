@@ -41,9 +41,8 @@ def add_bench_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the dtype memory.precision=auto "
                                                  "gives a LoRA run of the model here: bf16 on a GPU with it, on a "
                                                  "CPU where it pays, else fp32)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the dynamic decode step")
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
-                   help="rollout.cuda_graphs: the static decode in CUDA graphs (auto = on CUDA) or the dynamic loop")
+                   help="rollout.cuda_graphs: the decode's chunks in CUDA graphs (auto = on CUDA) or eagerly")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a sentence")
     p.set_defaults(func=lambda args: _print(bench_generate(args), args.json))
@@ -78,15 +77,15 @@ def bench_generate(args: argparse.Namespace, prompts: list[list[int]] | None = N
         max_tokens_in_flight=None, cuda_graphs=getattr(args, "cuda_graphs", "auto"),
     )
     cuda = str(args.device).startswith("cuda")
-    graphs = cuda_graphs_on(params.cuda_graphs, model.device, bool(args.compile))
+    graphs = cuda_graphs_on(params.cuda_graphs, model.device)
     # the static decode sizes its state and captures its graphs in the first call of a shape: warm up at full length
     warm = params if graphs else SamplingParams(**{**asdict(params), "max_new_tokens": min(4, args.max_new)})
-    generate(model, prompts, warm, seed=args.seed, compile=args.compile)
+    generate(model, prompts, warm, seed=args.seed)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = generate(model, prompts, params, seed=args.seed, compile=args.compile)
+    out = generate(model, prompts, params, seed=args.seed)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

@@ -53,12 +53,12 @@ class RolloutSection:
     min_p: float = option(0.0, "min-p sampling threshold; 0.0 = off")
     stop_strings: list[str] = option([], "extra strings that end a completion (EOS ids always do)")
     max_tokens_in_flight: int = option(0, "cap on sequences x tokens decoded at once (0 = all rows together)")
-    cuda_graphs: str = option("auto", "the decode loop of every rollout, eval and benchmark: the static KV cache with "
-                                      "each decode chunk a CUDA graph, checked against an eager chunk when captured "
-                                      "(on: CUDA only, a failed check raises), or the eager dynamic loop (off); auto "
-                                      "= on for CUDA (not under FSDP2), and a failed check prints one warning and "
-                                      "decodes eagerly for the rest of the process "
-                                      "(metrics.jsonl: rollout/cuda_graphs_fallback); off elsewhere", CUDA_GRAPHS)
+    cuda_graphs: str = option("auto", "how the decode of every rollout, eval and benchmark runs its chunks: each a "
+                                      "CUDA graph, checked against an eager chunk when captured (on: CUDA only, a "
+                                      "failed check raises), or eagerly (off); auto = on for CUDA (not under FSDP2), "
+                                      "and a failed check prints one warning and decodes eagerly for the rest of the "
+                                      "process (metrics.jsonl: rollout/cuda_graphs_fallback); off elsewhere",
+                              CUDA_GRAPHS)
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads a bare on / off (also yes / no) as a boolean, which reaches this str field as 'True' / 'False'

@@ -30,7 +30,7 @@ def apply_kernels(model: Transformer, plan: KernelPlan | None = None) -> Transfo
     every block's nn.Linear projections are replaced by OneDNNLinear modules holding the same parameters (same
     tensors, names and state dict), which follow the plan (on CUDA or in bf16 they are nn.Linear itself), and
     `model.kernels` becomes the plan's `Kernels` (model/kernels_slot.py), which the model's decode steps and
-    forwards, rl/'s log-prob head, rollout/'s decode loops and train/update.py's accumulation passes read. On CUDA,
+    forwards, rl/'s log-prob head, rollout/'s decode loop and train/update.py's accumulation passes read. On CUDA,
     decode steps with grouped KV heads run the grouped attention whatever the plan, and forwards with a gradient
     SDPA (kernels/attention.py). Returns the model."""
     plan = plan if plan is not None else choose_plan(model)

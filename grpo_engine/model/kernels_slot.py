@@ -3,7 +3,7 @@
 
 Why one value: which GEMM, attention or packing is fastest depends on the machine and is measured by kernels/
 (a `KernelPlan`), while the code that runs the products (the model's decode steps, rl/logprobs.py's chunked head,
-rollout/'s decode loops, train/update.py's accumulation passes) sits left of kernels/ in the layer order and may
+rollout/'s decode loop, train/update.py's accumulation passes) sits left of kernels/ in the layer order and may
 not import it. kernels.apply_kernels builds this value from the plan and sets `model.kernels`; the readers read
 `model.kernels.<field>` and need no check whether a model went through apply_kernels: a model that did not carries
 `Kernels()`, torch's products everywhere. The callables take the model or weight as an argument (no closure over
@@ -104,7 +104,7 @@ class Kernels:
     decode_attention: the attention of a decode step (one new token per row), None for SDPA.
     train_attention: the attention of a forward of more than one token whose gradient is taken, None for SDPA.
     head: the chunked log-prob head's products (rl/logprobs.py), None for torch's.
-    decode: the decode loops' packing and LM-head product.
+    decode: the decode loop's packing and LM-head product.
     weight_grads_in_place: this model's switch, entered by the trainer's accumulation passes, inside which its
         projections add the planned weight gradients straight into .grad (enabled=False: autograd's way, as
         sharded training needs). Two models carry two switches, as they carry two plans.

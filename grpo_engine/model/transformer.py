@@ -8,8 +8,9 @@ subclasses or copies of the block. Attention goes through
 
 * training / scoring: no cache, causal attention, optionally `return_hidden=True` so that rl/logprobs.py
   can compute log-probs chunk by chunk without materialising [tokens, vocab] logits;
-* rollout prefill and decode: a `KVCacheLike` object (see rollout/kv_cache.py) holding preallocated
-  key/value tensors; new keys/values are written at `cache.start`, and a key-padding mask covers all slots;
+* rollout prefill and decode: a `KVCacheLike` view of the decode cache (rollout/static_cache.py) over
+  preallocated key/value tensors; new keys/values are written at `cache.start` (a decode step: each row at its
+  own slot and at `start`, the query's scratch slot), and a key-padding mask covers all slots;
 * training with shared prompts (train/forward.py): a cache-like object that records a prompt pass's
   keys/values, then lets each completion attend to its prompt's (autograd sums the gradients back);
 * parity tests: HF-style `attention_mask` [B, T] for left- or right-padded batches.
@@ -38,7 +39,7 @@ class KVCacheLike(Protocol):
 
     `update(layer, k, v)` receives this forward's keys/values [B, H_kv, T, D] (after RoPE) and returns the
     keys/values the queries attend to, [B, H_kv, start + T, D]: the earlier slots followed by the new ones.
-    The rollout cache (rollout/kv_cache.py) writes into preallocated buffers; the training-time prompt
+    The rollout's decode cache (rollout/static_cache.py) writes into preallocated buffers; the training-time prompt
     sharing (train/forward.py) concatenates a prompt pass's keys/values so gradients flow into it.
     The model sets `start = start + T` after the forward.
     """
@@ -98,8 +99,8 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 def rope_switch(cfg: ModelConfig) -> int | None:
     """The length past which a longrope row takes its long factors (None for other ropes): a row's keys
-    computed before it passes are stale after (the decode loop prefills again, the training forward runs the row
-    whole: rollout/engine.py, train/forward.py)."""
+    computed before it passes are stale after (the decode loop prefills the row again, the training forward runs
+    it whole: rollout/static_decode.py passes_rope_switch, train/forward.py)."""
     if rope_kind(cfg.rope_scaling) != "longrope":
         return None
     return int(cfg.rope_scaling["original_max_position_embeddings"])
@@ -440,7 +441,7 @@ class Transformer(nn.Module):
     embedding when configured).
 
     The logit scale is applied to the final hidden state, before the head: every reader of the head (the chunked
-    log-probs, the fused head, the decode loops, SFT) multiplies `return_hidden=True`'s output by the head's
+    log-probs, the fused head, the decode loop, SFT) multiplies `return_hidden=True`'s output by the head's
     weight and so gets the family's logits without knowing the family.
 
     Kernel choices and activation checkpointing are applied from outside (grpo_engine/kernels/): `kernels` holds

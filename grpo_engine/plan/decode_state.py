@@ -1,9 +1,10 @@
 """The static decode's memory as the planner counts it: the state it keeps and the step's temporaries.
 
-On CUDA (rollout.cuda_graphs on) every generate() call decodes on one static state per model (rollout/static_cache.py,
-rollout/static_decode.py static_decoder): B rows (the bucket of the call's largest wave: 1, 2, 4, ... then multiples
-of 512), S slots (longest prompt + max_new_tokens, rounded up to a multiple of SLOT_ROUNDING) plus one scratch slot,
-U uniforms a row (max_new_tokens). A call that does not fit the held state replaces it by the union of both sizes,
+On CUDA (rollout.cuda_graphs on) every generate() call, single-turn or with tools, decodes on one static state per
+model (rollout/static_cache.py, rollout/static_decode.py static_decoder): B rows (the bucket of the call's largest
+wave: 1, 2, 4, ... then multiples of 512), S slots (longest prompt + max_new_tokens, or + tools.max_tokens for
+trajectories, rounded up to a multiple of SLOT_ROUNDING) plus one scratch slot, U uniforms a row (max_new_tokens, or
+tools.max_tokens). A call that does not fit the held state replaces it by the union of both sizes,
 so what stays is sized by the largest call of the run, not by the rollout alone: the rollout (P x G rows, or the
 whole groups that fit rollout.max_tokens_in_flight), the in-loop eval (its examples, one row each, in waves) and the
 curriculum's pool scoring (chunks of P x G / samples prompts, `samples` rows each). The captured graphs share one

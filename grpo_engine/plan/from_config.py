@@ -70,22 +70,24 @@ def decode_call_knobs(cfg: Config) -> dict:
     curriculum's pool scoring (chunks of P x G / samples prompts). The signal check samples P prompts at a time:
     the rollout's rows."""
     r, e, c = cfg.rollout, cfg.eval, cfg.curriculum
-    return dict(max_tokens_in_flight=r.max_tokens_in_flight, temperature=r.temperature, top_k=r.top_k,
-                top_p=r.top_p, min_p=r.min_p, eval_examples=e.max_examples,
-                eval_new_tokens=max(r.max_new_tokens, e.max_new_tokens if e.every else 0),
+    tools = cfg.tools.max_tokens if cfg.tools.enabled else 0  # a trajectory's tokens: its rows decode all together
+    return dict(max_tokens_in_flight=0 if tools else r.max_tokens_in_flight, temperature=r.temperature,
+                top_k=r.top_k, top_p=r.top_p, min_p=r.min_p, eval_examples=e.max_examples,
+                eval_new_tokens=tools or max(r.max_new_tokens, e.max_new_tokens if e.every else 0),
                 eval_temperature=e.temperature,
                 curriculum_prompts=max(1, r.prompts_per_step * r.group_size // c.samples) if c.mode != "none" else 0,
                 curriculum_samples=c.samples, curriculum_new_tokens=c.max_new_tokens or r.max_new_tokens)
 
 
 def static_decode_planned(cfg: Config) -> bool:
-    """Whether the run decodes on the static state (rollout/static_decode.py graphs_for) on the planned CUDA card:
-    rollout.cuda_graphs auto or on, single-turn rows, and for auto no FSDP2 units (FSDP2, asked for or chosen by
-    distributed.strategy=auto as the run chooses it, policy_spec.sharding, decodes with the dynamic loop's KV cache;
-    `on` is refused there at the first rollout)."""
+    """Whether the run decodes on a kept static state (rollout/static_decode.py graphs_for) on the planned CUDA card:
+    rollout.cuda_graphs auto or on, and for auto no FSDP2 units (FSDP2, asked for or chosen by
+    distributed.strategy=auto as the run chooses it, policy_spec.sharding, decodes eagerly on a state of each call's
+    own, planned as the rollout's KV cache; `on` is refused there at the first rollout). Tool rollouts too: their
+    state holds P x G rows x (prompt + tools.max_tokens) slots (plan_input_from_config)."""
     r = cfg.rollout
     fsdp2 = sharding(cfg, lambda: param_counts(config_model_shape(cfg))[0]) == "fsdp2"
-    return r.cuda_graphs != "off" and not cfg.tools.enabled and not (fsdp2 and r.cuda_graphs == "auto")
+    return r.cuda_graphs != "off" and not (fsdp2 and r.cuda_graphs == "auto")
 
 
 def precision_choice(cfg: Config, device, kept: str | None = None,
@@ -113,10 +115,11 @@ def plan_input_from_config(cfg: Config, bf16_native: bool | None = None) -> Plan
     check_sizes_plannable(cfg)
     r, m = cfg.rollout, cfg.memory
     spec = policy_spec(cfg)  # the trainer's own decision: full / LoRA / QLoRA and where the reference lives
-    slots = r.max_prompt_tokens + r.max_new_tokens
+    completion = cfg.tools.max_tokens if cfg.tools.enabled else r.max_new_tokens  # a trajectory: all its turns
+    slots = r.max_prompt_tokens + completion
     return PlanInput(
         prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-        prompt_len=r.max_prompt_tokens, completion_len=r.max_new_tokens,
+        prompt_len=r.max_prompt_tokens, completion_len=completion,
         mode=spec.mode, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
         precision=precision_choice(cfg, "cuda", native=planned_card_native_bf16 if bf16_native is None
                                    else lambda: bf16_native).precision,  # the planned card's (module docstring)

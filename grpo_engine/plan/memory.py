@@ -392,7 +392,7 @@ def static_decode_plan(cfg: ModelConfig, k: PlanInput) -> DecodePlan:
 
 
 def dynamic_sampler_bytes(cfg: ModelConfig, k: PlanInput) -> float:
-    """The dynamic loop's sampler at the rollout's rows: its temporaries for the filters, its work buffer and the
+    """An eager decode's sampler at the rollout's rows: its temporaries for the filters, its work buffer and the
     LM head's [rows, V] logits buffer."""
     rollout = decode_calls(k)[0]
     s = DTYPE_BYTES[k.precision]

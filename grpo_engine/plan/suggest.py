@@ -112,7 +112,7 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
 
 def window_lines(plan: MemoryPlan) -> list[str]:
     """A windowed model's KV: the sliding layers, and what a cache keeping only the window in them would hold
-    against the full cache the decode loops keep."""
+    against the full cache the decode cache keeps."""
     cfg, k = plan.model, plan.knobs
     if not cfg.windowed:
         return []
@@ -121,7 +121,7 @@ def window_lines(plan: MemoryPlan) -> list[str]:
     return [f"  sliding window: {sliding} of {cfg.num_hidden_layers} layers see the last {cfg.sliding_window} "
             f"positions; the rollout's KV cache holds every slot, {full / GIB:.2f} GiB; a sliding cache (at most "
             f"{cfg.sliding_window} slots in those layers) would hold {windowed / GIB:.2f} GiB, "
-            f"{(full - windowed) / GIB:.2f} GiB less (not implemented: the decode loops keep the full cache)"]
+            f"{(full - windowed) / GIB:.2f} GiB less (not implemented: the decode cache holds every slot)"]
 
 
 def decode_lines(plan: MemoryPlan) -> list[str]:

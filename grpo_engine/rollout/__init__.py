@@ -1,7 +1,8 @@
-"""Rollout: sample G completions per prompt with the policy's own weights (KV cache, shared prefill)."""
+"""Rollout: sample G completions per prompt with the policy's own weights (one decode loop over one decode cache,
+shared prefill)."""
 
 from .generate import GenerationOutput, generate
-from .kv_cache import KVCache
 from .sampling import SamplingParams
+from .static_cache import StaticDecodeState
 
-__all__ = ["GenerationOutput", "KVCache", "SamplingParams", "generate"]
+__all__ = ["GenerationOutput", "SamplingParams", "StaticDecodeState", "generate"]

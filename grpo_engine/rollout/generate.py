@@ -1,21 +1,20 @@
 """The one decode front: `generate_rows` runs rows (rollout/rows.py) to their ends, single-turn completions
-(`generate`) and multi-turn trajectories (multiturn.run_multiturn) alike; which loop runs them is its choice
-(`choose_loop`): the dynamic loop (engine.decode) or the static decode (static_decode.decode_static), with CUDA
-graphs or eagerly.
+(`generate`) and multi-turn trajectories (multiturn.run_multiturn) alike, on the one decode loop
+(static_decode.decode_static) over the one decode cache (static_cache.StaticDecodeState): in CUDA graphs on CUDA,
+eagerly on a CPU, under FSDP2 or with rollout.cuda_graphs=off (`choose_loop`).
 
 One call runs in waves (so rows x max length stays under `max_tokens_in_flight`; a multi-turn call is one wave).
 Each wave prefills its distinct first prompts once (a prefix all of them share runs once), copies each prompt's
-keys/values to its rows, then decodes: the dynamic loop (engine.py) one token per row per step with compaction;
-the static decode (static_decode.py) 16 steps a chunk on a preallocated state whose rows step down batch buckets.
+keys/values to its rows, then decodes 16 steps a chunk; finished rows leave the batch as the live ones fit a
+smaller bucket. A multi-turn row whose model turn ended inside a chunk is set back to that turn's end and its
+environment tokens go in between two chunks (static_turns.py).
 
-Multi-turn rows run on the same loops: on the static state a row whose model turn ended inside a chunk is set back
-to that turn's end and its environment tokens go in between two chunks (static_turns.py); choose_loop says when.
-
-Reproducibility: with `seed` an int, one torch.Generator seeded with it drives every draw, so the same call
-(same prompts, params, seed, device) gives the same completions. With one seed per prompt (per trajectory), each
-prompt draws from its own generator, and only for its unfinished rows: a prompt's completions then do not depend on
-which other prompts share the call, the wave plan, or when other rows finish (the trainer seeds each prompt by
-(seed, step, global prompt index), so splitting prompts across ranks does not change what is sampled).
+Reproducibility: every draw comes from a table of uniforms drawn ahead per wave (engine.Draws.table). With `seed`
+an int, one torch.Generator seeded with it draws the table, so the same call (same prompts, params, seed, device)
+gives the same completions. With one seed per prompt (per trajectory), each prompt's rows draw from its own
+generator: a prompt's completions then do not depend on which other prompts share the call, the wave plan, or when
+other rows finish (the trainer seeds each prompt by (seed, step, global prompt index), so splitting prompts across
+ranks does not change what is sampled).
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ import torch
 
 from ..model.transformer import Transformer
 from .decode_kernels import packed_for_decode
-from .engine import Draws, as_seed, decode, eager_step, prefill
+from .engine import Draws, as_seed
 from .rows import Row, validate_rows
-from .sampling import SamplingParams, TokenSampler
-from .static_decode import decode_static, graphs_for, release_static_decode, static_decoder
+from .sampling import SamplingParams
+from .static_decode import decode_static, eager_decoder, graphs_for, release_static_decode, static_decoder
 from .stop_strings import StopStrings
 
-LOOPS = ("dynamic", "static", "graphs")  # generate_rows' loops: engine.decode; decode_static eagerly / with graphs
+LOOPS = ("static", "graphs")  # how generate_rows runs decode_static: eager chunks / CUDA graphs
 
 
 @dataclass
@@ -117,18 +116,19 @@ def generate(
 
     seed: one int for the call, or one per prompt (see the module docstring: per-prompt seeds make a prompt's
     completions independent of the rest of the batch).
-    tokenizer: needed only for stop_strings. compile: torch.compile the dynamic loop's step (True = inductor,
-    or a backend name); shapes are marked dynamic so compaction and the growing cache do not recompile.
-    loop: None lets params.cuda_graphs pick (choose_loop); `static` / `graphs` force the static decode without /
-    with CUDA graphs (same waves, same completions up to float rounding for greedy decoding; sampled ones come from
-    another random stream, Draws.table; params.compact_fraction does not apply there: finished rows leave by batch
-    buckets, static_cache.bucket_for).
+    tokenizer: needed only for stop_strings. compile: refused (the decode's chunks run in CUDA graphs on CUDA and
+    eagerly elsewhere; no step is torch.compile'd).
+    loop: None lets params.cuda_graphs pick (choose_loop); `static` / `graphs` force eager chunks / CUDA graphs
+    (the same completions up to float rounding).
     """
+    if compile:
+        raise ValueError(f"compile={compile!r}: the decode is not torch.compile'd (it runs CUDA graphs on CUDA, eager "
+                         "chunks elsewhere); drop compile")
     n, T = params.n, params.max_new_tokens
     stops = StopStrings(params.stop_strings, tokenizer)
     rows = [Row(i, i, list(p), stops, params, len(p) + T) for i, p in enumerate(prompt_ids) for _ in range(n)]
     waves = [[i * n + k for i in wave for k in range(n)] for wave in plan_waves([len(p) for p in prompt_ids], params)]
-    generate_rows(model, rows, params, seed, tokenizer=tokenizer, waves=waves, loop=loop, compile=compile)
+    generate_rows(model, rows, params, seed, tokenizer=tokenizer, waves=waves, loop=loop)
     return GenerationOutput(
         completion_ids=[r.tokens[r.prompt_len :] for r in rows],
         logprobs=[r.logps[r.prompt_len :] for r in rows],
@@ -140,23 +140,22 @@ def generate(
 
 def generate_static(model: Transformer, prompt_ids: list[list[int]], params: SamplingParams,
                     seed: int | Sequence[int] = 0, *, tokenizer=None, graphs: bool = False) -> GenerationOutput:
-    """generate() on the static decode state: with graphs=True what rollout.cuda_graphs runs on CUDA (each graph
+    """generate() with the loop forced: with graphs=True what rollout.cuda_graphs runs on CUDA (each graph
     checked against an eager chunk when captured: params.cuda_graphs `on` raises on a failed check, `auto` or `off`
     decode eagerly from then on); with graphs=False the same steps eagerly, on any device."""
     return generate(model, prompt_ids, params, seed, tokenizer=tokenizer, loop="graphs" if graphs else "static")
 
 
 # ----------------------------------------------------------------------------------------------------
-# The front: any rows, one validation, one set-up, the loop a choice
+# The front: any rows, one validation, one set-up, one loop
 
 
 def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, seed: int | Sequence[int] = 0, *,
-                  tokenizer=None, waves: list[list[int]] | None = None, loop: str | None = None,
-                  compile: bool | str = False) -> None:
+                  tokenizer=None, waves: list[list[int]] | None = None, loop: str | None = None) -> None:
     """Run every row to its end; the rows record their tokens themselves. waves: row indices decoded together
     (None: all rows at once); a wave's rows of one `source` share its prefill. seed: one int, or one per
     generator (rows[i].generator indexes it). loop: see choose_loop (None: params.cuda_graphs decides)."""
-    loop = choose_loop(model, params, compile, any(r.env is not None for r in rows)) if loop is None else loop
+    loop = choose_loop(model, params) if loop is None else loop
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} is not a decode loop: pick one of {', '.join(LOOPS)}")
     validate_rows(model, rows, params, tokenizer)
@@ -164,19 +163,14 @@ def generate_rows(model: Transformer, rows: list[Row], params: SamplingParams, s
         return
     draws = Draws(_seeds(seed, rows), model.device)
     batches = [[rows[i] for i in w] for w in (waves if waves is not None else [range(len(rows))])]
-    if loop == "dynamic":
-        _decode_dynamic(model, batches, params, draws, compile)
-    else:
-        _decode_static(model, batches, params, draws, graphs=loop == "graphs")
+    _decode_waves(model, batches, params, draws, graphs=loop == "graphs")
 
 
-def choose_loop(model: Transformer, params: SamplingParams, compile: bool | str, multi_turn: bool = False) -> str:
-    """params.cuda_graphs -> the loop: `graphs` (the static decode with CUDA graphs: `auto` on CUDA unless the model
-    is sharded by FSDP2 or the step is compiled, `on`; static_decode.graphs_for), else `dynamic`. Multi-turn rows
-    take the graphs under `on` only: the planner plans no static state for a tool rollout (plan/from_config.py
-    static_decode_planned; docs/architecture.md), so under `auto` they keep the dynamic loop's transient cache."""
-    graphs = graphs_for(model, params.cuda_graphs, bool(compile))
-    return "graphs" if graphs and not (multi_turn and params.cuda_graphs == "auto") else "dynamic"
+def choose_loop(model: Transformer, params: SamplingParams) -> str:
+    """params.cuda_graphs -> how the one loop runs its chunks: `graphs` (CUDA graphs: `auto` on CUDA unless the model
+    is sharded by FSDP2, `on`; static_decode.graphs_for) or `static` (eagerly), for single-turn and multi-turn rows
+    alike."""
+    return "graphs" if graphs_for(model, params.cuda_graphs) else "static"
 
 
 def _seeds(seed: int | Sequence[int], rows: list[Row]) -> int | list[int]:
@@ -197,36 +191,24 @@ def wave_prompts(rows: list[Row]) -> tuple[list[list[int]], list[int]]:
     return prompts, share
 
 
-def _decode_dynamic(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
-                    compile: bool | str) -> None:
-    """engine.decode, wave by wave, with the weights packed for the largest (none when the step is compiled: a
-    compiled step keeps the plain weights)."""
-    sample, step, T = TokenSampler(params), eager_step(model), params.max_new_tokens
-    if compile:
-        step = torch.compile(step, dynamic=True, **({} if compile is True else {"backend": compile}))
-    with torch.inference_mode(), packed_for_decode(model, max(map(len, waves)), 0 if compile else T) as packs:
-        for rows in waves:
-            prompts, share = wave_prompts(rows)
-            cache, key_mask, logits = prefill(model, prompts, share, T)
-            packs.resize(len(rows), T)  # a wave smaller than the largest one
-            decode(model, rows, cache, key_mask, logits, sample, draws, packs, step, params.compact_fraction)
-
-
-def _decode_static(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
-                   graphs: bool) -> None:
-    """static_decode.decode_static, wave by wave, on the model's kept decoder; a failure frees it (a state left
-    mid-step, or NaN-poisoned, is not reused)."""
+def _decode_waves(model: Transformer, waves: list[list[Row]], params: SamplingParams, draws: Draws,
+                  graphs: bool) -> None:
+    """static_decode.decode_static, wave by wave: with graphs on the model's kept decoder (a failure frees it: a state
+    left mid-step, or NaN-poisoned, is not reused); eagerly on a decoder of the call's own, with the weights packed
+    for it, freed when the call ends (static_decode.py, "Eager or kept")."""
     mode = ("on" if params.cuda_graphs == "on" else "auto") if graphs else "off"  # static_decode.decode_static
     every = [r for rows in waves for r in rows]
     T = max(r.budget_end - r.prompt_len for r in every)  # tokens a row may add (max_new_tokens for a completion)
+    rows, slots = max(map(len, waves)), max(r.prompt_len for r in every) + T
     try:
-        with torch.inference_mode():
-            decoder = static_decoder(model, max(map(len, waves)), max(r.prompt_len for r in every) + T, T)
+        with torch.inference_mode(), packed_for_decode(model, rows, 0 if graphs else T) as packs:
+            decoder = static_decoder(model, rows, slots, T) if graphs else eager_decoder(model, rows, slots, T, packs)
             sample = decoder.token_sampler(params)
-            for rows in waves:
-                prompts, share = wave_prompts(rows)
-                uniforms = draws.table([r.generator for r in rows], T)  # [R, T]
-                decode_static(model, decoder, rows, prompts, share, sample, uniforms, mode)
+            for wave in waves:
+                prompts, share = wave_prompts(wave)
+                uniforms = draws.table([r.generator for r in wave], T)  # [R, T]
+                decode_static(model, decoder, wave, prompts, share, sample, uniforms, mode)
     except BaseException:
-        release_static_decode(model)
+        if graphs:
+            release_static_decode(model)
         raise

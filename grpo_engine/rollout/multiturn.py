@@ -1,13 +1,12 @@
 """Multi-turn rollouts: each row is one trajectory that alternates model turns and environment turns (tool
-results, replies), token-exact, in one batched KV cache. One row per environment (tasks/environment.py).
+results, replies), token-exact, in the one decode cache. One row per environment (tasks/environment.py).
 
 This module starts the trajectories (env.reset, the first prompt with the tools it declares) and reads them back as
 Trajectory records; they decode as rows (rows.Row with an environment) of generate's one front
 (generate.generate_rows): a model turn ends at a stop token (EOS), a stop string (the environment's, e.g.
 `</tool_call>`), the per-turn `max_new_tokens` or the trajectory's token budget, its text goes to `env.step`, and
 only the tokens of the messages it appends are fed (rendered on their own by chat_turns.py: the conversation is
-never re-rendered or re-tokenized), by the dynamic loop's step (engine.py: why one batch with masked holes rather
-than paused sub-batches) or between two chunks of the static decode (static_turns.py). Log-probs are the
+never re-rendered or re-tokenized), between two chunks of the one decode loop (static_turns.py). Log-probs are the
 TokenSampler's, as in generate, so a full forward over a trajectory reproduces them on its policy tokens
 (tests/rollout/test_multiturn.py checks 1e-4).
 """
@@ -73,7 +72,7 @@ def run_multiturn(
     environments of the same example; their shared prompt is prefilled once). seed: one int, or one per
     trajectory (then a trajectory's samples do not depend on the other rows). All trajectories decode as one
     batch (no waves: max_tokens_in_flight is not applied); split a large call in the caller.
-    loop: as in generate (None: generate.choose_loop picks; on CUDA the static decode's graphs under `on` only).
+    loop: as in generate (None: generate.choose_loop picks: CUDA graphs on CUDA, eager chunks elsewhere).
     """
     if len(envs) != len(examples):
         raise ValueError(f"{len(envs)} environments but {len(examples)} examples; pass one each")

@@ -4,9 +4,9 @@ and, when it has an environment, environment turns (tool results, replies), toke
 A single-turn completion (generate) is a row without an environment: it ends after its one model turn, at a stop
 token or stop string ("stop") or at max_new_tokens ("length"). A multi-turn trajectory (run_multiturn) hands each
 turn's text to its environment, which ends it ("done", "turn_length" for a last turn cut short) or appends messages
-whose tokens the row queues to feed ("max_turns" and "budget" end it too). The loops (engine.decode, and
-static_decode.decode_static for rows without an environment) only feed `pending`, call `take` with each sampled
-token and read `finished` / `steps_left`.
+whose tokens the row queues to feed ("max_turns" and "budget" end it too). The one decode loop
+(static_decode.decode_static) runs both kinds: it only feeds `pending` (static_turns.py), calls `take` with each
+sampled token and reads `finished` / `steps_left`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class TrajectoryMetrics:
 class Row:
     """One sequence in flight. tokens, mask, logps and filtered_logps are aligned: [N] each (prompt first)."""
 
-    generator: int  # which per-prompt (per-trajectory) generator draws its tokens (engine.Draws)
+    generator: int  # which per-prompt (per-trajectory) generator draws its tokens (engine.Draws.table)
     source: int  # its first prompt's index among the call's distinct prompts: rows of one source share a prefill
     tokens: list[int]  # [N] the first prompt, then every model and environment turn
     stops: StopStrings
@@ -90,8 +90,8 @@ class Row:
                                                                        - self.stops.window) :])
 
     def steps_left(self) -> int:
-        """Decode steps it may still take (a bound): the packed weights' horizon. A trajectory's next turn may
-        take max_new_tokens whatever this one took."""
+        """Decode steps it may still take (a bound): the packed weights' horizon when the batch steps down. A
+        trajectory's next turn may take max_new_tokens whatever this one took."""
         return self.params.max_new_tokens if self.env is not None else self.budget_end - len(self.tokens)
 
     def end_turn(self, ended_with: int | None, out_of_tokens: bool, cut: bool) -> None:

@@ -52,10 +52,8 @@ class SamplingParams:
     completion (needs `tokenizer=` in generate). max_new_tokens: at most this many tokens per completion.
     max_tokens_in_flight: cap on rows x (padded prompt length + max_new_tokens) decoded at once, i.e. on
     KV-cache slots; prompts are processed in waves that fit. None = everything in one wave.
-    compact_fraction: finished rows are dropped from the batch once they are at least this fraction of the
-    active rows (0 = as soon as any row finishes); the copy is not free, so we do not compact every step.
-    cuda_graphs: which decode loop generate() runs (rollout.cuda_graphs): `auto` = the static decode captured in
-    CUDA graphs on CUDA, the dynamic loop elsewhere; `on` = CUDA graphs (CUDA only); `off` = the dynamic loop.
+    cuda_graphs: how the decode runs its chunks (rollout.cuda_graphs): `auto` = captured in CUDA graphs on CUDA,
+    eagerly elsewhere (and under FSDP2); `on` = CUDA graphs (CUDA only); `off` = eagerly.
     """
 
     n: int = 1
@@ -67,7 +65,6 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     max_tokens_in_flight: int | None = 65536
-    compact_fraction: float = 0.125
     cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
@@ -78,7 +75,6 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)"),
             (0 <= self.min_p < 1, f"min_p={self.min_p} must be in [0, 1) (0 = off)"),
             (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1"),
-            (0 <= self.compact_fraction <= 1, f"compact_fraction={self.compact_fraction} must be in [0, 1]"),
             (
                 self.max_tokens_in_flight is None or self.max_tokens_in_flight > 0,
                 f"max_tokens_in_flight={self.max_tokens_in_flight} must be positive or None",

@@ -1,6 +1,9 @@
-"""The static decode state: one preallocated KV cache and per-row step buffers that a decode step reads and updates
-in place, so the same step can run again and again with nothing allocated and nothing read back to the host (and,
-on CUDA, be captured once as a graph and replayed: rollout/static_decode.py).
+"""The decode cache: one preallocated KV cache and per-row step buffers that a decode step reads and updates in
+place, so the same step can run again and again with nothing allocated and nothing read back to the host (and, on
+CUDA, be captured once as a graph and replayed: rollout/static_decode.py). It is the one decode cache: the prefill
+writes the prompts into it (PromptCache), a decode step reads and writes it (BucketCache), a trajectory's
+environment tokens go into it (FeedCache); each of those is a view of its buffers that the model's forward takes as
+its cache (model/transformer.py KVCacheLike), not storage of its own.
 
 Buffers, for a capacity of B rows and S slots plus one scratch slot:
 
@@ -29,6 +32,10 @@ state's last): the keys and values a step reads grow with the rows instead of be
 step (at 512 prompt + 512 new slots about a third fewer). Slot W is past every slot a row writes in the chunk, so it
 can be the scratch: a later, wider window finds it masked until its row writes it (its stale values are finite).
 One graph per (bucket, window).
+
+Per-layer storage: k and v are lists with one tensor per layer, each of its own width (`layer_slots`). Every layer
+holds all S + 1 slots today; a sliding-window layer of a later model family can hold fewer (its views then map a
+slot to its place in the layer's own buffer) without the other layers or the state's callers changing.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ from __future__ import annotations
 import torch
 
 from ..model.transformer import ModelConfig
-from .kv_cache import KVCache
 from .sampling import Draw
 
 CHUNK = 16  # decode steps between two reads of the sampled tokens by the host (one device-to-host sync)
@@ -55,6 +61,40 @@ def bucket_for(rows: int) -> int:
     if rows <= 512:
         return 1 << max(rows - 1, 0).bit_length()
     return -(-rows // 512) * 512
+
+
+class PromptCache:
+    """The KVCacheLike of the prefill: rows [:rows] of the state, written like a plain cache (each forward's T
+    keys/values at slots [start, start + T) of every row, attended over slots [0, start + T))."""
+
+    def __init__(self, state: StaticDecodeState, rows: int, start: int):
+        self.state, self.rows, self.start = state, rows, start
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [rows, H_kv, T, D] -> slots [0, start + T) of the rows, [rows, H_kv, start + T, D]."""
+        end = self.start + k.shape[2]
+        out = []
+        for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)):
+            buf[: self.rows, :, self.start : end] = new
+            out.append(buf[: self.rows, :, :end])
+        return out[0], out[1]
+
+
+class FeedCache:
+    """The KVCacheLike of a forward that feeds T tokens to some rows (`index` [m]) at their own slots (`where`
+    [m, T]; a pad's is the scratch slot): the rows attend over their slots [0, W) and the T new keys/values, which
+    are also written to each row's own slots (static_turns.py)."""
+
+    def __init__(self, state: StaticDecodeState, index: torch.Tensor, window: int, where: torch.Tensor):
+        self.state, self.index, self.start, self.where = state, index, window, where
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [m, H_kv, T, D] -> [m, H_kv, W + T, D]: the rows' slots [0, W), then the new ones."""
+        out = []
+        for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)):
+            out.append(torch.cat([buf[:, :, : self.start].index_select(0, self.index), new], dim=2))
+            buf[self.index[:, None], :, self.where] = new.transpose(1, 2)  # [m, T, H_kv, D] at (row, slot)
+        return out[0], out[1]
 
 
 class BucketCache:
@@ -92,9 +132,10 @@ class StaticDecodeState:
     def __init__(self, cfg: ModelConfig, rows: int, slots: int, columns: int, dtype: torch.dtype,
                  sample_dtype: torch.dtype, device: torch.device):
         assert cfg.vocab_size < 2**24, "token ids travel to the host as floats in `hist`"
-        shape = (rows, cfg.num_key_value_heads, slots + 1, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.layer_slots = [slots + 1] * cfg.num_hidden_layers  # each layer's own width (module docstring)
+        shapes = [(rows, cfg.num_key_value_heads, n, cfg.head_dim) for n in self.layer_slots]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]  # [B, H_kv, S + 1, D] a layer
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.rows, self.slots, self.columns, self.dtype, self.device = rows, slots, columns, dtype, device
         self.key_mask = torch.zeros(rows, slots + 1, dtype=torch.bool, device=device)
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -109,6 +150,11 @@ class StaticDecodeState:
         return (rows <= self.rows and slots <= self.slots and columns <= self.columns and dtype == self.dtype
                 and device == self.device)
 
+    def bucket(self, rows: int) -> int:
+        """The bucket `rows` live rows run at in this state: bucket_for(rows), at most the state's rows (an eager
+        decode's state holds its call's rows exactly: its first bucket is that count)."""
+        return min(bucket_for(rows), self.rows)
+
     def view(self, b: int, window: int | None = None) -> BucketCache:
         """The cache of rows [:b] over slots [0, window] (None: all S + 1)."""
         key = (b, self.slots if window is None else window)
@@ -120,19 +166,29 @@ class StaticDecodeState:
         """The per-row buffers a step advances (a graph's capture check saves and restores them: static_decode.py)."""
         return [getattr(self, name) for name in self.STEP_BUFFERS]
 
-    def start_rows(self, prefix: KVCache, prompt_mask: torch.Tensor, share: torch.Tensor,
-                   uniforms: torch.Tensor) -> None:
-        """Rows 0..R-1 start from the prefilled prompts: prefix [P, L slots] and prompt_mask [P, L] (True = real
-        token), share [R] (row -> its prompt), uniforms [R, T]. Rows R.. are pads: they attend to the scratch
-        slot only, and what they compute is never read."""
-        R, L = share.shape[0], prompt_mask.shape[1]
-        for dst, src in zip((*self.k, *self.v), (*prefix.k, *prefix.v)):
-            dst[:R, :, :L] = src[:, :, :L].index_select(0, share)  # [R, H_kv, L, D]: a prompt shared by its rows
+    def prompts(self, rows: int, start: int = 0) -> PromptCache:
+        """The cache the prefill writes `rows` prompts through (rows [:rows], slots from `start`)."""
+        return PromptCache(self, rows, start)
+
+    def share_prefix(self, rows: int, length: int) -> None:
+        """Slots [0, length) of row 0 (a prefix every prompt shares, prefilled once) copied to rows 1..rows-1."""
+        for t in (*self.k, *self.v):
+            t[1:rows, :, :length] = t[:1, :, :length]
+
+    def start_rows(self, prompt_mask: torch.Tensor, share: list[int], uniforms: torch.Tensor) -> None:
+        """Rows 0..R-1 start from the P prompts the prefill wrote in rows [:P] (slots [0, L)): prompt_mask [P, L]
+        (True = real token), share [R] (row -> its prompt), uniforms [R, T]. Rows R.. are pads: they attend to the
+        scratch slot only, and what they compute is never read."""
+        (P, L), R = prompt_mask.shape, len(share)
+        index = torch.tensor(share, dtype=torch.long, device=self.device)  # [R]
+        if share != list(range(P)):  # rows other than one a prompt, in order: copy each prompt to its rows
+            for t in (*self.k, *self.v):
+                t[:R, :, :L] = t[:P, :, :L].index_select(0, index)  # [R, H_kv, L, D]
         self.key_mask.zero_()
-        self.key_mask[:R, :L] = prompt_mask.index_select(0, share)
+        self.key_mask[:R, :L] = prompt_mask.index_select(0, index)
         self.key_mask[:, self.slots] = True
         self.positions.zero_()
-        self.positions[:R, 0] = prompt_mask.sum(dim=1).index_select(0, share)
+        self.positions[:R, 0] = prompt_mask.sum(dim=1).index_select(0, index)
         self.write.fill_(L)
         self.col.zero_()
         self.col[:R] = 1  # column 0 drew the first token (record_first)
@@ -156,9 +212,10 @@ class StaticDecodeState:
         self.ids[:b, 0] = draw.tokens.clamp(min=0)
         self.col[:b].add_(1).clamp_(max=self.columns - 1)
 
-    def read(self, b: int, first: int) -> torch.Tensor:
-        """hist [3, b, columns first..CHUNK] on the host: the one device-to-host copy of a chunk."""
-        return self.hist[:, :b, first:].cpu()
+    def read(self, b: int, first: int, last: int = CHUNK) -> torch.Tensor:
+        """hist [3, b, columns first..last] on the host (last: the chunk's steps): the one device-to-host copy of a
+        chunk."""
+        return self.hist[:, :b, first : last + 1].cpu()
 
     def move_rows(self, slots: list[int]) -> None:
         """Rows at `slots` (live, in order) move to the front, rows 0..len(slots)-1: the batch steps down a bucket."""

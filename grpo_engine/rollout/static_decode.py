@@ -1,12 +1,13 @@
-"""The static decode: rows (rows.Row: completions and multi-turn trajectories) decoded on the static state
-(static_cache.py), CHUNK steps at a time; on CUDA each chunk is one CUDA graph per batch bucket, replayed; elsewhere
-the same code runs eagerly.
+"""The one decode loop: rows (rows.Row: completions and multi-turn trajectories) decoded on the decode cache
+(static_cache.py), CHUNK steps at a time; on CUDA each chunk is one CUDA graph per batch bucket, replayed; on a CPU,
+under FSDP2 or with rollout.cuda_graphs=off the same code runs eagerly.
 
 Per wave (`decode_static`):
 
-1. prefill: each distinct prompt once (engine.prefill_prompts: a prefix all prompts share runs once), its keys and
-   values copied to its rows of the static cache; the first tokens are drawn from the prefill's logits;
-2. a chunk: CHUNK decode steps back to back on the device. A step feeds every row its last token, draws the next
+1. prefill: each distinct prompt once (engine.prefill_prompts: a prefix all prompts share runs once), written into
+   the cache and copied to its rows; the first tokens are drawn from the prefill's logits;
+2. a chunk: CHUNK decode steps back to back on the device (an eager chunk no more than the live rows may still
+   take). A step feeds every row its last token, draws the next
    one with the row's own pre-drawn uniform (TokenSampler: temperature, top-k / top-p / min-p, the full-softmax and the
    filtered log-prob) and writes it into `hist`: no host sync, no generator call, nothing allocated outside the
    graph's pool;
@@ -16,7 +17,14 @@ Per wave (`decode_static`):
 4. a trajectory whose model turn ended is set back to the turn's end and fed its environment's tokens, eagerly,
    before the next chunk (static_turns.py);
 5. when the live rows fit a smaller bucket (static_cache.bucket_for) they move to the front and the next chunks run
-   at that bucket.
+   at that bucket: finished rows leave the batch by buckets (a bucketed compaction).
+
+Eager or kept: graphs are worth keeping across calls (a capture costs seconds), so a decode with graphs runs on the
+model's kept decoder (`static_decoder`, below). An eager decode (no graphs) runs on a decoder of its own, sized to
+the call's rows (its first bucket is the row count itself), with the weights packed for it where the kernel plan
+says packing pays (decode_kernels.packed_for_decode), and freed when the call ends: the cache is then memory of the
+rollout phase alone, as the planner counts it when it plans no kept state (plan/from_config.py
+static_decode_planned).
 
 CUDA graphs (`StaticDecoder.run_chunk`): one per (bucket, attended window, sampling parameters; the window is the
 live length rounded up, static_cache.window_for), captured the first time that triple runs, after one eager warm-up
@@ -42,8 +50,7 @@ rollout's (plan/decode_state.py plans the evaluation's as a peak during eval, no
 
 Randomness: each row's uniforms are drawn before the wave (engine.Draws.table): with per-prompt seeds a prompt's
 rows draw from that prompt's generator only, so its samples depend neither on its batch-mates nor on when any row
-finishes. This stream differs from the dynamic loop's (which draws one column per step): the same seed gives other
-samples than rollout.cuda_graphs=off.
+finishes; eager chunks and graphs draw the same tokens.
 """
 
 from __future__ import annotations
@@ -61,37 +68,34 @@ import torch
 
 from ..config import ConfigError
 from ..model.config import rope_kind
-from ..model.transformer import Transformer
-from .decode_kernels import DecodeHead
+from ..model.transformer import Transformer, rope_switch
+from .decode_kernels import DecodeHead, PackedWeights
 from .engine import prefill_prompts
 from .rows import Row
 from .sampling import NAN_TOKEN, NonFiniteLogits, SamplingParams, TokenSampler, sampling_dtype, work_buffer
 from .static_cache import CHUNK, StaticDecodeState, bucket_for, window_for
-from .static_turns import feed_env_turns
+from .static_turns import feed_env_turns, prefill_again
 
 SLOT_ROUNDING = 64  # slots are allocated in multiples of this, so prompts a little longer reuse the graphs
 
 
-def cuda_graphs_on(choice: str, device: torch.device | str, compiled: bool = False) -> bool:
-    """rollout.cuda_graphs -> whether generate runs the static decode with CUDA graphs: `auto` on CUDA (unless the
-    dynamic step is torch.compile'd), `on` (CUDA only), `off` (the eager dynamic loop)."""
+def cuda_graphs_on(choice: str, device: torch.device | str) -> bool:
+    """rollout.cuda_graphs -> whether the decode runs its chunks in CUDA graphs: `auto` on CUDA, `on` (CUDA only),
+    `off` (eager chunks)."""
     cuda = torch.device(device).type == "cuda"
     if choice == "on" and not cuda:
         raise ConfigError(f"rollout.cuda_graphs=on needs a CUDA device, but the model is on {device}: "
                           "set rollout.cuda_graphs=auto (or off)")
-    if choice == "on" and compiled:
-        raise ValueError("compile=True runs the dynamic decode loop, not the CUDA graphs of rollout.cuda_graphs=on: "
-                         "pick one (cuda_graphs='off' to compile)")
-    return choice == "on" or (choice == "auto" and cuda and not compiled)
+    return choice == "on" or (choice == "auto" and cuda)
 
 
-def graphs_for(model: Transformer, choice: str, compiled: bool = False) -> bool:
+def graphs_for(model: Transformer, choice: str) -> bool:
     """cuda_graphs_on for this model: `auto` is also off for a model with FSDP units (FSDP2 unshards into new
     storage every phase, so every graph would be captured again every step, and its pre-forward wait forks a side
     stream inside the capture that is never joined, so the capture cannot end); `on` refuses one. Likewise for a
-    longrope model (Phi-3 / Phi-4-mini): its rows are prefilled again when they pass the original context
-    (engine.passes_rope_switch), which the static state's fixed slots do not do."""
-    if not cuda_graphs_on(choice, model.device, compiled):
+    longrope model (Phi-3 / Phi-4-mini), decoded in eager chunks: its rows are prefilled again between two chunks
+    when they pass the original context (static_turns.prefill_again), a path no graph's capture check covers."""
+    if not cuda_graphs_on(choice, model.device):
         return False
     if rope_kind(model.config.rope_scaling) == "longrope":
         if choice == "on":
@@ -215,9 +219,10 @@ class CudaGraphs:
 class StaticDecoder:
     """A model's static state, LM-head buffer, token samplers and captured graphs (no reference to the model itself).
 
-    `backend`: the CUDA graph API on the state's device (CudaGraphs); a test stands in a fake one on the CPU."""
+    `backend`: the CUDA graph API on the state's device (CudaGraphs); a test stands in a fake one on the CPU.
+    `packs`: the weights an eager decode packed (decode_kernels.packed_for_decode); None for a kept decoder."""
 
-    def __init__(self, model: Transformer, rows: int, slots: int, columns: int):
+    def __init__(self, model: Transformer, rows: int, slots: int, columns: int, packs: PackedWeights | None = None):
         dtype, device, cfg = model.embed.weight.dtype, model.device, model.config
         self.state = StaticDecodeState(cfg, rows, slots, columns, dtype, sampling_dtype(dtype), device)
         self.work = work_buffer(rows, cfg.vocab_size, sampling_dtype(dtype), device)  # shared by the token samplers
@@ -229,7 +234,10 @@ class StaticDecoder:
         self.chunks: Counter[tuple[int, int]] = Counter()  # (bucket, window) -> chunks run there
         self.eager_from: int | None = None  # the smallest bucket an out-of-memory error left eager (and all above)
         self.signature: tuple | None = None
-        self.renew(model)
+        self.packs = packs  # an eager decode's packed weights (the LM head's among them), for the call it lasts
+        self.head = DecodeHead(model, rows, packs)
+        if packs is None:  # a kept decoder: what its graphs bake in of the model (renew; an eager one has none)
+            self.renew(model)
 
     def renew(self, model: Transformer) -> None:
         """Take the model as it is now: drop the graphs if what they baked in changed (model_signature)."""
@@ -254,28 +262,33 @@ class StaticDecoder:
         u = state.uniforms[:b].gather(1, state.col[:b, None])  # [b, 1]: each row's next uniform
         state.advance(b, sample(self.head(hidden), None, u), j)
 
-    def chunk(self, model: Transformer, b: int, sample: TokenSampler, window: int | None = None) -> None:
-        """CHUNK decode steps of rows [:b] over slots [0, window], in place (hist columns 1..CHUNK): the code a graph
-        captures."""
-        for j in range(1, CHUNK + 1):
+    def chunk(self, model: Transformer, b: int, sample: TokenSampler, window: int | None = None,
+              steps: int = CHUNK) -> None:
+        """`steps` decode steps (CHUNK: the code a graph captures) of rows [:b] over slots [0, window], in place
+        (hist columns 1..steps)."""
+        for j in range(1, steps + 1):
             self.step(model, b, sample, j, window)
 
     def run_chunk(self, model: Transformer, b: int, sample: TokenSampler, graphs: str,
-                  window: int | None = None) -> None:
+                  window: int | None = None, steps: int = CHUNK) -> int:
         """One chunk at bucket b over slots [0, window] (None: all). graphs `off`, or `auto` after a failed capture
-        check in this process: eagerly; else by the triple's graph, captured and checked the first time (`on`: a
-        failed check raises)."""
+        check in this process: eagerly, `steps` steps (no more than the rows can still take: a graph's fixed CHUNK
+        would only step finished rows); else CHUNK steps by the triple's graph, captured and checked the first time
+        (`on`: a failed check raises). -> the steps it ran (hist columns 1..steps)."""
         window = self.state.slots if window is None else window
-        self.slots_read += CHUNK * b * (window + 1)
         self.chunks[(b, window)] += 1
         replay = self.graphs.get((b, window, sample.key))
         too_large = self.eager_from is not None and b >= self.eager_from
         if graphs == "off" or (graphs == "auto" and (HEALTH.cause is not None or too_large)):
-            self.chunk(model, b, sample, window)
-        elif replay is not None:
-            replay()
+            self.chunk(model, b, sample, window, steps)
         else:
-            self.capture(model, b, sample, strict=graphs == "on", window=window)
+            steps = CHUNK
+            if replay is not None:
+                replay()
+            else:
+                self.capture(model, b, sample, strict=graphs == "on", window=window)
+        self.slots_read += steps * b * (window + 1)
+        return steps
 
     def capture(self, model: Transformer, b: int, sample: TokenSampler, strict: bool, window: int) -> None:
         """Capture the chunk at bucket b and check the graph's first replay against the eager warm-up chunk that a
@@ -419,6 +432,12 @@ def static_decoder(model: Transformer, rows: int, slots: int, columns: int) -> S
     return decoder
 
 
+def eager_decoder(model: Transformer, rows: int, slots: int, columns: int, packs: PackedWeights) -> StaticDecoder:
+    """A decoder for one eager call: its rows exactly (no bucket above them), its slots rounded as a kept decoder's
+    (so eager chunks attend over the same windows as graphs), the weights packed for the call; never kept."""
+    return StaticDecoder(model, rows, -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING, columns, packs)
+
+
 def release_static_decode(model: Transformer) -> None:
     """Free the model's static state and graphs, kept and transient (the next static decode allocates and captures
     again)."""
@@ -444,38 +463,52 @@ def static_decode_stats(model: Transformer) -> dict | None:
 def decode_static(model: Transformer, decoder: StaticDecoder, rows: Sequence[Row], prompts: list[list[int]],
                   share: list[int], sample: TokenSampler, uniforms: torch.Tensor, graphs: str) -> None:
     """Run rows (row i from prompt share[i], uniforms [R, T]) to their ends; the rows record their tokens. graphs:
-    `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises)."""
-    state = decoder.state
-    prefix, mask, logits = prefill_prompts(model, prompts)  # cache [P, L], mask [P, L], logits [P, V]
+    `off` (eager chunks), `auto` (CUDA graphs, eager after a failed capture check) or `on` (a failure raises). An
+    eager decoder's packed weights follow the batch as it steps down."""
+    state, packs = decoder.state, decoder.packs
+    mask, logits = prefill_prompts(model, state, prompts)  # key mask [P, L], logits [P, V]
     index = torch.tensor(share, dtype=torch.long, device=model.device)  # [R]
-    state.start_rows(prefix, mask, index, uniforms)
-    del prefix
+    state.start_rows(mask, share, uniforms)
     R, prompt_slots = len(rows), mask.shape[1]
     state.record_first(sample(logits.index_select(0, index), None, state.uniforms[:R, :1]))
-    slots, b, first = list(range(R)), bucket_for(R), 0  # slots[s]: the row in batch slot s
+    slots, b, first = list(range(R)), state.bucket(R), 0  # slots[s]: the row in batch slot s
+    if packs is not None:
+        packs.resize(b, uniforms.shape[1])  # a wave smaller than the one they were packed for
+    switch = rope_switch(model.config)  # longrope's original context (None for other ropes)
     if uniforms.shape[1] == 1:  # one token a row: the prefill's draw is all there is
-        take_tokens(rows, slots, state.read(b, 0)[:, :, :1])
+        take_tokens(rows, slots, state.read(b, 0)[:, :, :1], switch)
         return
     frontier = prompt_slots  # the largest write slot of rows [:b] (every row starts writing at the prompts' end)
     while True:
-        decoder.run_chunk(model, b, sample, graphs, window_for(frontier, state.slots))
-        frontier = min(frontier + CHUNK, state.slots - 1)  # each step moves every row's write on (clamped there)
-        turned = take_tokens(rows, slots, state.read(b, first))
+        # the most steps a live row may still take (a bound; before the first chunk its first token is drawn)
+        left = max(rows[r].steps_left() for r in slots if not rows[r].finished) - (first == 0)
+        ran = decoder.run_chunk(model, b, sample, graphs, window_for(frontier, state.slots), min(CHUNK, max(1, left)))
+        frontier = min(frontier + ran, state.slots - 1)  # each step moves every row's write on (clamped there)
+        turned = take_tokens(rows, slots, state.read(b, first, ran), switch)
         first = 1
         live = [s for s, r in enumerate(slots) if not rows[r].finished]
         if not live:
             return
+        again = [s for s in turned if passes_rope_switch(rows[slots[s]], switch)]
+        if again:  # longrope rows past the original context: their whole cache again, with the long factors
+            frontier = max(frontier, prefill_again(model, state, [rows[slots[s]] for s in again], again,
+                                                   prompt_slots))
+            turned = [s for s in turned if s not in again]
         if turned:  # multi-turn rows whose model turn ended: the environment's tokens go in before the next chunk
             fed = feed_env_turns(model, state, [rows[slots[s]] for s in turned], turned, prompt_slots)
             frontier = max(frontier, fed)
-        if bucket_for(len(live)) < b:
+        if state.bucket(len(live)) < b:
             state.move_rows(live)
-            slots, b = [slots[s] for s in live], bucket_for(len(live))
+            slots, b = [slots[s] for s in live], state.bucket(len(live))
+            if packs is not None:
+                packs.resize(b, max(rows[r].steps_left() for r in slots))
 
 
-def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor) -> list[int]:
-    """hist [3, b, C] (host): each live row takes its C tokens in order, up to the one that finishes it or ends its
-    model turn. -> the batch slots of the rows whose turn ended with environment tokens to feed (static_turns.py)."""
+def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor, switch: int | None = None) -> list[int]:
+    """hist [3, b, C] (host): each live row takes its C tokens in order, up to the one that finishes it, ends its
+    model turn or takes it past longrope's original context `switch` (the later steps attended to keys rotated by
+    the short factors). -> the batch slots of the rows whose turn ended with environment tokens to feed
+    (static_turns.py) or that passed the switch (`passes_rope_switch`: their cache is prefilled again)."""
     tokens, logps, filtered = hist[0].long().tolist(), hist[1].tolist(), hist[2].tolist()
     turned = []
     for s, r in enumerate(slots):
@@ -484,8 +517,21 @@ def take_tokens(rows: Sequence[Row], slots: list[int], hist: torch.Tensor) -> li
             if row.finished or row.turn_start != turn:
                 break
             if token == NAN_TOKEN:
-                raise NonFiniteLogits("NaN or +inf logits in the decode: the model's weights or activations blew up")
+                raise NonFiniteLogits(f"NaN or +inf logits at decode step {row.metrics.model_tokens}: the model's "
+                                      "weights or activations blew up")
             row.take(token, logps[s][j], filtered[s][j])
-        if not row.finished and row.turn_start != turn:
+            if passes_rope_switch(row, switch):
+                break
+        if not row.finished and (row.turn_start != turn or passes_rope_switch(row, switch)):
             turned.append(s)
     return turned
+
+
+def passes_rope_switch(row: Row, switch: int | None) -> bool:
+    """Whether feeding the row's pending tokens takes it past longrope's original context `switch` (None: not a
+    longrope model): a forward of a sequence longer than original_max_position_embeddings rotates every position by
+    the long factors (model/transformer.py rope_row_inv_freq), so every layer's keys and values cached with the
+    short ones no longer hold, and the row is prefilled again whole, as transformers' Phi-3 generate does."""
+    if switch is None or row.finished:
+        return False
+    return len(row.tokens) - len(row.pending) <= switch < len(row.tokens)

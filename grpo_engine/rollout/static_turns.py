@@ -22,9 +22,8 @@ import torch
 
 from ..model.transformer import Transformer
 from .engine import left_pad
-from .kv_cache import KVCache
 from .rows import Row
-from .static_cache import StaticDecodeState
+from .static_cache import FeedCache, StaticDecodeState
 
 
 def feed_env_turns(model: Transformer, state: StaticDecodeState, turned: Sequence[Row], at: list[int],
@@ -50,26 +49,43 @@ def feed_env_turns(model: Transformer, state: StaticDecodeState, turned: Sequenc
     return max(writes)
 
 
+def prefill_again(model: Transformer, state: StaticDecodeState, again: Sequence[Row], at: list[int],
+                  prompt_slots: int) -> int:
+    """Longrope rows (in batch slots `at`) whose next forward passes the original context
+    (static_decode.passes_rope_switch): every token of each row goes in again, in one eager forward of all of them,
+    so the forward runs past the switch and rotates every position by the long factors; the keys and values of
+    every layer are written over the row's own slots (its prompt ending at slot L = prompt_slots, each later token
+    at L + n - 1, as the module docstring lays them out). Its last token's slot stays masked: that token becomes
+    the row's `ids`, fed again by the next step, which draws the next token. -> the largest write slot it set."""
+    device = state.device
+    base = [prompt_slots - r.prompt_len for r in again]  # the row's first token's slot
+    for s in at:
+        state.key_mask[s, : state.slots] = False  # every slot the row wrote (the scratch slot stays on)
+    prefill_at(model, state, at, base, [r.tokens for r in again])
+    writes = [b + len(r.tokens) - 1 for b, r in zip(base, again)]  # the last token's slot
+    index = torch.tensor(at, dtype=torch.long, device=device)
+    state.key_mask[index, torch.tensor(writes, device=device)] = False
+    state.ids[index, 0] = torch.tensor([r.tokens[-1] for r in again], device=device)
+    state.write[index] = torch.tensor(writes, device=device)
+    state.positions[index, 0] = torch.tensor([len(r.tokens) - 1 for r in again], device=device)
+    state.col[index] = torch.tensor([min(r.metrics.model_tokens, state.columns - 1) for r in again], device=device)
+    return max(writes)
+
+
 def prefill_at(model: Transformer, state: StaticDecodeState, at: list[int], base: list[int],
                feeds: list[list[int]]) -> None:
     """Feed row at[i] the tokens feeds[i] at its slots base[i], base[i] + 1, ... (key/values and key mask), in one
-    forward: the rows' written slots [0, W) are copied into a dynamic cache (W = the largest base; a row's slots
-    past its own base are masked), the feeds go in left-padded at [W, W + K), and their keys/values are scattered
-    back to each row's slots (a pad's to the scratch slot, which every step overwrites)."""
-    cfg, device = model.config, state.device
+    forward: the feeds go in left-padded ([m, K]) and attend to the rows' written slots [0, W) (W = the largest base;
+    a row's slots past its own base are masked) and to each other (static_cache.FeedCache); each new key/value is
+    written to its row's slot, a pad's to the scratch slot (which every step overwrites)."""
+    device = state.device
     index = torch.tensor(at, dtype=torch.long, device=device)  # [m]
     ids, real = left_pad(feeds, device)  # [m, K] each
     W, K = max(base), ids.shape[1]
-    cache = KVCache.allocate(cfg, len(at), W + K, state.dtype, device)  # [m, H_kv, W + K, D] per layer
-    cache.copy_prefix_from(KVCache(state.k, state.v, start=W), index)  # their slots [0, W); start = W
-    model(ids, torch.cat([state.key_mask[:, :W].index_select(0, index), real], dim=1), cache=cache,
-          return_hidden=True)  # writes the feeds' keys/values at [W, W + K)
     pads = [K - len(f) for f in feeds]
     slot = [[b + j - p if j >= p else state.slots for j in range(K)] for b, p in zip(base, pads)]
-    where = torch.tensor(slot, dtype=torch.long, device=device)[:, None, :, None]  # [m, 1, K, 1]
-    where = where.expand(-1, cfg.num_key_value_heads, -1, cfg.head_dim)  # [m, H_kv, K, D]
-    for dst, src in zip((*state.k, *state.v), (*cache.k, *cache.v)):
-        rows = dst.index_select(0, index).scatter_(2, where, src[:, :, W:])  # [m, H_kv, S + 1, D]
-        dst.index_copy_(0, index, rows)
+    where = torch.tensor(slot, dtype=torch.long, device=device)  # [m, K]
+    model(ids, torch.cat([state.key_mask[:, :W].index_select(0, index), real], dim=1),
+          cache=FeedCache(state, index, W, where), return_hidden=True)  # [m, K]: only the keys/values matter
     for s, b, f in zip(at, base, feeds):
         state.key_mask[s, b : b + len(f)] = True

@@ -1,5 +1,5 @@
 """The decode step's grouped attention: what CUDA runs for grouped KV heads (kernels/attention.py
-decode_attention_for), equal to SDPA through both decode loops in float64, reading K and V once in the model's dtype
+decode_attention_for), equal to SDPA through the one decode loop in float64, reading K and V once in the model's dtype
 with no host sync; on CUDA with SDPA's math kernel switched off."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _set_decode_attention(model, kernel) -> None:
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-@pytest.mark.parametrize("loop", ["dynamic", "static"])
+@pytest.mark.parametrize("loop", ["generate", "static"])
 def test_the_grouped_kernel_decodes_as_sdpa_does_float64(tiny_ckpt_factory, kv_heads, loop):
-    """Both decode loops (the dynamic engine's growing cache and compaction; the static state's scratch slot and
-    per-row write slots), ragged prompts, sampled rows finishing at different steps: same tokens, log-probs equal
+    """The decode (the cache's scratch slot, per-row write slots and bucket step-down; through generate and through
+    the forced eager loop), ragged prompts, sampled rows finishing at different steps: same tokens, log-probs equal
     to 1e-10."""
     model = load_model(tiny_ckpt_factory("qwen2", num_key_value_heads=kv_heads), dtype=torch.float64)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, stop_token_ids=list(range(0, 256, 8)))
@@ -147,7 +147,7 @@ def test_the_grouped_kernel_traces_whole_with_no_host_sync():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_decodes_grouped_heads_with_the_math_sdpa_kernel_off(tiny_ckpt, dtype):
-    """A GQA model kernel-planned on CUDA decodes (graphs, and the eager dynamic loop) with only flash /
+    """A GQA model kernel-planned on CUDA decodes (graphs, and eager chunks) with only flash /
     memory-efficient SDPA allowed: its decode steps never reach SDPA's math kernel. fp32: the same greedy tokens."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

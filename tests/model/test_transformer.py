@@ -1,15 +1,18 @@
-"""The model's own contracts: hidden-state output, the KV-cache path, configuration checks."""
+"""The model's own contracts: hidden-state output, the KV-cache path (through the decode cache's prompt view,
+rollout/static_cache.py), configuration checks."""
 
 import pytest
 import torch
 
 from grpo_engine import load_model
 from grpo_engine.model.transformer import ModelConfig
-from grpo_engine.rollout.kv_cache import KVCache
+from grpo_engine.rollout.static_cache import StaticDecodeState
 
 
 def empty_cache(model, batch: int, slots: int):
-    return KVCache.allocate(model.config, batch, slots, torch.float32, "cpu")
+    """The decode cache's plain view: each forward's keys/values at slots [start, start + T) of every row."""
+    state = StaticDecodeState(model.config, batch, slots, 1, torch.float32, torch.float32, "cpu")
+    return state.prompts(batch)
 
 
 def test_hidden_states_times_head_are_logits(tiny_ckpt):

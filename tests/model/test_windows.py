@@ -46,6 +46,11 @@ VARIANTS = {
                                     head_dim=16)),
     "smollm3-window": ("smollm3", dict(use_sliding_window=True, sliding_window=5, no_rope_layers=[1, 0, 1, 0])),
     "phi3-window": ("phi3", dict(sliding_window=9, partial_rotary_factor=0.5)),
+    "phi3-window-longrope": ("phi3", dict(sliding_window=9, partial_rotary_factor=0.5,
+                                          original_max_position_embeddings=16,
+                                          rope_scaling={"rope_type": "longrope",
+                                                        "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                        "long_factor": [2.0, 3.0, 4.0, 5.0]})),
 }
 ONE_EACH = ["gemma3", "gemma3-softcap-rope", "mistral", "ministral", "smollm3-window", "phi3-window"]
 
@@ -132,37 +137,44 @@ def test_bf16_logits_within_bf16_rounding(hf_dir, name):
     assert_bf16_within_bf16_rounding(hf_dir(name))
 
 
-@pytest.mark.parametrize("name", ONE_EACH)
-def test_greedy_decode_equals_transformers_generate_past_the_window(hf_dir, name):
-    """40 new tokens (more than any window) from two left-padded prompts, by the decode loop and by the static
-    decode run eagerly (the code its CUDA graphs capture): both token-identical to transformers' generate."""
-    from grpo_engine.rollout.generate import generate, generate_static
+@pytest.mark.parametrize("name", [*ONE_EACH, "phi3-window-longrope"])  # a window and longrope's switch at 16
+def test_greedy_decode_equals_transformers_generate_past_the_window(hf_dir, name, monkeypatch):
+    """40 new tokens (more than any window) from two left-padded prompts, by the one decode loop run eagerly (the
+    code its CUDA graphs capture), with the live-length window rounded to 64 slots and to 8 (so that it grows
+    chunk by chunk past the sliding windows, its scratch slot at each): token-identical to transformers' generate."""
+    from grpo_engine.rollout import static_cache
+    from grpo_engine.rollout.generate import generate
     from grpo_engine.rollout.sampling import SamplingParams
 
     path = hf_dir(name)
     ours, theirs = load_model(path), hf_load(path)
     prompts = [[5, 17, 33, 101, 7, 250, 8, 9], [9, 44, 12]]
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=40)
-    dynamic, static = generate(ours, prompts, params), generate_static(ours, prompts, params)
+    wide = generate(ours, prompts, params)
+    monkeypatch.setattr(static_cache, "WINDOW_ROUNDING", 8)
+    narrow = generate(ours, prompts, params)
     for i, prompt in enumerate(prompts):
         ref = theirs.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert dynamic.completion_ids[i] == ref[0, len(prompt):].tolist()
-        assert static.completion_ids[i] == ref[0, len(prompt):].tolist()
+        assert wide.completion_ids[i] == ref[0, len(prompt):].tolist()
+        assert narrow.completion_ids[i] == ref[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("name", ["gemma3-softcap-rope", "mistral", "smollm3-window"])
-def test_sampled_logprobs_equal_a_full_forward(hf_dir, name):
-    """Sampled rows of different lengths (holes in the decode loop's cache): each token's log-prob equals a full
-    forward's over the row alone (positions, not slots, decide the window), in both decode loops."""
-    from grpo_engine.rollout.generate import generate, generate_static
+def test_sampled_logprobs_equal_a_full_forward(hf_dir, name, monkeypatch):
+    """Sampled rows of different lengths (rows stepping down buckets, left-padded prompts): each token's log-prob
+    equals a full forward's over the row alone (positions, not slots, decide the window), in the one decode loop
+    with the live-length window rounded to 64 slots and to 8."""
+    from grpo_engine.rollout import static_cache
+    from grpo_engine.rollout.generate import generate
     from grpo_engine.rollout.sampling import SamplingParams
 
     model = load_model(hf_dir(name), dtype=torch.float64)
     prompts = [[5, 17, 33, 101, 7, 250, 8, 9, 10, 11], [9, 44, 12], [70, 71]]
     params = SamplingParams(n=2, temperature=0.9, max_new_tokens=24, stop_token_ids=list(range(3, 40)))
-    for out in (generate(model, prompts, params, seed=[1, 2, 3]), generate_static(model, prompts, params,
-                                                                                  seed=[1, 2, 3])):
+    wide = generate(model, prompts, params, seed=[1, 2, 3])
+    monkeypatch.setattr(static_cache, "WINDOW_ROUNDING", 8)
+    for out in (wide, generate(model, prompts, params, seed=[1, 2, 3])):
         assert len(set(map(len, out.completion_ids))) > 1
         for i, comp in enumerate(out.completion_ids):
             prompt = prompts[out.prompt_index[i]]
@@ -172,11 +184,10 @@ def test_sampled_logprobs_equal_a_full_forward(hf_dir, name):
             torch.testing.assert_close(torch.tensor(out.logprobs[i], dtype=torch.float64), ref, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("loop", ["dynamic", "static"])
-def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path, loop):
-    """Tool turns of row-specific lengths (holes in the decode loop's batch, the static turns' feeds), on a tiny
-    Gemma 3 with a window of 8 much shorter than the trajectories: every policy token's log-prob equals one full
-    forward's over the trajectory (float64), in both decode loops."""
+def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path):
+    """Tool turns of row-specific lengths (rows set back between chunks and fed their environment's tokens, masked
+    slots left behind), on a tiny Gemma 3 with a window of 8 much shorter than the trajectories: every policy token's
+    log-prob equals one full forward's over the trajectory (float64), in the one decode loop."""
     from echo_env import EchoEnv
 
     from grpo_engine.model.loading import load_tokenizer
@@ -189,8 +200,8 @@ def test_multiturn_rows_with_holes_equal_one_full_forward(tmp_path, loop):
     model, tok = load_model(path, dtype=torch.float64), load_tokenizer(path)
     assert model.config.sliding_window == 8 and model.config.layer_types[0] == "sliding_attention"
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me"])]
-    params = SamplingParams(max_new_tokens=10, stop_token_ids=[101, 111, 32], compact_fraction=0.0)
-    out = run_multiturn(model, tok, [EchoEnv(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7], loop=loop)
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=[101, 111, 32])
+    out = run_multiturn(model, tok, [EchoEnv(s) for s in (1, 7, 3)], examples, params, seed=[5, 6, 7])
     assert all(t.metrics.env_tokens > 0 and len(t.token_ids) > 30 for t in out)
     for t in out:
         with torch.no_grad():

@@ -240,9 +240,23 @@ def test_top_p_plans_its_sort():
 
 def test_fsdp2_plans_no_static_decode_state_under_auto():
     """rollout.cuda_graphs=auto makes no static state for a model with FSDP2 units (graphs_for): the plan counts the
-    dynamic loop's KV cache instead, as a run with cuda_graphs=off does."""
+    rollout's KV cache of an eager decode instead, as a run with cuda_graphs=off does."""
     fsdp2 = plan_of("distributed.strategy=fsdp2")
     off = plan_of("rollout.cuda_graphs=off")
     assert fsdp2.decode is None and "static decode state (kept)" not in fsdp2.phase("training").components
     assert fsdp2.phase("rollout").components == off.phase("rollout").components
     assert plan_of().decode is not None and plan_of("distributed.strategy=ddp").decode is not None
+
+
+def test_a_tool_run_is_planned_with_its_kept_state():
+    """With tools the rollout decodes on the kept static state too (CUDA graphs under auto, rollout/generate.py
+    choose_loop): the plan counts its P x G rows x (prompt + tools.max_tokens) slots and tools.max_tokens uniforms
+    (the decoder's rows x (longest prompt + budget), rollout/generate.py _decode_waves), kept through training; the
+    evaluation's trajectories run at the same budget."""
+    tools = plan_of("tools.enabled=true", "tools.max_tokens=300")
+    assert [(c.name, c.rows, c.prompt_len, c.new_tokens) for c in tools.decode.calls] == [
+        ("rollout", 16, 100, 300), ("eval", 8, 100, 300)]
+    shape = tools.decode.shape
+    assert (shape.rows, shape.slots, shape.columns) == (16, 448, 300)  # 400 slots rounded up to 64s
+    assert "static decode state (kept)" in tools.phase("training").components
+    assert plan_of("tools.enabled=true", "rollout.cuda_graphs=off").decode is None

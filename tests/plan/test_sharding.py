@@ -48,7 +48,7 @@ def small_card(monkeypatch):
 
 def test_the_run_and_the_plan_agree_on_the_strategy_auto_picks(small_card):
     """The run auto-picks FSDP2 on the small card; the plan then counts no static decode state (FSDP2 decodes on
-    the dynamic loop's cache), as it does for distributed.strategy=fsdp2 asked for by name."""
+    a state of each call's own, eagerly), as it does for distributed.strategy=fsdp2 asked for by name."""
     cfg = load_config(None, [*TINY, "distributed.backend=gloo", "model.device=cuda", "memory.precision=fp32"])
     assert init_world(cfg).strategy == "fsdp2"
     plan = plan_config(cfg, shape="qwen2.5-0.5b")

@@ -50,3 +50,15 @@ def _fresh_graph_health(monkeypatch):
     from grpo_engine.rollout import static_decode
 
     monkeypatch.setattr(static_decode, "HEALTH", static_decode.GraphHealth())
+
+
+@pytest.fixture
+def eager_decoders(monkeypatch):
+    """The decoders eager generate() calls make (freed when a call ends, so not in static_decode_stats)."""
+    import importlib
+
+    generate_module = importlib.import_module("grpo_engine.rollout.generate")  # the module, not the function
+    made = []
+    real = generate_module.eager_decoder
+    monkeypatch.setattr(generate_module, "eager_decoder", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    return made

@@ -1,5 +1,6 @@
 """The one decode front (generate.generate_rows): single-turn completions and multi-turn trajectories are rows of one
-type, validated once, decoded in one call by the loop choose_loop picks; multi-turn rows on the static decode too."""
+type, validated once, decoded in one call by the one loop (eager chunks or graphs: choose_loop), multi-turn rows
+too, and equal to a reference decode by full forwards (reference_decode.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 import pytest
 import torch
 from echo_env import EchoEnv
+from reference_decode import reference_trajectories
 from torch import nn
 
 from grpo_engine.config import ConfigError
@@ -25,16 +27,13 @@ from grpo_engine.tasks.environment import TrajectoryLimits
 LIMITS = TrajectoryLimits(max_turns=3, max_tokens=200)  # the echo environments' turns, unless a test says
 
 
-@pytest.mark.parametrize("loop", ["dynamic", "static"])
-def test_completions_and_trajectories_decode_together_as_alone(model64, tiny_tok, loop):
+def test_completions_and_trajectories_decode_together_as_alone(model64, tiny_tok):
     """One call of generate_rows with two prompts' completions and two trajectories in the same batch: with one
-    seed per generator every row equals what generate and run_multiturn give it alone on the same loop (float64:
-    tokens equal, log-probs to 1e-10), though the trajectories' environment turns leave pad holes (dynamic) or
-    set rows back between chunks (static) beside the completions. Greedy on the static loop: a call's uniform
-    table is as wide as its longest row may grow."""
-    model = model64
-    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0,
-                            temperature=1.0 if loop == "dynamic" else 0.0)
+    seed per generator every row equals what generate and run_multiturn give it alone (float64: tokens equal,
+    log-probs to 1e-10), though the trajectories' environment turns set rows back between chunks beside the
+    completions. Greedy: a call's uniform table is as wide as its longest row may grow."""
+    model, loop = model64, None
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), temperature=0.0)
     prompts = [tiny_tok.encode(q) for q in ("What is 2", "Hi!")]
     examples, envs = [Example("0", "Solve x", ""), Example("1", "Hi!", "")], [EchoEnv(2, LIMITS), EchoEnv(7, LIMITS)]
     alone_completions = generate(model, prompts, params, seed=[5, 6], loop=loop)
@@ -64,10 +63,11 @@ def full_forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def test_trajectories_on_the_static_decode(model64, tiny_tok):
-    """Multi-turn rows on the static state (float64, per-trajectory seeds): each turn ends inside a chunk at another
-    step, rows finish at other chunks (bucket moves), and yet every trajectory equals the dynamic loop's (tokens,
-    loss mask, metrics, finish; log-probs to 1e-10), and its log-probs equal one full forward over it to 1e-10."""
-    params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
+    """Multi-turn rows on the decode cache (float64, sampled, per-trajectory seeds): each turn ends inside a chunk at
+    another step, rows finish at other chunks (bucket moves), and yet every trajectory equals the reference decode's
+    (each row alone by full forwards: tokens, loss mask, metrics, finish; log-probs to 1e-10), and its log-probs
+    equal one full forward over it to 1e-10."""
+    params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)))
     questions = ["What is 2", "Hi!", "Solve x for me", "What is 2", "Go"]
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
     limits = [TrajectoryLimits(4, 400), TrajectoryLimits(2, 400), TrajectoryLimits(4, 60), TrajectoryLimits(3, 400),
@@ -75,11 +75,11 @@ def test_trajectories_on_the_static_decode(model64, tiny_tok):
     envs = lambda: [EchoEnv(s, lim) for s, lim in zip((1, 9, 3, 12, 5), limits)]  # noqa: E731
     seeds = [11, 22, 33, 44, 55]
     static = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=seeds, loop="static")
-    dynamic = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=seeds, loop="dynamic")
+    reference = reference_trajectories(model64, tiny_tok, envs(), examples, params, seeds)
     turns = [[len(list(g)) for m, g in itertools.groupby(t.loss_mask) if m] for t in static]
     assert sum(len(t) > 1 for t in turns) >= 3 and len({tuple(t) for t in turns}) >= 4  # turns end at other steps
     assert len({len(t.token_ids) for t in static}) == len(static)  # rows end at other steps
-    for s, d in zip(static, dynamic):
+    for s, d in zip(static, reference):
         assert (s.token_ids, s.loss_mask, s.finish_reason, s.metrics) == (d.token_ids, d.loss_mask, d.finish_reason,
                                                                           d.metrics)
         torch.testing.assert_close(s.logprobs, d.logprobs, atol=1e-10, rtol=0)
@@ -110,7 +110,7 @@ def test_trajectories_on_cuda_graphs_equal_the_eager_static_decode(tiny_dir, tin
 
 class _OnCuda(nn.Module):
     """What choose_loop reads of a model: its device (here claimed to be CUDA), its modules (no FSDP unit) and its
-    config's rope (longrope decodes on the dynamic loop)."""
+    config's rope (longrope decodes in eager chunks)."""
 
     device = torch.device("cuda")
 
@@ -120,26 +120,24 @@ class _OnCuda(nn.Module):
 
 
 def test_the_loop_choice(tiny_model, tiny_tok):
-    """On CUDA `auto` runs completions on CUDA graphs and trajectories on the dynamic loop (the planner counts no
-    static state for them), `on` both on graphs, a compiled step on the dynamic loop; on a CPU the dynamic loop,
-    and `on` fails in one line; a loop that is none of the three is refused."""
-    auto, on = SamplingParams(), SamplingParams(cuda_graphs="on")
-    assert choose_loop(_OnCuda(), auto, False) == "graphs"
-    assert choose_loop(_OnCuda(), auto, False, multi_turn=True) == "dynamic"
-    assert choose_loop(_OnCuda(), on, False, multi_turn=True) == "graphs"
-    assert choose_loop(_OnCuda(), auto, True) == "dynamic"
-    assert choose_loop(tiny_model, auto, False, multi_turn=True) == "dynamic"
+    """On CUDA `auto` and `on` run completions and trajectories on CUDA graphs, a longrope model eager chunks under
+    `auto` (its rows are prefilled again past the switch between chunks) and `on` refused for it; on a CPU eager
+    chunks, and `on` fails in one line; a loop that is neither is refused (`dynamic`, a removed loop's name, too)."""
+    auto, on, off = SamplingParams(), SamplingParams(cuda_graphs="on"), SamplingParams(cuda_graphs="off")
+    assert choose_loop(_OnCuda(), auto) == "graphs" and choose_loop(_OnCuda(), on) == "graphs"
+    assert choose_loop(_OnCuda(), off) == "static" and choose_loop(tiny_model, auto) == "static"
     longrope = _OnCuda({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
                         "original_max_position_embeddings": 16})
-    assert choose_loop(longrope, auto, False) == "dynamic"  # rows are prefilled again past the switch
+    assert choose_loop(longrope, auto) == "static"  # rows are prefilled again past the switch
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=on cannot decode a longrope model"):
-        choose_loop(longrope, on, False)
+        choose_loop(longrope, on)
     with pytest.raises(ConfigError, match="rollout.cuda_graphs=on needs a CUDA device"):
         run_multiturn(tiny_model, tiny_tok, [EchoEnv(1, LIMITS)], [Example("0", "Hi!", "")], on)
     ids = tiny_tok.encode("Hi!")
     row = Row(0, 0, ids, StopStrings([], tiny_tok), auto, len(ids) + 10, EchoEnv(1, LIMITS), tiny_tok)
-    with pytest.raises(ValueError, match=r"^loop='fast' is not a decode loop: pick one of dynamic, static, graphs$"):
-        generate_rows(tiny_model, [row], auto, loop="fast")
+    for loop in ("fast", "dynamic"):
+        with pytest.raises(ValueError, match=rf"^loop='{loop}' is not a decode loop: pick one of static, graphs$"):
+            generate_rows(tiny_model, [row], auto, loop=loop)
     assert row.tokens == ids  # nothing decoded
 
 

@@ -1,7 +1,7 @@
 """The static decode attends over the live length (rollout/static_cache.py window_for): each chunk's attention reads
 slots [0, W] with W the rows' largest write slot plus CHUNK rounded up to WINDOW_ROUNDING (at most the state's S),
-and the outputs are those of the dynamic loop (float64), single-turn and multi-turn (environment tokens move a row's
-write slot on between chunks)."""
+and the outputs are those of a reference decode by full forwards (float64), single-turn and multi-turn (environment
+tokens move a row's write slot on between chunks)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from echo_env import EchoEnv
+from reference_decode import reference_generate, reference_trajectories
 
-from grpo_engine.rollout import SamplingParams, generate, static_cache
+from grpo_engine.rollout import SamplingParams, static_cache
 from grpo_engine.rollout.generate import generate_static
 from grpo_engine.rollout.multiturn import run_multiturn
-from grpo_engine.rollout.static_decode import release_static_decode, static_decode_stats
+from grpo_engine.rollout.static_decode import release_static_decode
 from grpo_engine.tasks.base import Example
 from grpo_engine.tasks.environment import TrajectoryLimits
 
@@ -41,13 +42,15 @@ def attended(model64, monkeypatch):
     release_static_decode(model64)
 
 
-def test_a_chunk_attends_over_the_live_length_rounded_up(model64, prompts, attended):
+def test_a_chunk_attends_over_the_live_length_rounded_up(model64, prompts, attended, eager_decoders):
     """Prompts of up to 13 tokens (L = 13 slots), 60 new tokens (S = 128 slots: 73 rounded up to 64s): chunk i reads
     min(S, roundup(13 + 16 i + 16, 16)) + 1 slots in every step and layer (33, 49, 65, 81, ..., not 129 from the
-    first step); the tokens and log-probs are the dynamic loop's, and the report counts the slots read."""
+    first step), each eager chunk 16 steps but the last, whose 11 are the steps the rows have left (59 after the
+    prefill's token); the tokens and log-probs are the reference decode's, and the decoder counts the slots read."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=60)
     static = generate_static(model64, prompts, params)
-    decoder_slots = static_decode_stats(model64)["slots"]
+    (decoder,) = eager_decoders
+    decoder_slots = decoder.state.slots
     assert decoder_slots == 128
     layers, L = len(model64.layers), max(len(p) for p in prompts)
     steps_per_chunk = static_cache.CHUNK * layers
@@ -55,11 +58,12 @@ def test_a_chunk_attends_over_the_live_length_rounded_up(model64, prompts, atten
     want = [min(decoder_slots, -(-(L + 16 * i + 16) // ROUNDING) * ROUNDING) + 1 for i in range(len(chunks))]
     assert [set(c) for c in chunks] == [{w} for w in want]
     assert want[:4] == [33, 49, 65, 81] and want[-1] <= decoder_slots + 1
-    rows = 16  # every row runs max_new_tokens: the bucket stays 16
-    assert static_decode_stats(model64)["kv_slots_read"] == sum(static_cache.CHUNK * rows * w for w in want)
-    dynamic = generate(model64, prompts, params, loop="dynamic")
-    assert static.completion_ids == dynamic.completion_ids
-    for a, b in zip(static.logprobs, dynamic.logprobs):
+    rows, steps = 16, [16, 16, 16, 11]  # every row runs max_new_tokens: the bucket stays 16
+    assert [len(c) // layers for c in chunks] == steps
+    assert decoder.slots_read == sum(n * rows * w for n, w in zip(steps, want))
+    reference = reference_generate(model64, prompts, params, [0] * len(prompts))
+    assert static.completion_ids == [r.tokens[r.prompt_len :] for r in reference]
+    for a, b in zip(static.logprobs, [r.logps[r.prompt_len :] for r in reference]):
         torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
                                    atol=1e-10, rtol=0)
 
@@ -70,17 +74,17 @@ def test_window_for():
     assert static_cache.window_for(990, 1000) == 1000  # never past S: the state's scratch slot
 
 
-def test_environment_turns_widen_the_window_and_trajectories_equal_the_dynamic_loop(model64, tiny_tok, attended):
+def test_environment_turns_widen_the_window_and_trajectories_equal_the_reference(model64, tiny_tok, attended):
     """Environment tokens fed between chunks move rows' writes past what the chunks alone would: the windows cover
-    them (a row never writes past its chunk's scratch slot), and every trajectory equals the dynamic loop's."""
-    params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
+    them (a row never writes past its chunk's scratch slot), and every trajectory equals the reference decode's."""
+    params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)))
     questions = ["What is 2", "Hi!", "Solve x for me", "Go"]
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
     envs = lambda: [EchoEnv(s, TrajectoryLimits(max_turns=4, max_tokens=400)) for s in (1, 9, 3, 12)]  # noqa: E731
     static = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=[1, 2, 3, 4], loop="static")
     assert any(t.metrics.env_tokens for t in static)
     assert len(set(attended)) > 2  # the window grew with the rows
-    dynamic = run_multiturn(model64, tiny_tok, envs(), examples, params, seed=[1, 2, 3, 4], loop="dynamic")
-    for s, d in zip(static, dynamic):
+    reference = reference_trajectories(model64, tiny_tok, envs(), examples, params, [1, 2, 3, 4])
+    for s, d in zip(static, reference):
         assert (s.token_ids, s.loss_mask, s.finish_reason) == (d.token_ids, d.loss_mask, d.finish_reason)
         torch.testing.assert_close(s.logprobs, d.logprobs, atol=1e-10, rtol=0)

@@ -47,11 +47,11 @@ def check_logprobs_against_full_forward(model, prompts, out: GenerationOutput, t
 
 
 def test_logprobs_equal_full_forward_with_mixed_lengths_and_compaction(tiny_model, mixed_prompts):
-    # Stop on a few common token ids so rows finish at different steps and compaction (fraction 0) runs.
+    # Stop on a few common token ids so rows finish at different steps and the batch steps down its buckets.
     pilot = generate(tiny_model, mixed_prompts, SamplingParams(n=4, max_new_tokens=20)).completion_ids
     counts = torch.bincount(torch.tensor(sum(pilot, [])))
     stops = counts.topk(3).indices.tolist()
-    params = SamplingParams(n=4, max_new_tokens=20, stop_token_ids=stops, compact_fraction=0.0)
+    params = SamplingParams(n=4, max_new_tokens=20, stop_token_ids=stops)
     out = generate(tiny_model, mixed_prompts, params, seed=3)
     lengths = [len(c) for c in out.completion_ids]
     assert len(set(lengths)) > 2 and "stop" in out.finish_reason and "length" in out.finish_reason
@@ -63,12 +63,12 @@ def test_logprobs_equal_full_forward_with_mixed_lengths_and_compaction(tiny_mode
 
 
 def test_float64_engine_logprobs_equal_a_full_forward_to_1e_10(tiny_dir, mixed_prompts):
-    """The decode engine in float64 (prefill shared by the n samples, compaction, rows of mixed lengths):
+    """The decode in float64 (prefill shared by the n samples, bucket step-down, rows of mixed lengths):
     every sampled token's log-prob equals a full forward's to 1e-10 -- exact up to float64 rounding."""
     from grpo_engine.model.loading import load_model
 
     model = load_model(tiny_dir, dtype=torch.float64)
-    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=12, stop_token_ids=[5, 9, 17], compact_fraction=0.0)
+    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=12, stop_token_ids=[5, 9, 17])
     out = generate(model, mixed_prompts, params, seed=[4, 5, 6])
     assert "stop" in out.finish_reason or len({len(c) for c in out.completion_ids}) > 1
     check_logprobs_against_full_forward(model, mixed_prompts, out, lambda z: z / 0.9, atol=1e-10)
@@ -204,16 +204,16 @@ def test_bad_prompts_are_clear_errors(tiny_model, bad):
         generate(tiny_model, bad, SamplingParams())
 
 
-def test_compiled_decode_step_traces_and_matches_eager(tiny_model, mixed_prompts):
-    """torch.compile with the 'eager' backend on CPU: dynamo tracing of the decode step (dynamic shapes)."""
+def test_compile_is_refused_in_one_line(tiny_model, mixed_prompts):
+    """The one decode runs CUDA graphs on CUDA and eager chunks elsewhere: a torch.compile'd step is refused."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
-    compiled = generate(tiny_model, mixed_prompts, params, compile="eager")
-    assert compiled == generate(tiny_model, mixed_prompts, params)
+    with pytest.raises(ValueError, match=r"^compile='eager': the decode is not torch.compile'd .*; drop compile$"):
+        generate(tiny_model, mixed_prompts, params, compile="eager")
 
 
 def test_per_prompt_seeds_make_a_prompts_samples_independent_of_the_batch(tiny_dir, mixed_prompts):
     """With one seed per prompt, a prompt's completions are the same alone, in any batch, in any wave plan and
-    whatever the other rows do (stop tokens compact the batch at different times) -- the property that makes a
+    whatever the other rows do (stop tokens step the batch down at different times) -- the property that makes a
     step's samples independent of how prompts are split across ranks. float64: no matmul-blocking rounding."""
     from grpo_engine.model.loading import load_model
 

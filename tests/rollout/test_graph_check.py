@@ -206,7 +206,7 @@ def test_the_fallback_reaches_metrics_jsonl(tiny_ckpt, tmp_path, monkeypatch, ca
 
     assert graph_metrics(World()) == {}  # no capture checked: a CPU run's lines have no such key
     generate_module = importlib.import_module("grpo_engine.rollout.generate")
-    monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice, compiled=False: choice != "off")
+    monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice: choice != "off")
     monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault="raise"))
     cfg = Path(__file__).resolve().parents[2] / "configs/tiny_arithmetic.yaml"
     run_dir = tmp_path / "run"

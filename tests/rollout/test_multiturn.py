@@ -47,9 +47,9 @@ class ScriptedModel(nn.Module):
     """A stand-in policy whose next token is a function of the row's whole visible history.
 
     Its KV cache (1 layer, 1 KV head, head_dim 1) stores each slot's token id, so the cache and the key mask
-    give back exactly the sequence the sampler fed -- left padding, pad holes, compaction and cache growth
-    included. The LM head is the identity and the hidden state MARGIN * one-hot(next token), so greedy decoding
-    emits the script, each token with log-prob -log(1 + (V - 1) exp(-MARGIN)).
+    give back exactly the sequence the sampler fed -- left padding, the scratch slot, rows set back and fed between
+    chunks and bucket moves included. The LM head is the identity and the hidden state MARGIN * one-hot(next
+    token), so greedy decoding emits the script, each token with log-prob -log(1 + (V - 1) exp(-MARGIN)).
     """
 
     def __init__(self, vocab: int, policy):
@@ -68,15 +68,17 @@ class ScriptedModel(nn.Module):
     def device(self):
         return self.embed.weight.device
 
-    def forward(self, ids, attention_mask, *, cache, return_hidden):
+    def forward(self, ids, attention_mask, *, cache, return_hidden, positions=None):
         B, T = ids.shape
         start = cache.start
         slots = ids.float()[:, None, :, None]  # [B, 1, T, 1]
         keys, _ = cache.update(0, slots, slots)  # [B, 1, start + T, 1]
         cache.start = start + T
         out = torch.zeros(B, T, self.config.vocab_size)
+        seen = attention_mask.bool().clone()  # [B, start + T]
+        seen[:, -1] = True  # the last query sees its own slot, as the Transformer's mask lets it (a scratch slot)
         for b in range(B):
-            history = keys[b, 0, :, 0][attention_mask[b].bool()].long().tolist()
+            history = keys[b, 0, :, 0][seen[b]].long().tolist()
             out[b, -1, self.policy(history)] = MARGIN
         return out
 
@@ -133,13 +135,11 @@ def tool_envs(n: int, limits: TrajectoryLimits | None = None):
     return [ToolEnvironment(ContainsTask(), ToolSet(list(BUILTIN_TOOLS.values())), limits) for _ in range(n)]
 
 
-@pytest.mark.parametrize("compact_fraction", [0.0, 1.0])  # finished rows leave at once / stay as all-pad rows
-def test_scripted_tool_trajectories_are_token_exact(tiny_tok, compact_fraction):
+def test_scripted_tool_trajectories_are_token_exact(tiny_tok):
     questions = list(SCRIPTS)
     model = ScriptedModel(272, script_policy(tiny_tok, SCRIPTS))
     examples = [Example(str(i), q, ANSWERS[q]) for i, q in enumerate(questions)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=200, stop_token_ids=tiny_tok.eos_token_ids,
-                            compact_fraction=compact_fraction)
+    params = SamplingParams(temperature=0.0, max_new_tokens=200, stop_token_ids=tiny_tok.eos_token_ids)
     out = run_multiturn(model, tiny_tok, tool_envs(3), examples, params)
     env_turns = {
         "What is 2+3?": [tool_turn("5")],
@@ -213,7 +213,8 @@ def test_turn_ended_by_the_end_of_turn_token_is_not_closed_twice(tiny_tok):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_logprobs_equal_one_full_forward_over_the_trajectory(tiny_dir, tiny_tok, dtype):
-    """fp32: to 1e-4; float64: to 1e-10 (the engine is exact up to rounding: pad holes, grown cache, compaction)."""
+    """fp32: to 1e-4; float64: to 1e-10 (the decode is exact up to rounding: rows set back and fed between chunks,
+    bucket step-down)."""
     from grpo_engine.model.loading import load_model
 
     tiny_model = load_model(tiny_dir, dtype=dtype)
@@ -221,12 +222,12 @@ def test_logprobs_equal_one_full_forward_over_the_trajectory(tiny_dir, tiny_tok,
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
     pilot = generate(tiny_model, [tiny_tok.encode(q) for q in questions], SamplingParams(max_new_tokens=30))
     stops = torch.bincount(torch.tensor(sum(pilot.completion_ids, []))).topk(3).indices.tolist()
-    params = SamplingParams(max_new_tokens=12, stop_token_ids=stops, compact_fraction=0.0)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=stops)
     out = run_multiturn(tiny_model, tiny_tok, [EchoEnv(s) for s in (1, 7, 3, 12)], examples, params,
                         seed=[5, 6, 7, 8])
     assert all(t.metrics.env_tokens > 0 for t in out)
     ends = {tuple(i for i, m in enumerate(t.loss_mask[1:], 1) if m != t.loss_mask[i - 1]) for t in out}
-    assert len(ends) == len(out)  # turns switch at different positions in every row: pad holes were used
+    assert len(ends) == len(out)  # turns switch at different positions in every row: rows were fed apart
     for t in out:
         assert t.reward == 0.5 * t.metrics.turns and t.reward_components == {"turn": float(t.metrics.turns)}
         with torch.no_grad():
@@ -267,13 +268,14 @@ def test_rejects_group_sampling_and_too_long_budgets(tiny_model, tiny_tok):
 
 def test_per_trajectory_seeds_make_a_row_independent_of_the_batch(tiny_dir, tiny_tok):
     """A trajectory is the same alone and in a batch whose other rows pause for environment turns, resume and
-    finish at other steps (pad holes, compaction). float64: no matmul-blocking rounding."""
+    finish at other steps (rows set back and fed between chunks, bucket step-down). float64: no matmul-blocking
+    rounding."""
     from grpo_engine.model.loading import load_model
 
     model = load_model(tiny_dir, dtype=torch.float64)
     questions = ["What is 2", "Hi!", "Solve x for me"]
     examples = [Example(str(i), q, "") for i, q in enumerate(questions)]
-    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)), compact_fraction=0.0)
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=list(range(100, 140)))
     sizes, seeds = (2, 9, 4), [11, 22, 33]
     envs = [EchoEnv(s, TrajectoryLimits(3, 300)) for s in sizes]
     together = run_multiturn(model, tiny_tok, envs, examples, params, seed=seeds)

@@ -1,8 +1,8 @@
-"""The static decode (rollout/static_decode.py, static_cache.py) on CPU, eagerly: the code a CUDA graph captures.
+"""The one decode loop (rollout/static_decode.py, static_cache.py) on CPU, eagerly: the code a CUDA graph captures.
 
-Exactness in float64 against full forwards and against the dynamic loop, batch buckets stepping down as rows finish,
-tokens past a stop discarded, one host read per CHUNK steps, seeded draws reproducible and independent of
-batch-mates, the decoder kept between calls, and the rollout.cuda_graphs switch.
+Exactness in float64 against full forwards (greedy tokens, stops and log-probs), batch buckets stepping down as rows
+finish, tokens past a stop discarded, one host read per CHUNK steps, seeded draws reproducible and independent of
+batch-mates, the decoder kept between calls with graphs (none kept eagerly), and the rollout.cuda_graphs switch.
 """
 
 from __future__ import annotations
@@ -70,16 +70,29 @@ def test_buckets():
         1, 2, 4, 8, 8, 16, 128, 128, 256, 512, 1024, 1536]
 
 
-def test_greedy_equals_the_dynamic_loop_and_full_forwards_in_float64(model64, tiny_tok, moves):
-    """Rows finish at many steps (stops), the batch steps down from 16 rows: tokens equal the dynamic loop's and
-    argmax decoding by full forwards; every log-prob equals a full forward's to 1e-10."""
+def greedy_rows(model, prompts: list[list[int]], n: int, steps: int, stops: list[int]) -> tuple[list, list]:
+    """The reference decode: each row alone, argmax of a full forward per token, until a stop token or `steps`
+    tokens -> (completions, finish reasons), n rows a prompt."""
+    completions, reasons = [], []
+    for prompt in prompts:
+        seq = []
+        while len(seq) < steps and (not seq or seq[-1] not in stops):
+            seq.append(int(full_forward_logits(model, prompt + seq)[-1].argmax()))
+        completions += [seq] * n
+        reasons += ["stop" if seq[-1] in stops else "length"] * n
+    return completions, reasons
+
+
+def test_greedy_equals_full_forwards_in_float64(model64, tiny_tok, moves):
+    """Rows finish at many steps (stops), the batch steps down from 16 rows: tokens and finish reasons equal a
+    reference decode by full forwards (each row alone); every log-prob equals a full forward's to 1e-10."""
     prompts = [tiny_tok.encode(s) for s in ("What is 2", "Hi!", "<|im_start|>user\nSolve x", "abc", "Tell me",
                                             "7 * 8 =", "Once upon", "xyz!?")]
     stops = [262, 152, 270, 198, 8]  # tokens of the greedy runs of this tiny model: they end at 2 ... 37 tokens
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=stops)
     static = generate_static(model64, prompts, params)
-    dynamic = generate(model64, prompts, params)  # CPU default: the dynamic loop
-    assert static.completion_ids == dynamic.completion_ids and static.finish_reason == dynamic.finish_reason
+    reference = greedy_rows(model64, prompts, 2, 40, stops)
+    assert static.completion_ids == reference[0] and static.finish_reason == reference[1]
     assert len(set(map(len, static.completion_ids))) > 3 and moves and moves[0] <= 8  # 16 rows -> 8 -> ...
     check_logprobs_against_full_forward(model64, prompts, static, lambda z: z, atol=1e-10)
     for i in (0, 4, 7):
@@ -138,7 +151,7 @@ def test_seeded_draws_are_reproducible_and_independent_of_batch_mates(model64, m
 
 def test_tokens_after_a_stop_string_are_discarded(tiny_model, tiny_tok):
     """A stop string completed mid-chunk: the completion ends at its token (the chunk's later tokens are dropped),
-    as in the dynamic loop."""
+    as a row alone would (Row.take ends it)."""
     prompt = tiny_tok.encode("The answer is")
     for seed in range(50):  # a sampled completion with three ASCII bytes in a row, past the first chunk's start
         free = generate_static(tiny_model, [prompt], SamplingParams(temperature=0.5, max_new_tokens=30),
@@ -166,10 +179,11 @@ def test_the_host_reads_the_tokens_once_per_chunk(tiny_model, mixed_prompts, mon
     """T new tokens: the first from the prefill, then ceil((T - 1) / CHUNK) chunks, one host read each."""
     reads = []
     real = StaticDecodeState.read
-    monkeypatch.setattr(StaticDecodeState, "read", lambda self, b, first: reads.append(b) or real(self, b, first))
+    monkeypatch.setattr(StaticDecodeState, "read", lambda self, b, first, *last: reads.append(b) or real(self, b, first,
+                                                                                                      *last))
     out = generate_static(tiny_model, mixed_prompts, SamplingParams(n=2, max_new_tokens=50), seed=0)
     assert [len(c) for c in out.completion_ids] == [50] * 6
-    assert reads == [8] * -(-49 // CHUNK)
+    assert reads == [6] * -(-49 // CHUNK)  # an eager decode's state holds its 6 rows exactly (no bucket of 8)
 
 
 def test_a_chunk_reads_nothing_back_to_the_host(tiny_dir, monkeypatch):
@@ -214,16 +228,29 @@ def test_the_graph_path_with_a_fake_graph_backend(tiny_dir, tiny_tok):
     assert fake.captures == captures  # replayed, not captured again
 
 
-def test_decoder_is_kept_grown_and_renewed(tiny_dir, mixed_prompts):
-    """The state is reused by a call that fits, grown (the union of both sizes) by one that does not, and its
-    graphs are dropped when what they baked in changes (a parameter replaced, LoRA merged, train mode)."""
+def test_an_eager_decode_keeps_nothing(tiny_dir, mixed_prompts):
+    """Eager chunks (a CPU, FSDP2, cuda_graphs=off): the call's own state, freed when it ends."""
     model = load_model(tiny_dir, dtype=torch.float32)
     generate_static(model, mixed_prompts, SamplingParams(n=2, max_new_tokens=8))
+    assert static_decode_stats(model) is None
+
+
+def test_decoder_is_kept_grown_and_renewed(tiny_dir, mixed_prompts, monkeypatch):
+    """With graphs (faked here), the state is reused by a call that fits, grown (the union of both sizes) by one
+    that does not, and its graphs are dropped when what they baked in changes (a parameter replaced, LoRA merged,
+    train mode)."""
+    from fake_graphs import FakeGraphs
+
+    from grpo_engine.rollout import static_decode
+
+    monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs())
+    model = load_model(tiny_dir, dtype=torch.float32)
+    generate_static(model, mixed_prompts, SamplingParams(n=2, max_new_tokens=8), graphs=True)
     first = static_decoder(model, 6, 21, 8)
     assert static_decode_stats(model)["rows"] == 8 and static_decode_stats(model)["slots"] == 64
-    generate_static(model, mixed_prompts[:1], SamplingParams(n=4, max_new_tokens=8))
+    generate_static(model, mixed_prompts[:1], SamplingParams(n=4, max_new_tokens=8), graphs=True)
     assert static_decoder(model, 1, 1, 1) is first
-    generate_static(model, mixed_prompts, SamplingParams(n=4, max_new_tokens=70))
+    generate_static(model, mixed_prompts, SamplingParams(n=4, max_new_tokens=70), graphs=True)
     grown = static_decoder(model, 1, 1, 1)
     assert grown is not first and (grown.state.rows, grown.state.slots, grown.state.columns) == (16, 128, 70)
     grown.graphs[("fake", 0)] = object()
@@ -248,7 +275,7 @@ def test_decoder_is_kept_grown_and_renewed(tiny_dir, mixed_prompts):
     assert static_decode_stats(model) is None
 
 
-def test_lora_adapters_decode_unmerged_as_the_dynamic_loop(tiny_dir, mixed_prompts):
+def test_lora_adapters_decode_unmerged_as_full_forwards(tiny_dir, mixed_prompts):
     from grpo_engine.model.lora import LoRAConfig, apply_lora
 
     model = apply_lora(load_model(tiny_dir, dtype=torch.float64), LoRAConfig(rank=4))
@@ -258,7 +285,7 @@ def test_lora_adapters_decode_unmerged_as_the_dynamic_loop(tiny_dir, mixed_promp
                 p.normal_(std=0.05)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20)
     out = generate_static(model, mixed_prompts, params)
-    assert out.completion_ids == generate(model, mixed_prompts, params).completion_ids
+    assert out.completion_ids == greedy_rows(model, mixed_prompts, 2, 20, [])[0]
     check_logprobs_against_full_forward(model, mixed_prompts, out, lambda z: z, atol=1e-10)
 
 
@@ -278,15 +305,14 @@ def test_the_cuda_graphs_switch(tiny_model, mixed_prompts):
     cpu = torch.device("cpu")
     assert not cuda_graphs_on("auto", cpu) and not cuda_graphs_on("off", cpu)
     assert cuda_graphs_on("auto", "cuda") and cuda_graphs_on("on", "cuda:0") and not cuda_graphs_on("off", "cuda")
-    assert not cuda_graphs_on("auto", "cuda", compiled=True)
-    with pytest.raises(ValueError, match="pick one"):
-        cuda_graphs_on("on", "cuda", compiled=True)
+    with pytest.raises(ValueError, match=r"^compile=True: the decode is not torch.compile'd .*; drop compile$"):
+        generate(tiny_model, mixed_prompts, SamplingParams(max_new_tokens=2), compile=True)
     with pytest.raises(ConfigError, match=r"^rollout.cuda_graphs=on needs a CUDA device.*set rollout.cuda_graphs=auto"):
         generate(tiny_model, mixed_prompts, SamplingParams(cuda_graphs="on", max_new_tokens=2))
     with pytest.raises(ValueError, match="cuda_graphs='maybe'"):
         SamplingParams(cuda_graphs="maybe")
     params = SamplingParams(n=2, max_new_tokens=6)
-    auto = generate(tiny_model, mixed_prompts, params, seed=3)  # CPU: the dynamic loop, bit for bit
+    auto = generate(tiny_model, mixed_prompts, params, seed=3)  # CPU: eager chunks, bit for bit
     assert auto == generate(tiny_model, mixed_prompts, SamplingParams(n=2, max_new_tokens=6, cuda_graphs="off"), seed=3)
     assert static_decode_stats(tiny_model) is None
 

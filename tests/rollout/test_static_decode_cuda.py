@@ -38,7 +38,7 @@ def test_graphs_equal_eager_chunks_and_replay_without_capturing(tiny_dir, mixed_
     assert again == graphed and static_decode_stats(model)["captures"] == stats["captures"]
     greedy = replace(params, temperature=0.0)
     assert generate(model, mixed_prompts, greedy).completion_ids == generate(
-        model, mixed_prompts, replace(greedy, cuda_graphs="off")).completion_ids  # the dynamic loop's tokens
+        model, mixed_prompts, replace(greedy, cuda_graphs="off")).completion_ids  # the eager chunks' tokens
     release_static_decode(model)
 
 
@@ -66,7 +66,7 @@ def test_at_most_one_device_to_host_sync_per_chunk(tiny_dir, mixed_prompts):
 
 def test_graphs_stay_valid_across_optimizer_steps_and_follow_lora_merges(tiny_dir, mixed_prompts):
     """LoRA adapters run inside the graph; an optimizer step writes them in place, so the graphs replay with the
-    new weights (same tokens as the eager dynamic loop) and nothing is re-captured; merging the adapters (a switch
+    new weights (same tokens as eager chunks) and nothing is re-captured; merging the adapters (a switch
     the graph baked in) re-captures."""
     from grpo_engine.model.lora import LoRAConfig, apply_lora, lora_merged
 
@@ -94,7 +94,7 @@ def test_graphs_stay_valid_across_optimizer_steps_and_follow_lora_merges(tiny_di
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_a_model_on_the_second_gpu_is_captured_there(tiny_dir, mixed_prompts):
     """cuda:0 current, the model on cuda:1: the capture and its replays run on cuda:1 (an empty graph captured on
-    cuda:0 would fail the check and raise under `on`); tokens equal the dynamic loop's."""
+    cuda:0 would fail the check and raise under `on`); tokens equal the eager chunks'."""
     torch.cuda.set_device(0)
     model = load_model(tiny_dir, dtype=torch.float32, device="cuda:1")
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=40, stop_token_ids=STOPS, cuda_graphs="on")

@@ -1,7 +1,7 @@
 """An evaluation's larger static decode state is transient (rollout/static_decode.py transient_static_decode): an eval
 with more rows than the rollout decodes on a decoder of its own, freed when the evaluation ends; the rollout's state
 and its graphs stay, and the next rollout replays them without a capture. On the CPU with the graph backend faked
-(fake_graphs.FakeGraphs) for the rollout and the eval decoded eagerly on its static state."""
+(fake_graphs.FakeGraphs) for the rollout and the eval; an eager call keeps nothing (static_decode.py)."""
 
 from __future__ import annotations
 
@@ -25,23 +25,29 @@ from grpo_engine.rollout.static_decode import (
 )
 
 
-def test_an_eval_larger_than_the_rollout_is_freed_and_the_rollout_bucket_kept(model64, prompts):
-    """Rollout: 2 prompts x 2 samples (bucket 4, graphs); eval: 8 prompts x 1 (bucket 8, eager). After the eval
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """Every decoder made from now on captures with a fake backend (fake_graphs.FakeGraphs)."""
+    monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs())
+
+
+def test_an_eval_larger_than_the_rollout_is_freed_and_the_rollout_bucket_kept(model64, prompts, fake_cuda_graphs):
+    """Rollout: 2 prompts x 2 samples (bucket 4, graphs); eval: 8 prompts x 1 (bucket 8, graphs). After the eval
     the model's decoder is the rollout's own object (4 rows, its graphs), the eval's state is freed, the next
     rollout captures nothing new, and every output equals a run without the scope."""
     release_static_decode(model64)
     rollout = SamplingParams(n=2, temperature=0.8, max_new_tokens=24)
     evaluation = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
-    expected_eval = generate_static(model64, prompts, evaluation, seed=5)  # alone: its own decoder
-    release_static_decode(model64)
+    expected_eval = generate_static(model64, prompts, evaluation, seed=5)  # alone, eagerly: a decoder of its own
+    assert static_decode_stats(model64) is None  # an eager call keeps nothing
     kept = static_decoder(model64, 4, 60, 24)
-    fake = FakeGraphs.install(kept)
+    fake = kept.backend
     first = generate_static(model64, prompts[:2], rollout, seed=3, graphs=True)
     graphs, captures = dict(kept.graphs), fake.captures
     assert graphs and captures >= 1
 
     with transient_static_decode():
-        got_eval = generate_static(model64, prompts, evaluation, seed=5)
+        got_eval = generate_static(model64, prompts, evaluation, seed=5, graphs=True)
         transient = TRANSIENT.decoders[model64]
         assert transient is not kept and transient.state.rows == 8 and kept.state.rows == 4
         freed = weakref.ref(transient.state.k[0])
@@ -56,12 +62,14 @@ def test_an_eval_larger_than_the_rollout_is_freed_and_the_rollout_bucket_kept(mo
     release_static_decode(model64)
 
 
-def test_an_eval_that_fits_the_rollout_uses_the_kept_decoder(model64, prompts):
+def test_an_eval_that_fits_the_rollout_uses_the_kept_decoder(model64, prompts, fake_cuda_graphs):
     """Nothing transient when the kept state holds the eval's rows, slots and uniforms."""
     release_static_decode(model64)
     kept = static_decoder(model64, 8, 60, 24)
     with transient_static_decode():
-        generate_static(model64, prompts[:3], SamplingParams(n=1, temperature=0.0, max_new_tokens=20), seed=1)
+        generate_static(model64, prompts[:3], SamplingParams(n=1, temperature=0.0, max_new_tokens=20), seed=1,
+                        graphs=True)
+        assert kept.graphs  # the eval ran on the kept decoder's graphs
         assert model64 not in TRANSIENT.decoders
     assert static_decoder(model64, 8, 60, 24) is kept
     release_static_decode(model64)

@@ -1,17 +1,18 @@
-"""A checkpoint written by grpo-engine 0.1 resumes bit for bit with the current code.
+"""A checkpoint written by grpo-engine 0.1 resumes with the current code.
 
 tests/fixtures/checkpoint_v0_1 is a run directory that commit 217f169a0e51 wrote (its README.md and make.sh say
 how): GRPO on a tiny random model (base/), a custom task whose reward varies between completions (so every step
-updates the weights), mu=2, stopped after step 2 with a checkpoint. Resumed to step 3 by today's code it must give
-the weights that today's code gives running the same config uninterrupted, and today's code must reproduce the
-fixture's step 2.
+updates the weights), mu=2, stopped after step 2 with a checkpoint. Today's code resumes it to step 3 and logs what
+an uninterrupted run of today's code logs. The sampler's random stream is not 0.1's (the one decode loop draws each
+row's uniforms ahead, Draws.table), so today's completions, and with them its weights, are not 0.1's: the resumed
+weights are compared with an uninterrupted run only where both start from the same state (the same checkpoint,
+resumed twice, bit for bit), and the optimizer state is shown to be read by perturbing it (below).
 
 Only the command line (grpo_engine.cli.main) is called and only files are read, so that moving the modules behind
 it does not change what this test checks. The stored config names its paths relative to the fixture's folder
 (model.path=base, run_dir=run, task data data.jsonl), so the test runs in a copy of that folder.
 """
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,6 @@ from safetensors.torch import load_file, save_file
 from grpo_engine.cli import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v0_1"
-EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 VOLATILE = ("time_", "tokens_per_s", "peak_mem")  # metrics that measure the machine, not the run
 
 
@@ -36,22 +36,9 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not any(s in k for s in VOLATILE)} for r in rows}
 
 
-def sha256(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for k, t in sorted(tensors.items())}
-
-
 def unequal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     assert a.keys() == b.keys()
     return [k for k in a if not torch.equal(a[k], b[k])]
-
-
-def made_here(run_dir: Path) -> bool:
-    """Whether this machine is the CPU and torch the fixture was made on (the kernel plan a run of today's code
-    recorded in `run` names them): only there can a run repeat the fixture's arithmetic bit for bit. Elsewhere
-    torch's fp32 GEMM may take another code path (AVX2 / AVX-512) and round differently."""
-    plan = run_dir / "kernels.json"
-    here = json.loads(plan.read_text()) if plan.is_file() else {}
-    return (here.get("cpu"), torch.__version__) == (EXPECTED["made_on"]["cpu"], EXPECTED["made_on"]["torch"])
 
 
 @pytest.fixture
@@ -75,33 +62,17 @@ def test_a_v0_1_checkpoint_resumes_bit_for_bit(fixture_dir):
     assert main(["train", "train.yaml", "--resume"]) == 0
     assert main(["train", "train.yaml", "run_dir=fresh"]) == 0
 
-    # resumed from the 0.1 checkpoint == uninterrupted today, weights and logged step 3: bit for bit on the CPU the
-    # fixture was made on; elsewhere steps 1-2 of the fresh run round differently from the fixture's, so step 3
-    # agrees within that rounding (a step moves each weight by about 1e-3: lr, Adam)
+    # the resume reads the whole 0.1 state: step 3 logs the keys an uninterrupted run of today's code logs, moves the
+    # weights, and a second resume from the same files gives the same step 3 bit for bit
     assert sorted(metrics(run_dir)) == [1, 2, 3]
-    resumed3, fresh3 = weights(run_dir, 3), weights(fresh, 3)
+    assert metrics(run_dir)[3].keys() == metrics(fresh)[3].keys()
+    resumed3 = weights(run_dir, 3)
     assert unequal(weights(run_dir, 2), resumed3), "step 3 left the weights as they were: the comparison proves nothing"
-    old2, fresh2 = weights(run_dir, 2), weights(fresh, 2)
-    if not made_here(fresh):
-        for step, (a, b) in {2: (fresh2, old2), 3: (fresh3, resumed3)}.items():
-            for k in a:
-                msg = lambda m, k=k, s=step: f"step {s} {k}: {m}"  # noqa: E731
-                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=msg)
-        got, want = metrics(run_dir)[3], metrics(fresh)[3]
-        assert got.keys() == want.keys()
-        for k, v in want.items():
-            close = isinstance(v, float) and got[k] == pytest.approx(v, rel=1e-3, abs=1e-5)
-            assert close or got[k] == v, f"logged {k} at step 3: {got[k]} resumed, {v} uninterrupted"
-        return
-    differ = unequal(resumed3, fresh3)
-    assert not differ, f"step 3 resumed from the v0.1 checkpoint differs from an uninterrupted run in {differ}"
-    assert metrics(run_dir)[3] == metrics(fresh)[3]
-    # today's code repeats the fixture's first two steps
-    differ = unequal(old2, fresh2)
-    assert not differ, f"today's code no longer reproduces the v0.1 run's step 2: {differ} differ"
-    # and its step 3 is the one 0.1 itself computed (expected.json, written by make.sh with the old code)
-    differ = [k for k, h in sha256(resumed3).items() if h != EXPECTED["step3_model_sha256"][k]]
-    assert not differ, f"step 3 resumed today differs from the one 0.1 computed in {differ}"
+    shutil.copytree(FIXTURE / "run", fixture_dir / "again")
+    assert main(["train", "train.yaml", "run_dir=again", "--resume"]) == 0
+    differ = unequal(resumed3, weights(fixture_dir / "again", 3))
+    assert not differ, f"two resumes of the v0.1 checkpoint differ at step 3 in {differ}"
+    assert metrics(fixture_dir / "again")[3] == metrics(run_dir)[3]
 
 
 def _perturb_first_moments(ckpt: Path) -> int:
