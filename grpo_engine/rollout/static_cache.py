@@ -106,6 +106,7 @@ class BucketCache:
         self.k = [t[:b, :, : window + 1] for t in state.k]  # [b, H_kv, W + 1, D] views
         self.v = [t[:b, :, : window + 1] for t in state.v]
         self.write, self.scratch = state.write[:b], window
+        self.rows = torch.arange(b, device=state.device)  # [b]: with `write`, each row's (row, slot) to write
 
     @property
     def start(self) -> int:
@@ -117,10 +118,9 @@ class BucketCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [b, H_kv, 1, D] -> the window's slots [b, H_kv, W + 1, D], the new key/value at write[r] and at W."""
-        index = self.write.view(-1, 1, 1, 1).expand_as(k)  # [b, H_kv, 1, D]
         for buf, new in ((self.k[layer], k), (self.v[layer], v)):
-            buf.scatter_(2, index, new)
-            buf[:, :, self.scratch :] = new
+            buf[self.rows, :, self.write] = new[:, :, 0]  # [b, H_kv, D]: a scatter_ into this strided view would
+            buf[:, :, self.scratch :] = new  # copy the whole layer's buffer on the CPU, every step
         return self.k[layer], self.v[layer]
 
 
