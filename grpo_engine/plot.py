@@ -66,18 +66,39 @@ def moving_average(ys: list[float], frac: float = 0.05) -> list[float]:
 
 
 def plot_path(run_dir: Path, out: str | Path | None, overwrite: bool) -> Path:
-    """Where the PNG goes: RUN_DIR/curves.png (grpo plot's own file, redrawn each time), or --out, which must not
-    name an existing file unless `overwrite` (it replaced whatever was there)."""
+    """Where the PNG goes: RUN_DIR/curves.png (grpo plot's own file, redrawn each time), also when --out names it in
+    another spelling, or --out elsewhere, which must not name an existing file unless `overwrite` (it replaced
+    whatever was there)."""
+    own = run_dir / "curves.png"
     if out is None:
-        return run_dir / "curves.png"
+        return own
     path = Path(out)
     if path.is_dir():  # --out a folder: the default name inside it (not a sibling FOLDER.png)
         path = path / "curves.png"
     elif not path.suffix:  # matplotlib appends .png itself: the path it really writes
         path = path.with_suffix(".png")
+    if same_file(path, own):
+        return own
     if path.exists() and not overwrite:
         raise ValueError(f"--out {path} exists; name another file, or pass --overwrite to replace it")
     return path
+
+
+def same_file(path: Path, own: Path) -> bool:
+    """Whether `path` names `own` however it is spelled: relative, with `.` or `..`, through a link to its folder,
+    in another case on a disk that ignores case. Its folder is compared as a file (os.path.samefile), not as text;
+    the name by text, or as a file when both exist (a link at either name is compared as the link, not its target)."""
+    try:
+        if not os.path.samefile(path.parent, own.parent):
+            return False
+    except OSError:  # a folder that does not exist is not the run directory
+        return False
+    if path.name == own.name:
+        return True
+    try:
+        return os.path.samestat(os.lstat(path), os.lstat(own))
+    except OSError:
+        return False
 
 
 def _save(fig, run_dir: Path, out: Path, overwrite: bool) -> None:

@@ -1,5 +1,5 @@
-"""Issue 70: files you did not write, round four. Each test is one numbered case of the hostile pass (a run directory,
-a data file or a checkpoint someone handed over) and failed on the tree before its fix."""
+"""Files you did not write: a run directory, a data file or a checkpoint someone handed over. Each test is one
+numbered case of docs/reliability.md's "Files you did not write" table and failed on the tree before its fix."""
 
 import json
 import os
@@ -405,6 +405,33 @@ def test_item4_plot_never_replaces_a_curves_png_it_did_not_draw(handed, capsys):
     assert main(["plot", str(handed / "run"), "--overwrite"]) == 0 and mine.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("spelling", ["relative", "dot", "folder", "dotdot", "linked folder"])
+@pytest.mark.parametrize("target", ["existing", "missing"])
+def test_item4_plot_refuses_a_linked_curves_png_however_out_spells_it(handed, capsys, spelling, target):
+    """--out naming RUN_DIR/curves.png in any spelling writes through the engine's one writer (run_files): a link
+    there is refused without --overwrite, then replaced, its target never written."""
+    from grpo_engine.cli import main
+
+    (handed / "elsewhere").mkdir()
+    (handed / "run-link").symlink_to(handed / "run")
+    out = {"relative": "run/curves.png", "dot": "./run/curves.png", "folder": "run",
+           "dotdot": "elsewhere/../run/curves.png", "linked folder": "run-link/curves.png"}[spelling]
+    outside = handed / "outside.png"
+    if target == "existing":
+        outside.write_bytes(b"yours")
+    (handed / "run/curves.png").symlink_to(outside)
+    assert main(["plot", "run", "--out", out]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"run/curves.png (a link to {outside}): not written by grpo-engine" in line, line
+    assert (outside.read_bytes() == b"yours") if target == "existing" else not outside.exists()
+    assert main(["plot", "run", "--out", out, "--overwrite"]) == 0
+    assert (outside.read_bytes() == b"yours") if target == "existing" else not outside.exists()
+    mine = handed / "run/curves.png"
+    assert not mine.is_symlink() and mine.read_bytes()[:4] == b"\x89PNG"
+    assert "curves.png" in (handed / "run/.grpo-files").read_text().split()
+    assert main(["plot", "run", "--out", out]) == 0  # now the engine's own: redrawn without asking
+
+
 # items 12 and 13: before_after.json is the run's record from step 1 on, written whole at every clean end --------
 def test_item12_a_run_stopped_by_sigterm_keeps_its_start_and_a_resume_compares_with_it(tmp_path, tiny_ckpt, capsys,
                                                                                        monkeypatch):
@@ -582,14 +609,15 @@ def test_item9_the_bound_renders_only_prompts_that_could_exceed_the_cap(tmp_path
         check_prompt_lengths(task, tok, examples, exact - 1)
 
 
-def test_item15_an_override_after_resume_is_an_override(tmp_path, monkeypatch):
-    from grpo_engine.cli import _override_after_resume, build_parser
+def test_item15_an_override_after_resume_is_an_override(handed, capsys):
+    from grpo_engine.cli import main
 
-    args = build_parser().parse_args(["train", "C", "a=1", "--resume", "schedule.steps=3"])
-    _override_after_resume(args)
-    assert (args.resume, args.overrides) == ("latest", ["a=1", "schedule.steps=3"])
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "odd=name").mkdir()  # a checkpoint folder that happens to hold "=" stays the checkpoint
-    args = build_parser().parse_args(["train", "C", "--resume", "odd=name"])
-    _override_after_resume(args)
-    assert (args.resume, args.overrides) == ("odd=name", [])
+    # the later override wins: 3 steps, continued from the newest checkpoint (step 2)
+    assert main(["train", "train.yaml", "schedule.steps=2", "--resume", "schedule.steps=3"]) == 0
+    assert (handed / "run/checkpoints/step-000003").is_dir()
+    (handed / "odd=name").mkdir()  # a checkpoint folder that happens to hold "=" stays the checkpoint
+    capsys.readouterr()
+    assert main(["train", "train.yaml", "schedule.steps=4", "--resume", "odd=name"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--resume odd=name" in line, line
+    assert not (handed / "run/checkpoints/step-000004").exists()
