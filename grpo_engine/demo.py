@@ -19,7 +19,6 @@ run); key=value overrides apply to it as to any config.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -312,7 +311,7 @@ def stored_before(path: Path, console: Console | None = None) -> tuple[HeldOut |
     """(the `before` row a run's first step wrote into before_after.json, or None; why it is missing: "" when the
     file or the row is absent). A file that is not JSON (torn, edited) is moved to RUN_DIR/superseded-<UTC time>/
     before_after.json.unreadable with one warning: it is reported as what it is and not left torn."""
-    from .checkpoint.run_dir import utc_stamp
+    from .checkpoint.run_dir import move_unreadable
 
     if not path.is_file():
         return None, ""
@@ -320,11 +319,9 @@ def stored_before(path: Path, console: Console | None = None) -> tuple[HeldOut |
         with open(path, "rb") as f:
             data = json.loads(f.read(1 << 20))  # at most 1 MiB read: a larger file is not one the engine wrote
     except (OSError, ValueError) as e:
-        aside = path.parent / f"superseded-{utc_stamp()}"
-        aside.mkdir(exist_ok=True)
-        os.replace(path, aside / f"{path.name}.unreadable")
+        aside = move_unreadable(path)
         why = f"; it was unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}: torn or edited) and " \
-              f"is now {aside / (path.name + '.unreadable')}"
+              f"is now {aside}"
         (console or Console(stderr=True)).print(f"warning: {path}{why.removeprefix(';')}", markup=False)
         return None, why
     try:

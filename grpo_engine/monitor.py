@@ -223,9 +223,9 @@ class Monitor:
         the new lines differ. A torn last line (a crash or a full disk mid-write) is dropped with one warning
         instead of blocking the run; any other unreadable line (a note someone added) moves to the same folder,
         with one warning."""
-        from .checkpoint.run_dir import split_jsonl, unreadable_to, utc_stamp
+        from .checkpoint.run_dir import split_jsonl, superseded_dir, unreadable_to
 
-        dest = self.run_dir / f"superseded-{utc_stamp()}"
+        dest = superseded_dir(self.run_dir)
         for path in (self.metrics_path, self.samples_path):
             moved, torn, unreadable = split_jsonl(path, dest / path.name, step)
             if torn:

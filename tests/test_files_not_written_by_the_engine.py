@@ -489,6 +489,11 @@ def test_item13_a_torn_before_after_json_is_named_moved_aside_and_rewritten(hand
     assert "unreadable" in said and "torn or edited" in said and "missing" not in said, said
     (aside,) = handed.glob("run/superseded-*/before_after.json.unreadable")
     assert aside.read_text() == whole[: len(whole) // 2]
+    said = " ".join(said.split())  # the console wraps long lines
+    now = f"torn or edited) and is now {aside.relative_to(handed)}"
+    assert "warning: run/before_after.json it was unreadable (Unterminated string" in said and now in said
+    assert "no starting figure in run/before_after.json to compare with; it was unreadable (" in said, said
+    assert said.count(now) == 2, said
     rewritten = json.loads(path.read_text())  # whole again, with the final model's figure
     assert rewritten["before"] is None and set(rewritten["after"]) == {"accuracy", "format_rate", "mean_length"}
 

@@ -158,9 +158,24 @@ def after_write_failure(run_dir: str | Path) -> str:
     return "then run it again"
 
 
+def superseded_dir(run_dir: str | Path) -> Path:
+    """RUN_DIR/superseded-<UTC time>/: where the engine moves what a run no longer uses (later checkpoints and log
+    lines on a resume, a file it cannot read), so nothing is deleted. Not created here: a move of nothing leaves no
+    empty folder."""
+    return Path(run_dir) / f"superseded-{utc_stamp()}"
+
+
+def move_unreadable(path: Path) -> Path:
+    """Move the file `path` (torn or edited) to superseded_dir(its folder)/NAME.unreadable; returns where it is now."""
+    dest = unreadable_to(superseded_dir(path.parent) / path.name)
+    dest.parent.mkdir(exist_ok=True)
+    os.replace(path, dest)
+    return dest
+
+
 def supersede(run_dir: Path, step: int, message=print) -> Path:
-    """Move checkpoints after `step` and metrics / samples lines after it into run_dir/superseded-<stamp>/."""
-    dest = run_dir / f"superseded-{utc_stamp()}"
+    """Move checkpoints after `step` and metrics / samples lines after it into superseded_dir(run_dir)."""
+    dest = superseded_dir(run_dir)
     (dest / "checkpoints").mkdir(parents=True, exist_ok=True)
     for ckpt in step_dirs(run_dir / "checkpoints"):  # incomplete ones too: a later save of that step replaced them
         if checkpoint_step(ckpt) > step:
