@@ -101,6 +101,19 @@ class Sample:
     error: str | None = None  # why the reward failed ("exception: ...", "timeout: ..."), None when it did not
 
 
+def headline(m: StepMetrics) -> str:
+    """The numbers a person watches a run by: reward, accuracy (left out when NaN: the task has no answer check) and
+    completion length."""
+    acc = "" if m.accuracy != m.accuracy else f"  acc {m.accuracy:.2f}"
+    return f"reward {m.reward_mean:.3f}{acc}  len {m.completion_len_mean:.0f}"
+
+
+def step_line(m: StepMetrics, total: int, seconds: float) -> str:
+    """The line printed per step where no terminal redraws a bar (a log, Jupyter): the headline, the sampler's speed
+    and the seconds since the run started."""
+    return f"step {m.step}/{total}  {headline(m)}  gen {m.gen_tokens_per_s:.0f} tok/s  {seconds:.0f} s"
+
+
 class _Console:
     """rich progress bar with the headline numbers; off when stdout is not a terminal."""
 
@@ -119,10 +132,7 @@ class _Console:
         self.progress.start()
 
     def update(self, m: StepMetrics) -> None:
-        info = (
-            f"reward {m.reward_mean:.3f}  acc {m.accuracy:.2f}  len {m.completion_len_mean:.0f}  "
-            f"gen {m.gen_tokens_per_s:.0f} tok/s  train {m.train_tokens_per_s:.0f} tok/s"
-        )
+        info = f"{headline(m)}  gen {m.gen_tokens_per_s:.0f} tok/s  train {m.train_tokens_per_s:.0f} tok/s"
         self.progress.update(self.task, completed=m.step, info=info)
 
     def close(self) -> None:
@@ -143,9 +153,7 @@ class _PlainLines:
         if now - self.last < self.every_s and m.step != self.total:
             return
         self.last = now
-        acc = "" if m.accuracy != m.accuracy else f"  acc {m.accuracy:.2f}"  # NaN: the task has no answer check
-        print(f"step {m.step}/{self.total}  reward {m.reward_mean:.3f}{acc}  len {m.completion_len_mean:.0f}  "
-              f"gen {m.gen_tokens_per_s:.0f} tok/s  {now - self.start:.0f} s", flush=True)
+        print(step_line(m, self.total, now - self.start), flush=True)
 
     def close(self) -> None:
         pass
@@ -167,10 +175,8 @@ class _NotebookLines:
                f"{'  ' + info if info else ''}"
 
     def update(self, m: StepMetrics) -> None:
-        acc = "" if m.accuracy != m.accuracy else f"  acc {m.accuracy:.2f}"  # NaN: the task has no answer check
-        info = f"reward {m.reward_mean:.3f}{acc}  len {m.completion_len_mean:.0f}"
-        print(f"step {m.step}/{self.total}  {info}  gen {m.gen_tokens_per_s:.0f} tok/s", flush=True)
-        self.handle.update({"text/plain": self._bar(m.step, info)}, raw=True)
+        print(step_line(m, self.total, time.monotonic() - self.start), flush=True)
+        self.handle.update({"text/plain": self._bar(m.step, headline(m))}, raw=True)
 
     def close(self) -> None:
         pass

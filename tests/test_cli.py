@@ -53,3 +53,29 @@ def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
         mon.log_step(StepMetrics(step=step, reward_mean=0.5, accuracy=0.25, completion_len_mean=7.0))
     out = capsys.readouterr().out.splitlines()
     assert [ln.split("  ")[0] for ln in out] == ["step 1/2", "step 2/2"] and "acc 0.25" in out[0]
+
+
+def test_a_notebook_prints_the_plain_line_of_each_step(monkeypatch, capsys):
+    """Jupyter's console (a bar redrawn in place) prints under it the same line per step as a log gets."""
+    import IPython.display
+
+    import grpo_engine.monitor as monitor
+    from grpo_engine.monitor import StepMetrics
+
+    class Handle:
+        def update(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: Handle())
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: 100.0)
+    plain, notebook = monitor._PlainLines(2, every_s=0.0), monitor._NotebookLines(2, 0)
+    steps = [StepMetrics(step=1, reward_mean=0.5, accuracy=0.25, completion_len_mean=7.0, gen_tokens_per_s=12.4),
+             StepMetrics(step=2, reward_mean=0.125, accuracy=float("nan"), completion_len_mean=3.0,
+                         gen_tokens_per_s=3.6)]
+    lines = []
+    for console in (plain, notebook):
+        for m in steps:
+            console.update(m)
+        lines.append(capsys.readouterr().out.splitlines())
+    assert lines[0] == lines[1] == ["step 1/2  reward 0.500  acc 0.25  len 7  gen 12 tok/s  0 s",
+                                    "step 2/2  reward 0.125  len 3  gen 4 tok/s  0 s"]
