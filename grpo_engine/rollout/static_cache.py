@@ -39,8 +39,10 @@ indexed by position, not slot: a row's token at position q lives at entry q mod 
 tokens, so its last R positions fill the ring whatever its padding and holes). Attention does not care about the
 keys' order once RoPE is applied, so the layer attends over its ring under a mask by position (`ring_mask`): entry i
 holds the newest position q_i of the row that is i mod R, seen by a query at p when p - window < q_i. Why CHUNK
-entries beyond the window: a multi-turn row set back to its turn's end (static_turns.py) has had up to CHUNK - 1
-later positions written by the chunk's discarded steps, and those overwrote only entries older than the window.
+entries beyond the window: a row can go on from a position after a chunk wrote up to CHUNK positions past it (a
+multi-turn row set back to its turn's end, static_turns.py; a graph's capture check replaying the chunk its warm-up
+ran, static_decode.py), and those writes overwrite only entries older than the window (R = window + CHUNK - 1 is
+the least that holds: tests/rollout/test_sliding_cache.py fails at one less).
 A forward of one token (a decode step) writes its ring entry first and attends over the ring; a forward of more
 (the prefill, environment feeds) attends over the ring as it was and its own new keys, then writes the newest R of
 them. The model asks a cache with rings for those layers' masks (`ring_masks`, model/transformer.py KVCacheLike).

@@ -174,18 +174,28 @@ def gemma(tmp_path_factory):
     return load_model(path, dtype=torch.float64), load_tokenizer(path)
 
 
-def test_multiturn_rows_across_chunks_equal_the_reference_decode(gemma, eager_decoders):
+@pytest.mark.parametrize("loop", ["static", "graphs"])
+def test_multiturn_rows_across_chunks_equal_the_reference_decode(gemma, eager_decoders, loop):
     """Trajectories much longer than the rings, whose model turns end inside chunks (the chunk's later steps wrote
     ring entries, then the row is set back and fed its environment's tokens): tokens, masks, finish reasons and
-    log-probs equal the reference decode's (one full forward per token)."""
+    log-probs equal the reference decode's (one full forward per token). Eager chunks stop at the steps a turn may
+    still take; (fake) graphs run all CHUNK steps, so a turn's end leaves up to CHUNK - 1 discarded steps behind."""
     model, tok = gemma
     assert model.config.sliding_window == 8
     params = SamplingParams(max_new_tokens=9, stop_token_ids=list(range(100, 140)))
     examples = [Example(str(i), q, "") for i, q in enumerate(["What is 2", "Hi!", "Solve x for me", "Go"])]
     envs = lambda: [EchoEnv(s, TrajectoryLimits(max_turns=5, max_tokens=400)) for s in (1, 9, 3, 12)]  # noqa: E731
-    static = run_multiturn(model, tok, envs(), examples, params, seed=[1, 2, 3, 4], loop="static")
+    if loop == "graphs":
+        release_static_decode(model)
+        fake = FakeGraphs.install(static_decoder(model, 4, 1024, 1024))
+    static = run_multiturn(model, tok, envs(), examples, params, seed=[1, 2, 3, 4], loop=loop)
     assert all(t.metrics.env_tokens > 0 for t in static) and max(len(t.token_ids) for t in static) > 3 * 24
-    assert_rings_within_the_bound(eager_decoders[0].state, model)
+    if loop == "graphs":
+        assert fake.replays >= fake.captures > 0  # each chunk a capture, checked by its replay
+        assert_rings_within_the_bound(static_decoder(model, 4, 1024, 1024).state, model)
+        release_static_decode(model)
+    else:
+        assert_rings_within_the_bound(eager_decoders[0].state, model)
     reference = reference_trajectories(model, tok, envs(), examples, params, [1, 2, 3, 4])
     for s, d in zip(static, reference):
         assert (s.token_ids, s.loss_mask, s.finish_reason) == (d.token_ids, d.loss_mask, d.finish_reason)
