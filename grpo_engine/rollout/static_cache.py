@@ -100,17 +100,20 @@ def ring_write(ring: torch.Tensor, index: torch.Tensor, new: torch.Tensor, held:
     return torch.cat([before, new], dim=2)
 
 
-def fresh_ring_masks(state: StaticDecodeState, positions: torch.Tensor, masks: dict) -> tuple[dict, torch.Tensor]:
-    """For a forward of T tokens (the prefill, a feed): each ring's mask over what ring_write returns (the ring as
-    it was, then the new keys under the window's own slot mask), and `held` [m, 1]: each row's positions before
-    this forward, the valid slots its last query sees before the forward's own (masks[None] [m, 1, T, start + T]).
-    """
-    T = positions.shape[1]
-    slot_mask = masks[None]
+def fresh_ring_masks(state: StaticDecodeState, positions: torch.Tensor, masks: dict):
+    """For a forward of T tokens (the prefill, a feed; positions [m, T]) -> (each ring's mask over what ring_write
+    returns: the ring as it was, then the new keys under the window's own slot mask; `held` [m, 1]: each row's
+    positions before this forward, the valid slots its last query sees before the forward's own; `last` [m, 1]: the
+    position of its last token, a real one, or a pad at held - 1 when it feeds nothing). ({}, None, None) without
+    rings."""
+    if not state.rings:
+        return {}, None, None
+    T, slot_mask = positions.shape[1], masks[None]
+    assert slot_mask is not None and slot_mask.dim() == 4, "a forward on the rings passes its attention_mask"
     held = slot_mask[:, 0, -1, : slot_mask.shape[-1] - T].sum(-1, keepdim=True)  # [m, 1]
     out = {w: torch.cat([ring_mask(positions, held, R, w), masks[w][..., -T:].expand(-1, -1, T, T)], dim=-1)
            for w, R in state.rings.items()}
-    return out, held
+    return out, held, positions[:, -1:]
 
 
 def bucket_for(rows: int) -> int:
@@ -132,10 +135,7 @@ class PromptCache:
 
     def ring_masks(self, positions: torch.Tensor, masks: dict) -> dict:
         """The masks of the sliding layers kept in rings (module docstring), before the forward's layers run."""
-        if not self.state.rings:
-            return {}
-        out, self.held = fresh_ring_masks(self.state, positions, masks)
-        self.last = positions[:, -1:]
+        out, self.held, self.last = fresh_ring_masks(self.state, positions, masks)
         return out
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,10 +163,7 @@ class FeedCache:
 
     def ring_masks(self, positions: torch.Tensor, masks: dict) -> dict:
         """The masks of the sliding layers kept in rings (module docstring), before the forward's layers run."""
-        if not self.state.rings:
-            return {}
-        out, self.held = fresh_ring_masks(self.state, positions, masks)
-        self.last = positions[:, -1:]  # a row with nothing to feed: held - 1 (it writes nothing)
+        out, self.held, self.last = fresh_ring_masks(self.state, positions, masks)
         return out
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +186,9 @@ class BucketCache:
 
     def __init__(self, state: StaticDecodeState, b: int, window: int):
         self.ring_of, self.rings = state.ring_of, state.rings
-        self.k = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.k, self.ring_of)]  # [b, H_kv, W + 1
-        self.v = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.v, self.ring_of)]  # or R, D] views
+        # views: [b, H_kv, W + 1, D] of a full layer, its whole ring [b, H_kv, R, D] of a sliding one
+        self.k = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.k, self.ring_of)]
+        self.v = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.v, self.ring_of)]
         self.write, self.scratch, self.positions = state.write[:b], window, state.positions[:b, 0]
         self.rows = torch.arange(b, device=state.device)  # [b]: with `write`, each row's (row, slot) to write
 
@@ -233,7 +231,7 @@ class StaticDecodeState:
         self.ring_of = [n if n < slots + 1 else None for n in self.layer_slots]  # layer -> its ring's R (None: full)
         self.rings = {cfg.window(i): n for i, n in enumerate(self.ring_of) if n is not None}  # window -> its R
         shapes = [(rows, cfg.num_key_value_heads, n, cfg.head_dim) for n in self.layer_slots]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]  # [B, H_kv, S + 1, D] a layer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]  # [B, H_kv, S + 1 or R, D]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.rows, self.slots, self.columns, self.dtype, self.device = rows, slots, columns, dtype, device
         self.key_mask = torch.zeros(rows, slots + 1, dtype=torch.bool, device=device)
@@ -271,7 +269,7 @@ class StaticDecodeState:
 
     def share_prefix(self, rows: int, length: int) -> None:
         """Slots [0, length) of row 0 (a prefix every prompt shares, prefilled once) copied to rows 1..rows-1 (a
-        ring's entries [0, length) too: positions 0 .. length - 1 lie there)."""
+        ring's entries [0, length) too: the prefix's positions, its last R when longer, lie there)."""
         for t in (*self.k, *self.v):
             t[1:rows, :, :length] = t[:1, :, :length]
 

@@ -112,6 +112,26 @@ def test_layer_slots_hand_computed():
         assert held == kv_state_bytes(cfg, 3, slots + 1, 4) == 3 * sum(widths) * 2 * 2 * 16 * 4
 
 
+def test_the_prompt_view_feeds_past_the_ring_in_pieces(hf_dir):
+    """The decode cache's prompt view over 64 slots, fed 46 tokens in pieces of 6, 1, 3, 1, 7, ... (one row
+    left-padded by 2): each piece attends to the rings as they were and to itself, then writes its newest entries;
+    the logits equal one full forward's, past the 22-entry rings twice over."""
+    model = load_model(hf_dir("gemma3"))
+    ids = torch.randint(3, 300, (2, 46), generator=torch.Generator().manual_seed(0))
+    key_mask = torch.ones(2, 46, dtype=torch.bool)
+    key_mask[1, :2] = False
+    state = StaticDecodeState(model.config, 2, 64, 1, torch.float32, torch.float32, torch.device("cpu"))
+    assert state.rings == {6: 22} and state.ring_of == [22, None, 22, 22]
+    cache, pieces, t = state.prompts(2), [], 0
+    with torch.no_grad():
+        full = model(ids, key_mask)
+        for n in [6, 1, 3, 1, 7, 1, 1, 11, 2, 1, 5, 1, 4, 2]:
+            pieces.append(model(ids[:, t : t + n], key_mask[:, : t + n], cache=cache))
+            t += n
+    assert t == 46 and cache.start == 46
+    assert (torch.cat(pieces, dim=1) - full)[key_mask].abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_greedy_decode_equals_transformers_generate_past_the_ring(hf_dir, name, attended, eager_decoders):
     """70 new tokens from two left-padded prompts: token-identical to transformers' generate, every decode step of
