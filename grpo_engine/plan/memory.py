@@ -356,14 +356,6 @@ def kv_cache_bytes(cfg: ModelConfig, k: PlanInput, full: bool = False) -> int:
                           rings=not full)
 
 
-def kv_slots(cfg: ModelConfig, slots: int, full: bool = False) -> int:
-    """A row's cached slots summed over the layers, as the decode cache holds them (a sliding layer at most its
-    window + CHUNK, rollout/static_cache.py layer_slots; full=True: `slots` in each)."""
-    from ..rollout.static_cache import layer_slots
-
-    return slots * cfg.num_hidden_layers if full else sum(layer_slots(cfg, slots))
-
-
 def decode_calls(k: PlanInput) -> list[DecodeCall]:
     """The generate() calls of a run, each at its largest wave (rollout/generate.py rows_in_flight, at one-token
     prompts: the wave that holds the most rows): the rollout's, the evaluations' (greedy by default, one row per

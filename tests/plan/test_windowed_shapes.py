@@ -9,8 +9,9 @@ from test_decode_state import LiveBytes
 from grpo_engine.model.config import ModelConfig
 from grpo_engine.plan import MODEL_SHAPES, PlanInput, kv_cache_bytes, param_counts, plan_memory
 from grpo_engine.plan.decode_state import DecodeCall, sampler_step_bytes
-from grpo_engine.plan.memory import kv_slots, logprob_bytes
+from grpo_engine.plan.memory import logprob_bytes
 from grpo_engine.plan.suggest import format_plan
+from grpo_engine.rollout.static_cache import layer_slots
 
 
 @pytest.mark.parametrize("name, params", [("gemma3-270m", 268_098_176), ("gemma3-1b", 999_885_952),
@@ -27,8 +28,7 @@ def test_sliding_kv_hand_computed():
     plan's line compares the kept static state's (64 rows x 2,305 slots with the scratch) with a full one's."""
     cfg, k = MODEL_SHAPES["gemma3-270m"], PlanInput(prompts_per_step=8, group_size=8, prompt_len=256,
                                                     completion_len=2048, precision="bf16")
-    assert kv_slots(cfg, 2304, full=True) == 18 * 2304 and kv_slots(cfg, 2304) == 15 * 528 + 3 * 2304
-    assert kv_slots(cfg, 400) == 18 * 400
+    assert sum(layer_slots(cfg, 2304)) == 15 * 528 + 3 * 2304 and sum(layer_slots(cfg, 400)) == 18 * 400
     per_slot = 2 * 1 * 256 * 2  # k and v, one KV head of 256, bf16
     assert kv_cache_bytes(cfg, k, full=True) == 64 * 18 * 2304 * per_slot
     assert kv_cache_bytes(cfg, k) == 64 * (15 * 528 + 3 * 2304) * per_slot
