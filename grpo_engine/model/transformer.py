@@ -371,9 +371,20 @@ def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, key_pos: tor
     return mask & near[:, None]
 
 
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping), logits unchanged for None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+def soft_cap(logits: torch.Tensor, cap: float | None, inplace: bool = False,
+             derivative: torch.Tensor | None = None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping), logits unchanged for None; the one writing of it
+    (the forward, the decode head, the chunked log-probs). inplace: written over `logits`, a buffer the caller
+    owns (the same three operations in the same order: the same numbers). derivative: a buffer of logits' shape
+    that receives d(capped)/d(logits) = 1 - tanh^2, for a backward written by hand (inplace only)."""
+    if cap is None:
+        return logits
+    if not inplace:
+        return torch.tanh(logits / cap) * cap
+    t = logits.div_(cap).tanh_()  # [..., V]
+    if derivative is not None:
+        torch.mul(t, t, out=derivative).neg_().add_(1)
+    return t.mul_(cap)
 
 
 class MLP(nn.Module):

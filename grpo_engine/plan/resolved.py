@@ -55,8 +55,7 @@ class Resolved:
     def machine(self) -> dict:
         """What this machine decided, beside the config, as plain YAML values."""
         return {"device": str(self.device), "precision": self.precision, "precision_why": self.precision_why,
-                "card_gib": self.card_gib, "planned_gib": self.planned_gib, "strategy": self.strategy,
-                "backend": self.backend}
+                "card_gib": self.card_gib, "planned_gib": self.planned_gib}
 
     def to_yaml(self) -> str:
         """resolved.yaml: `machine` (what was decided here) and `config` (the config the run trains with)."""
