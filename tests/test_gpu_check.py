@@ -235,6 +235,8 @@ def graphs_on_the_cpu(monkeypatch):
 
     generate_module = importlib.import_module("grpo_engine.rollout.generate")
     monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice: choice != "off")
+    resolved_module = importlib.import_module("grpo_engine.plan.resolved")  # Resolved: as if on CUDA too
+    monkeypatch.setattr(resolved_module, "cuda_graphs_on", lambda choice, device: choice != "off")
     monkeypatch.setattr(static_decode, "HEALTH", static_decode.GraphHealth())
     faults = {"fault": None}
     monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault=faults["fault"]))

@@ -62,9 +62,10 @@ def _files(key: str, path: Path) -> dict[str, Path]:
     return {f"{key}:{p.relative_to(path).as_posix()}": p for p in found}  # (datasets' cache-*.arrow: rewritten)
 
 
-def data_budget(cfg: Config) -> int:
-    """The bytes a data file of cfg's task may hold (task.options.max_data_file_mib), checked before it is hashed."""
-    mib = dict(cfg.task.options).get("max_data_file_mib", MAX_FILE_MIB)
+def data_budget(options) -> int:
+    """The bytes a data file of a task with these options may hold (task.options.max_data_file_mib; a value that is
+    no positive integer: the default), checked before it is hashed."""
+    mib = dict(options).get("max_data_file_mib", MAX_FILE_MIB)
     return (mib if isinstance(mib, int) and not isinstance(mib, bool) and mib > 0 else MAX_FILE_MIB) << 20
 
 
@@ -104,7 +105,7 @@ def data_record(cfg: Config, train_examples: int) -> dict:
     """What data.json holds for this run: every data file it reads, and the size of its training split."""
     files, roots = {}, {}
     for key, path in data_paths(cfg).items():
-        files.update({label: fingerprint(p, data_budget(cfg)) for label, p in _files(key, path).items()})
+        files.update({label: fingerprint(p, data_budget(cfg.task.options)) for label, p in _files(key, path).items()})
         roots[key] = os.path.abspath(path)
     return {"version": VERSION, "train_examples": train_examples, "files": files, "roots": roots}
 

@@ -31,11 +31,12 @@ FIXED = ("seed", "model.path", "tokenizer.", "task.", "lora.", "warm_start.", "r
 LR_KEYS = ("optimizer.lr", "schedule.")
 # Param-group settings that loading the optimizer's state brings back from the checkpoint: set again when changed.
 GROUP_KEYS = {"optimizer.betas": "betas", "optimizer.eps": "eps", "optimizer.weight_decay": "weight_decay"}
-# Memory settings a config may leave to the engine (plan/device_defaults.py), with the value that says so: the
-# stored config.yaml holds what the engine chose for the run, so a config that still leaves them is unchanged.
+# Settings a config may leave to the engine (plan/resolved.py), with the value that says so: the stored
+# config.yaml holds what the engine chose for the run, so a config that still leaves them is unchanged.
 ENGINE_CHOSEN = {"memory.micro_batch_tokens": 0, "memory.logprob_chunk_size": 0,
                  "memory.activation_checkpointing": "auto", "memory.checkpoint_every": None,
-                 "memory.precision": "auto"}
+                 "memory.precision": "auto", "memory.cpu_update_mmap": "auto", "rollout.cuda_graphs": "auto",
+                 "lora.quant_backend": "auto"}
 # Optimizers whose state has the same layout (torch AdamW's, or both the fp32-master one: train/optim.py).
 SAME_STATE = frozenset({"adamw", "adamw_fused"})
 

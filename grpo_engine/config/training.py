@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .fields import one_of, option, require, section
 
-UPDATE_MMAP = ("auto", "true", "false", "trim")  # memory.cpu_update_mmap (train/memory.py update_allocations_rule)
+UPDATE_MMAP = ("auto", "true", "false", "trim")  # memory.cpu_update_mmap (plan/device_defaults.py update_mmap_choice)
 
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_offload", "adamw_8bit")
 BF16_ROUNDINGS = ("stochastic", "nearest")  # optimizer.bf16_rounding (train/optim.py set_from_master)
@@ -132,7 +132,7 @@ class MemorySection:
                                           "instead of heap fragmentation; costs page faults: 5-45% more update "
                                           "time, by host); trim: the heap, its freed pages released at the "
                                           "update's start and end (half of true's RSS saving at the heap's speed); "
-                                          "auto = false: the heap (train/memory.py update_allocations_rule says why)",
+                                          "auto = false: the heap (why: plan/device_defaults.py update_mmap_choice)",
                                   choices=UPDATE_MMAP)
     gpu_memory_gib: float = option(0.0, "GPU memory of the target card; > 0: `grpo train` refuses, before loading "
                                         "the model, a config the memory planner predicts will not fit; 0 = no check")

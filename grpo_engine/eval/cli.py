@@ -185,17 +185,15 @@ def run_data(model: str, run_cfg, given: dict, data: str | None) -> tuple[dict, 
     """(task options, data path) to evaluate a run's own task with: --data and --task-option as given; every data path
     of the run's config.yaml they leave where the run recorded it (checkpoint/data_record.py eval_data_paths: its
     absolute path, used only when the files there have their recorded fingerprints; else one line naming --data)."""
-    from ..checkpoint.data_record import eval_data_paths, named_paths
+    from ..checkpoint.data_record import data_budget, eval_data_paths, named_paths
     from ..checkpoint.store import model_source
-    from ..tasks.data import MAX_FILE_MIB
 
     chosen = {f"task.options.{k}" for k in given}
     if data is not None:
         chosen |= {"task.data_path", "task.options.data_path"}
     keys = set(named_paths(run_cfg)) - chosen
-    budget = given.get("max_data_file_mib", MAX_FILE_MIB)  # yours; the stored config's is data
-    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0 else MAX_FILE_MIB
-    paths = eval_data_paths(model_source(model).parent, run_cfg, keys, budget << 20)
+    budget = data_budget(given)  # yours; the stored config's is data
+    paths = eval_data_paths(model_source(model).parent, run_cfg, keys, budget)
     options = {k: v for k, v in run_cfg.task.options.items() if not (data is not None and k == "data_path")}
     options.update({key.removeprefix("task.options."): v for key, v in paths.items() if key != "task.data_path"})
     return {**options, **given}, data if data is not None else paths.get("task.data_path", run_cfg.task.data_path)

@@ -132,10 +132,6 @@ KERNELS = {"grouped": grouped_attention}  # "sdpa": the model's own path (no hoo
 TRAIN_KERNELS = {"grouped": grouped_training_attention}
 
 
-def _grouped_model_dtype(q, k, v, mask):  # the grouped products of a forward with a gradient, as timed
-    return _grouped(q, k, v, mask, exact=False)
-
-
 def decode_attention_for(device_type: str, n_heads: int, n_kv: int, planned: str) -> Callable | None:
     """The attention of a model's decode steps (None: the model's SDPA): on CUDA the grouped kernel when KV heads
     are grouped and SDPA otherwise (module docstring); elsewhere the kernel plan's measured choice `planned`."""
@@ -203,7 +199,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-TIMED_TRAINING = {"sdpa": _sdpa, "grouped": _grouped_model_dtype}
+TIMED_TRAINING = {"sdpa": _sdpa, **TRAIN_KERNELS}  # at TRAIN_SIZES the grouped one runs its grouped products
 
 
 def _forward_backward(kernel: Callable, inputs: tuple[torch.Tensor, ...], mask: torch.Tensor,

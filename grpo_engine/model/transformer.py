@@ -24,6 +24,7 @@ This file imports nothing from training code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -111,17 +112,22 @@ def rope_switch(cfg: ModelConfig) -> int | None:
     return int(cfg.rope_scaling["original_max_position_embeddings"])
 
 
-def rope_row_inv_freq(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+def rope_row_inv_freq(cfg: ModelConfig, positions: torch.Tensor,
+                      inv_freq: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The inverse frequencies for positions [B, T]: [R/2], or for longrope [B, 1, R/2], each row's long factors
     once it runs past the original context (its largest position + 1 over original_max_position_embeddings).
 
     transformers decides once per forward for the whole batch; per row, a row's log-probs do not depend on the
     rows batched with it (the sampler's batch and the trainer's differ), and equal transformers' for the row alone.
-    A cache keeps the keys written before a row's switch, as transformers' does."""
+    A cache keeps the keys written before a row's switch, as transformers' does. inv_freq: rope_inv_freq of cfg
+    (device, long=...), or the model's kept copies of it (Transformer.inv_freq)."""
+    if inv_freq is None:
+        def inv_freq(device, long=False):
+            return rope_inv_freq(cfg, device, long=long)
     if rope_kind(cfg.rope_scaling) != "longrope":
-        return rope_inv_freq(cfg, positions.device)
+        return inv_freq(positions.device)
     long = positions.amax(-1) + 1 > cfg.rope_scaling["original_max_position_embeddings"]  # [B]
-    short_f, long_f = rope_inv_freq(cfg, positions.device), rope_inv_freq(cfg, positions.device, long=True)
+    short_f, long_f = inv_freq(positions.device), inv_freq(positions.device, long=True)
     return torch.where(long[:, None, None], long_f, short_f)  # [B, 1, R/2]
 
 
@@ -371,9 +377,20 @@ def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, key_pos: tor
     return mask & near[:, None]
 
 
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping), logits unchanged for None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+def soft_cap(logits: torch.Tensor, cap: float | None, inplace: bool = False,
+             derivative: torch.Tensor | None = None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping), logits unchanged for None; the one writing of it
+    (the forward, the decode head, the chunked log-probs). inplace: written over `logits`, a buffer the caller
+    owns (the same three operations in the same order: the same numbers). derivative: a buffer of logits' shape
+    that receives d(capped)/d(logits) = 1 - tanh^2, for a backward written by hand (inplace only)."""
+    if cap is None:
+        return logits
+    if not inplace:
+        return torch.tanh(logits / cap) * cap
+    t = logits.div_(cap).tanh_()  # [..., V]
+    if derivative is not None:
+        torch.mul(t, t, out=derivative).neg_().add_(1)
+    return t.mul_(cap)
 
 
 class MLP(nn.Module):
@@ -463,7 +480,19 @@ class Transformer(nn.Module):
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels: Kernels = TORCH_KERNELS
+        self._inv_freqs: dict[tuple, torch.Tensor] = {}  # inv_freq's kept tensors: not weights, not saved
         self.tie_weights()
+
+    def inv_freq(self, device: torch.device, long: bool = False, local: bool = False) -> torch.Tensor:
+        """rope_inv_freq [R/2] fp32 on `device`: longrope's long factors (long), or the sliding layers' own unscaled
+        base (local: rope_local_theta). Built once per (device, long, local) and kept, as every forward reads the
+        same values: rope_inv_freq is a function of the config alone, so the kept tensor holds the same bits."""
+        key = (torch.device(device), long, local)
+        if key not in self._inv_freqs:
+            cfg = self.config
+            self._inv_freqs[key] = (rope_inv_freq(cfg, device, theta=cfg.rope_local_theta, scaled=False) if local
+                                    else rope_inv_freq(cfg, device, long=long))
+        return self._inv_freqs[key]
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (call again after loading with assign=True)."""
@@ -537,11 +566,11 @@ class Transformer(nn.Module):
         (Gemma 3's rope_local_base_freq, unscaled), of the sliding ones (key True)."""
         cfg = self.config
         rope_dtype = torch.promote_types(dtype, torch.float32) if cfg.family.rope_fp32 else dtype
-        full = rope_cos_sin(rope_row_inv_freq(cfg, positions), positions, rope_dtype, rope_attention_factor(cfg))
+        full = rope_cos_sin(rope_row_inv_freq(cfg, positions, self.inv_freq), positions, rope_dtype,
+                            rope_attention_factor(cfg))
         if cfg.rope_local_theta is None:
             return {False: full}
-        local = rope_cos_sin(rope_inv_freq(cfg, positions.device, theta=cfg.rope_local_theta, scaled=False),
-                             positions, rope_dtype)
+        local = rope_cos_sin(self.inv_freq(positions.device, local=True), positions, rope_dtype)
         return {False: full, True: local}
 
     @staticmethod

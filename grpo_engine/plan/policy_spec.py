@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from .precision import choose_precision, planned_card_native_bf16
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ def sharding(cfg: Config, params: Callable[[], int], ranks: int | None = None, c
         card_bytes = torch.cuda.get_device_properties(0).total_memory
     if cfg.lora.enabled or card_bytes is None:
         return "ddp"
-    low_precision = cfg.memory.precision in ("auto", "bf16")
+    low_precision = choose_precision(cfg.memory.precision, "cuda", native=planned_card_native_bf16).precision == "bf16"
     per_param = (2 + 2 + 12) if low_precision else (4 + 4 + 8)  # weights + grads + (master +) two moments
     return "ddp" if params() * per_param <= AUTO_FSDP2_SHARE * card_bytes else "fsdp2"
+
+
+def collective_backend(setting: str, device: torch.device) -> str:
+    """distributed.backend for ranks training on `device`: as written, else (`auto`) nccl on CUDA, gloo on a CPU.
+    The process group is joined with it (train/distributed.py init_world) and Resolved records it."""
+    if setting != "auto":
+        return setting
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -47,6 +47,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..model.kernels_slot import Accumulate, HeadGemm, Product
+from ..model.transformer import soft_cap
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -118,11 +119,8 @@ def _softmax_chunk(h, weight, t, temperature: float, bufs: _ChunkBuffers, with_e
             torch.mm(h, weight.t(), out=z)
         else:
             z.copy_(h @ weight.t())  # bf16 matmul, fp32 softmax
-    dcap = None
-    if bufs.softcap:  # z = c * tanh(z / c); its derivative 1 - tanh^2 kept for the backward
-        z.div_(bufs.softcap).tanh_()
-        dcap = torch.mul(z, z, out=bufs.dcap[:n]).neg_().add_(1)  # [n, V]
-        z.mul_(bufs.softcap)
+    dcap = bufs.dcap[:n] if bufs.softcap else None  # [n, V]: the cap's derivative 1 - tanh^2, for the backward
+    soft_cap(z, bufs.softcap or None, inplace=True, derivative=dcap)  # z = c * tanh(z / c)
     if temperature != 1.0:
         z.div_(temperature)
     logq = torch.log_softmax(z, dim=-1, out=z if bufs.logq is None else bufs.logq[:n])  # [n, V]

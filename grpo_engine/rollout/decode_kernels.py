@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..model.kernels_slot import DecodeKernels, PackedWeights
+from ..model.transformer import soft_cap
 
 __all__ = ["DecodeHead", "DecodeKernels", "PackedWeights", "packed_for_decode"]
 
@@ -62,10 +63,7 @@ class DecodeHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [A, hidden] -> logits [A, V] (a view of the buffer, valid until the next call), soft-capped in
         place when the model caps its logits."""
-        logits = self._product(hidden)
-        if self.softcap is not None:
-            logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
+        return soft_cap(self._product(hidden), self.softcap, inplace=True)
 
     def _product(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packs is not None and self.packs.head is not None:

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..model.loading import pick_device
 from ..plan.from_config import config_model_shape
 from ..plan.memory import param_counts
-from ..plan.policy_spec import sharding
+from ..plan.policy_spec import collective_backend, sharding
 from ..world import World
 
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of at most this many elements
@@ -54,15 +55,14 @@ def check_layout(cfg: Config, size: int) -> None:
 
 
 def init_world(cfg: Config) -> World:
-    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA) and pick the strategy."""
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA) and pick the strategy: before anything
+    is read, so before Resolved (plan/resolved.py), which records the same two answers of the same functions."""
     size = int(os.environ.get("WORLD_SIZE", "1"))  # the ranks torchrun started (1 without torchrun)
     check_layout(cfg, size)
     if size == 1:
         return World()
-    backend = cfg.distributed.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and cfg.model.device != "cpu" else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = collective_backend(cfg.distributed.backend, pick_device(cfg.model.device, local_rank))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():

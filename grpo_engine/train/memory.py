@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config.training import MemorySection
 from ..kernels import apply_activation_checkpointing
+from ..plan.device_defaults import update_mmap_choice
 from ..plan.memory import checkpoint_every
 
 MIB = 1024**2
@@ -73,18 +74,16 @@ def _glibc():
 
 
 def update_allocations_rule(setting: str, device: torch.device) -> str:
-    """memory.cpu_update_mmap resolved to the update's allocation rule: "mmap" (true), "trim", or "heap" (auto,
-    false, and every device but the CPU).
+    """memory.cpu_update_mmap resolved to the update's allocation rule: "mmap" (true), "trim", or "heap" (false, auto
+    as plan/device_defaults.py update_mmap_choice decides it, and every device but the CPU).
 
-    Why not mmap by default: every mmapped buffer is page-faulted in anew, and what that costs depends on the host:
-    a few percent of the step on one, a third more update time on another, for a few percent less peak RSS
-    (docs/memory.md). "trim" keeps the heap and gives its
+    "trim" keeps the heap and gives its
     freed pages back at the update's start and end: about half of what the heap alone gains over a long run, at
     about half of mmap's page faults and the heap's speed (the `--real` demo's recipe; docs/memory.md).
     """
     if torch.device(device).type != "cpu":
         return "heap"
-    return {"true": "mmap", "trim": "trim"}.get(setting, "heap")
+    return {"true": "mmap", "trim": "trim"}.get(update_mmap_choice(setting), "heap")
 
 
 @contextlib.contextmanager

@@ -127,3 +127,50 @@ def test_one_config_reaches_the_step(tiny_ckpt, tmp_path):
     assert fitted.cfg is fitted.resolved.config is fitted.inputs.cfg
     doubled = 2 * run.cfg.rollout.max_new_tokens
     assert fitted.cfg.rollout.max_new_tokens == doubled == fitted.inputs.params.max_new_tokens
+
+
+def test_cuda_graphs_resolved_is_the_rollouts_loop(tiny_ckpt, tmp_path, monkeypatch):
+    """rollout.cuda_graphs=auto on a CPU: Resolved says off, and the sampler's params and loop are eager."""
+    from grpo_engine.rollout.generate import choose_loop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = _set_up(tiny_ckpt, tmp_path, "rollout.cuda_graphs=auto")
+    assert run.resolved.config.rollout.cuda_graphs == "off" == run.inputs.params.cuda_graphs
+    assert choose_loop(run.inputs.policy.model, run.inputs.params) == "static"
+
+
+@pytest.mark.parametrize("overrides, want", [
+    (["rollout.cuda_graphs=auto"], "auto"),  # captured, with auto's eager fallback after a failed check
+    (["rollout.cuda_graphs=on"], "on"),
+    (["rollout.cuda_graphs=off"], "off"),
+    (["rollout.cuda_graphs=auto", "distributed.strategy=fsdp2"], "off"),  # FSDP2 units decode eagerly
+])
+def test_cuda_graphs_on_a_card(overrides, want):
+    """On a CUDA device (only its type is read) Resolved keeps what captures and turns off what cannot."""
+    from grpo_engine.plan.resolved import decode_graphs
+
+    assert decode_graphs(load_config(None, overrides), torch.device("cuda")) == want
+
+
+@pytest.mark.parametrize("setting, rule", [("auto", "heap"), ("trim", "trim"), ("true", "mmap")])
+def test_update_mmap_resolved_is_the_updates_rule(tiny_ckpt, tmp_path, setting, rule):
+    """memory.cpu_update_mmap=auto is "false" in Resolved; the update's allocation rule reads the resolved value."""
+    from grpo_engine.train.memory import update_allocations_rule
+
+    run = _set_up(tiny_ckpt, tmp_path, f"memory.cpu_update_mmap={setting}")
+    written = run.resolved.config.memory.cpu_update_mmap
+    assert written == {"auto": "false"}.get(setting, setting)
+    assert update_allocations_rule(run.inputs.cfg.memory.cpu_update_mmap, run.inputs.policy.device) == rule
+
+
+def test_quant_backend_resolved_is_the_models(monkeypatch):
+    """lora.quant_backend=auto for an NF4 base: Resolved names the backend that can run (here: bitsandbytes
+    alone), and the model's loading quantizes with that one; on a CPU none can, and auto stays for its warning."""
+    from grpo_engine.model import lora, nf4
+
+    cfg = load_config(None, ["lora.enabled=true", "lora.quantize_base=nf4"])
+    assert resolve_settings(cfg, CPU).config.lora.quant_backend == "auto"
+    monkeypatch.setattr(nf4, "nf4_unavailable_reason", lambda b, d: None if b == "bitsandbytes" else "absent")
+    resolved = resolve_settings(cfg, CPU)
+    assert resolved.config.lora.quant_backend == "bitsandbytes"
+    assert lora._resolve_quantization(None, resolved.config.lora, CPU) == "bitsandbytes"

@@ -79,3 +79,20 @@ def test_the_floors_cover_what_the_code_calls():
     assert _floor(project["dependencies"], "torch") >= (2, 6)
     for extra in ("bench", "dev"):
         assert _floor(project["optional-dependencies"][extra], "transformers") >= (4, 56)
+
+
+def test_resolved_records_the_strategy_and_backend_the_run_joins_with(small_card, monkeypatch):
+    """Resolved's strategy and backend are the ones init_world joins with (the same functions, policy_spec.py), and
+    with FSDP2 chosen by auto Resolved turns the decode's CUDA graphs off (FSDP2 units decode eagerly)."""
+    from grpo_engine.plan.resolved import resolve_settings
+
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda rank: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: joined.update(backend=backend))
+    cfg = load_config(None, [*TINY, "model.device=cuda", "memory.precision=fp32", "memory.gpu_memory_gib=80"])
+    world = init_world(cfg)
+    resolved = resolve_settings(cfg, torch.device("cuda", 0))
+    assert resolved.strategy == world.strategy == "fsdp2"
+    assert resolved.backend == joined["backend"] == "nccl"
+    assert resolved.config.rollout.cuda_graphs == "off"

@@ -207,6 +207,8 @@ def test_the_fallback_reaches_metrics_jsonl(tiny_ckpt, tmp_path, monkeypatch, ca
     assert graph_metrics(World()) == {}  # no capture checked: a CPU run's lines have no such key
     generate_module = importlib.import_module("grpo_engine.rollout.generate")
     monkeypatch.setattr(generate_module, "graphs_for", lambda model, choice: choice != "off")
+    resolved_module = importlib.import_module("grpo_engine.plan.resolved")  # Resolved: as if on CUDA too
+    monkeypatch.setattr(resolved_module, "cuda_graphs_on", lambda choice, device: choice != "off")
     monkeypatch.setattr(static_decode, "CudaGraphs", lambda device: FakeGraphs(fault="raise"))
     cfg = Path(__file__).resolve().parents[2] / "configs/tiny_arithmetic.yaml"
     run_dir = tmp_path / "run"
