@@ -10,9 +10,9 @@ What runs: one child process per (checkout, loop), each importing grpo_engine fr
 loops a checkout offers on a CPU (rollout/generate.py LOOPS without `graphs`: a tree with the dynamic loop offers
 `dynamic` and `static`, one with the one loop `static`). Every child loads the same random checkpoint, then waits
 for its turn before its warm-up and before each timed call (grpo_engine/bench/turns.py), so the calls of the loops
-alternate and each round sees the machine at the same speed. After its last timed call each child decodes the same prompts
-greedily, alone on the machine, and reports a hash of the tokens: the loops' greedy tokens must be identical (the
-sampled ones may differ: each loop has its random stream).
+alternate and each round sees the machine at the same speed. After its last timed call each child decodes the same
+prompts greedily, alone on the machine, and reports a hash of the tokens: the loops' greedy tokens must be identical
+(the sampled ones may differ: each loop has its random stream).
 
 Printed per workload and shape: each loop's median seconds of its N calls, their spread (min-max), tokens/s and the
 median's ratio to the first loop's, and whether the greedy tokens agree. Rows finish at different steps: besides
