@@ -1,7 +1,9 @@
 """The notebook against the CLI: examples/own_task.ipynb and `grpo train configs/own_task.yaml` on the same task
 files (benchmarks/own_tasks/make_conversions.py --out DIR, seed 0), the same recipe, steps and seed; each one's
-held-out accuracy before -> after (both runs' RUN_DIR/before_after.json), the gap between the lifts in points, and
-the wall time of each.
+held-out accuracy before -> after, the gap between the lifts in points, and the wall time of each. The CLI's figures
+are its RUN_DIR/before_after.json; the notebook's are the ones it prints (`trainer.evaluate()` before and after:
+greedy, on the recipe's eval.max_examples test rows, as the CLI's), and a last cell added here prints the trainer's
+own in-loop before / after too (RunResult.before / .after, the code that writes the CLI's file).
 
     python benchmarks/notebook_vs_cli.py [--steps N] [--model GGUF] [--json OUT]
 
@@ -9,9 +11,13 @@ The two rewards are written apart: the CLI's is the recipe's `verifier: numeric`
 notebook's the function `converted` of its reward cell, which reads a reply with the same cascade and compares
 with the same numeric equality; the notebook's rows are the same files read as a list of dicts. --steps 2 checks
 the plumbing in minutes; the recipe's 30 steps are the measurement. The runs go one after the other; on a shared
-machine their wall times are not comparable. --cli-run DIR reads a finished CLI run of this command (run_dir=DIR)
-instead of training it again. --override KEY=VALUE (repeatable) sets a dotted config key in both runs (a tiny
-model's plumbing check: tests/benchmarks/test_notebook_vs_cli.py).
+machine their wall times are not comparable. --read-notebook FILE reads a notebook this script executed
+(WORK/notebook/own_task.ipynb) instead of running it again; --cli-run DIR reads a finished CLI run of this command
+(run_dir=DIR) instead of training it again. --override KEY=VALUE (repeatable) sets a dotted config key in both runs,
+e.g. a tiny model's shorter replies for a check of the plumbing:
+
+    python benchmarks/notebook_vs_cli.py --model TINY_DIR --steps 2 --override rollout.max_new_tokens=8 \
+        --override check.stop=false --override memory.precision=fp32
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,13 +35,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs/own_task.yaml"
 NOTEBOOK = REPO / "examples/own_task.ipynb"
-NOTEBOOK_RUN = "runs/own_task_python"  # the notebook's run_dir, under its working folder
+MARK = "notebook_vs_cli in-loop: "  # the line of the cell added last: the trainer's RunResult as JSON
+IN_LOOP_CELL = (f"import json\nprint({MARK!r} + json.dumps({{'before': result.before.accuracy, "
+                "'after': result.after.accuracy, 'problems': result.after.num_examples}))")
 
 
 def held_out(run_dir: Path) -> dict:
     """{"before", "after"} accuracy and the problem count of a run's before_after.json."""
     data = json.loads((run_dir / "before_after.json").read_text())
     return {"before": data["before"]["accuracy"], "after": data["after"]["accuracy"], "problems": data["problems"]}
+
+
+def notebook_figures(nb) -> dict:
+    """The executed notebook's printed held-out accuracy ("before: X% of N held-out problems", "held-out accuracy: X%
+    -> Y%"), and the trainer's in-loop figures where the added last cell printed them."""
+    text = "\n".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
+    before, problems = re.search(r"before: ([\d.]+)% of (\d+) held-out problems", text).groups()
+    after = re.search(r"held-out accuracy: [\d.]+% -> ([\d.]+)%", text).group(1)
+    in_loop = re.search(re.escape(MARK) + r"(.*)", text)
+    return {"before": float(before) / 100, "after": float(after) / 100, "problems": int(problems),
+            "in_loop": json.loads(in_loop.group(1)) if in_loop else None}
 
 
 def write_task(out: Path) -> tuple[Path, Path]:
@@ -53,9 +73,9 @@ def run_cli(model: str, data: tuple[Path, Path], steps: int, run_dir: Path, over
     return time.perf_counter() - start
 
 
-def run_notebook(model: str, data_dir: Path, steps: int, work: Path, overrides: list[str]) -> float:
-    """The notebook through nbclient in `work` (GRPO_EXAMPLE_MODEL / _DATA / _STEPS); its wall seconds. Overrides
-    reach its GRPO(...) through a first cell that adds them to every trainer it makes."""
+def run_notebook(model: str, data_dir: Path, steps: int, work: Path, overrides: list[str]) -> tuple[float, Path]:
+    """The notebook through nbclient in `work` (GRPO_EXAMPLE_MODEL / _DATA / _STEPS); its wall seconds and the
+    executed notebook. Overrides reach its GRPO(...) through a first cell that adds them to every trainer it makes."""
     import nbclient
     import nbformat
 
@@ -68,13 +88,14 @@ def run_notebook(model: str, data_dir: Path, steps: int, work: Path, overrides: 
         nb.cells.insert(1, nbformat.v4.new_code_cell(
             "import grpo_engine.api.trainer as t\n_init = t.GRPO.__init__\n"
             f"t.GRPO.__init__ = lambda self, *a, **k: _init(self, *a, **{{**k, **{extra!r}}})"))
+    nb.cells.append(nbformat.v4.new_code_cell(IN_LOOP_CELL))
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     nbclient.NotebookClient(nb, timeout=None, kernel_name="python3",
                             resources={"metadata": {"path": str(work)}}).execute()
     seconds = time.perf_counter() - start
     nbformat.write(nb, work / "own_task.ipynb")  # the executed notebook, its outputs kept
-    return seconds
+    return seconds, work / "own_task.ipynb"
 
 
 def lift(figures: dict) -> float:
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None, help="a GGUF or HF directory (default: the installed SmolLM2 GGUF)")
     p.add_argument("--work", type=Path, default=None, help="folder for the files and runs (default: a temporary one)")
     p.add_argument("--cli-run", type=Path, default=None, help="a finished CLI run of this command: read, not trained")
+    p.add_argument("--read-notebook", type=Path, default=None, help="a notebook this script executed: read, not run")
     p.add_argument("--override", action="append", default=[], help="KEY=VALUE for both runs (a plumbing check)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
@@ -104,16 +126,19 @@ def main(argv: list[str] | None = None) -> dict:
     data = write_task(work / "data")
     cli_dir = args.cli_run or work / "cli"
     cli_seconds = None if args.cli_run else run_cli(args.model, data, args.steps, cli_dir, args.override)
-    nb_seconds = run_notebook(args.model, work / "data", args.steps, work / "notebook", args.override)
-    cli, nb = held_out(cli_dir), held_out(work / "notebook" / NOTEBOOK_RUN)
+    nb_seconds, executed = ((None, args.read_notebook) if args.read_notebook else
+                            run_notebook(args.model, work / "data", args.steps, work / "notebook", args.override))
+    import nbformat
+
+    cli, nb = held_out(cli_dir), notebook_figures(nbformat.read(executed, as_version=4))
     result = {"task": "conversions (make_conversions.py seed 0)", "steps": args.steps, "seed": 0, "model": args.model,
               "cli": {**cli, "seconds": cli_seconds, "run_dir": str(cli_dir)},
-              "notebook": {**nb, "seconds": nb_seconds, "run_dir": str(work / "notebook" / NOTEBOOK_RUN)},
+              "notebook": {**nb, "seconds": nb_seconds, "executed": str(executed)},
               "lift_gap_points": round(100 * (lift(nb) - lift(cli)), 2),
               "rewards": "CLI: verifier numeric; notebook: converted (the numeric verifier's cascade and equality)"}
     for name in ("cli", "notebook"):
         r = result[name]
-        took = f"{r['seconds']:.0f} s" if r["seconds"] is not None else "read from --cli-run"
+        took = f"{r['seconds']:.0f} s" if r["seconds"] is not None else "read, not run"
         print(f"{name:9s} {r['before']:.1%} -> {r['after']:.1%} of {r['problems']} held-out problems ({took})")
     print(f"lift: notebook {100 * lift(nb):+.1f} points, CLI {100 * lift(cli):+.1f}; "
           f"gap {result['lift_gap_points']:+.1f} points")
