@@ -8,9 +8,9 @@ SmolLM2-135M shape, random weights.
 
 What runs: one child process per (checkout, loop), each importing grpo_engine from its checkout (PYTHONPATH), the
 loops a checkout offers on a CPU (rollout/generate.py LOOPS without `graphs`: a tree with the dynamic loop offers
-`dynamic` and `static`, one with the one loop `static`). Every child loads the same random checkpoint, warms up, and
-then waits for its turn before each timed call (grpo_engine/bench/turns.py), so the calls of the loops alternate
-and each round sees the machine at the same speed. After its last timed call each child decodes the same prompts
+`dynamic` and `static`, one with the one loop `static`). Every child loads the same random checkpoint, then waits
+for its turn before its warm-up and before each timed call (grpo_engine/bench/turns.py), so the calls of the loops
+alternate and each round sees the machine at the same speed. After its last timed call each child decodes the same prompts
 greedily, alone on the machine, and reports a hash of the tokens: the loops' greedy tokens must be identical (the
 sampled ones may differ: each loop has its random stream).
 
@@ -164,7 +164,8 @@ def run_child(args) -> None:
     turns = StepTurns.parse(args.turn_fds)
     model = apply_kernels(load_model(args.ckpt, dtype=getattr(torch, args.dtype)))
     call = workload_call(args, model, load_tokenizer(args.ckpt))
-    call(args.temperature)  # warm-up: kernels' first calls, allocator
+    turns.wait()
+    call(args.temperature)  # warm-up, alone too: kernels' first calls, allocator (oversubscribed cores crawl)
     seconds, tokens = [], []
     for _ in range(args.runs):
         turns.wait()
@@ -232,9 +233,12 @@ def child_cmd(args, ckpt: Path, workload: str, loop: str) -> list[str]:
 
 
 def interleaved(children: list[Child], runs: int) -> list[dict]:
-    """Every child ready, then `runs` rounds of one call each (the order rotating round by round), then each
-    child's greedy check alone (a child's last turn lasts until it exits)."""
+    """Each child's warm-up in turn, then `runs` rounds of one call each (the order rotating round by round), then
+    each child's greedy check alone (a child's last turn lasts until it exits). Nothing runs beside a call: two
+    children's threads on the same cores spin-wait on each other and slow down many times over."""
     for c in children:
+        c.wait_ready()
+        c.give_turn()
         c.wait_ready()
     for r in range(runs):
         for c in children[r % len(children):] + children[: r % len(children)]:

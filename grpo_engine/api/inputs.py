@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +24,9 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError
+from ..config.load import plain_data
 from ..tasks.custom import VERIFIERS, importable_name
-from ..tasks.data import FILE_OPTION, LINE_OPTION, DataError, Limits
+from ..tasks.data import FILE_OPTION, DataError, Limits, check_fields, check_text, line_too_long
 
 DATA_DIR = "data"  # RUN_DIR/data/: the rows given in Python, as the run's data files
 REQUIRED = ("prompt", "answer")
@@ -48,15 +48,8 @@ def override_items(overrides: Mapping) -> list[str]:
 
 def yaml_value(value) -> str:
     """`value` as the YAML text of an override (16, 1.0e-05, [a, b], {fn: m:f, weight: 0.5}, null)."""
-    def plain(v):
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return os.fspath(v) if isinstance(v, os.PathLike) else v
-
     try:
-        text = yaml.safe_dump(plain(value), default_flow_style=True, width=1 << 30, allow_unicode=True)
+        text = yaml.safe_dump(plain_data(value), default_flow_style=True, width=1 << 30, allow_unicode=True)
     except yaml.YAMLError:
         raise ConfigError(f"override value {value!r} is not config data (text, numbers, lists, dicts)") from None
     return text.removesuffix("\n").removesuffix("\n...").strip()
@@ -85,23 +78,14 @@ def reward_settings(reward) -> Rewards:
         return Rewards([f"task.options.reward_fn={yaml_value(name)}", "task.options.reward_fns=null"], functions,
                        [n for n in functions if not importable_name(n)])
     if isinstance(reward, (list, tuple)) and reward:
-        items, weights = zip(*(_weighted(item, i) for i, item in enumerate(reward)))
-        named, functions = _named(list(items), "reward")
-        listed = [{"fn": name, "weight": w} for (name, _), w in zip(named, weights)]
+        pairs = [item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0) for item in reward]
+        named, functions = _named([fn for fn, _ in pairs], "reward")  # the weights: checked as reward_fns' are
+        listed = [{"fn": name, "weight": weight} for (name, _), (_, weight) in zip(named, pairs)]
         return Rewards(["task.options.reward_fn=null", f"task.options.reward_fns={yaml_value(listed)}"], functions,
                        [n for n in functions if not importable_name(n)])
     raise ConfigError(f"reward={reward!r:.80} must be a function fn(example, completion) -> float, a verifier name "
                       f"({', '.join(VERIFIERS)}), \"module:function\", or a list of those (each alone or as a "
                       f"(function, weight) pair)")
-
-
-def _weighted(item, i: int) -> tuple[object, float]:
-    if isinstance(item, tuple) and len(item) == 2:
-        fn, weight = item
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ConfigError(f"reward[{i}]: weight {weight!r} must be a finite number")
-        return fn, float(weight)
-    return item, 1.0
 
 
 def _named(items: list, what: str) -> tuple[list[tuple[str, object]], dict[str, Callable]]:
@@ -161,9 +145,10 @@ def rows_of(data, what: str) -> list:
 
 
 def jsonl_text(rows: Sequence, what: str, limits: Limits) -> str:
-    """The rows as JSON lines, each checked as the data reader checks a file's line: a dict with text `prompt` and
-    `answer` values, JSON data, Unicode text, at most limits.line_kib KiB; all of them at most limits.file_mib MiB.
-    Errors name the row by its index (`train_data[3]`)."""
+    """The rows as JSON lines, each checked by the data reader's checks of a file's row (tasks/data.py): a dict
+    whose `prompt` and `answer` are set, not empty and not longer than a chat template renders, JSON data, Unicode
+    text, at most limits.line_kib KiB; all of them at most limits.file_mib MiB. Errors name the row by its index
+    (`train_data[3]`)."""
     if not rows:
         raise DataError(f"{what} has no rows; give a list of {{'prompt': ..., 'answer': ...}} dicts")
     lines, size = [], 0
@@ -180,20 +165,14 @@ def jsonl_text(rows: Sequence, what: str, limits: Limits) -> str:
 def _row_line(row, where: str, limits: Limits) -> str:
     if not isinstance(row, Mapping):
         raise DataError(f"{where} is a {type(row).__name__}, expected a dict with fields {list(REQUIRED)}")
-    for name in REQUIRED:
-        if row.get(name) is None:
-            present = "it is null" if name in row else f"fields present: {sorted(map(str, row))}"
-            raise DataError(f"{where} has no field {name!r} ({present}); every row needs {list(REQUIRED)}")
+    check_fields(row, REQUIRED, where)  # as a file's rows are checked (tasks/data.py)
     try:
         line = json.dumps(dict(row), ensure_ascii=False, allow_nan=False) + "\n"
-        line.encode("utf-8")
-    except UnicodeEncodeError:  # (a ValueError)
-        raise DataError(f"{where} holds a lone surrogate, which is not text; fix the row's text") from None
     except (TypeError, ValueError, RecursionError) as e:
         raise DataError(f"{where}: {e}; every value must be JSON data (text, finite numbers, lists, dicts)") from None
+    check_text(row, where)
     if len(line) - 1 > limits.line_kib << 10:
-        raise DataError(f"{where} is longer than {limits.line_kib:,} KiB as a JSON line (the limit, {LINE_OPTION}); "
-                        f"shorten the row, or raise {LINE_OPTION} if it is meant to be this long")
+        raise line_too_long(where, limits)
     return line
 
 
@@ -226,4 +205,9 @@ def rows_file(data, what: str, run_dir: str | Path, limits: Limits, hashed: bool
     as a user's file would), or with `hashed` named by its content's hash (rows evaluated, never trained on)."""
     text = jsonl_text(rows_of(data, what), what, limits)
     name = f"{what}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:16]}" if hashed else what
-    return RowsFile(Path(run_dir).resolve() / DATA_DIR / f"{name}.jsonl", text)
+    return RowsFile(rows_path(run_dir, name), text)
+
+
+def rows_path(run_dir: str | Path, name: str) -> Path:
+    """RUN_DIR/data/{name}.jsonl, absolute (the run resumes from anywhere, the CLI included)."""
+    return Path(run_dir).resolve() / DATA_DIR / f"{name}.jsonl"

@@ -5,7 +5,6 @@ run directory is a `grpo train` run directory: either one resumes the other."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import sys
@@ -15,8 +14,7 @@ from pathlib import Path
 from ..checkpoint.run_dir import RunLock, holds_run, list_checkpoints, plan_run_dir
 from ..config import Config, ConfigError, load_config
 from ..tasks.custom import providing_rewards
-from ..tasks.data import MAX_FILE_MIB, MAX_LINE_KIB, Limits
-from .inputs import Rewards, RowsFile, is_rows, override_items, reward_settings, rows_file, yaml_value
+from .inputs import Rewards, RowsFile, is_rows, override_items, reward_settings, rows_file, rows_path, yaml_value
 
 MODEL_DIR = "model"  # RUN_DIR/model/: a model object given to GRPO, saved for the run to load
 
@@ -74,15 +72,15 @@ class GRPO:
         self.run_dir = Path(base.run_dir)
         self._rewards: Rewards = reward_settings(reward)
         self._model_object = None if isinstance(model, (str, Path)) else _model_object(model)
-        limits = _limits(base)
         self._model_written = False
-        self._files: dict[str, RowsFile] = {what: rows_file(data, what, self.run_dir, limits) for what, data in
-                                            (("train_data", train_data), ("test_data", test_data)) if is_rows(data)}
-        derived = [*(["task.name=custom"] if self._files else []), *self._data_items(train_data, test_data),
+        rows = {what: data for what, data in (("train_data", train_data), ("test_data", test_data)) if is_rows(data)}
+        derived = [*(["task.name=custom"] if rows else []), *self._data_items(train_data, test_data),
                    *self._rewards.overrides, f"model.path={yaml_value(self._model_path(model))}"]
         self.config: Config = load_config(config, [*_reset_items(base, train_data, self._rewards), *self._user,
                                                    *derived])
-        _check_task(self.config)
+        limits = _task_options(self.config).limits  # the budgets the task reads its files under
+        self._files: dict[str, RowsFile] = {what: rows_file(data, what, self.run_dir, limits)
+                                            for what, data in rows.items()}
 
     # ------------------------------------------------------------------------------------------ the inputs
     def _model_path(self, model) -> str:
@@ -94,7 +92,7 @@ class GRPO:
         items = []
         for what, data, key in (("train_data", train_data, "data_path"), ("test_data", test_data, "test_path")):
             if data is not None:
-                path = self._files[what].path if what in self._files else _absolute(data)
+                path = rows_path(self.run_dir, what) if is_rows(data) else _absolute(data)
                 items.append(f"task.options.{key}={yaml_value(str(path))}")
         return items + (["task.data_path=null"] if train_data is not None else [])
 
@@ -254,8 +252,8 @@ class GRPO:
         with self._engine():
             if data is None:
                 return task_of(cfg)
-            path = rows_file(data, "eval_data", self.run_dir, _limits(cfg), hashed=True).write() if is_rows(data) \
-                else Path(data)
+            path = rows_file(data, "eval_data", self.run_dir, _task_options(cfg).limits, hashed=True).write() \
+                if is_rows(data) else Path(data)
             if cfg.task.name != "custom":  # a task that reads its own files: `path` as its data (`grpo eval --data`)
                 return build_task(cfg.task.name, {k: v for k, v in cfg.task.options.items() if k != "data_path"},
                                   str(path))
@@ -286,22 +284,16 @@ def _model_object(model):
     return model
 
 
-def _check_task(cfg: Config) -> None:
-    """The task's name and options checked now, as the run's set-up checks them (no data read): a missing data path
-    or a bad option is a ConfigError when the object is made, not at train()."""
+def _task_options(cfg: Config):
+    """The task's options (ChatTaskOptions), checked now as the run's set-up checks them (no data read): a missing
+    data path or a bad option is a ConfigError when the object is made, not at train()."""
     from ..tasks import task_options
 
     options = {**cfg.task.options, **({"data_path": cfg.task.data_path} if cfg.task.data_path else {})}
     try:
-        task_options(cfg.task.name, **options)
+        return task_options(cfg.task.name, **options)
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
-
-
-def _limits(cfg: Config) -> Limits:
-    options = cfg.task.options
-    return Limits(file_mib=int(options.get("max_data_file_mib", MAX_FILE_MIB)),
-                  line_kib=int(options.get("max_data_line_kib", MAX_LINE_KIB)))
 
 
 def _reads_data(cfg: Config) -> bool:
@@ -321,10 +313,11 @@ def _reset_items(cfg: Config, train_data, rewards: Rewards) -> list[str]:
 
 def run_dir_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """`grpo train RUN_DIR --resume`: the config the run's newest checkpoint stored (config.yaml), run_dir set to
-    RUN_DIR, with `overrides`. A stored config is data: each reward it names runs only with --allow-code (a run made
-    from Python names its functions so), and one that cannot be imported by name is refused in one line."""
-    from ..config.trust import code_values, mark_stored_code
-    from ..tasks.custom import import_reward_fn
+    RUN_DIR, with `overrides`. A stored config is data: its code keys are marked by config/trust.py's rule, as every
+    stored config's are, so each reward it names runs only with --allow-code (a run made from Python names its
+    functions so), and one that cannot be imported by name is refused in one line (when the run builds its task,
+    before a model loads)."""
+    from ..config.trust import mark_stored_code
 
     checkpoints = list_checkpoints(Path(run_dir) / "checkpoints")
     if not checkpoints:
@@ -333,10 +326,7 @@ def run_dir_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config
     stored = checkpoints[-1] / "config.yaml"
     if not stored.is_file():
         raise ConfigError(f"{stored} is missing: resume with the run's YAML config (grpo train CONFIG --resume)")
-    cfg = load_config(stored, [f"run_dir={yaml_value(str(run_dir))}", *overrides])
-    for spec in code_values(mark_stored_code(copy.deepcopy(cfg), str(stored))):
-        import_reward_fn(spec)  # refused unless --allow-code names it (or named so it cannot be imported)
-    return cfg
+    return mark_stored_code(load_config(stored, [f"run_dir={yaml_value(str(run_dir))}", *overrides]), str(stored))
 
 
 def _move_old_run_aside(run_dir: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Hashable, Mapping
 from pathlib import Path
@@ -262,23 +263,21 @@ def load_config(path: str | Path | Mapping | None = None, overrides: list[str] |
     merged: DictConfig = _schema()
     source = "config dict" if isinstance(path, Mapping) else str(path or "config")
     if path is not None:
-        data = _plain(path) if isinstance(path, Mapping) else _read_yaml(Path(path))
+        data = plain_data(path) if isinstance(path, Mapping) else _read_yaml(Path(path))
         merged = _merge(merged, _empty_sections_dropped(merged, data), source)
     for item in overrides:
         merged = _override(merged, item)
     return _build(merged, source)
 
 
-def _plain(data: Mapping) -> dict:
-    """A config mapping as YAML would give it: plain dicts and lists (tuples as lists), keys as text."""
-    def plain(value):
-        if isinstance(value, Mapping):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return str(value) if isinstance(value, Path) else value
-
-    return plain(data)
+def plain_data(value):
+    """A config value as YAML would give it: plain dicts and lists (tuples as lists), keys as text, paths as text
+    (a config dict of the Python API, an override's value)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 def as_mapping(cfg: Config) -> dict:

@@ -42,6 +42,11 @@ class KVCacheLike(Protocol):
     The rollout's decode cache (rollout/static_cache.py) writes into preallocated buffers; the training-time prompt
     sharing (train/forward.py) concatenates a prompt pass's keys/values so gradients flow into it.
     The model sets `start = start + T` after the forward.
+
+    A cache that keeps a sliding layer's keys its own way (the decode cache's rings by position,
+    rollout/static_cache.py) also has `ring_masks(positions, masks)`: called once a forward, before the layers, with
+    the queries' positions [B, T] and the slot masks by window (None: the full layers'); it returns the masks of the
+    windows whose layers it keeps so, over what its update returns for them (and learns where their keys go).
     """
 
     start: int  # slots before this forward's first token
@@ -504,9 +509,12 @@ class Transformer(nn.Module):
         masks = {None: mask}  # window -> the mask of its layers (one per layer kind)
         for window in self.windows:
             masks[window] = window_mask(mask, positions, key_pos, start + T, window)
+        ring_masks = getattr(cache, "ring_masks", None) if self.windows else None
+        if ring_masks is not None:  # sliding layers the cache keeps in rings: their masks over its rings
+            masks.update(ring_masks(positions, masks))
         if T > 1 and any(m is not None and m.is_cuda for m in masks.values()):
             groups = cfg.num_attention_heads // cfg.num_key_value_heads
-            masks = {w: m if m is None else cuda_attention_bias(m.expand(B, 1, T, start + T), x.dtype, groups)
+            masks = {w: m if m is None else cuda_attention_bias(m.expand(B, 1, T, m.shape[-1]), x.dtype, groups)
                      for w, m in masks.items()}
         ropes = self._rope(positions, x.dtype)
         for i, block in enumerate(self.layers):

@@ -92,6 +92,16 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
+def kv_state_bytes(cfg: ModelConfig, rows: int, full: int, dtype_bytes: int, rings: bool = True) -> int:
+    """Keys and values of `rows` rows of a decode cache whose full layers hold `full` slots a row: each layer's
+    entries as the cache allocates them (rollout/static_cache.py layer_slots: a sliding layer at most its window +
+    CHUNK; rings=False: every layer `full`, a cache without rings)."""
+    from ..rollout.static_cache import layer_slots
+
+    widths = layer_slots(cfg, full) if rings else [full] * cfg.num_hidden_layers
+    return rows * sum(widths) * (kv_bytes_per_token(cfg, dtype_bytes) // cfg.num_hidden_layers)
+
+
 def state_shape(calls: list[DecodeCall]) -> StateShape:
     """The union static_decoder keeps: bucket_for of the most rows, the most slots rounded up, the most uniforms."""
     from ..rollout.static_cache import bucket_for
@@ -112,7 +122,7 @@ def state_bytes(cfg: ModelConfig, shape: StateShape, dtype_bytes: int, sample_by
 
     B, S1, U, V = shape.rows, shape.slots + 1, shape.columns, cfg.vocab_size
     return {
-        "kv cache": B * S1 * kv_bytes_per_token(cfg, dtype_bytes),
+        "kv cache": kv_state_bytes(cfg, B, S1, dtype_bytes),
         "key mask": B * S1,  # bool
         "step buffers": 4 * B * 8,  # ids, positions [B, 1] and write, col [B]: int64
         "uniforms": B * U * uniform_bytes,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config.training import LORA_TARGETS as ALL_LINEAR
 from ..model.config import ModelConfig
-from .decode_state import DecodeCall, DecodePlan, decode_plan, kv_bytes_per_token, sampler_step_bytes
+from .decode_state import DecodeCall, DecodePlan, decode_plan, kv_state_bytes, sampler_step_bytes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -349,18 +349,11 @@ def backward_working_set(cfg: ModelConfig, k: PlanInput, tokens: int, recompute:
     return {"backward working set (block recompute)": blocks}
 
 
-def kv_cache_bytes(cfg: ModelConfig, k: PlanInput, sliding: bool = False) -> float:
-    """The rollout rows' keys and values, every slot of every layer (the decode caches hold them all; sliding=True:
-    what a cache holding at most `window` slots in each sliding layer would, kv_slots)."""
-    slots = k.prompt_len + k.completion_len
-    every_slot = rollout_rows(k) * slots * kv_bytes_per_token(cfg, DTYPE_BYTES[k.precision])
-    return every_slot * kv_slots(cfg, slots, sliding) / (slots * cfg.num_hidden_layers)
-
-
-def kv_slots(cfg: ModelConfig, slots: int, sliding: bool = True) -> int:
-    """A row's cached slots summed over the layers: `slots` in each, or (sliding) at most the window in a sliding
-    layer, all a query there can see."""
-    return sum(min(slots, cfg.window(i) or slots) if sliding else slots for i in range(cfg.num_hidden_layers))
+def kv_cache_bytes(cfg: ModelConfig, k: PlanInput, full: bool = False) -> int:
+    """The rollout rows' keys and values at prompt + completion slots, as the decode cache holds them (a sliding
+    layer at most its window + CHUNK: kv_state_bytes; full=True: every slot of every layer)."""
+    return kv_state_bytes(cfg, rollout_rows(k), k.prompt_len + k.completion_len, DTYPE_BYTES[k.precision],
+                          rings=not full)
 
 
 def decode_calls(k: PlanInput) -> list[DecodeCall]:

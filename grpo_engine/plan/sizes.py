@@ -1,6 +1,6 @@
 """The size check of `grpo train` and `grpo check` (`check_sizes`): a config whose planned peak exceeds the device's
 memory (the CUDA card's, or physical RAM on a CPU: swap left out) is refused in one line, before the run lock and any
-weights, in the precision the run resolved, with the planner's own formulas (rows_in_flight, kv_bytes_per_token).
+weights, in the precision the run resolved, with the planner's own formulas (rows_in_flight, kv_state_bytes).
 
 Integers first: `rollout.group_size=10^12` met the out-of-memory killer with the run lock held, and
 `rollout.prompts_per_step=10^9` a MemoryError in the prompt stream. What scales with the size settings (the rows
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, ConfigError
 from ..model.config import ModelConfig
-from .decode_state import kv_bytes_per_token
+from .decode_state import kv_state_bytes
 from .from_config import in_flight, plan_config, precision_choice, shape_or_none, shown
 from .memory import DTYPE_BYTES, GIB
 from .precision import planned_card_native_bf16
@@ -91,9 +91,9 @@ def scaled_terms(cfg: Config, eval_rows: int, model: ModelConfig | None, precisi
     decoded, probed = in_flight(cfg, r.prompts_per_step, r.group_size, slots), in_flight(cfg, eval_rows, 1, probe_slots)
     rollout = probe = 0
     if model is not None:
-        per_slot = kv_bytes_per_token(model, DTYPE_BYTES[precision])
-        rollout = decoded * (slots * per_slot + model.vocab_size * LOGIT_BYTES)
-        probe = probed * (probe_slots * per_slot + model.vocab_size * LOGIT_BYTES)
+        kv = DTYPE_BYTES[precision]
+        rollout = kv_state_bytes(model, decoded, slots, kv) + decoded * model.vocab_size * LOGIT_BYTES
+        probe = kv_state_bytes(model, probed, probe_slots, kv) + probed * model.vocab_size * LOGIT_BYTES
     return [Term("the rollout's KV cache", rollout_settings(cfg), rollout),
             Term("the step's padded batch", rollout_settings(cfg), rows * slots * BATCH_BYTES_PER_TOKEN),
             Term(f"the held-out probe ({eval_rows} prompts)", probe_settings(cfg), probe)]

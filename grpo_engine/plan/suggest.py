@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .decode_state import holds
+from .decode_state import holds, kv_state_bytes
 from .memory import (
+    DTYPE_BYTES,
     GIB,
     MemoryPlan,
     PlanInput,
@@ -111,17 +112,25 @@ def suggest(plan: MemoryPlan, card_gib: float, max_steps: int = 6) -> list[str]:
 
 
 def window_lines(plan: MemoryPlan) -> list[str]:
-    """A windowed model's KV: the sliding layers, and what a cache keeping only the window in them would hold
-    against the full cache the decode cache keeps."""
-    cfg, k = plan.model, plan.knobs
+    """A windowed model's KV: the sliding layers, what the decode cache keeps of them (the kept static state's, else
+    the rollout's cache) and what a full cache would hold."""
+    cfg, k, d = plan.model, plan.knobs, plan.decode
     if not cfg.windowed:
         return []
+    from ..rollout.static_cache import CHUNK
+
     sliding = sum(cfg.window(i) is not None for i in range(cfg.num_hidden_layers))
-    full, windowed = kv_cache_bytes(cfg, k), kv_cache_bytes(cfg, k, sliding=True)
-    return [f"  sliding window: {sliding} of {cfg.num_hidden_layers} layers see the last {cfg.sliding_window} "
-            f"positions; the rollout's KV cache holds every slot, {full / GIB:.2f} GiB; a sliding cache (at most "
-            f"{cfg.sliding_window} slots in those layers) would hold {windowed / GIB:.2f} GiB, "
-            f"{(full - windowed) / GIB:.2f} GiB less (not implemented: the decode cache holds every slot)"]
+    if d is not None:
+        kept, full = (kv_state_bytes(cfg, d.shape.rows, d.shape.slots + 1, DTYPE_BYTES[k.precision], rings)
+                      for rings in (True, False))
+    else:
+        kept, full = kv_cache_bytes(cfg, k), kv_cache_bytes(cfg, k, full=True)
+    head = f"  sliding window: {sliding} of {cfg.num_hidden_layers} layers see the last {cfg.sliding_window} positions"
+    if kept == full:
+        return [f"{head}, more than a row's slots: the rollout's KV cache holds every slot, {full / GIB:.2f} GiB"]
+    return [f"{head} and keep at most {cfg.sliding_window + CHUNK} slots a row (the window + {CHUNK}); the rollout's "
+            f"KV cache holds {kept / GIB:.2f} GiB, a full cache would hold {full / GIB:.2f} GiB: "
+            f"{(full - kept) / GIB:.2f} GiB less"]
 
 
 def decode_lines(plan: MemoryPlan) -> list[str]:

@@ -33,9 +33,19 @@ step (at 512 prompt + 512 new slots about a third fewer). Slot W is past every s
 can be the scratch: a later, wider window finds it masked until its row writes it (its stale values are finite).
 One graph per (bucket, window).
 
-Per-layer storage: k and v are lists with one tensor per layer, each of its own width (`layer_slots`). Every layer
-holds all S + 1 slots today; a sliding-window layer of a later model family can hold fewer (its views then map a
-slot to its place in the layer's own buffer) without the other layers or the state's callers changing.
+Per-layer storage (`layer_slots`): k and v are lists with one tensor per layer, each of its own width. A full layer
+holds all S + 1 slots. A sliding layer keeps a ring of R = window + CHUNK entries instead when that is narrower,
+indexed by position, not slot: a row's token at position q lives at entry q mod R (positions count a row's real
+tokens, so its last R positions fill the ring whatever its padding and holes). Attention does not care about the
+keys' order once RoPE is applied, so the layer attends over its ring under a mask by position (`ring_mask`): entry i
+holds the newest position q_i of the row that is i mod R, seen by a query at p when p - window < q_i. Why CHUNK
+entries beyond the window: a row can go on from a position after a chunk wrote up to CHUNK positions past it (a
+multi-turn row set back to its turn's end, static_turns.py; a graph's capture check replaying the chunk its warm-up
+ran, static_decode.py), and those writes overwrite only entries older than the window (R = window + CHUNK - 1 is
+the least that holds: tests/rollout/test_sliding_cache.py fails at one less).
+A forward of one token (a decode step) writes its ring entry first and attends over the ring; a forward of more
+(the prefill, environment feeds) attends over the ring as it was and its own new keys, then writes the newest R of
+them. The model asks a cache with rings for those layers' masks (`ring_masks`, model/transformer.py KVCacheLike).
 """
 
 from __future__ import annotations
@@ -55,6 +65,57 @@ def window_for(frontier: int, slots: int) -> int:
     return min(slots, -(-(frontier + CHUNK) // WINDOW_ROUNDING) * WINDOW_ROUNDING)
 
 
+def layer_slots(cfg: ModelConfig, full: int) -> list[int]:
+    """Each layer's entries per row in a cache whose full layers hold `full` (the state's S + 1; the planner's
+    slots): a sliding layer min(full, window + CHUNK) (the module docstring's rings), the one count the state
+    allocates and the planner counts (plan/decode_state.py kv_state_bytes)."""
+    windows = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+    return [full if w is None else min(full, w + CHUNK) for w in windows]
+
+
+def ring_mask(positions: torch.Tensor, held: torch.Tensor, ring: int, window: int) -> torch.Tensor:
+    """The mask of a sliding layer's ring of `ring` entries: positions [m, T] are the queries', held [m, 1] the
+    count of each row's positions the ring holds (the newest `ring` of those before `held`) -> bool [m, 1, T, ring].
+    Entry i holds q_i = the newest such position that is i mod ring (q_i < 0: none yet), which the query at p sees
+    when p - window < q_i."""
+    last = held - 1  # [m, 1]
+    q = last - (last - torch.arange(ring, device=held.device)).remainder(ring)  # [m, ring]
+    return ((q >= 0)[:, None] & (positions[:, :, None] - q[:, None] < window))[:, None]
+
+
+def ring_write(ring: torch.Tensor, index: torch.Tensor, new: torch.Tensor, held: torch.Tensor,
+               last: torch.Tensor) -> torch.Tensor:
+    """A forward's T new keys (or values) of rows `index` [m] into their rings and what the rows attend to.
+
+    ring [B, H_kv, R, D]; new [m, H_kv, T, D], left-padded: a row's real ones are its last, at positions held ..
+    last ([m, 1] each; none when last < held) -> [m, H_kv, R + T, D]: the rows' entries as they were (ring_mask
+    with `held`), then the new ones. Entry i takes the newest new position that is i mod R, if any (column
+    T - 1 - (last - q))."""
+    R, T = ring.shape[2], new.shape[2]
+    before = ring.index_select(0, index)  # [m, H_kv, R, D]
+    q = last - (last - torch.arange(R, device=ring.device)).remainder(R)  # [m, R]: the newest position at entry i
+    column = (T - 1 - (last - q)).clamp(0, T - 1)  # [m, R]
+    taken = new.gather(2, column[:, None, :, None].expand(*before.shape))  # [m, H_kv, R, D]
+    ring[index] = torch.where((q >= held)[:, None, :, None], taken, before)
+    return torch.cat([before, new], dim=2)
+
+
+def fresh_ring_masks(state: StaticDecodeState, positions: torch.Tensor, masks: dict):
+    """For a forward of T tokens (the prefill, a feed; positions [m, T]) -> (each ring's mask over what ring_write
+    returns: the ring as it was, then the new keys under the window's own slot mask; `held` [m, 1]: each row's
+    positions before this forward, the valid slots its last query sees before the forward's own; `last` [m, 1]: the
+    position of its last token, a real one, or a pad at held - 1 when it feeds nothing). ({}, None, None) without
+    rings."""
+    if not state.rings:
+        return {}, None, None
+    T, slot_mask = positions.shape[1], masks[None]
+    assert slot_mask is not None and slot_mask.dim() == 4, "a forward on the rings passes its attention_mask"
+    held = slot_mask[:, 0, -1, : slot_mask.shape[-1] - T].sum(-1, keepdim=True)  # [m, 1]
+    out = {w: torch.cat([ring_mask(positions, held, R, w), masks[w][..., -T:].expand(-1, -1, T, T)], dim=-1)
+           for w, R in state.rings.items()}
+    return out, held, positions[:, -1:]
+
+
 def bucket_for(rows: int) -> int:
     """The batch size a step runs at for `rows` live rows: the next power of two up to 512, then multiples of 512
     (each bucket is one captured graph; a finished row stays in its bucket until the live rows fit a smaller one)."""
@@ -69,9 +130,20 @@ class PromptCache:
 
     def __init__(self, state: StaticDecodeState, rows: int, start: int):
         self.state, self.rows, self.start = state, rows, start
+        self.index = torch.arange(rows, device=state.device)  # [rows]
+        self.held = self.last = None  # [rows, 1] each: set by ring_masks (a state with rings)
+
+    def ring_masks(self, positions: torch.Tensor, masks: dict) -> dict:
+        """The masks of the sliding layers kept in rings (module docstring), before the forward's layers run."""
+        out, self.held, self.last = fresh_ring_masks(self.state, positions, masks)
+        return out
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [rows, H_kv, T, D] -> slots [0, start + T) of the rows, [rows, H_kv, start + T, D]."""
+        """k, v [rows, H_kv, T, D] -> slots [0, start + T) of the rows, [rows, H_kv, start + T, D] (a ring layer:
+        ring_write's [rows, H_kv, R + T, D])."""
+        if self.state.ring_of[layer] is not None:
+            return tuple(ring_write(buf, self.index, new, self.held, self.last)
+                         for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)))
         end = self.start + k.shape[2]
         out = []
         for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)):
@@ -87,9 +159,19 @@ class FeedCache:
 
     def __init__(self, state: StaticDecodeState, index: torch.Tensor, window: int, where: torch.Tensor):
         self.state, self.index, self.start, self.where = state, index, window, where
+        self.held = self.last = None  # [m, 1] each: set by ring_masks (a state with rings)
+
+    def ring_masks(self, positions: torch.Tensor, masks: dict) -> dict:
+        """The masks of the sliding layers kept in rings (module docstring), before the forward's layers run."""
+        out, self.held, self.last = fresh_ring_masks(self.state, positions, masks)
+        return out
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [m, H_kv, T, D] -> [m, H_kv, W + T, D]: the rows' slots [0, W), then the new ones."""
+        """k, v [m, H_kv, T, D] -> [m, H_kv, W + T, D]: the rows' slots [0, W), then the new ones (a ring layer:
+        ring_write's [m, H_kv, R + T, D])."""
+        if self.state.ring_of[layer] is not None:
+            return tuple(ring_write(buf, self.index, new, self.held, self.last)
+                         for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)))
         out = []
         for buf, new in ((self.state.k[layer], k), (self.state.v[layer], v)):
             out.append(torch.cat([buf[:, :, : self.start].index_select(0, self.index), new], dim=2))
@@ -100,12 +182,14 @@ class FeedCache:
 class BucketCache:
     """The KVCacheLike (model/transformer.py) of the first b rows over a window of W + 1 slots: the model writes each
     row's new key/value at the row's own slot `write[r]` and at the scratch slot W, and attends over slots [0, W]
-    under the key mask."""
+    under the key mask; a ring layer writes it at entry position mod R and attends over its ring (ring_masks)."""
 
     def __init__(self, state: StaticDecodeState, b: int, window: int):
-        self.k = [t[:b, :, : window + 1] for t in state.k]  # [b, H_kv, W + 1, D] views
-        self.v = [t[:b, :, : window + 1] for t in state.v]
-        self.write, self.scratch = state.write[:b], window
+        self.ring_of, self.rings = state.ring_of, state.rings
+        # views: [b, H_kv, W + 1, D] of a full layer, its whole ring [b, H_kv, R, D] of a sliding one
+        self.k = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.k, self.ring_of)]
+        self.v = [t[:b] if r else t[:b, :, : window + 1] for t, r in zip(state.v, self.ring_of)]
+        self.write, self.scratch, self.positions = state.write[:b], window, state.positions[:b, 0]
         self.rows = torch.arange(b, device=state.device)  # [b]: with `write`, each row's (row, slot) to write
 
     @property
@@ -116,8 +200,19 @@ class BucketCache:
     def start(self, value: int) -> None:
         pass  # the model advances `start` after a forward; here each row's length is in `write`
 
+    def ring_masks(self, positions: torch.Tensor, masks: dict) -> dict:
+        """The masks of the ring layers: each row's query at p sees its ring once entry p mod R holds p (update)."""
+        return {w: ring_mask(positions, positions + 1, R, w) for w, R in self.rings.items()}
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [b, H_kv, 1, D] -> the window's slots [b, H_kv, W + 1, D], the new key/value at write[r] and at W."""
+        """k, v [b, H_kv, 1, D] -> the window's slots [b, H_kv, W + 1, D], the new key/value at write[r] and at W
+        (a ring layer: the ring [b, H_kv, R, D], the new key/value at entry position mod R)."""
+        ring = self.ring_of[layer]
+        if ring is not None:
+            at = self.positions % ring  # [b]
+            for buf, new in ((self.k[layer], k), (self.v[layer], v)):
+                buf[self.rows, :, at] = new[:, :, 0]
+            return self.k[layer], self.v[layer]
         for buf, new in ((self.k[layer], k), (self.v[layer], v)):
             buf[self.rows, :, self.write] = new[:, :, 0]  # [b, H_kv, D]: a scatter_ into this strided view would
             buf[:, :, self.scratch :] = new  # copy the whole layer's buffer on the CPU, every step
@@ -132,9 +227,11 @@ class StaticDecodeState:
     def __init__(self, cfg: ModelConfig, rows: int, slots: int, columns: int, dtype: torch.dtype,
                  sample_dtype: torch.dtype, device: torch.device):
         assert cfg.vocab_size < 2**24, "token ids travel to the host as floats in `hist`"
-        self.layer_slots = [slots + 1] * cfg.num_hidden_layers  # each layer's own width (module docstring)
+        self.layer_slots = layer_slots(cfg, slots + 1)  # each layer's own width (module docstring)
+        self.ring_of = [n if n < slots + 1 else None for n in self.layer_slots]  # layer -> its ring's R (None: full)
+        self.rings = {cfg.window(i): n for i, n in enumerate(self.ring_of) if n is not None}  # window -> its R
         shapes = [(rows, cfg.num_key_value_heads, n, cfg.head_dim) for n in self.layer_slots]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]  # [B, H_kv, S + 1, D] a layer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]  # [B, H_kv, S + 1 or R, D]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.rows, self.slots, self.columns, self.dtype, self.device = rows, slots, columns, dtype, device
         self.key_mask = torch.zeros(rows, slots + 1, dtype=torch.bool, device=device)
@@ -171,7 +268,8 @@ class StaticDecodeState:
         return PromptCache(self, rows, start)
 
     def share_prefix(self, rows: int, length: int) -> None:
-        """Slots [0, length) of row 0 (a prefix every prompt shares, prefilled once) copied to rows 1..rows-1."""
+        """Slots [0, length) of row 0 (a prefix every prompt shares, prefilled once) copied to rows 1..rows-1 (a
+        ring's entries [0, length) too: the prefix's positions, its last R when longer, lie there)."""
         for t in (*self.k, *self.v):
             t[1:rows, :, :length] = t[:1, :, :length]
 
@@ -182,8 +280,8 @@ class StaticDecodeState:
         (P, L), R = prompt_mask.shape, len(share)
         index = torch.tensor(share, dtype=torch.long, device=self.device)  # [R]
         if share != list(range(P)):  # rows other than one a prompt, in order: copy each prompt to its rows
-            for t in (*self.k, *self.v):
-                t[:R, :, :L] = t[:P, :, :L].index_select(0, index)  # [R, H_kv, L, D]
+            for t in (*self.k, *self.v):  # a ring's entries [0, L) hold positions 0 .. L - 1, all a prompt has
+                t[:R, :, :L] = t[:P, :, :L].index_select(0, index)  # [R, H_kv, L, D] (at most R entries)
         self.key_mask.zero_()
         self.key_mask[:R, :L] = prompt_mask.index_select(0, index)
         self.key_mask[:, self.slots] = True

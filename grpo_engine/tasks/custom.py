@@ -188,8 +188,9 @@ class CustomTask(ChatTask):
         super().__init__(options)
         self._equal = VERIFIERS[options.verifier]()
         self._reward_fn = import_reward_fn(options.reward_fn) if options.reward_fn else None
-        self._weighted = [(item["fn"], import_reward_fn(item["fn"], "task.options.reward_fns"), item["weight"])
-                          for item in options.reward_fns or ()]
+        specs = options.reward_fns or ()
+        self._weighted = [(name, import_reward_fn(item["fn"], "task.options.reward_fns"), item["weight"])
+                          for name, item in zip(component_names([item["fn"] for item in specs]), specs)]
         self.places: dict[str, str] = {}  # example id -> "FILE: line N" (load_custom)
 
     def _load(self, split: str) -> list[Example]:
@@ -254,12 +255,23 @@ def _checked(value: object, spec: str | None) -> RewardResult:
     raise ValueError(f"reward_fn {spec} returned {value!r}; return a finite float or a RewardResult")
 
 
+def component_names(specs: list[str]) -> list[str]:
+    """The metric name of each reward of a list ("module:function"), unique and fixed by the list alone: the
+    function's name ("score"); where two share it, each qualified by its module's last part ("a.score", "b.score");
+    where that still repeats (one function listed twice), numbered by its place in the list ("a.score#2"). The
+    Python API's mark of a function no process imports ("#object", "#2") is not part of the name."""
+    short = [str(spec).rpartition(":")[2].partition("#")[0] for spec in specs]
+    names = [name if short.count(name) == 1 else f"{str(spec).partition(':')[0].rpartition('.')[2]}.{name}"
+             for spec, name in zip(specs, short)]
+    return [name if names.count(name) == 1 else f"{name}#{i + 1}" for i, name in enumerate(names)]
+
+
 def weighted_sum(parts: list[tuple[str, RewardResult, float]]) -> RewardResult:
     """Several rewards' results (name, result, weight) as one: the total their weighted sum, each one's total a
-    component under its name (the plots and metrics show them apart), and correctness, the answer found and the
-    format from the first that reports them (a RewardResult with "answer" / "format" components)."""
+    component under its name (component_names: the plots and metrics show them apart), and correctness, the answer
+    found and the format from the first that reports them (a RewardResult with "answer" / "format" components)."""
     total = sum(weight * result.total for _, result, weight in parts)
-    components = {name.rpartition(":")[2]: result.total for name, result, _ in parts}
+    components = {name: result.total for name, result, _ in parts}
     for key in ("answer", "format"):
         found = next((r.components[key] for _, r, _ in parts if key in r.components), None)
         if found is not None:

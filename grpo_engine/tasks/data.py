@@ -125,12 +125,16 @@ def _lines(p: Path, limits: Limits):
             while line := f.readline(most + 1):
                 line_no += 1
                 if len(line) > most and not line.endswith("\n"):
-                    raise DataError(f"{p}: line {line_no} is longer than {limits.line_kib:,} KiB (the limit, "
-                                    f"{LINE_OPTION}); shorten the row, or raise {LINE_OPTION} if it is meant to be "
-                                    f"this long")
+                    raise line_too_long(f"{p}: line {line_no}", limits)
                 yield line_no, line
         except UnicodeDecodeError:
             raise DataError(f"{p}: {_not_utf8_at(p, limits)}") from None
+
+
+def line_too_long(where: str, limits: Limits) -> DataError:
+    """The error for a row over the per-line budget; `where` names the row ("FILE: line 4", "train_data[3]")."""
+    return DataError(f"{where} is longer than {limits.line_kib:,} KiB (the limit, {LINE_OPTION}); shorten the row, "
+                     f"or raise {LINE_OPTION} if it is meant to be this long")
 
 
 def _not_utf8_at(p: Path, limits: Limits) -> str:
@@ -156,7 +160,7 @@ def _read_jsonl(p: Path, limits: Limits = Limits()) -> Records:
         if not isinstance(row, dict):
             raise DataError(f"{p}: line {line_no} is a {type(row).__name__}, expected a JSON object")
         if "\\u" in line:  # only a \\u escape makes a lone surrogate
-            _check_text(row, f"{p}: line {line_no}")
+            check_text(row, f"{p}: line {line_no}")
         rows.append(row)
         lines.append(line_no)
     return Records(rows, lines)
@@ -215,9 +219,10 @@ def _parse(text: str, source: Path, line_no: int | None = None):
     raise DataError(f"{source}: line {line_no} {problem}" if line_no else f"{source} {problem}")
 
 
-def _check_text(row: Record, where: str) -> None:
+def check_text(row: Record, where: str) -> None:
     """Refuse a row whose text is not Unicode text: a lone surrogate ("\\ud800" in JSON) parses, then every
-    tokenizer rejects it (a TypeError deep inside the rollout). Only rows with a \\u escape can hold one."""
+    tokenizer rejects it (a TypeError deep inside the rollout). Of a file, only rows with a \\u escape can hold one;
+    rows given in Python may hold one anywhere. `where` names the row ("FILE: line 4", "train_data[3]")."""
     for name, value in row.items():
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
@@ -244,7 +249,7 @@ def _read_json(p: Path, limits: Limits = Limits()) -> list[Record]:
         if not isinstance(r, dict):
             raise DataError(f"{p}: {place(data, i)} of the JSON list is a {type(r).__name__}, expected an object")
         if escapes:
-            _check_text(r, f"{p}: {place(data, i)}")
+            check_text(r, f"{p}: {place(data, i)}")
     return data
 
 
@@ -314,27 +319,32 @@ def split_source(data_path: str | Path, split: str) -> Path:
 
 
 def require_fields(rows: Sequence[Record], fields: Sequence[str], source: str | Path) -> None:
-    """Raise DataError naming the file, the record (place()) and the field when a record lacks a field, holds null
-    or empty text (a row that can never score), or more text than a chat template renders (a row that can never be
-    sampled: found here, in the pass that reads the file, not at the step that first draws it). The error says what
-    was expected and how many fields the record has, never their names: a CSV header is the first line of whatever
-    file data_path names, which may be a file the user does not mean to print (`/etc/shadow` through a link)."""
+    """check_fields for each record, named by the file and its place() in it."""
     for i, row in enumerate(rows):
-        for name in fields:
-            value = row.get(name)
-            if name in row and value is None:
-                raise DataError(f"{source}: {place(rows, i)} has no field {name!r}: it is null; every record needs "
-                                f"a value for each of {list(fields)}")
-            if isinstance(value, str) and not value.strip():
-                raise DataError(f"{source}: {place(rows, i)} field {name!r} is empty: a row without it can never "
-                                f"score; every record needs a value for each of {list(fields)}")
-            if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
-                raise DataError(f"{source}: {place(rows, i)} field {name!r} holds {len(value):,} characters, more "
-                                f"than a chat template renders ({MAX_FIELD_CHARS:,}): the row can never be sampled; "
-                                f"shorten it")
-            if name not in row:
-                raise DataError(f"{source}: {place(rows, i)} has no field {name!r} (it has {len(row)} field"
-                                f"{'' if len(row) == 1 else 's'}); every record needs {list(fields)}")
+        check_fields(row, fields, f"{source}: {place(rows, i)}")
+
+
+def check_fields(row: Record, fields: Sequence[str], where: str) -> None:
+    """Raise DataError naming the row (`where`: "FILE: line 4", "train_data[3]") and the field when the row lacks a
+    field, holds null or empty text (a row that can never score), or more text than a chat template renders (a row
+    that can never be sampled: found here, in the pass that reads the rows, not at the step that first draws it).
+    The error says what was expected and how many fields the row has, never their names: a CSV header is the first
+    line of whatever file data_path names, which may be a file the user does not mean to print (`/etc/shadow`
+    through a link)."""
+    for name in fields:
+        value = row.get(name)
+        if name in row and value is None:
+            raise DataError(f"{where} has no field {name!r}: it is null; every record needs a value for each of "
+                            f"{list(fields)}")
+        if isinstance(value, str) and not value.strip():
+            raise DataError(f"{where} field {name!r} is empty: a row without it can never score; every record needs "
+                            f"a value for each of {list(fields)}")
+        if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+            raise DataError(f"{where} field {name!r} holds {len(value):,} characters, more than a chat template "
+                            f"renders ({MAX_FIELD_CHARS:,}): the row can never be sampled; shorten it")
+        if name not in row:
+            raise DataError(f"{where} has no field {name!r} (it has {len(row)} field{'' if len(row) == 1 else 's'}); "
+                            f"every record needs {list(fields)}")
 
 
 def field_error(

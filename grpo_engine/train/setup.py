@@ -44,6 +44,7 @@ from ..collect.signal_check import (
     grow_groups,
 )
 from ..config import Config, ConfigError, check_paths
+from ..config.trust import unmarked
 from ..kernels import PLAN_FILE
 from ..model.loading import load_tokenizer, pick_device
 from ..monitor import Monitor, RankMessages
@@ -238,9 +239,10 @@ def make_monitor(cfg: Config, world: World, done: int):
     """Rank 0 writes metrics, samples and the console; the other ranks only print their messages."""
     if not world.is_main:
         return RankMessages(world.rank)
+    settings = OmegaConf.to_container(OmegaConf.structured(unmarked(cfg)))  # a stored config's marks: plain text
     return Monitor(cfg.run_dir, total_steps=cfg.schedule.steps, start_step=done, progress=cfg.logging.progress,
                    tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                   wandb_project=cfg.logging.wandb_project, config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+                   wandb_project=cfg.logging.wandb_project, config=settings)
 
 
 def seed_everything(seed: int) -> None:

@@ -3,15 +3,18 @@ datasets.Dataset; the reward as a function, a weighted list or a verifier name; 
 overrides) gives the same rewards, lengths and gradient norms as the equivalent YAML + CLI run on the same seed."""
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 
 from grpo_engine import GRPO
+from grpo_engine.api.trainer import run_dir_config
 from grpo_engine.cli import main
 from grpo_engine.config import ConfigError
-from grpo_engine.tasks.data import DataError
+from grpo_engine.config.trust import StoredCode
+from grpo_engine.tasks.data import MAX_FIELD_CHARS, DataError
+from grpo_engine.train.setup import task_of
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -140,6 +143,10 @@ def test_a_python_run_resumes_from_the_cli_with_allow_code(tmp_path, tiny_ckpt, 
     trainer = GRPO(tiny_ckpt, reward=[api_rewards.even_bytes, (api_rewards.length, 0.5)], train_data=ROWS,
                    config=base_config(), run_dir=str(run_dir), checkpoint__every=1)
     assert trainer.train(steps=1).last_step == 1
+    stored = run_dir_config(run_dir)  # marked as every stored config is: each item of the weighted list is code
+    assert [type(item["fn"]) for item in stored.task.options["reward_fns"]] == [StoredCode, StoredCode]
+    with pytest.raises(ConfigError, match="pass --allow-code api_rewards:even_bytes"):
+        task_of(stored)
     assert main(["train", str(run_dir), "--resume", "--allow-code", "api_rewards:even_bytes"]) == 2
     assert "pass --allow-code api_rewards:length" in capsys.readouterr().err
     assert main(["train", str(run_dir), "--resume", "--allow-code", "api_rewards:even_bytes",
@@ -167,13 +174,28 @@ def test_a_notebook_function_resumes_from_python_only(tmp_path, tiny_ckpt, capsy
     ([{"prompt": "a", "answer": "1"}, {"prompt": "b"}], r"train_data\[1\] has no field 'answer'"),
     ([{"prompt": "a", "answer": "1"}, "b"], r"train_data\[1\] is a str"),
     ([{"prompt": "a", "answer": {1, 2}}], r"train_data\[0\]: .*JSON data"),
-    ([{"prompt": "\ud800", "answer": "1"}], r"train_data\[0\] holds a lone surrogate"),
-    ([{"prompt": "a", "answer": "1"}, {"prompt": "x" * 2048, "answer": "1"}], r"train_data\[1\] is longer than 1 KiB"),
+    ([{"prompt": "\ud800", "answer": "1"}], r"train_data\[0\]: field 'prompt' holds a lone surrogate"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "x" * 2048, "answer": "1"}],
+     r"train_data\[1\] is longer than 1 KiB \(the limit, task.options.max_data_line_kib\)"),
     ([], "train_data has no rows"),
+    ([{"prompt": "a", "answer": None}], r"train_data\[0\] has no field 'answer': it is null"),
+    ([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": " "}], r"train_data\[1\] field 'answer' is empty"),
 ])
 def test_bad_rows_are_one_line_naming_the_row(tmp_path, tiny_ckpt, rows, message):
     with pytest.raises(DataError, match=message):
         GRPO(tiny_ckpt, reward="exact", train_data=rows, run_dir=str(tmp_path), task__options__max_data_line_kib=1)
+
+
+def test_rows_get_a_files_field_checks_from_a_list_or_a_dataset(tmp_path, tiny_ckpt):
+    """The checks of a data file's rows (tasks/data.py check_fields), the row named by its index: a prompt longer than
+    a chat template renders is refused when the object is made, under a line budget that lets it through."""
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "x" * (MAX_FIELD_CHARS + 1), "answer": "1"}]
+    with pytest.raises(DataError, match=rf"train_data\[1\] field 'prompt' holds {MAX_FIELD_CHARS + 1:,} characters"):
+        GRPO(tiny_ckpt, reward="exact", train_data=rows, run_dir=str(tmp_path), task__options__max_data_line_kib=4096)
+    datasets = pytest.importorskip("datasets")
+    empty = datasets.Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}])
+    with pytest.raises(DataError, match=r"test_data\[1\] field 'prompt' is empty"):
+        GRPO(tiny_ckpt, reward="exact", train_data=ROWS, test_data=empty, run_dir=str(tmp_path))
 
 
 def test_overrides_are_validated_as_the_clis(tmp_path, tiny_ckpt):
@@ -188,6 +210,40 @@ def test_overrides_are_validated_as_the_clis(tmp_path, tiny_ckpt):
     options = GRPO(tiny_ckpt, reward="m:f", train_data=ROWS, task__options__reward_fns=["m:g"]).config.task.options
     assert options["reward_fn"] == "m:f" and options["reward_fns"] is None  # the argument replaces the config's
     assert GRPO(tiny_ckpt, **{"rollout.group_size": 6}, rollout__top_k=3).config.rollout.group_size == 6
+
+
+def test_a_weight_is_checked_as_reward_fns_weights_are(tiny_ckpt):
+    """One check of a weight (tasks/custom.py weighted_specs), the same message as the YAML's."""
+    import api_rewards
+
+    with pytest.raises(ConfigError, match=r"reward_fns\[1\] weight=nan must be a finite number"):
+        GRPO(tiny_ckpt, reward=[api_rewards.even_bytes, (api_rewards.length, float("nan"))], train_data=ROWS)
+
+
+def test_the_rows_budgets_are_the_task_options_limits(tiny_ckpt):
+    """ChatTaskOptions.limits, its options range-checked: 0 KiB is a config error, not a budget no row fits."""
+    with pytest.raises(ConfigError, match=r"max_data_line_kib=0 must be an integer >= 1"):
+        GRPO(tiny_ckpt, reward="exact", train_data=ROWS, task__options__max_data_line_kib=0)
+
+
+def test_any_path_like_value_is_text_in_a_config_dict_as_in_an_override(tmp_path, tiny_ckpt):
+    for config, overrides in (({"run_dir": PurePosixPath(tmp_path / "a")}, {}),
+                              (None, {"run_dir": PurePosixPath(tmp_path / "a")})):
+        assert GRPO(tiny_ckpt, config=config, **overrides).run_dir == tmp_path / "a"
+
+
+def test_two_rewards_of_one_name_are_two_components(tmp_path, tiny_ckpt):
+    import api_more_rewards
+    import api_rewards
+
+    GRPO(tiny_ckpt, reward=[api_rewards.length, api_more_rewards.length], train_data=ROWS, config=base_config(),
+         run_dir=str(tmp_path), schedule__steps=1).train()
+    (row,) = metrics(tmp_path)
+    means = {name: stats["mean"] for name, stats in row["reward_components"].items()}
+    assert set(means) == {"api_rewards.length", "api_more_rewards.length"}
+    assert means["api_rewards.length"] > 0 and means["api_rewards.length"] == pytest.approx(
+        2 * means["api_more_rewards.length"])  # each its own function's values (len / 10 and len / 20)
+    assert row["reward_mean"] == pytest.approx(1.5 * means["api_rewards.length"])
 
 
 def test_a_model_object_matches_its_path(reference, tmp_path, tiny_ckpt):

@@ -9,8 +9,9 @@ from test_decode_state import LiveBytes
 from grpo_engine.model.config import ModelConfig
 from grpo_engine.plan import MODEL_SHAPES, PlanInput, kv_cache_bytes, param_counts, plan_memory
 from grpo_engine.plan.decode_state import DecodeCall, sampler_step_bytes
-from grpo_engine.plan.memory import kv_slots, logprob_bytes
+from grpo_engine.plan.memory import logprob_bytes
 from grpo_engine.plan.suggest import format_plan
+from grpo_engine.rollout.static_cache import layer_slots
 
 
 @pytest.mark.parametrize("name, params", [("gemma3-270m", 268_098_176), ("gemma3-1b", 999_885_952),
@@ -22,20 +23,25 @@ def test_shapes_count_their_published_parameters(name, params):
 
 def test_sliding_kv_hand_computed():
     """Gemma 3 270M: 18 layers, 15 sliding with a window of 512, one KV head of 256. At 2,304 slots a full cache
-    holds 18 x 2,304 slots per row, a sliding one 15 x 512 + 3 x 2,304; shorter rows than the window save nothing,
-    and Ministral 8B's window of 32,768 saves nothing at any length the plan runs."""
+    holds 18 x 2,304 slots per row, the decode cache 15 x 528 (the window + CHUNK's 16) + 3 x 2,304; shorter rows
+    than that save nothing, and Ministral 8B's window of 32,768 saves nothing at any length the plan runs. The
+    plan's line compares the kept static state's (64 rows x 2,305 slots with the scratch) with a full one's."""
     cfg, k = MODEL_SHAPES["gemma3-270m"], PlanInput(prompts_per_step=8, group_size=8, prompt_len=256,
                                                     completion_len=2048, precision="bf16")
-    assert kv_slots(cfg, 2304, sliding=False) == 18 * 2304 and kv_slots(cfg, 2304) == 15 * 512 + 3 * 2304
-    assert kv_slots(cfg, 400) == 18 * 400
+    assert sum(layer_slots(cfg, 2304)) == 15 * 528 + 3 * 2304 and sum(layer_slots(cfg, 400)) == 18 * 400
     per_slot = 2 * 1 * 256 * 2  # k and v, one KV head of 256, bf16
-    assert kv_cache_bytes(cfg, k) == 64 * 18 * 2304 * per_slot
-    assert kv_cache_bytes(cfg, k, sliding=True) == 64 * (15 * 512 + 3 * 2304) * per_slot
-    text = format_plan(plan_memory(cfg, k))
-    line = next(s for s in text.splitlines() if "sliding window" in s)
-    assert "15 of 18 layers see the last 512 positions" in line and "1.64 GiB less" in line
+    assert kv_cache_bytes(cfg, k, full=True) == 64 * 18 * 2304 * per_slot
+    assert kv_cache_bytes(cfg, k) == 64 * (15 * 528 + 3 * 2304) * per_slot
+    kept, full = 64 * (15 * 528 + 3 * 2305) * per_slot, 64 * 18 * 2305 * per_slot  # 0.91 and 2.53 GiB
+    plan = plan_memory(cfg, k)
+    assert plan.decode.state["kv cache"] == kept
+    line = next(s for s in format_plan(plan).splitlines() if "sliding window" in s)
+    assert "15 of 18 layers see the last 512 positions and keep at most 528 slots a row" in line
+    assert f"holds {kept / 2**30:.2f} GiB, a full cache would hold {full / 2**30:.2f} GiB: 1.63 GiB less" in line
     ministral = MODEL_SHAPES["ministral-8b"]
-    assert kv_cache_bytes(ministral, k, sliding=True) == kv_cache_bytes(ministral, k)
+    assert kv_cache_bytes(ministral, k) == kv_cache_bytes(ministral, k, full=True)
+    assert "holds every slot" in next(s for s in format_plan(plan_memory(ministral, k)).splitlines()
+                                      if "sliding window" in s)
     assert "sliding window" not in format_plan(plan_memory(MODEL_SHAPES["qwen2.5-0.5b"], k))
 
 

@@ -10,7 +10,7 @@ from grpo_engine.config import ConfigError, config_from_yaml_text, load_config, 
 from grpo_engine.config.trust import StoredCode, allowing_code
 from grpo_engine.tasks import make_task, safe_reward
 from grpo_engine.tasks.base import Example
-from grpo_engine.tasks.custom import providing_rewards
+from grpo_engine.tasks.custom import component_names, providing_rewards
 from grpo_engine.train.setup import task_of
 
 HERE = Path(__file__).resolve().parent
@@ -86,3 +86,22 @@ def test_a_function_of_main_is_refused_by_name_and_taken_when_handed_over(rows_f
     with providing_rewards({"__main__:my_reward": lambda example, completion: 0.25}):
         task = make_task("custom", **options)
     assert safe_reward(task, task.examples("train")[0], "x").total == 0.25
+
+
+def test_reward_names_are_unique_and_fixed_by_the_list():
+    """Two functions of one name are qualified by their modules' last part, a name still repeated is numbered by its
+    place; the Python API's `#object` / `#2` marks are no part of a name."""
+    specs = ["pkg.a:score", "b:score", "m:length", "m:f", "n.m:f", "api:fn#object", "api:<lambda>",
+             "api:<lambda>#2"]
+    assert component_names(specs) == ["a.score", "b.score", "length", "m.f#4", "m.f#5", "fn", "api.<lambda>#7",
+                                      "api.<lambda>#8"]
+    assert component_names(["x:f"]) == ["f"]
+
+
+def test_two_rewards_of_one_name_from_a_file_are_two_components(rows_file):
+    """The same names from a YAML list (tasks/custom.py), each with its own value."""
+    task = make_task("custom", data_path=str(rows_file),
+                     reward_fns=["row_rewards:length", {"fn": "row_more_rewards:length", "weight": 2.0}])
+    result = safe_reward(task, task.examples("train")[0], "four")
+    assert result.components == {"row_rewards.length": 4.0, "row_more_rewards.length": 2.0}
+    assert result.total == 4.0 + 2.0 * 2.0
