@@ -33,7 +33,8 @@ print(f"model {MODEL}, {STEPS} steps, recipe {RECIPE}")
 # %% [markdown]
 # ## The data: a list of dicts
 #
-# Each row has a `prompt` and an `answer`; any other column (here `unit`) reaches the reward as `example["unit"]`.
+# Each row has a `prompt` and an `answer`; any other column (here `unit`; `kind` in the files) reaches the reward
+# as `example["unit"]`. With GRPO_EXAMPLE_DATA the rows are the CLI example's files, each JSON line a dict.
 
 # %%
 UNITS = [("kilograms", "grams", 1000), ("meters", "centimeters", 100), ("hours", "minutes", 60),
