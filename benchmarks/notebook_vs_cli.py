@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
         from grpo_engine.config import load_config
 
         args.steps = load_config(str(RECIPE), [f"model.path={args.model}"]).schedule.steps
-    work = args.work or Path(tempfile.mkdtemp(prefix="notebook_vs_cli_"))
+    # absolute: the notebook runs in WORK/notebook, where a relative data folder or model path would not resolve
+    work = (args.work or Path(tempfile.mkdtemp(prefix="notebook_vs_cli_"))).resolve()
+    if Path(args.model).exists():
+        args.model = str(Path(args.model).resolve())
     data = write_task(work / "data")
     cli_dir = args.cli_run or work / "cli"
     cli_seconds = None if args.cli_run else run_cli(args.model, data, args.steps, cli_dir, args.override)

@@ -19,7 +19,8 @@ def test_the_notebook_and_the_cli_on_the_same_files(tmp_path, tiny_ckpt, monkeyp
     monkeypatch.delenv("GRPO_EXAMPLE_DATA", raising=False)
     bench = load_benchmark("notebook_vs_cli")
     out = tmp_path / "result.json"
-    args = ["--model", str(tiny_ckpt), "--steps", "1", "--work", str(tmp_path), "--json", str(out)]
+    monkeypatch.chdir(tmp_path)  # a relative --work: the notebook, run in WORK/notebook, still finds the files
+    args = ["--model", str(tiny_ckpt), "--steps", "1", "--work", "work", "--json", str(out)]
     result = bench.main(args + [arg for o in TINY for arg in ("--override", o)])
     assert json.loads(out.read_text()) == result
     # the whole test file, as configs/own_task.yaml's eval.max_examples: 200 asks, in both runs
@@ -29,9 +30,9 @@ def test_the_notebook_and_the_cli_on_the_same_files(tmp_path, tiny_ckpt, monkeyp
         100 * ((result["notebook"]["after"] - result["notebook"]["before"])
                - (result["cli"]["after"] - result["cli"]["before"])), abs=0.01)
     # the notebook's rows are the files' (its data cell shows the first training row), not its inline ones
-    first = json.loads((tmp_path / "data/conversions_train.jsonl").read_text().splitlines()[0])
+    first = json.loads((tmp_path / "work/data/conversions_train.jsonl").read_text().splitlines()[0])
     nb = nbformat.read(result["notebook"]["executed"], as_version=4)
     shown = [o["data"]["text/plain"] for cell in nb.cells for o in cell.get("outputs", [])
              if "text/plain" in o.get("data", {}) and "'prompt'" in o["data"]["text/plain"]]
     assert shown and first["prompt"] in shown[0] and f"'id': '{first['id']}'" in shown[0]
-    assert json.loads((tmp_path / "cli/metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert json.loads((tmp_path / "work/cli/metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
