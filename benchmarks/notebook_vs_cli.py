@@ -79,6 +79,7 @@ def run_notebook(model: str, data_dir: Path, steps: int, work: Path, overrides: 
     import nbclient
     import nbformat
 
+    saved = dict(os.environ)  # the kernel inherits these; restored after, so no later notebook reads them
     os.environ.update(GRPO_EXAMPLE_MODEL=model, GRPO_EXAMPLE_DATA=str(data_dir), GRPO_EXAMPLE_STEPS=str(steps),
                       PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -91,8 +92,12 @@ def run_notebook(model: str, data_dir: Path, steps: int, work: Path, overrides: 
     nb.cells.append(nbformat.v4.new_code_cell(IN_LOOP_CELL))
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=None, kernel_name="python3",
-                            resources={"metadata": {"path": str(work)}}).execute()
+    try:
+        nbclient.NotebookClient(nb, timeout=None, kernel_name="python3",
+                                resources={"metadata": {"path": str(work)}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     seconds = time.perf_counter() - start
     nbformat.write(nb, work / "own_task.ipynb")  # the executed notebook, its outputs kept
     return seconds, work / "own_task.ipynb"
