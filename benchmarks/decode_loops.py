@@ -288,9 +288,9 @@ def main(argv=None) -> list[dict]:
             for (label, _, _), result in zip(variants, results):
                 rows.append({"shape": shape, "workload": workload,
                              **summary(label, result, results[0] if result is not results[0] else None)})
+            if args.json:  # after each workload: a run stopped later keeps what it measured
+                Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print_table(rows, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return rows
 
 
