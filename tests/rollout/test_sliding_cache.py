@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from echo_env import EchoEnv
 from fake_graphs import FakeGraphs
+from model.families_helpers import hf_dir_maker
 from reference_decode import reference_trajectories
 
 from grpo_engine.model.loading import load_model, load_tokenizer
@@ -47,24 +48,10 @@ NEW = 70  # new tokens: past every ring (at most 25 entries) twice over, and pas
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """name -> a checkpoint directory transformers wrote (random weights, norms away from neutral)."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            model_type, fields = VARIANTS[name]
-            cfg = transformers.AutoConfig.for_model(model_type, **{**BASE, **fields})
-            torch.manual_seed(sorted(VARIANTS).index(name))
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("norm.weight"):
-                        p.add_(0.2 * torch.randn_like(p))
-            made[name] = tmp_path_factory.mktemp(name)
-            model.save_pretrained(made[name])
-        return made[name]
-
-    return make
+    """name -> a checkpoint directory transformers wrote (random weights, norms away from neutral: Gemma's scale
+    by 1 + w)."""
+    return hf_dir_maker(tmp_path_factory, BASE, VARIANTS,
+                        lambda model_type: (0.0 if model_type == "gemma3_text" else 1.0, 0.2))
 
 
 def ring_bound(model) -> list[int]:
